@@ -1,0 +1,7 @@
+"""diphoma_compile: turns a single-device training step into a distributed program."""
+
+from .errors import DiphomaError
+from .mesh import Mesh
+
+__version__ = "0.1.0"
+__all__ = ["DiphomaError", "Mesh", "__version__"]

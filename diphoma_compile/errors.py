@@ -1,0 +1,61 @@
+"""The DiphomaError hierarchy: every user-facing failure says what is wrong and what to do."""
+
+from __future__ import annotations
+
+
+class DiphomaError(Exception):
+    """Base class of every error diphoma_compile raises on purpose."""
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        self.message = message
+        self.hint = hint
+        super().__init__(message if hint is None else f"{message}\n  hint: {hint}")
+
+
+class IRError(DiphomaError):
+    """Something is wrong with an IR graph."""
+
+
+class IRParseError(IRError):
+    """IR text that does not parse; carries the line and column."""
+
+    def __init__(self, message: str, *, line: int, col: int, source_line: str,
+                 hint: str | None = None) -> None:
+        self.line = line
+        self.col = col
+        caret = " " * max(col - 1, 0) + "^"
+        super().__init__(f"line {line}, col {col}: {message}\n  | {source_line}\n  | {caret}",
+                         hint=hint)
+
+
+class IRVerifyError(IRError):
+    """A graph that breaks an IR invariant; the message shows the op and its neighbours."""
+
+    def __init__(self, message: str, *, op_path: str | None = None, context: str = "",
+                 hint: str | None = None) -> None:
+        self.op_path = op_path
+        self.reason = message
+        text = message if not context else f"{message}\n{context}"
+        super().__init__(text, hint=hint)
+
+
+class UnknownOpError(IRError):
+    """An op name that is not in the op vocabulary."""
+
+
+class PassError(DiphomaError):
+    """A pass failed, or its output did not verify."""
+
+    def __init__(self, message: str, *, pass_name: str, before: tuple[str, ...] = (),
+                 hint: str | None = None) -> None:
+        self.pass_name = pass_name
+        self.before = before
+        super().__init__(message, hint=hint)
+
+
+class PassSpecError(DiphomaError):
+    """A pipeline spec string that names an unknown pass or a bad option."""
+
+
+class MeshError(DiphomaError):
+    """A mesh that is malformed or does not fit the program or the world."""

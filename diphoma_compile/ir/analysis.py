@@ -1,0 +1,183 @@
+"""Analyses over a graph: producers and users, dependency order, liveness and peak memory,
+flops and bytes. Each is a pure function of the graph; passes call what they need."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import networkx as nx
+
+from .core import Graph, Op, walk_ops
+from .ops import op_def
+from .types import TensorType
+
+
+def producers(graph: Graph) -> dict[str, Op]:
+    """Value name -> the op that defines it (nested regions included)."""
+    return {v.name: op for op in graph.walk() for v in op.results}
+
+
+def users(graph: Graph) -> dict[str, list[Op]]:
+    """Value name -> ops that read it, in program order (graph outputs are not ops).
+
+    An op whose region reads an outer value counts as a user of that value too."""
+    out: dict[str, list[Op]] = defaultdict(list)
+
+    def visit(ops, enclosing: list[Op]) -> None:
+        for op in ops:
+            for n in op.inputs:
+                out[n].append(op)
+                for e in enclosing:
+                    out[n].append(e)
+            for r in op.regions:
+                visit(r.ops, enclosing + [op])
+                for y in r.yields:
+                    out[y].append(op)
+    visit(graph.ops, [])
+    return {k: _dedupe(v) for k, v in out.items()}
+
+
+def _dedupe(ops: list[Op]) -> list[Op]:
+    seen, res = set(), []
+    for op in ops:
+        if id(op) not in seen:
+            seen.add(id(op))
+            res.append(op)
+    return res
+
+
+def free_inputs(op: Op) -> list[str]:
+    """Values an op reads, including those its regions capture from outside."""
+    defined: set[str] = set()
+    reads: list[str] = list(op.inputs)
+    for r in op.regions:
+        defined.update(a.name for a in r.args)
+        for inner in walk_ops(r.ops):
+            defined.update(v.name for v in inner.results)
+            for rr in inner.regions:
+                defined.update(a.name for a in rr.args)
+        for inner in walk_ops(r.ops):
+            reads.extend(inner.inputs)
+            for rr in inner.regions:
+                reads.extend(rr.yields)
+        reads.extend(r.yields)
+    return list(dict.fromkeys(n for n in reads if n not in defined))
+
+
+def dependency_graph(graph: Graph) -> nx.DiGraph:
+    """Top-level ops as nodes (their index), an edge from producer to consumer."""
+    dg = nx.DiGraph()
+    made: dict[str, int] = {}
+    for k, op in enumerate(graph.ops):
+        dg.add_node(k, op=op)
+        for n in free_inputs(op):
+            if n in made:
+                dg.add_edge(made[n], k, value=n)
+        for v in op.results:
+            made[v.name] = k
+    return dg
+
+
+def topo_order(graph: Graph) -> list[Op]:
+    """Top-level ops in a dependency order; among ready ops, program order wins.
+
+    Effectful ops keep their relative order."""
+    dg = dependency_graph(graph)
+    from .ops import is_effectful
+    last = None
+    for k, op in enumerate(graph.ops):
+        if is_effectful(op):
+            if last is not None:
+                dg.add_edge(last, k)
+            last = k
+    return [graph.ops[k] for k in nx.lexicographical_topological_sort(dg)]
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """When each top-level value is born and last used (op indices; -1 = graph input)."""
+
+    born: dict[str, int]
+    last_use: dict[str, int]
+    bytes_at: tuple[int, ...]   # bytes live while each op runs (per device)
+    peak_bytes: int
+    peak_index: int
+
+
+def liveness(graph: Graph, per_device: bool = True) -> Liveness:
+    """Live ranges of top-level values and the peak of live bytes.
+
+    Inputs are live from the start; outputs to the end. A value made and never used lives
+    for the op that made it. With ``per_device`` bytes are what one device holds under the
+    values' placements, otherwise the logical size."""
+    sizes = dict(graph.mesh.axes)
+    types: dict[str, TensorType] = {i.name: i.value.type for i in graph.inputs}
+    born = {i.name: -1 for i in graph.inputs}
+    last: dict[str, int] = {i.name: -1 for i in graph.inputs}
+    for k, op in enumerate(graph.ops):
+        for n in free_inputs(op):
+            last[n] = k
+        for v in op.results:
+            types[v.name] = v.type
+            born[v.name] = k
+            last.setdefault(v.name, k)
+    end = len(graph.ops)
+    for o in graph.outputs:
+        last[o.name] = end
+
+    def nbytes(t: TensorType) -> int:
+        return t.local_nbytes(sizes) if per_device else t.nbytes
+
+    n = len(graph.ops)
+    delta = [0] * (n + 2)
+    for name, b in born.items():
+        size = nbytes(types[name])
+        start = max(b, 0)
+        stop = min(max(last.get(name, b), start), n)
+        delta[start] += size
+        delta[stop + 1] -= size
+    running, bytes_at = 0, []
+    for k in range(max(n, 1)):
+        running += delta[k]
+        bytes_at.append(running)
+    peak = max(bytes_at)
+    return Liveness(born, last, tuple(bytes_at), peak, bytes_at.index(peak))
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """Logical flops, bytes touched, and bytes each device sends."""
+
+    flops: int = 0
+    bytes: int = 0
+    comm_bytes: int = 0
+
+    def __add__(self, other: OpCost) -> OpCost:
+        return OpCost(self.flops + other.flops, self.bytes + other.bytes,
+                      self.comm_bytes + other.comm_bytes)
+
+
+def op_cost(op: Op, types: dict[str, TensorType], axis_sizes: dict[str, int]) -> OpCost:
+    """Cost of one op (its regions' ops included, each counted once)."""
+    d = op_def(op.name)
+    ins = [types[n] for n in op.inputs]
+    outs = [v.type for v in op.results]
+    axis = op.attrs.get("axis")
+    cost = OpCost(d.flops(op, ins, outs), d.bytes_accessed(op, ins, outs),
+                  d.comm_bytes(op, ins, outs, axis_sizes.get(axis, 1) if axis else 1))
+    for r in op.regions:
+        for inner in r.ops:
+            cost = cost + op_cost(inner, types, axis_sizes)
+    return cost
+
+
+def graph_cost(graph: Graph) -> tuple[OpCost, list[OpCost]]:
+    """Total cost and the cost of each top-level op."""
+    types = graph.value_types()
+    sizes = dict(graph.mesh.axes)
+    per = [op_cost(op, types, sizes) for op in graph.ops]
+    total = OpCost()
+    for c in per:
+        total = total + c
+    return total, per
