@@ -1,0 +1,113 @@
+"""Command line: ``python -m diphoma_compile`` or ``diphoma``.
+
+``ir FILE`` reads IR text, verifies it, runs a pass pipeline and prints the result with
+its analyses; ``passes`` and ``ops`` list what is registered. (``inspect model.py`` arrives
+with the frontends.)"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .errors import DiphomaError
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _stats(graph) -> str:
+    from .ir.analysis import graph_cost, liveness
+    from .ir.ops import op_def
+    total, _ = graph_cost(graph)
+    live = liveness(graph)
+    cats: dict[str, int] = {}
+    for op in graph.walk():
+        c = op_def(op.name).category.value
+        cats[c] = cats.get(c, 0) + 1
+    lines = [
+        f"# ops: {sum(cats.values())} (" + ", ".join(f"{k} {v}" for k, v in sorted(cats.items()))
+        + ")",
+        f"# flops: {total.flops:,}   bytes touched: {_human(total.bytes)}   "
+        f"sent per device: {_human(total.comm_bytes)}",
+        f"# peak live memory per device: {_human(live.peak_bytes)} "
+        f"(at op #{live.peak_index})",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def cmd_ir(args: argparse.Namespace) -> int:
+    from .ir import parse, print_graph
+    from .passes import PassContext, Pipeline
+    text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
+    graph = parse(text)
+    dump = "all" if args.dump_ir_after == "all" else frozenset(
+        x for x in (args.dump_ir_after or "").split(",") if x)
+    ctx = PassContext(verify=True, dump_after=dump,
+                      dump_stream=lambda s: sys.stdout.write(s))
+    pipeline = Pipeline.from_spec(args.passes) if args.passes else Pipeline()
+    graph = pipeline.run(graph, ctx)
+    out = print_graph(graph)
+    if args.stats:
+        out += _stats(graph)
+        for r in ctx.records:
+            out += (f"# pass {r.spec}: {'changed' if r.changed else 'unchanged'}, "
+                    f"{r.seconds * 1e3:.2f} ms (+{r.verify_seconds * 1e3:.2f} ms verify)\n")
+    if args.out:
+        Path(args.out).write_text(out)
+    else:
+        sys.stdout.write(out)
+    return 0
+
+
+def cmd_passes(args: argparse.Namespace) -> int:
+    from .passes import available_passes
+    for name, cls in available_passes().items():
+        doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+        print(f"{cls().spec():40s} {doc}")
+    return 0
+
+
+def cmd_ops(args: argparse.Namespace) -> int:
+    from .ir.ops import OPS
+    for name, d in sorted(OPS.items(), key=lambda kv: (kv[1].category.value, kv[0])):
+        attrs = ", ".join(f"{k}{'' if req else '?'}" for k, (_, req) in d.attrs.items())
+        print(f"{d.category.value:11s} {name:17s} {attrs}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``diphoma`` command."""
+    p = argparse.ArgumentParser(prog="diphoma", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    ir = sub.add_parser("ir", help="verify IR text, run passes on it, print it with analyses")
+    ir.add_argument("file", help="a .ir file, or - for standard input")
+    ir.add_argument("--passes", default="", help="pipeline spec, e.g. 'dce,cse'")
+    ir.add_argument("--dump-ir-after", default="", metavar="PASS|all",
+                    help="print the IR after these passes (comma-separated) or all")
+    ir.add_argument("--stats", action="store_true",
+                    help="append op counts, flops, bytes, peak memory and pass timings")
+    ir.add_argument("--out", help="write the result to this file instead of stdout")
+    ir.set_defaults(func=cmd_ir)
+    sub.add_parser("passes", help="list registered passes (plugins included)").set_defaults(
+        func=cmd_passes)
+    sub.add_parser("ops", help="list the op vocabulary").set_defaults(func=cmd_ops)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; a DiphomaError prints its message (no traceback) and exits 2."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except DiphomaError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

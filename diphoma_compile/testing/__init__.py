@@ -1,0 +1,1 @@
+"""Helpers for the project's tests, usable by users' tests too."""

@@ -1,0 +1,33 @@
+"""Shared fixtures: the golden-file checker and its --update-golden switch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from diphoma_compile.testing.golden import check_golden
+
+GOLDEN_DIR = Path(__file__).parent / "golden"
+CASES_DIR = Path(__file__).parent / "ir_cases"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--update-golden", action="store_true", default=False,
+                     help="rewrite tests/golden/* with the current output instead of comparing")
+
+
+@pytest.fixture
+def golden(request: pytest.FixtureRequest):
+    """``golden("name.ir", text)`` compares with tests/golden/name.ir (or rewrites it)."""
+    update = request.config.getoption("--update-golden")
+
+    def check(name: str, actual: str) -> None:
+        check_golden(GOLDEN_DIR / name, actual, update=update)
+    return check
+
+
+@pytest.fixture
+def ir_case():
+    """``ir_case("name")`` reads tests/ir_cases/name.ir."""
+    return lambda name: (CASES_DIR / f"{name}.ir").read_text()
