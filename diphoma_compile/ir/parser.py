@@ -39,6 +39,17 @@ class Token:
     value: object = None
 
 
+def _string(quoted: str, line: int, col: int, source_line: str) -> str:
+    """The value of a JSON-quoted string token; IRParseError when it is not valid JSON."""
+    try:
+        return json.loads(quoted)
+    except json.JSONDecodeError as e:
+        why = e.msg.removesuffix(" at").lower()
+        raise IRParseError(f"bad string {quoted}: {why}", line=line, col=col + e.pos,
+                           source_line=source_line,
+                           hint='strings use JSON escapes: \\" \\\\ \\n \\t \\uXXXX') from None
+
+
 def tokenize(text: str) -> list[Token]:
     """Split IR text into tokens; IRParseError at the first character that fits no token."""
     lines = text.split("\n")
@@ -48,6 +59,10 @@ def tokenize(text: str) -> list[Token]:
         m = _TOKEN.match(text, pos)
         col = pos - line_start + 1
         if m is None:
+            if text[pos] == '"' or (text[pos] in "%@^" and text[pos + 1:pos + 2] == '"'):
+                raise IRParseError("unterminated string", line=line, col=col,
+                                   source_line=lines[line - 1],
+                                   hint='close the string with " on the same line')
             raise IRParseError(f"unexpected character {text[pos]!r}", line=line, col=col,
                                source_line=lines[line - 1])
         kind = m.lastgroup
@@ -62,10 +77,11 @@ def tokenize(text: str) -> list[Token]:
             if m.group("bare") is not None:
                 name = m.group("bare")
             else:
-                name = json.loads(m.group("quoted"))
+                name = _string(m.group("quoted"), line, col + 1, lines[line - 1])
             toks.append(Token(_SIGIL_KIND[sig], tok_text, line, col, name))
         elif kind == "string":
-            toks.append(Token("string", tok_text, line, col, json.loads(tok_text)))
+            toks.append(Token("string", tok_text, line, col,
+                              _string(tok_text, line, col, lines[line - 1])))
         elif kind == "number":
             is_float = any(c in tok_text for c in ".eEin")
             toks.append(Token("number", tok_text, line, col,

@@ -93,7 +93,7 @@ def register_pass(cls: type[Pass]) -> type[Pass]:
     if not (isinstance(cls, type) and issubclass(cls, Pass)) or not cls.name:
         raise PassSpecError(f"{cls!r} is not a Pass subclass with a name",
                             hint="subclass diphoma_compile.passes.Pass, set name = '...'")
-    if not dataclasses.is_dataclass(cls) or not cls.__dataclass_params__.frozen:
+    if "__dataclass_params__" not in cls.__dict__ or not cls.__dataclass_params__.frozen:
         raise PassSpecError(f"pass {cls.name!r} must be a frozen dataclass",
                             hint="decorate it with @dataclass(frozen=True)")
     old = _REGISTRY.get(cls.name)
