@@ -34,6 +34,8 @@ def users(graph: Graph) -> dict[str, list[Op]]:
                 visit(r.ops, enclosing + [op])
                 for y in r.yields:
                     out[y].append(op)
+                    for e in enclosing:
+                        out[y].append(e)
     visit(graph.ops, [])
     return {k: _dedupe(v) for k, v in out.items()}
 
@@ -68,14 +70,15 @@ def free_inputs(op: Op) -> list[str]:
 def dependency_graph(graph: Graph) -> nx.DiGraph:
     """Top-level ops as nodes (their index), an edge from producer to consumer."""
     dg = nx.DiGraph()
-    made: dict[str, int] = {}
+    # Producers are found wherever they stand, so that a graph whose ops are out of
+    # dependency order (as a pass may build it) gets the edges topo_order needs.
+    made = {v.name: k for k, op in enumerate(graph.ops) for v in op.results}
     for k, op in enumerate(graph.ops):
         dg.add_node(k, op=op)
+    for k, op in enumerate(graph.ops):
         for n in free_inputs(op):
-            if n in made:
+            if n in made and made[n] != k:
                 dg.add_edge(made[n], k, value=n)
-        for v in op.results:
-            made[v.name] = k
     return dg
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..errors import DiphomaError, IRError, IRParseError
 from ..mesh import Mesh
@@ -28,9 +28,8 @@ _SIGIL_KIND = {"%": "value", "@": "graph", "^": "region"}
 _META = {"phase", "stage", "mb", "loc"}
 
 
-@dataclass(frozen=True)
-class Token:
-    """One lexical token with its position."""
+class Token(NamedTuple):
+    """One lexical token with its position (a tuple: tokens are many and must be cheap)."""
 
     kind: str  # value graph region string number word punct nl eof
     text: str

@@ -66,7 +66,7 @@ def _partial_elementwise(op: Op, pls: list[Placement]):
     if any(p.op != "sum" for p in part):
         return None
     whole = [p for p in pls if isinstance(p, Replicate)]
-    if op.name in LINEAR_UNARY or (op.name in ("add", "sub") and not whole):
+    if op.name in LINEAR_UNARY or (op.name in ("add", "sub") and len(part) == len(pls)):
         return (Partial("sum"),)
     if op.name == "mul" and len(part) == 1 and len(whole) == len(pls) - 1:
         return (Partial("sum"),)

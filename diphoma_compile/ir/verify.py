@@ -51,7 +51,7 @@ class _Verifier:
                 self.fail(f"{what} is placed on axis {axis!r}, which the mesh lacks ({have})",
                           **where)
             if isinstance(p, Shard):
-                if p.dim >= t.rank:
+                if not 0 <= p.dim < t.rank:
                     self.fail(f"{what} is split on dim {p.dim} but has rank {t.rank}", **where)
                 n = self.sizes[axis]
                 if t.shape[p.dim] % n:
