@@ -40,7 +40,7 @@ def synthetic_step(layers: int, width: int, batch: int = 8) -> Graph:
     acts = []
     for i in range(layers):
         inputs.append(Input(Value(f"layers.{i}.weight", w_t), InputRole(InputKind.param)))
-        for k in range(4):  # four sub-blocks per layer, like attention + MLP
+        for _ in range(4):  # four sub-blocks per layer, like attention + MLP
             z = emit("dot", [h, f"layers.{i}.weight"], act, Phase.forward,
                      lhs_contract=(1,), rhs_contract=(0,))
             c = emit("full", [], scalar, Phase.forward, value=0.5)

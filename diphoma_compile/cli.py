@@ -67,7 +67,7 @@ def cmd_ir(args: argparse.Namespace) -> int:
 
 def cmd_passes(args: argparse.Namespace) -> int:
     from .passes import available_passes
-    for name, cls in available_passes().items():
+    for cls in available_passes().values():
         doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
         print(f"{cls().spec():40s} {doc}")
     return 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Union
@@ -13,7 +12,7 @@ from ..errors import IRError
 from ..mesh import Mesh
 from .types import TensorType
 
-AttrValue = Union[None, bool, int, float, str, tuple["AttrValue", ...]]
+AttrValue = Union[None, bool, int, float, str, tuple["AttrValue", ...]]  # noqa: UP007 (recursive alias)
 
 
 def _attr_key(v: Any) -> Any:
@@ -315,7 +314,3 @@ class NameSupply:
         self._taken.add(name)
         return name
 
-
-def is_finite_number(v: AttrValue) -> bool:
-    """True for an int or a finite float attribute (not bool)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

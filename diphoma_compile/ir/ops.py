@@ -48,7 +48,7 @@ class OpDef:
     category: Category
     shape_rule: Callable | None
     sharding_rule: S.ShardingRule
-    attrs: dict[str, tuple[AttrKind, bool]] = field(default_factory=dict)  # name -> (kind, required)
+    attrs: dict[str, tuple[AttrKind, bool]] = field(default_factory=dict)  # (kind, required)
     flops_per_elem: float = 0.0     # per result element (elementwise) or per input (reduce)
     effectful: bool = False         # never removed or merged (send/recv)
     deterministic: bool = True      # False: two identical ops may differ (unkeyed rng)

@@ -46,8 +46,8 @@ def _value(v: Value) -> str:
 def _input(i: Input) -> str:
     text = _value(i.value)
     role = i.role
-    if role.kind is InputKind.other:
-        return text
+    if role.kind is InputKind.other and role.of is None and role.slot is None:
+        return text  # the default role; spelled out when it carries a slot
     text += " " + role.kind.value
     fields = []
     if role.of is not None:

@@ -226,7 +226,7 @@ def index_add(op: Op, ins, outs, axis: str):
 def constant(op: Op, ins, outs, axis: str):
     """A constant can be built in any split locally; only zeros are a valid partial sum."""
     pls = [t.placement(axis) for t in outs]
-    for t, p in zip(outs, pls):
+    for p in pls:
         if isinstance(p, Partial) and not (op.name == "full" and op.attrs.get("value") == 0
                                            and p.op == "sum"):
             return None

@@ -4,6 +4,7 @@ Errors show the offending op between its neighbours, so a pass author sees where
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ class _Verifier:
 
     # ------------------------------------------------------------------ types
     def check_type(self, t: TensorType, what: str, **where) -> None:
+        split_by: dict[int, list[str]] = {}  # dim -> the axes splitting it (nested splits)
         for axis, p in t.placements:
             if axis not in self.sizes:
                 have = ", ".join(self.sizes) or "no axes"
@@ -53,10 +55,14 @@ class _Verifier:
             if isinstance(p, Shard):
                 if not 0 <= p.dim < t.rank:
                     self.fail(f"{what} is split on dim {p.dim} but has rank {t.rank}", **where)
-                n = self.sizes[axis]
+                axes = split_by.setdefault(p.dim, [])
+                axes.append(axis)
+                n = math.prod(self.sizes[a] for a in axes)
                 if t.shape[p.dim] % n:
+                    named = (f"axis {axis!r}" if len(axes) == 1 else
+                             "axes " + ", ".join(repr(a) for a in axes))
                     self.fail(f"{what}: dim {p.dim} of size {t.shape[p.dim]} does not divide "
-                              f"among {n} devices of axis {axis!r}", **where,
+                              f"among {n} devices of {named}", **where,
                               hint="use the flat, padded placement F, or another dimension")
 
     # ------------------------------------------------------------------ graph
@@ -136,7 +142,7 @@ class _Verifier:
             self.check_type(v.type, f"result {format_name(v.name)}", **where)
         outs = [v.type for v in op.results]
         self.attrs(op, d, where)
-        for r_i, r in enumerate(op.regions):
+        for r in op.regions:
             inner = dict(scope)
             for a in r.args:
                 if a.name in inner or a.name in self._all_names_below:
