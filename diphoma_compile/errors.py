@@ -59,3 +59,16 @@ class PassSpecError(DiphomaError):
 
 class MeshError(DiphomaError):
     """A mesh that is malformed or does not fit the program or the world."""
+
+
+class FrontendError(DiphomaError):
+    """A step that a frontend cannot trace: the construct and where it came from."""
+
+
+class UnsupportedOpError(FrontendError):
+    """A framework op with no mapping into the IR (and no opaque fallback)."""
+
+
+class BackendError(DiphomaError):
+    """An IR graph that a backend cannot turn into a runnable program, or a call that does
+    not match the graph's signature."""

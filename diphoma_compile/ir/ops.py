@@ -137,12 +137,21 @@ _COLL = {"axis": ("axis", True)}
 _add("neg abs exp log log1p expm1 sqrt rsqrt tanh sigmoid relu sin cos erf sign floor ceil "
      "round reciprocal square copy", C.unary, R.unary, E, flops=1)
 _add("gelu", C.unary, R.unary, E, {"approximate": ("none|tanh", False)}, flops=8)
+_add("integer_pow", C.unary, R.unary, E, {"exponent": ("int", True)}, flops=2,
+     doc="x ** exponent by repeated multiplication (JAX integer_pow); exponent < 0 divides")
 _add("logical_not", C.unary, R.unary_to_bool, E, flops=1)
 _add("isfinite isnan", C.unary, R.unary_to_bool, E, flops=1)
-_add("add sub mul div pow max min rem atan2 and or xor", C.binary, R.binary, E, flops=1)
+_add("add sub", C.binary, R.binary, E, {"alpha": ("number", False)}, flops=1,
+     doc="a + alpha*b (a - alpha*b): the scaled form frameworks compute in one step")
+_add("mul div pow max min rem atan2 and or xor", C.binary, R.binary, E, flops=1)
 _add("eq ne lt le gt ge", C.binary, R.compare, E, flops=1)
 _add("select", C.ternary, R.select, E, flops=1)
 _add("clamp", C.ternary, R.ternary, E, flops=2)
+_add("lerp", C.ternary, R.ternary, E, flops=3, doc="a + w*(b - a)")
+_add("addcmul", C.ternary, R.ternary, E, {"value": ("number", False)}, flops=3,
+     doc="s + value*t1*t2")
+_add("addcdiv", C.ternary, R.ternary, E, {"value": ("number", False)}, flops=3,
+     doc="s + value*t1/t2")
 _add("convert", C.cast, R.convert, E, {"dtype": ("dtype", True)}, flops=1)
 _add("bitcast", C.cast, R.bitcast, E, {"dtype": ("dtype", True)})
 
@@ -216,7 +225,7 @@ _add("cond", C.control, None, S.replicate_only, region_rule=R.check_cond)
 _add("while", C.control, None, S.replicate_only, region_rule=R.check_while)
 _add("scan", C.control, None, S.replicate_only,
      {"length": ("int", True), "num_carry": ("int", True), "num_consts": ("int", False),
-      "reverse": ("bool", False)}, region_rule=R.check_scan)
+      "reverse": ("bool", False), "unroll": ("int", False)}, region_rule=R.check_scan)
 
 # everything else ---------------------------------------------------------------------------------
 _add("opaque", C.opaque, None, S.replicate_only,

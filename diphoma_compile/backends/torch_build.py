@@ -1,0 +1,177 @@
+"""IR -> a runnable torch.fx GraphModule calling aten ops (its ``.code`` reads as Python).
+
+Neutral ops go back to the aten overload the frontend table maps them from; scalar `full`
+constants fold back into Python numbers, so the program makes the same aten calls as the
+eager step. Layout ops become views (permute, expand, reshape), as eager code makes them."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..errors import UnsupportedOpError
+from ..ir.core import Graph, Op
+from ..ir.types import DType
+from ..frontends.torch_ops import DTYPE_TO_TORCH, decode_arg, resolve_target
+
+aten = torch.ops.aten
+
+_UNARY = {"neg": aten.neg.default, "abs": aten.abs.default, "exp": aten.exp.default,
+          "log": aten.log.default, "sqrt": aten.sqrt.default, "rsqrt": aten.rsqrt.default,
+          "tanh": aten.tanh.default, "sigmoid": aten.sigmoid.default,
+          "relu": aten.relu.default, "reciprocal": aten.reciprocal.default,
+          "sign": aten.sign.default}
+_BINARY = {"mul": aten.mul.Tensor, "div": aten.div.Tensor, "max": aten.maximum.default,
+           "min": aten.minimum.default}
+_COMPARE = {"eq": (aten.eq.Tensor, aten.eq.Scalar), "ne": (aten.ne.Tensor, aten.ne.Scalar),
+            "lt": (aten.lt.Tensor, aten.lt.Scalar), "le": (aten.le.Tensor, aten.le.Scalar),
+            "gt": (aten.gt.Tensor, aten.gt.Scalar), "ge": (aten.ge.Tensor, aten.ge.Scalar)}
+_REDUCE = {"reduce_sum": aten.sum.dim_IntList, "reduce_mean": aten.mean.dim,
+           "reduce_max": aten.amax.default}
+
+
+def _py_name(name: str) -> str:
+    s = re.sub(r"\W", "_", name)
+    return s if s and not s[0].isdigit() else f"v_{s}"
+
+
+class _Builder:
+    def __init__(self, graph: Graph) -> None:
+        self.g = graph
+        self.fx = fx.Graph()
+        self.env: dict[str, Any] = {}       # IR name -> fx node or Python scalar
+        self.scalars: dict[str, Any] = {}   # IR name of a 0-d full -> its value
+        self.dtype_of: dict[str, torch.dtype] = {}
+        self.g_types = graph.value_types()
+
+    def build(self) -> fx.GraphModule:
+        for i in self.g.inputs:
+            self.env[i.name] = self.fx.placeholder(_py_name(i.name))
+        for op in self.g.ops:
+            self.op(op)
+        self.fx.output(tuple(self.env[o.name] for o in self.g.outputs))
+        self.fx.lint()
+        return fx.GraphModule(torch.nn.Module(), self.fx, class_name=_py_name(self.g.name))
+
+    def call(self, target, args, kwargs=None):
+        return self.fx.call_function(target, tuple(args), dict(kwargs or {}))
+
+    def arg(self, name: str) -> Any:
+        if name in self.scalars:
+            return self.scalars[name]
+        return self.node(name)
+
+    def node(self, name: str) -> fx.Node:
+        v = self.env.get(name)
+        if v is None and name in self.scalars:
+            v = self.env[name] = self.call(aten.scalar_tensor.default, [self.scalars[name]],
+                                           {"dtype": self.dtype_of[name]})
+        return v
+
+    def op(self, op: Op) -> None:
+        n, a, ins = op.name, op.attrs, op.inputs
+        out: Any
+        if n == "full" and op.result.type.shape == ():
+            # folded into the ops that use it; materialized on demand
+            self.scalars[op.result.name] = a["value"]
+            self.dtype_of[op.result.name] = DTYPE_TO_TORCH[op.result.type.dtype]
+            return
+        if n == "opaque":
+            out = self.opaque(op)
+        elif n in _UNARY:
+            out = self.call(_UNARY[n], [self.node(ins[0])])
+        elif n in ("add", "sub"):
+            target = aten.add.Tensor if n == "add" else aten.sub.Tensor
+            kw = {"alpha": a["alpha"]} if "alpha" in a else {}
+            out = self.call(target, [self.node(ins[0]), self.arg(ins[1])], kw)
+        elif n in _BINARY:
+            out = self.call(_BINARY[n], [self.node(ins[0]), self.arg(ins[1])])
+        elif n in _COMPARE:
+            tensor_t, scalar_t = _COMPARE[n]
+            rhs = self.arg(ins[1])
+            out = self.call(scalar_t if not isinstance(rhs, fx.Node) else tensor_t,
+                            [self.node(ins[0]), rhs])
+        elif n == "select":
+            out = self.call(aten.where.self, [self.node(i) for i in ins])
+        elif n == "lerp":
+            w = self.arg(ins[2])
+            out = self.call(aten.lerp.Tensor if isinstance(w, fx.Node) else aten.lerp.Scalar,
+                            [self.node(ins[0]), self.node(ins[1]), w])
+        elif n in ("addcmul", "addcdiv"):
+            kw = {"value": a["value"]} if "value" in a else {}
+            target = aten.addcmul.default if n == "addcmul" else aten.addcdiv.default
+            out = self.call(target, [self.node(i) for i in ins], kw)
+        elif n == "dot":
+            out = self.dot(op)
+        elif n == "transpose":
+            out = self.call(aten.permute.default, [self.node(ins[0]), list(a["perm"])])
+        elif n == "reshape":
+            out = self.call(aten.reshape.default, [self.node(ins[0]),
+                                                   list(op.result.type.shape)])
+        elif n == "broadcast_in_dim":
+            out = self.broadcast(op)
+        elif n in _REDUCE:
+            out = self.call(_REDUCE[n], [self.node(ins[0]), list(a["dims"]),
+                                         bool(a.get("keepdim", False))])
+        elif n == "convert":
+            out = self.call(aten._to_copy.default, [self.node(ins[0])],
+                            {"dtype": DTYPE_TO_TORCH[DType(a["dtype"])]})
+        elif n == "full":
+            t = op.result.type
+            out = self.call(aten.full.default, [list(t.shape), a["value"]],
+                            {"dtype": DTYPE_TO_TORCH[t.dtype]})
+        else:
+            raise UnsupportedOpError(f"the torch backend cannot run IR op {n!r}",
+                                     hint="this op has no torch lowering yet")
+        self.bind(op, out)
+
+    def bind(self, op: Op, out: Any) -> None:
+        if len(op.results) == 1:
+            self.env[op.result.name] = out
+            return
+        idx = op.attrs.get("outs", tuple(range(len(op.results))))
+        for v, i in zip(op.results, idx):
+            self.env[v.name] = self.call(_getitem, [out, i])
+
+    def dot(self, op: Op) -> fx.Node:
+        a = op.attrs
+        lhs, rhs = (self.node(i) for i in op.inputs)
+        lb, rb = tuple(a.get("lhs_batch", ())), tuple(a.get("rhs_batch", ()))
+        lc, rc = tuple(a["lhs_contract"]), tuple(a["rhs_contract"])
+        if not lb and lc == (1,) and rc == (0,):
+            return self.call(aten.mm.default, [lhs, rhs])
+        if lb == rb == (0,) and lc == (2,) and rc == (1,):
+            return self.call(aten.bmm.default, [lhs, rhs])
+        raise UnsupportedOpError(f"the torch backend has no lowering for dot with attributes "
+                                 f"{dict(a)}")
+
+    def broadcast(self, op: Op) -> fx.Node:
+        src = self.g_types[op.inputs[0]]
+        dst = op.result.type
+        dims = tuple(op.attrs["dims"])
+        x = self.node(op.inputs[0])
+        if dims != tuple(range(dst.rank - src.rank, dst.rank)):
+            shape = [1] * dst.rank
+            for i, d in enumerate(dims):
+                shape[d] = src.shape[i]
+            x = self.call(aten.reshape.default, [x, shape])
+        return self.call(aten.expand.default, [x, list(dst.shape)])
+
+    def opaque(self, op: Op) -> fx.Node:
+        target = resolve_target(str(op.attrs["target"]))
+        ins = [self.node(i) for i in op.inputs]
+        args = decode_arg(op.attrs.get("args", ()), ins)
+        kwargs = {k[3:]: decode_arg(v, ins) for k, v in op.attrs.items() if k.startswith("kw_")}
+        return self.call(target, args, kwargs)
+
+
+def _getitem(x, i):
+    return x[i]
+
+
+def build_module(graph: Graph) -> fx.GraphModule:
+    """A GraphModule taking the graph's inputs in order and returning its outputs."""
+    return _Builder(graph).build()

@@ -1,0 +1,96 @@
+"""Runs a traced step on the live module and optimizer, and writes the new values back,
+so that afterwards they look exactly as after the eager step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..errors import DiphomaError
+from ..frontends.torch_capture import Captured, Slot, _is_state
+from ..ir.core import Graph
+from .torch_build import build_module
+
+
+class TorchStep:
+    """A callable with the user's step signature that runs the compiled IR graph."""
+
+    def __init__(self, graph: Graph, captured: Captured) -> None:
+        self.graph = graph
+        self.captured = captured
+        self.module = build_module(graph)
+        self._arg_types = [(tuple(i.value.type.shape), i.value.type.dtype)
+                           for i, s in zip(graph.inputs, captured.inputs) if s.kind == "arg"]
+
+    @property
+    def code(self) -> str:
+        """The generated program as Python source."""
+        return self.module.code
+
+    def _state(self, slot: Slot) -> torch.Tensor:
+        cap = self.captured
+        pi, key = slot.key
+        p = cap.params[pi]
+        opt = cap.optimizers[slot.owner]
+        st = opt.state[p]
+        if key not in st:
+            # a fresh optimizer: start from the zero state the graph was traced with
+            _, shape, dtype = next(k for k in cap.state_keys[pi] if k[0] == key)
+            st[key] = torch.zeros(shape, dtype=dtype, device=p.device)
+        return st[key]
+
+    def _gather(self, args: tuple) -> list[torch.Tensor]:
+        cap = self.captured
+        leaves, _ = pytree.tree_flatten(args, is_leaf=_is_state)
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        if len(tensors) != len(self._arg_types):
+            raise DiphomaError(f"the step was traced with {len(self._arg_types)} tensor "
+                               f"arguments but is called with {len(tensors)}",
+                               hint="call it with arguments shaped like the example")
+        for t, (shape, _) in zip(tensors, self._arg_types):
+            if tuple(t.shape) != shape:
+                raise DiphomaError(f"the step was traced for an argument of shape {shape}, "
+                                   f"called with {tuple(t.shape)}",
+                                   hint="trace again for the new shape")
+        it = iter(tensors)
+        return [self._live(slot, it) for slot in cap.inputs]
+
+    def _live(self, slot: Slot, args_it) -> torch.Tensor:
+        cap = self.captured
+        if slot.kind in ("param", "buffer"):
+            return _get_attr(cap.modules[slot.owner], slot.key[0]).detach()
+        if slot.kind == "opt_state":
+            return self._state(slot)
+        if slot.kind == "lr":
+            g = cap.optimizers[slot.owner].param_groups[slot.key[0]]
+            return torch.as_tensor(g["lr"], dtype=torch.float64)
+        return next(args_it)
+
+    def __call__(self, *args: Any) -> Any:
+        cap = self.captured
+        inputs = self._gather(args)
+        with torch.no_grad():
+            outs = self.module(*inputs)
+            n_user = len(outs) - len([s for s in cap.outputs if s is not None])
+            for slot, new in zip(cap.outputs[n_user:], outs[n_user:]):
+                self._write(slot, new)
+        for p in cap.params:
+            p.grad = None
+        return pytree.tree_unflatten(list(outs[:n_user]), cap.user_out_spec)
+
+    def _write(self, slot: Slot, new: torch.Tensor) -> None:
+        cap = self.captured
+        if slot.kind in ("param", "buffer"):
+            _get_attr(cap.modules[slot.owner], slot.key[0]).copy_(new)
+        elif slot.kind == "opt_state":
+            pi, key = slot.key
+            cap.optimizers[slot.owner].state[cap.params[pi]][key].copy_(new)
+
+
+def _get_attr(mod: torch.nn.Module, qualname: str) -> torch.Tensor:
+    *path, leaf = qualname.split(".")
+    for p in path:
+        mod = getattr(mod, p)
+    return getattr(mod, leaf)

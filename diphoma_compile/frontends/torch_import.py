@@ -1,0 +1,224 @@
+"""Turn a captured functional aten graph into an IR Graph (names, roles, phases, locations)."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..errors import UnsupportedOpError
+from ..ir.core import (Attrs, Graph, Input, InputKind, InputRole, NameSupply, Op, Output,
+                       OutputKind, OutputRole, Value)
+from ..ir.types import TensorType
+from .torch_capture import Captured, Slot
+from .torch_ops import (BY_ATEN, DROPPED_TARGETS, IDENTITY, Neutral, encode_arg, ir_dtype,
+                        target_name)
+
+aten = torch.ops.aten
+_COMPARE = {"eq", "ne", "lt", "le", "gt", "ge"}
+
+# foreach overloads -> the per-tensor overload CPU runs for each list element
+_FOREACH_BASE = {
+    "add": aten.add.Tensor, "sub": aten.sub.Tensor, "mul": aten.mul.Tensor,
+    "div": aten.div.Tensor, "maximum": aten.maximum.default, "minimum": aten.minimum.default,
+    "addcmul": aten.addcmul.default, "addcdiv": aten.addcdiv.default,
+    "sqrt": aten.sqrt.default, "neg": aten.neg.default, "reciprocal": aten.reciprocal.default,
+    "exp": aten.exp.default, "abs": aten.abs.default, "sign": aten.sign.default,
+}
+
+
+def _ttype(val: Any) -> TensorType:
+    if not isinstance(val, torch.Tensor):
+        raise UnsupportedOpError(f"a value of type {type(val).__name__} where a tensor was "
+                                 "expected")
+    return TensorType(tuple(int(d) for d in val.shape), ir_dtype(val.dtype))
+
+
+_ROLE = {"param": InputKind.param, "buffer": InputKind.buffer, "lr": InputKind.hyper,
+         "arg": InputKind.batch}
+
+
+class _Importer:
+    def __init__(self, cap: Captured) -> None:
+        self.cap = cap
+        self.names = NameSupply(set())
+        self.env: dict[fx.Node, Any] = {}      # fx node -> IR name (or list of names)
+        self.types: dict[str, TensorType] = {}
+        self.ops: list[Op] = []
+        self.node: fx.Node | None = None
+
+    # ------------------------------------------------------------------ helpers
+    def emit(self, name: str, inputs: list[str], types: list[TensorType], attrs: dict,
+             hint: str | None = None) -> list[str]:
+        n = self.node
+        outs = [self.names(hint if i == 0 else f"{hint}.{i}") if hint else self.names()
+                for i in range(len(types))]
+        for o, t in zip(outs, types):
+            self.types[o] = t
+        self.ops.append(Op(name, tuple(inputs), tuple(Value(o, t) for o, t in zip(outs, types)),
+                           Attrs(attrs), phase=self.cap.phase.get(n.name) if n else None,
+                           loc=self.cap.loc.get(n.name) if n else None))
+        return outs
+
+    def scalar(self, value: Any, dtype) -> str:
+        return self.emit("full", [], [TensorType((), dtype)], {"value": value})[0]
+
+    def convert(self, name: str, dtype) -> str:
+        t = self.types[name]
+        if t.dtype is dtype:
+            return name
+        return self.emit("convert", [name], [TensorType(t.shape, dtype)],
+                         {"dtype": dtype.value})[0]
+
+    # ------------------------------------------------------------------ nodes
+    def run(self) -> Graph:
+        cap = self.cap
+        placeholders = [n for n in cap.gm.graph.nodes if n.op == "placeholder"]
+        inputs = []
+        param_name = {i: s.name for i, s in enumerate(cap.inputs) if s.kind == "param"}
+        for node, slot in zip(placeholders, cap.inputs):
+            name = self.names(slot.name)
+            t = _ttype(node.meta["val"])
+            self.env[node] = name
+            self.types[name] = t
+            inputs.append(Input(Value(name, t), self._role(slot, param_name)))
+        for node in cap.gm.graph.nodes:
+            if node.op == "call_function":
+                self.node = node
+                self.call(node)
+            elif node.op == "output":
+                outputs = self.outputs(node)
+        return Graph(cap.name, tuple(inputs), tuple(self.ops), tuple(outputs))
+
+    def _role(self, slot: Slot, param_name: dict[int, str]) -> InputRole:
+        if slot.kind == "opt_state":
+            pi, key = slot.key
+            return InputRole(InputKind.opt_state, of=self.cap.inputs[pi].name, slot=key)
+        return InputRole(_ROLE[slot.kind])
+
+    def outputs(self, node: fx.Node) -> list[Output]:
+        flat = node.args[0]
+        outs = []
+        loss_given = False
+        for val, slot in zip(flat, self.cap.outputs):
+            name = self.env[val]
+            if slot is None:
+                t = self.types[name]
+                is_loss = not loss_given and t.numel == 1 and t.dtype.is_float
+                loss_given |= is_loss
+                outs.append(Output(name, OutputRole(OutputKind.loss if is_loss
+                                                    else OutputKind.metric)))
+            else:
+                outs.append(Output(name, OutputRole(OutputKind.replaces, slot.name)))
+        return outs
+
+    def call(self, node: fx.Node) -> None:
+        target = node.target
+        if target is operator.getitem:
+            self.env[node] = self.env[node.args[0]][node.args[1]]
+            return
+        tname = target_name(target)
+        if tname in DROPPED_TARGETS:
+            return
+        if target in IDENTITY:
+            self.env[node] = self.env[node.args[0]]
+            return
+        if target is aten.copy_.default:
+            # functionalization writes the new value of a mutated input back into it; the
+            # graph's outputs already carry that value
+            if node.args[0].op != "placeholder":
+                raise UnsupportedOpError("an in-place copy survived functionalization",
+                                         hint="this is a bug in the torch frontend")
+            return
+        name = getattr(target, "_opname", "")
+        if name.startswith("_foreach_") and self.foreach(node, name[len("_foreach_"):]):
+            return
+        row = BY_ATEN.get(target)
+        if row is not None:
+            self.env[node] = self.neutral(row, node.args, node.kwargs, node.meta["val"])
+        else:
+            self.env[node] = self.opaque(node, tname)
+
+    def foreach(self, node: fx.Node, base: str) -> bool:
+        per = _FOREACH_BASE.get(base)
+        if per is None:
+            return False
+        lists = [a for a in node.args if isinstance(a, (list, tuple))]
+        n = len(lists[0])
+        vals = node.meta["val"]
+        outs = []
+        for i in range(n):
+            args = [a[i] if isinstance(a, (list, tuple)) else a for a in node.args]
+            outs.append(self.neutral(BY_ATEN[per], args, node.kwargs, vals[i]))
+        self.env[node] = outs
+        return True
+
+    def operand(self, a: Any, dtype) -> str:
+        if isinstance(a, fx.Node):
+            return self.convert(self.env[a], dtype)
+        if isinstance(a, (bool, int, float)):
+            return self.scalar(a, dtype)
+        raise UnsupportedOpError(f"operand {a!r} of type {type(a).__name__}")
+
+    def neutral(self, row: Neutral, args, kwargs, val) -> str:
+        out_t = _ttype(val)
+        vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+        if row.ir in _COMPARE:
+            compute = ir_dtype(torch.result_type(vals[0], vals[1]))
+        elif row.ir == "select":
+            compute = out_t.dtype
+        else:
+            compute = out_t.dtype
+        ins = []
+        for k, pos in enumerate(row.tensors):
+            a = args[pos] if pos < len(args) else kwargs.get(("self", "other")[k])
+            if row.ir == "select" and k == 0:
+                ins.append(self.env[a])
+            elif row.ir == "lerp" and k == 2 and not isinstance(a, fx.Node):
+                ins.append(self.scalar(a, compute))
+            else:
+                ins.append(self.operand(a, compute))
+        attrs = dict(row.make_attrs(args, kwargs)) if row.make_attrs else {}
+        for key, (src, default) in row.attrs.items():
+            v = kwargs.get(src, default)
+            if v != default:
+                attrs[key] = v
+        return self.emit(row.ir, ins, [out_t], attrs)[0]
+
+    def opaque(self, node: fx.Node, tname: str) -> Any:
+        tensors: list[fx.Node] = []
+
+        def index(n: fx.Node) -> int:
+            if n not in tensors:
+                tensors.append(n)
+            return tensors.index(n)
+        attrs = {"target": tname, "args": encode_arg(tuple(node.args), index)}
+        for k, v in node.kwargs.items():
+            attrs[f"kw_{k}"] = encode_arg(v, index)
+        for t in tensors:
+            if not isinstance(self.env.get(t), str):
+                raise UnsupportedOpError(f"{tname} takes a list of tensors made by another "
+                                         "list op", hint="this is a bug in the torch frontend")
+        ins = [self.env[t] for t in tensors]
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return self.emit("opaque", ins, [_ttype(val)], attrs)[0]
+        if isinstance(val, (list, tuple)) and all(isinstance(v, torch.Tensor) or v is None
+                                                  for v in val):
+            idx = [i for i, v in enumerate(val) if v is not None]
+            attrs["outs"] = tuple(idx)
+            names = self.emit("opaque", ins, [_ttype(val[i]) for i in idx], attrs)
+            by_pos = dict(zip(idx, names))
+            return [by_pos.get(i) for i in range(len(val))]
+        raise UnsupportedOpError(
+            f"{tname} returns {type(val).__name__}, not tensors"
+            + (f" (at {self.cap.loc[node.name]})" if node.name in self.cap.loc else ""),
+            hint="values read back to Python (.item(), .tolist(), sizes that depend on data) "
+                 "cannot be part of a traced step")
+
+
+def import_captured(cap: Captured) -> Graph:
+    """The IR graph of a captured step."""
+    return _Importer(cap).run()

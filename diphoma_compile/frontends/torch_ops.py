@@ -1,0 +1,222 @@
+"""The one table between aten and the IR: which aten overloads become which neutral op,
+and how the backend turns a neutral op back into the same aten call.
+
+An aten op that is not in the table becomes ``opaque{target="aten.<name>.<overload>"}``
+with its non-tensor arguments kept in attributes, and the backend calls it as it was."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import UnsupportedOpError
+from ..ir.types import DType
+
+aten = torch.ops.aten
+
+TORCH_TO_DTYPE = {
+    torch.float64: DType.f64, torch.float32: DType.f32, torch.float16: DType.f16,
+    torch.bfloat16: DType.bf16, torch.int64: DType.i64, torch.int32: DType.i32,
+    torch.int16: DType.i16, torch.int8: DType.i8, torch.uint8: DType.u8,
+    torch.bool: DType.bool, torch.complex64: DType.c64, torch.complex128: DType.c128,
+}
+DTYPE_TO_TORCH = {v: k for k, v in TORCH_TO_DTYPE.items()}
+
+
+def ir_dtype(dt: torch.dtype) -> DType:
+    """The IR dtype of a torch dtype; UnsupportedOpError for one the IR lacks."""
+    try:
+        return TORCH_TO_DTYPE[dt]
+    except KeyError:
+        raise UnsupportedOpError(f"tensors of dtype {dt} are not supported",
+                                 hint="use a float, integer or bool dtype") from None
+
+
+@dataclass(frozen=True)
+class Neutral:
+    """One aten overload <-> one neutral op.
+
+    ``tensors``: positions of tensor operands in the aten call (their order is the IR
+    inputs' order); ``scalars``: positions that may hold a Python number instead of a tensor
+    (the IR makes it a `full` constant; the backend passes the number back); ``attrs``:
+    aten keyword or position -> IR attribute name, with defaults that are left out."""
+
+    aten: Any
+    ir: str
+    tensors: tuple[int, ...]
+    attrs: dict[str, tuple[int | str, Any]] = field(default_factory=dict)
+    make_attrs: Callable[[tuple, dict], dict] | None = None    # computed attributes
+    back: Callable[[dict, list], tuple[tuple, dict]] | None = None   # IR attrs -> aten args
+
+
+def _dims_of(args, kwargs):
+    x = args[0]
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    rank = x.meta["val"].dim()
+    if dims is None:
+        dims = list(range(rank))
+    dims = sorted(d % rank for d in (dims if isinstance(dims, (list, tuple)) else [dims]))
+    keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    return {"dims": tuple(dims), "keepdim": bool(keep)}
+
+
+def _reduce_back(overload):
+    def back(attrs, ins):
+        return (ins[0], list(attrs["dims"]), bool(attrs.get("keepdim", False))), {}
+    return back
+
+
+def _perm_t(args, kwargs):
+    rank = args[0].meta["val"].dim()
+    return {"perm": tuple(range(rank))[::-1]}
+
+
+def _perm_transpose(args, kwargs):
+    rank = args[0].meta["val"].dim()
+    a, b = args[1] % rank, args[2] % rank
+    perm = list(range(rank))
+    perm[a], perm[b] = perm[b], perm[a]
+    return {"perm": tuple(perm)}
+
+
+def _perm_permute(args, kwargs):
+    rank = args[0].meta["val"].dim()
+    return {"perm": tuple(d % rank for d in args[1])}
+
+
+def _dot_mm(args, kwargs):
+    return {"lhs_contract": (1,), "rhs_contract": (0,)}
+
+
+def _dot_bmm(args, kwargs):
+    return {"lhs_batch": (0,), "rhs_batch": (0,), "lhs_contract": (2,), "rhs_contract": (1,)}
+
+
+def _broadcast_dims(args, kwargs):
+    src = args[0].meta["val"]
+    out_rank = len(args[1])
+    return {"dims": tuple(range(out_rank - src.dim(), out_rank))}
+
+
+NEUTRAL: list[Neutral] = [
+    Neutral(aten.add.Tensor, "add", (0, 1), {"alpha": ("alpha", 1)}),
+    Neutral(aten.sub.Tensor, "sub", (0, 1), {"alpha": ("alpha", 1)}),
+    Neutral(aten.mul.Tensor, "mul", (0, 1)),
+    Neutral(aten.div.Tensor, "div", (0, 1)),
+    Neutral(aten.maximum.default, "max", (0, 1)),
+    Neutral(aten.minimum.default, "min", (0, 1)),
+    Neutral(aten.eq.Tensor, "eq", (0, 1)), Neutral(aten.ne.Tensor, "ne", (0, 1)),
+    Neutral(aten.lt.Tensor, "lt", (0, 1)), Neutral(aten.le.Tensor, "le", (0, 1)),
+    Neutral(aten.gt.Tensor, "gt", (0, 1)), Neutral(aten.ge.Tensor, "ge", (0, 1)),
+    Neutral(aten.eq.Scalar, "eq", (0, 1)), Neutral(aten.ne.Scalar, "ne", (0, 1)),
+    Neutral(aten.lt.Scalar, "lt", (0, 1)), Neutral(aten.le.Scalar, "le", (0, 1)),
+    Neutral(aten.gt.Scalar, "gt", (0, 1)), Neutral(aten.ge.Scalar, "ge", (0, 1)),
+    Neutral(aten.neg.default, "neg", (0,)), Neutral(aten.abs.default, "abs", (0,)),
+    Neutral(aten.exp.default, "exp", (0,)), Neutral(aten.log.default, "log", (0,)),
+    Neutral(aten.sqrt.default, "sqrt", (0,)), Neutral(aten.rsqrt.default, "rsqrt", (0,)),
+    Neutral(aten.tanh.default, "tanh", (0,)), Neutral(aten.sigmoid.default, "sigmoid", (0,)),
+    Neutral(aten.relu.default, "relu", (0,)),
+    Neutral(aten.reciprocal.default, "reciprocal", (0,)),
+    Neutral(aten.sign.default, "sign", (0,)),
+    Neutral(aten.where.self, "select", (0, 1, 2)),
+    Neutral(aten.lerp.Scalar, "lerp", (0, 1, 2)),
+    Neutral(aten.lerp.Tensor, "lerp", (0, 1, 2)),
+    Neutral(aten.addcmul.default, "addcmul", (0, 1, 2), {"value": ("value", 1)}),
+    Neutral(aten.addcdiv.default, "addcdiv", (0, 1, 2), {"value": ("value", 1)}),
+    Neutral(aten.mm.default, "dot", (0, 1), make_attrs=_dot_mm),
+    Neutral(aten.bmm.default, "dot", (0, 1), make_attrs=_dot_bmm),
+    Neutral(aten.t.default, "transpose", (0,), make_attrs=_perm_t),
+    Neutral(aten.t_copy.default, "transpose", (0,), make_attrs=_perm_t),
+    Neutral(aten.permute.default, "transpose", (0,), make_attrs=_perm_permute),
+    Neutral(aten.permute_copy.default, "transpose", (0,), make_attrs=_perm_permute),
+    Neutral(aten.transpose.int, "transpose", (0,), make_attrs=_perm_transpose),
+    Neutral(aten.transpose_copy.int, "transpose", (0,), make_attrs=_perm_transpose),
+    Neutral(aten.view.default, "reshape", (0,)),
+    Neutral(aten.view_copy.default, "reshape", (0,)),
+    Neutral(aten._unsafe_view.default, "reshape", (0,)),
+    Neutral(aten.reshape.default, "reshape", (0,)),
+    Neutral(aten.expand.default, "broadcast_in_dim", (0,), make_attrs=_broadcast_dims),
+    Neutral(aten.expand_copy.default, "broadcast_in_dim", (0,), make_attrs=_broadcast_dims),
+    Neutral(aten.sum.dim_IntList, "reduce_sum", (0,), make_attrs=_dims_of),
+    Neutral(aten.sum.default, "reduce_sum", (0,), make_attrs=_dims_of),
+    Neutral(aten.mean.dim, "reduce_mean", (0,), make_attrs=_dims_of),
+    Neutral(aten.mean.default, "reduce_mean", (0,), make_attrs=_dims_of),
+    Neutral(aten.amax.default, "reduce_max", (0,), make_attrs=_dims_of),
+]
+
+BY_ATEN: dict[Any, Neutral] = {n.aten: n for n in NEUTRAL}
+
+# The aten call the backend makes for a neutral op (the first table row of that op wins,
+# except where the IR attributes pick the overload).
+IDENTITY = {aten.detach.default, aten.detach_copy.default, aten.alias.default,
+            aten.alias_copy.default, aten.lift_fresh_copy.default, aten.clone.default}
+DROPPED_TARGETS = {"profiler._record_function_enter_new.default",
+                   "profiler._record_function_exit._RecordFunction",
+                   "profiler._record_function_enter.default"}
+
+
+def target_name(target: Any) -> str:
+    """``aten.addmm.default`` for an OpOverload."""
+    ns = getattr(target, "namespace", None)
+    if ns is None:
+        return getattr(target, "__name__", str(target))
+    return f"{ns}.{target._opname}.{target._overloadname}"
+
+
+def resolve_target(name: str) -> Any:
+    """The OpOverload named ``ns.op.overload``; UnsupportedOpError when there is none."""
+    try:
+        ns, op, overload = name.split(".")
+        return getattr(getattr(getattr(torch.ops, ns), op), overload)
+    except (ValueError, AttributeError):
+        raise UnsupportedOpError(f"no torch op named {name!r}",
+                                 hint="the IR was made by another torch version?") from None
+
+
+# ------------------------------------------------------------------ opaque arguments
+
+_TAGS = ("%", "dtype:", "device:", "layout:", "memory_format:")
+
+
+def encode_arg(v: Any, tensor_index: Callable[[Any], int]) -> Any:
+    """A non-tensor aten argument as an attribute value; tensors become ``"%k"``."""
+    if isinstance(v, torch.fx.Node):
+        return f"%{tensor_index(v)}"
+    if v is None or isinstance(v, (bool, int, float)):
+        return v
+    if isinstance(v, str):
+        if v.startswith(_TAGS):
+            raise UnsupportedOpError(f"string argument {v!r} clashes with the IR's encoding")
+        return v
+    if isinstance(v, torch.dtype):
+        return f"dtype:{str(v).removeprefix('torch.')}"
+    if isinstance(v, torch.device):
+        return f"device:{v}"
+    if isinstance(v, torch.layout):
+        return f"layout:{str(v).removeprefix('torch.')}"
+    if isinstance(v, torch.memory_format):
+        return f"memory_format:{str(v).removeprefix('torch.')}"
+    if isinstance(v, (list, tuple)):
+        return tuple(encode_arg(x, tensor_index) for x in v)
+    raise UnsupportedOpError(f"argument {v!r} of type {type(v).__name__} cannot be kept in "
+                             "the IR")
+
+
+def decode_arg(v: Any, inputs: list) -> Any:
+    """The inverse of ``encode_arg``, with ``inputs`` the op's tensor operands."""
+    if isinstance(v, str):
+        if v.startswith("%"):
+            return inputs[int(v[1:])]
+        for tag, conv in (("dtype:", lambda s: getattr(torch, s)),
+                          ("device:", torch.device),
+                          ("layout:", lambda s: getattr(torch, s)),
+                          ("memory_format:", lambda s: getattr(torch, s))):
+            if v.startswith(tag):
+                return conv(v[len(tag):])
+        return v
+    if isinstance(v, tuple):
+        return [decode_arg(x, inputs) for x in v]
+    return v
