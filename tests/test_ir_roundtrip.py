@@ -92,7 +92,7 @@ FLOAT_DTYPES = [d for d in DType if d.is_float]
 INT_DTYPES = [d for d in DType if d.is_int]
 
 UNARY = ("neg abs exp log log1p expm1 sqrt rsqrt tanh sigmoid relu sin cos erf sign floor ceil "
-         "round reciprocal square copy gelu logical_not isfinite isnan").split()
+         "round reciprocal square copy gelu integer_pow logical_not isfinite isnan").split()
 TO_BOOL = {"logical_not", "isfinite", "isnan"}
 BINARY = "add sub mul div pow max min rem atan2 and or xor".split()
 COMPARE = "eq ne lt le gt ge".split()
@@ -275,7 +275,8 @@ class _Builder:
     def block(self, blk: _Block, depth: int, max_ops: int) -> None:
         gens = [self.unary, self.unary, self.binary, self.binary, self.ternary, self.convert,
                 self.reduce, self.transpose, self.reshape, self.broadcast, self.slice,
-                self.pad, self.concat, self.dot, self.index_select, self.constant,
+                self.pad, self.concat, self.dot, self.index_select, self.gather_scatter,
+                self.constant,
                 self.constant, self.rng, self.collective, self.collective, self.quant,
                 self.opaque]
         if depth < 2:
@@ -309,6 +310,8 @@ class _Builder:
         attrs = {}
         if name == "gelu" and self.coin():
             attrs["approximate"] = self.choice(["none", "tanh"])
+        if name == "integer_pow":
+            attrs["exponent"] = self.integer(-3, 4)
         dt = DType.bool if name in TO_BOOL else t.dtype
         self.emit(blk, name, [x], [TensorType(t.shape, dt)], attrs)
 
@@ -328,7 +331,8 @@ class _Builder:
             name = self.choice(BINARY + COMPARE)
         ins = self.shuffle([x, y])
         dt = DType.bool if name in COMPARE else t.dtype
-        self.emit(blk, name, ins, [TensorType(t.shape, dt)])
+        attrs = {"alpha": self.draw(NUMBERS)} if name in ("add", "sub") and self.coin() else {}
+        self.emit(blk, name, ins, [TensorType(t.shape, dt)], attrs)
 
     def ternary(self, blk: _Block, depth: int) -> None:
         x = self.pick(blk, lambda t: t.dtype is not DType.key and not _has_partial(t))
@@ -338,8 +342,10 @@ class _Builder:
         y = self.pick(blk, lambda u: u == t)
         plain = TensorType(t.shape, t.dtype)
         if self.coin():
+            name = self.choice(["clamp", "lerp", "addcmul", "addcdiv"])
             z = self.pick(blk, lambda u: u == t)
-            self.emit(blk, "clamp", [x, y, z], [plain])
+            attrs = {"value": self.draw(NUMBERS)} if name[:4] == "addc" and self.coin() else {}
+            self.emit(blk, name, [x, y, z], [plain], attrs)
             return
         c = self.emit(blk, self.choice(COMPARE), [x, y], [TensorType(t.shape, DType.bool)])
         if c is not None:
@@ -501,6 +507,36 @@ class _Builder:
         ax = self.integer(0, t.rank - 1)
         shape = t.shape[:ax] + i.shape + t.shape[ax + 1:]
         self.emit(blk, "index_select", [src, idx], [TensorType(shape, t.dtype)], {"axis": ax})
+
+    def _indices(self, blk: _Block, rank: int) -> str:
+        """A visible integer value of this rank, or a new iota."""
+        idx = self.pick(blk, lambda u: u.dtype.is_int and u.rank == rank)
+        if idx is None:
+            t = TensorType(tuple(self.integer(0, 4) for _ in range(rank)),
+                           self.choice(INT_DTYPES))
+            idx = self.emit(blk, "iota", [], [t], {"dim": 0}, derive=False)[0]
+        return idx
+
+    def gather_scatter(self, blk: _Block, depth: int) -> None:
+        x = self.pick(blk, lambda t: t.rank >= 1 and t.dtype is not DType.key)
+        if x is None:
+            return
+        t = self.types[x]
+        name = self.choice(["gather", "scatter_add", "index_add"])
+        if name == "index_add":
+            idx = self._indices(blk, self.integer(0, 2))
+            ax = self.integer(0, t.rank - 1)
+            upd = self.matching(blk, TensorType(
+                t.shape[:ax] + self.types[idx].shape + t.shape[ax + 1:], t.dtype))
+            self.emit(blk, name, [x, idx, upd], [TensorType(t.shape, t.dtype)], {"axis": ax})
+            return
+        idx = self._indices(blk, t.rank)
+        attrs = {"dim": self.integer(0, t.rank - 1)}
+        if name == "gather":
+            self.emit(blk, name, [x, idx], [TensorType(self.types[idx].shape, t.dtype)], attrs)
+        else:
+            upd = self.matching(blk, TensorType(self.types[idx].shape, t.dtype))
+            self.emit(blk, name, [x, idx, upd], [TensorType(t.shape, t.dtype)], attrs)
 
     # ------------------------------------------------------------ constants and rng
     def constant(self, blk: _Block, depth: int) -> None:

@@ -1,11 +1,14 @@
 """IR -> a runnable torch.fx GraphModule calling aten ops (its ``.code`` reads as Python).
 
-Neutral ops go back to the aten overload the frontend table maps them from; scalar `full`
-constants fold back into Python numbers, so the program makes the same aten calls as the
-eager step. Layout ops become views (permute, expand, reshape), as eager code makes them."""
+Neutral ops go back to the aten overload the frontend table maps them from. 0-d values
+made only from constants, hyperparameter inputs and ``.item()`` reads are *host scalars*:
+computed with Python floats and passed to aten calls as Python numbers, as the eager
+optimizer does with its learning rate and step count. Layout ops become views (permute,
+expand, reshape), as eager code makes them. So the program makes the eager step's calls."""
 
 from __future__ import annotations
 
+import operator
 import re
 from typing import Any
 
@@ -13,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import UnsupportedOpError
-from ..ir.core import Graph, Op
+from ..ir.core import Graph, InputKind, Op
 from ..ir.types import DType
 from ..frontends.torch_ops import DTYPE_TO_TORCH, decode_arg, resolve_target
 
@@ -29,6 +32,9 @@ _BINARY = {"mul": aten.mul.Tensor, "div": aten.div.Tensor, "max": aten.maximum.d
 _COMPARE = {"eq": (aten.eq.Tensor, aten.eq.Scalar), "ne": (aten.ne.Tensor, aten.ne.Scalar),
             "lt": (aten.lt.Tensor, aten.lt.Scalar), "le": (aten.le.Tensor, aten.le.Scalar),
             "gt": (aten.gt.Tensor, aten.gt.Scalar), "ge": (aten.ge.Tensor, aten.ge.Scalar)}
+_HOST_OPS = {"mul": operator.mul, "add": operator.add, "sub": operator.sub,
+             "div": operator.truediv, "pow": operator.pow}
+_HOST_DTYPES = {DType.f64, DType.i64, DType.bool}
 _REDUCE = {"reduce_sum": aten.sum.dim_IntList, "reduce_mean": aten.mean.dim,
            "reduce_max": aten.amax.default}
 
@@ -50,6 +56,10 @@ class _Builder:
     def build(self) -> fx.GraphModule:
         for i in self.g.inputs:
             self.env[i.name] = self.fx.placeholder(_py_name(i.name))
+            if i.role.kind is InputKind.hyper and i.value.type.shape == ():
+                self.scalars[i.name] = self.call(aten._local_scalar_dense.default,
+                                                 [self.env[i.name]])
+                self.dtype_of[i.name] = DTYPE_TO_TORCH[i.value.type.dtype]
         for op in self.g.ops:
             self.op(op)
         self.fx.output(tuple(self.env[o.name] for o in self.g.outputs))
@@ -71,9 +81,38 @@ class _Builder:
                                            {"dtype": self.dtype_of[name]})
         return v
 
+    def host(self, op: Op) -> bool:
+        """Compute a 0-d op with Python numbers when its inputs are host scalars."""
+        if len(op.results) != 1 or op.result.type.shape != () or not op.inputs:
+            return False
+        if not all(i in self.scalars for i in op.inputs) or op.regions:
+            return False
+        n, t = op.name, op.result.type
+        vals = [self.scalars[i] for i in op.inputs]
+        if n == "convert":
+            # an .item() read, or a scalar handed to a tensor op (which rounds it itself)
+            self.scalars[op.result.name] = vals[0]
+        elif n in _HOST_OPS and t.dtype in _HOST_DTYPES and not op.attrs:
+            self.scalars[op.result.name] = self.call(_HOST_OPS[n], vals)
+        elif n == "neg" and t.dtype in _HOST_DTYPES:
+            self.scalars[op.result.name] = self.call(operator.neg, vals)
+        else:
+            return False
+        self.dtype_of[op.result.name] = DTYPE_TO_TORCH[t.dtype]
+        return True
+
     def op(self, op: Op) -> None:
         n, a, ins = op.name, op.attrs, op.inputs
         out: Any
+        if n == "convert" and op.inputs[0] not in self.scalars and \
+                op.result.type.shape == () and op.result.type.dtype in _HOST_DTYPES:
+            # .item(): read a 0-d tensor into a Python number
+            self.scalars[op.result.name] = self.call(aten._local_scalar_dense.default,
+                                                     [self.node(op.inputs[0])])
+            self.dtype_of[op.result.name] = DTYPE_TO_TORCH[op.result.type.dtype]
+            return
+        if self.host(op):
+            return
         if n == "full" and op.result.type.shape == ():
             # folded into the ops that use it; materialized on demand
             self.scalars[op.result.name] = a["value"]
@@ -86,24 +125,33 @@ class _Builder:
         elif n in ("add", "sub"):
             target = aten.add.Tensor if n == "add" else aten.sub.Tensor
             kw = {"alpha": a["alpha"]} if "alpha" in a else {}
+            if len(ins) == 3:
+                kw = {"alpha": self.arg(ins[2])}
             out = self.call(target, [self.node(ins[0]), self.arg(ins[1])], kw)
+        elif n == "pow":
+            if ins[0] in self.scalars:
+                out = self.call(aten.pow.Scalar, [self.arg(ins[0]), self.node(ins[1])])
+            elif ins[1] in self.scalars:
+                out = self.call(aten.pow.Tensor_Scalar, [self.node(ins[0]), self.arg(ins[1])])
+            else:
+                out = self.call(aten.pow.Tensor_Tensor, [self.node(ins[0]), self.node(ins[1])])
         elif n in _BINARY:
             out = self.call(_BINARY[n], [self.node(ins[0]), self.arg(ins[1])])
         elif n in _COMPARE:
             tensor_t, scalar_t = _COMPARE[n]
-            rhs = self.arg(ins[1])
-            out = self.call(scalar_t if not isinstance(rhs, fx.Node) else tensor_t,
-                            [self.node(ins[0]), rhs])
+            out = self.call(scalar_t if ins[1] in self.scalars else tensor_t,
+                            [self.node(ins[0]), self.arg(ins[1])])
         elif n == "select":
             out = self.call(aten.where.self, [self.node(i) for i in ins])
         elif n == "lerp":
-            w = self.arg(ins[2])
-            out = self.call(aten.lerp.Tensor if isinstance(w, fx.Node) else aten.lerp.Scalar,
-                            [self.node(ins[0]), self.node(ins[1]), w])
+            target = aten.lerp.Scalar if ins[2] in self.scalars else aten.lerp.Tensor
+            out = self.call(target, [self.node(ins[0]), self.node(ins[1]), self.arg(ins[2])])
         elif n in ("addcmul", "addcdiv"):
             kw = {"value": a["value"]} if "value" in a else {}
+            if len(ins) == 4:
+                kw = {"value": self.arg(ins[3])}
             target = aten.addcmul.default if n == "addcmul" else aten.addcdiv.default
-            out = self.call(target, [self.node(i) for i in ins], kw)
+            out = self.call(target, [self.node(i) for i in ins[:3]], kw)
         elif n == "dot":
             out = self.dot(op)
         elif n == "transpose":
@@ -119,6 +167,10 @@ class _Builder:
         elif n == "convert":
             out = self.call(aten._to_copy.default, [self.node(ins[0])],
                             {"dtype": DTYPE_TO_TORCH[DType(a["dtype"])]})
+        elif n == "literal":
+            t = op.result.type
+            out = self.call(torch.tensor, [list(a["data"])], {"dtype": DTYPE_TO_TORCH[t.dtype]})
+            out = self.call(aten.reshape.default, [out, list(t.shape)])
         elif n == "full":
             t = op.result.type
             out = self.call(aten.full.default, [list(t.shape), a["value"]],

@@ -9,7 +9,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import DiphomaError
-from ..frontends.torch_capture import Captured, Slot, _is_state
+from ..frontends.torch_capture import LR_DTYPE, Captured, Slot, _is_state
 from ..ir.core import Graph
 from .torch_build import build_module
 
@@ -65,7 +65,7 @@ class TorchStep:
             return self._state(slot)
         if slot.kind == "lr":
             g = cap.optimizers[slot.owner].param_groups[slot.key[0]]
-            return torch.as_tensor(g["lr"], dtype=torch.float64)
+            return torch.as_tensor(g["lr"], dtype=LR_DTYPE)
         return next(args_it)
 
     def __call__(self, *args: Any) -> Any:

@@ -22,6 +22,7 @@ from unittest import mock
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
@@ -31,7 +32,6 @@ from ..ir.core import Phase
 
 aten = torch.ops.aten
 LR_DTYPE = torch.float64  # a Python float learning rate is a double: keep it one
-LR_AS_INPUT = False  # TODO(issue 3): learning rate as an input (see docs/torch.md)
 
 
 @dataclass(frozen=True)
@@ -183,16 +183,6 @@ def user_location(stack_trace: str | None) -> str | None:
 
 # ------------------------------------------------------------------ tracing
 
-def _foreach_addcdiv_tensor(self, tensor1, tensor2, scalars):
-    # Fake mode cannot run this overload (its scalars tensor lives on the meta device);
-    # the per-tensor form runs the same kernel.
-    for i in range(len(self)):
-        self[i].addcdiv_(tensor1[i], tensor2[i], value=scalars[i])
-
-
-_DECOMPOSITIONS = {aten._foreach_addcdiv_.Tensor: _foreach_addcdiv_tensor}
-
-
 @contextlib.contextmanager
 def _bind_optimizer(opt: torch.optim.Optimizer, groups: list[list[torch.Tensor]],
                     state: dict, lrs: list[torch.Tensor]) -> Iterator[None]:
@@ -208,14 +198,6 @@ def _bind_optimizer(opt: torch.optim.Optimizer, groups: list[list[torch.Tensor]]
         for g, (ps, lr) in zip(opt.param_groups, saved):
             g["params"], g["lr"] = ps, lr
         opt.state = saved_state
-
-
-@contextlib.contextmanager
-def _tracing_optimizer_step() -> Iterator[None]:
-    # Adam-family optimizers read the step count with .item() unless they believe they are
-    # being compiled; a fake tensor has no value to read.
-    with mock.patch("torch.compiler.is_compiling", return_value=True):
-        yield
 
 
 class _Step:
@@ -256,8 +238,7 @@ class _Step:
             self.groups.append(gs)
         self.lr_slots = [Slot("lr", oi, (gi,), "lr" if len(opts) == 1 and len(gs) == 1
                               else f"opt{oi}.group{gi}.lr")
-                         for oi, gs in enumerate(self.groups) for gi in range(len(gs))
-                         ] if LR_AS_INPUT else []
+                         for oi, gs in enumerate(self.groups) for gi in range(len(gs))]
         leaves, self.arg_spec = pytree.tree_flatten_with_path(args, is_leaf=_is_state)
         self.arg_leaves = [leaf for _, leaf in leaves]
         by_pos = dict(enumerate(inspect.signature(fn).parameters)) if _has_sig(fn) else {}
@@ -328,10 +309,10 @@ class _Step:
             lr_it = iter(lrs)
             for oi, opt in enumerate(self.opts):
                 groups = [[ps[i] for i in g] for g in self.groups[oi]]
-                glrs = [next(lr_it) for _ in groups] if self.lr_slots else \
-                    [g["lr"] for g in opt.param_groups]
+                # .item() of a fake tensor is a symbolic float: the optimizer does its usual
+                # Python-double arithmetic on it, and that arithmetic is traced
+                glrs = [next(lr_it).item() for _ in groups]
                 stack.enter_context(_bind_optimizer(opt, groups, state, glrs))
-            stack.enter_context(_tracing_optimizer_step())
             out = self.fn(*args)
             new_buffers = [self._buffer_now(m_slot, bs[i]) for i, m_slot in
                            enumerate(self.buffer_slots)]
@@ -360,14 +341,17 @@ class _Step:
         return now if isinstance(now, torch.Tensor) else traced
 
 
-def _fake_inputs(step: _Step, fake: FakeTensorMode) -> list[torch.Tensor]:
+def _fake_inputs(step: _Step) -> list[torch.Tensor]:
+    # A fresh fake mode per trace, with a shape environment so that .item() (Adam's step
+    # count, the learning rate) gives a symbolic float instead of failing.
+    fake = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
+
     def f(t: torch.Tensor) -> torch.Tensor:
         return fake.from_tensor(t.detach())
-    with fake:
-        states = [torch.zeros(shape, dtype=dt) for keys in step.state_keys
-                  for _, shape, dt in keys]
-        lrs = [torch.zeros((), dtype=LR_DTYPE) for _ in step.lr_slots]
-    return ([f(p) for p in step.params] + [f(b) for b in step.buffers] + states + lrs
+    states = [torch.zeros(shape, dtype=dt) for keys in step.state_keys for _, shape, dt in keys]
+    lrs = [torch.zeros((), dtype=LR_DTYPE) for _ in step.lr_slots]
+    return ([f(p) for p in step.params] + [f(b) for b in step.buffers] + [f(t) for t in states]
+            + [f(t) for t in lrs]
             + [f(t) for t in step.arg_leaves if isinstance(t, torch.Tensor)])
 
 
@@ -381,8 +365,7 @@ def _trace(step: _Step, inputs: list[torch.Tensor], marks: _Marks | None,
             anchor(step.fn)
     ctx = marks.watching() if marks is not None else contextlib.nullcontext()
     with ctx:
-        return make_fx(step, decomposition_table=_DECOMPOSITIONS, tracing_mode="fake",
-                       record_stack_traces=stack_traces)(*inputs)
+        return make_fx(step, tracing_mode="fake", record_stack_traces=stack_traces)(*inputs)
 
 
 class _Replay(fx.Interpreter):
@@ -401,10 +384,10 @@ class _Replay(fx.Interpreter):
 
 def _functionalize(gm: fx.GraphModule, inputs: list[torch.Tensor]):
     replay = _Replay(gm)
-    fn = torch.func.functionalize(lambda *a: replay.run(*a), remove="mutations_and_views")
-    with _tracing_optimizer_step():
-        out = make_fx(fn, tracing_mode="fake")(*inputs)
-    return out, replay.made
+    # Views stay views: a transposed weight must reach addmm as a view, as in eager code,
+    # or the matrix kernel takes another path and rounds differently.
+    fn = torch.func.functionalize(lambda *a: replay.run(*a), remove="mutations")
+    return make_fx(fn, tracing_mode="fake")(*inputs), replay.made
 
 
 def capture(step_fn: Callable, *args: Any) -> Captured:
@@ -416,19 +399,17 @@ def capture(step_fn: Callable, *args: Any) -> Captured:
                             hint="pass the optimizer to the step, e.g. step(model, opt, batch)")
     step = _Step(step_fn, args, modules, opts)
     live = step.live_state_keys()
-    fake = FakeTensorMode()
     if live is None:
         # A fresh optimizer makes its state inside step(): trace once to learn its layout.
         step.state_keys = [[] for _ in step.params]
-        _trace(step, _fake_inputs(step, fake), None, False)
+        _trace(step, _fake_inputs(step), None, False)
         step.state_keys = step.discovered
     else:
         step.state_keys = live
-    inputs = _fake_inputs(step, fake)
     marks = _Marks()
-    gm1 = _trace(step, inputs, marks, True)
+    gm1 = _trace(step, _fake_inputs(step), marks, True)
     gm1_nodes = list(gm1.graph.nodes)
-    gm2, made = _functionalize(gm1, inputs)
+    gm2, made = _functionalize(gm1, _fake_inputs(step))
     phase, loc = _attribute(gm1_nodes, marks, gm2, made)
     outputs: list[Slot | None] = [None] * step.n_user
     outputs += step.param_slots + step.buffer_slots + step.state_slots()

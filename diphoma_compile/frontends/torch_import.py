@@ -11,7 +11,7 @@ import torch.fx as fx
 from ..errors import UnsupportedOpError
 from ..ir.core import (Attrs, Graph, Input, InputKind, InputRole, NameSupply, Op, Output,
                        OutputKind, OutputRole, Value)
-from ..ir.types import TensorType
+from ..ir.types import DType, TensorType
 from .torch_capture import Captured, Slot
 from .torch_ops import (BY_ATEN, DROPPED_TARGETS, IDENTITY, Neutral, encode_arg, ir_dtype,
                         target_name)
@@ -26,10 +26,20 @@ _FOREACH_BASE = {
     "addcmul": aten.addcmul.default, "addcdiv": aten.addcdiv.default,
     "sqrt": aten.sqrt.default, "neg": aten.neg.default, "reciprocal": aten.reciprocal.default,
     "exp": aten.exp.default, "abs": aten.abs.default, "sign": aten.sign.default,
+    "lerp": aten.lerp.Scalar,
 }
 
 
+_SYM_DTYPE = {torch.SymFloat: DType.f64, float: DType.f64, torch.SymInt: DType.i64,
+              int: DType.i64, torch.SymBool: DType.bool, bool: DType.bool}
+# Python arithmetic on symbolic scalars (the optimizer's learning-rate and step-count math)
+_SYM_OPS = {operator.mul: "mul", operator.add: "add", operator.sub: "sub",
+            operator.truediv: "div", operator.pow: "pow"}
+
+
 def _ttype(val: Any) -> TensorType:
+    if type(val) in _SYM_DTYPE:
+        return TensorType((), _SYM_DTYPE[type(val)])
     if not isinstance(val, torch.Tensor):
         raise UnsupportedOpError(f"a value of type {type(val).__name__} where a tensor was "
                                  "expected")
@@ -88,6 +98,9 @@ class _Importer:
             if node.op == "call_function":
                 self.node = node
                 self.call(node)
+            elif node.op == "get_attr":
+                self.node = node
+                self.constant(node)
             elif node.op == "output":
                 outputs = self.outputs(node)
         return Graph(cap.name, tuple(inputs), tuple(self.ops), tuple(outputs))
@@ -114,8 +127,33 @@ class _Importer:
                 outs.append(Output(name, OutputRole(OutputKind.replaces, slot.name)))
         return outs
 
+    def constant(self, node: fx.Node) -> None:
+        """A tensor constant the trace captured (``torch.tensor(1.0)`` in an optimizer)."""
+        value = getattr(self.cap.gm, node.target)
+        t = _ttype(value)
+        flat = value.detach().reshape(-1).tolist()
+        if len(set(flat)) == 1:
+            self.env[node] = self.emit("full", [], [t], {"value": flat[0]})[0]
+        else:
+            self.env[node] = self.emit("literal", [], [t], {"data": tuple(flat)})[0]
+
+    def scalar_math(self, node: fx.Node) -> str:
+        """Python arithmetic on symbolic scalars, as 0-d ops in double precision."""
+        out_t = _ttype(node.meta["val"])
+        if node.target is operator.neg:
+            return self.emit("neg", [self.operand(node.args[0], out_t.dtype)], [out_t], {})[0]
+        ins = [self.operand(a, out_t.dtype) for a in node.args]
+        return self.emit(_SYM_OPS[node.target], ins, [out_t], {})[0]
+
     def call(self, node: fx.Node) -> None:
         target = node.target
+        if target in _SYM_OPS or target is operator.neg:
+            self.env[node] = self.scalar_math(node)
+            return
+        if target is aten._local_scalar_dense.default or target is torch.sym_float:
+            src = self.env[node.args[0]]
+            self.env[node] = self.convert(src, _ttype(node.meta["val"]).dtype)
+            return
         if target is operator.getitem:
             self.env[node] = self.env[node.args[0]][node.args[1]]
             return
@@ -151,7 +189,10 @@ class _Importer:
         outs = []
         for i in range(n):
             args = [a[i] if isinstance(a, (list, tuple)) else a for a in node.args]
-            outs.append(self.neutral(BY_ATEN[per], args, node.kwargs, vals[i]))
+            kwargs = dict(node.kwargs)
+            if base in ("addcmul", "addcdiv") and len(args) > 3:
+                kwargs["value"] = args.pop(3)   # positional in the foreach form
+            outs.append(self.neutral(BY_ATEN[per], args, kwargs, vals[i]))
         self.env[node] = outs
         return True
 
@@ -164,7 +205,7 @@ class _Importer:
 
     def neutral(self, row: Neutral, args, kwargs, val) -> str:
         out_t = _ttype(val)
-        vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+        vals = [_concrete(a.meta["val"]) if isinstance(a, fx.Node) else a for a in args]
         if row.ir in _COMPARE:
             compute = ir_dtype(torch.result_type(vals[0], vals[1]))
         elif row.ir == "select":
@@ -183,7 +224,10 @@ class _Importer:
         attrs = dict(row.make_attrs(args, kwargs)) if row.make_attrs else {}
         for key, (src, default) in row.attrs.items():
             v = kwargs.get(src, default)
-            if v != default:
+            if isinstance(v, fx.Node):
+                # a scale computed at run time (the learning rate): an extra 0-d operand
+                ins.append(self.env[v])
+            elif v != default:
                 attrs[key] = v
         return self.emit(row.ir, ins, [out_t], attrs)[0]
 
@@ -217,6 +261,17 @@ class _Importer:
             + (f" (at {self.cap.loc[node.name]})" if node.name in self.cap.loc else ""),
             hint="values read back to Python (.item(), .tolist(), sizes that depend on data) "
                  "cannot be part of a traced step")
+
+
+def _concrete(v: Any) -> Any:
+    """A stand-in Python number for a symbolic scalar (for type promotion only)."""
+    if isinstance(v, torch.SymFloat):
+        return 1.0
+    if isinstance(v, torch.SymInt):
+        return 1
+    if isinstance(v, torch.SymBool):
+        return True
+    return v
 
 
 def import_captured(cap: Captured) -> Graph:

@@ -141,17 +141,18 @@ _add("integer_pow", C.unary, R.unary, E, {"exponent": ("int", True)}, flops=2,
      doc="x ** exponent by repeated multiplication (JAX integer_pow); exponent < 0 divides")
 _add("logical_not", C.unary, R.unary_to_bool, E, flops=1)
 _add("isfinite isnan", C.unary, R.unary_to_bool, E, flops=1)
-_add("add sub", C.binary, R.binary, E, {"alpha": ("number", False)}, flops=1,
-     doc="a + alpha*b (a - alpha*b): the scaled form frameworks compute in one step")
+_add("add sub", C.binary, R.scaled_binary, E, {"alpha": ("number", False)}, flops=1,
+     doc="a + alpha*b (a - alpha*b): the scaled form frameworks compute in one step; "
+         "alpha is an attribute, or a third 0-d operand when computed at run time")
 _add("mul div pow max min rem atan2 and or xor", C.binary, R.binary, E, flops=1)
 _add("eq ne lt le gt ge", C.binary, R.compare, E, flops=1)
 _add("select", C.ternary, R.select, E, flops=1)
 _add("clamp", C.ternary, R.ternary, E, flops=2)
 _add("lerp", C.ternary, R.ternary, E, flops=3, doc="a + w*(b - a)")
-_add("addcmul", C.ternary, R.ternary, E, {"value": ("number", False)}, flops=3,
-     doc="s + value*t1*t2")
-_add("addcdiv", C.ternary, R.ternary, E, {"value": ("number", False)}, flops=3,
-     doc="s + value*t1/t2")
+_add("addcmul", C.ternary, R.scaled_ternary, E, {"value": ("number", False)}, flops=3,
+     doc="s + value*t1*t2 (value: attribute or a fourth 0-d operand)")
+_add("addcdiv", C.ternary, R.scaled_ternary, E, {"value": ("number", False)}, flops=3,
+     doc="s + value*t1/t2 (value: attribute or a fourth 0-d operand)")
 _add("convert", C.cast, R.convert, E, {"dtype": ("dtype", True)}, flops=1)
 _add("bitcast", C.cast, R.bitcast, E, {"dtype": ("dtype", True)})
 

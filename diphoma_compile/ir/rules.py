@@ -85,6 +85,31 @@ def binary(op: Op, ins, outs) -> None:
     _expect(outs, [(broadcast_shapes(*(t.shape for t in ins)), _same_dtype(ins))])
 
 
+def _scale_operand(t: TensorType, what: str) -> None:
+    if t.shape != () or not t.dtype.is_float:
+        raise TypeRuleError(f"the {what} operand must be a 0-d float, found {_fmt(t)}")
+
+
+def scaled_binary(op: Op, ins, outs) -> None:
+    """add/sub: two operands, and the scale alpha as an attribute or a third 0-d operand."""
+    _arity(ins, 2, 3)
+    if len(ins) == 3:
+        _scale_operand(ins[2], "alpha")
+        if "alpha" in op.attrs:
+            raise TypeRuleError("alpha is given both as an attribute and as an operand")
+    _expect(outs, [(broadcast_shapes(*(t.shape for t in ins[:2])), _same_dtype(ins[:2]))])
+
+
+def scaled_ternary(op: Op, ins, outs) -> None:
+    """addcmul/addcdiv: three operands, and value as an attribute or a fourth 0-d operand."""
+    _arity(ins, 3, 4)
+    if len(ins) == 4:
+        _scale_operand(ins[3], "value")
+        if "value" in op.attrs:
+            raise TypeRuleError("value is given both as an attribute and as an operand")
+    _expect(outs, [(broadcast_shapes(*(t.shape for t in ins[:3])), _same_dtype(ins[:3]))])
+
+
 def compare(op: Op, ins, outs) -> None:
     _arity(ins, 2)
     _same_dtype(ins)

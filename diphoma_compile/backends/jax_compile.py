@@ -1,0 +1,221 @@
+"""The JAX backend: an IR graph as a function under jax.jit that takes and returns the
+user's pytrees."""
+
+from __future__ import annotations
+
+from collections import ChainMap
+from collections.abc import Callable, MutableMapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+
+from ..errors import BackendError
+from ..frontends.jax_params import decode
+from ..frontends.jax_trace import output_tree
+from ..frontends.jax_types import numpy_dtype
+from ..ir.core import Graph, InputKind, Op, OutputKind, Region
+from ..ir.types import DType, TensorType
+from .jax_lower import emitter
+
+Env = MutableMapping[str, Any]
+
+# Scatter primitives carry their combining computation as a jaxpr; the lax functions
+# rebuild it exactly as the user's call did.
+_SCATTERS: dict[str, Callable] = {
+    "scatter": lax.scatter, "scatter-add": lax.scatter_add, "scatter-mul": lax.scatter_mul,
+    "scatter-min": lax.scatter_min, "scatter-max": lax.scatter_max,
+}
+if hasattr(lax, "scatter_sub"):
+    _SCATTERS["scatter-sub"] = lax.scatter_sub
+
+_PRIMITIVES: dict[str, Any] = {}
+
+
+def primitive(name: str) -> Any:
+    """The JAX primitive called ``name``; BackendError when this JAX has none."""
+    if not _PRIMITIVES:
+        from jax._src.interpreters import mlir
+        from jax.extend.core import Primitive, primitives
+        found = list(mlir._lowerings)
+        for table in mlir._platform_specific_lowerings.values():
+            found.extend(table)
+        found.extend(p for p in vars(primitives).values() if isinstance(p, Primitive))
+        for p in found:
+            _PRIMITIVES.setdefault(p.name, p)
+    try:
+        return _PRIMITIVES[name]
+    except KeyError:
+        raise BackendError(f"this JAX ({jax.__version__}) has no primitive named {name!r}",
+                           hint="trace and run with the same JAX version") from None
+
+
+def _opaque(op: Op, ins: list) -> list:
+    target = str(op.attrs["target"])
+    if not target.startswith("jax:"):
+        raise BackendError(f"opaque op with target {target!r} is not a JAX primitive",
+                           hint="the JAX backend runs opaque ops traced from JAX only")
+    name = target[4:]
+    params = {k: decode(v) for k, v in op.attrs.items() if k not in ("target", "effectful")}
+    if name in _SCATTERS:
+        operand, indices, updates = ins
+        return [_SCATTERS[name](operand, indices, updates, **params)]
+    prim = primitive(name)
+    out = prim.bind(*ins, **params)
+    return list(out) if prim.multiple_results else [out]
+
+
+# ---------------------------------------------------------------- the interpreter
+
+def _run_region(r: Region, outer: Env, args: Sequence[Any]) -> list:
+    env: Env = ChainMap(dict(zip((a.name for a in r.args), args)), outer)
+    run_ops(r.ops, env)
+    return [env[y] for y in r.yields]
+
+
+def _control(op: Op, ins: list, env: Env) -> list:
+    if op.name == "call":
+        return _run_region(op.regions[0], env, ins)
+    if op.name == "cond":
+        branches = [lambda *a, r=r: tuple(_run_region(r, env, a)) for r in op.regions]
+        return list(lax.switch(ins[0], branches, *ins[1:]))
+    if op.name == "while":
+        cond, body = op.regions
+        out = lax.while_loop(lambda c: _run_region(cond, env, c)[0],
+                             lambda c: tuple(_run_region(body, env, c)), tuple(ins))
+        return list(out)
+    if op.name == "scan":
+        nc, nk = op.attrs.get("num_consts", 0), op.attrs["num_carry"]
+        consts, carry, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
+        (body,) = op.regions
+
+        def step(c, x):
+            ys = _run_region(body, env, list(consts) + list(c) + list(x))
+            return tuple(ys[:nk]), tuple(ys[nk:])
+        c, ys = lax.scan(step, tuple(carry), tuple(xs), length=op.attrs["length"],
+                         reverse=op.attrs.get("reverse", False),
+                         unroll=op.attrs.get("unroll", 1))
+        return list(c) + list(ys)
+    raise BackendError(f"the JAX backend has no lowering for control op {op.name!r}")
+
+
+def run_ops(ops: Sequence[Op], env: Env) -> None:
+    """Evaluate ``ops`` in order, reading and writing values in ``env`` by name."""
+    for op in ops:
+        ins = [env[n] for n in op.inputs]
+        if op.regions:
+            outs = _control(op, ins, env)
+        elif op.name == "opaque":
+            outs = _opaque(op, ins)
+        else:
+            outs = emitter(op)(op, ins, [v.type for v in op.results])
+        if len(outs) != len(op.results):
+            raise BackendError(f"{op.name} gave {len(outs)} results where the IR declares "
+                               f"{len(op.results)}")
+        for v, x in zip(op.results, outs):
+            env[v.name] = x
+
+
+def graph_function(graph: Graph) -> Callable[..., tuple]:
+    """The graph as a plain function of its input arrays (in order) returning its outputs."""
+    names = [i.name for i in graph.inputs]
+
+    def run(*leaves: Any) -> tuple:
+        env: Env = dict(zip(names, leaves))
+        run_ops(graph.ops, env)
+        return tuple(env[o.name] for o in graph.outputs)
+    run.__name__ = graph.name
+    return run
+
+
+# ---------------------------------------------------------------- pytrees in and out
+
+def _dtype_matches(dtype: Any, want: DType) -> bool:
+    if dtype is None:
+        return False
+    is_key = jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    if want is DType.key or is_key:
+        return want is DType.key and is_key
+    return np.dtype(dtype) == numpy_dtype(want)
+
+
+def _check_leaf(name: str, want: TensorType, leaf: Any) -> None:
+    shape = tuple(np.shape(leaf))
+    dtype = getattr(leaf, "dtype", None)
+    if shape != want.shape or not _dtype_matches(dtype, want.dtype):
+        raise BackendError(f"input {name} is {dtype}{list(shape)}; the graph expects "
+                           f"{want.dtype}{list(want.shape)}",
+                           hint="call the compiled step with arguments shaped like the "
+                                "example arguments it was traced with")
+
+
+class JaxStep:
+    """A compiled graph: call it like the user's step; it runs under jax.jit."""
+
+    def __init__(self, graph: Graph, out_tree: Any = None) -> None:
+        self.graph = graph
+        self.out_tree = out_tree if out_tree is not None else output_tree(graph)
+        self.fn = graph_function(graph)
+        self.jitted = jax.jit(self.fn)
+
+    def flatten(self, args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        """(input leaves, the treedef of each argument), checked against the graph."""
+        treedefs, leaves = [], []
+        for a in args:
+            ls, td = jax.tree.flatten(a)
+            treedefs.append(td)
+            leaves.extend(ls)
+        if len(leaves) != len(self.graph.inputs):
+            raise BackendError(f"the step was called with {len(leaves)} array leaves; the "
+                               f"graph takes {len(self.graph.inputs)} inputs",
+                               hint="pass the same pytrees the step was traced with")
+        for i, leaf in zip(self.graph.inputs, leaves):
+            _check_leaf(i.name, i.value.type, leaf)
+        return leaves, treedefs
+
+    def __call__(self, *args: Any) -> Any:
+        leaves, treedefs = self.flatten(args)
+        outs = self.jitted(*leaves)
+        if self.out_tree is not None:
+            return jax.tree.unflatten(self.out_tree, outs)
+        return self._by_roles(args, treedefs, outs)
+
+    def lower(self, *args: Any) -> Any:
+        """jax.jit's Lowered for these arguments (for inspecting the XLA program)."""
+        return self.jitted.lower(*self.flatten(args)[0])
+
+    def _by_roles(self, args: Sequence[Any], treedefs: list, outs: Sequence[Any]) -> Any:
+        """(params, opt_state, *metrics) rebuilt from roles, for graphs with no recorded
+        output structure (rewritten by passes): each replacing output takes its input's
+        place in the argument it came from; other outputs follow as flat leaves."""
+        where: dict[str, tuple[int, int]] = {}
+        pos = 0
+        for k, td in enumerate(treedefs):
+            for j in range(td.num_leaves):
+                where[self.graph.inputs[pos].name] = (k, j)
+                pos += 1
+        kinds = {i.name: i.role.kind for i in self.graph.inputs}
+        first = {kind: next((where[n][0] for n, kd in kinds.items() if kd is kind), None)
+                 for kind in (InputKind.param, InputKind.opt_state)}
+        if None in first.values():
+            return tuple(outs)
+        new = {k: list(jax.tree.leaves(args[k])) for k in set(first.values())}
+        metrics = []
+        for o, x in zip(self.graph.outputs, outs):
+            if o.role.kind is OutputKind.replaces and where[o.role.target][0] in new:
+                k, j = where[o.role.target]
+                new[k][j] = x
+            else:
+                metrics.append(x)
+        trees = [jax.tree.unflatten(treedefs[first[kd]], new[first[kd]])
+                 for kd in (InputKind.param, InputKind.opt_state)]
+        return (*trees, *metrics)
+
+
+def compile_jax(graph: Graph, *, out_tree: Any = None) -> JaxStep:
+    """A callable running ``graph`` under jax.jit, taking and returning the user's pytrees.
+
+    The output structure is ``out_tree`` if given, else the one recorded when the graph
+    was traced, else (params, opt_state, *metric leaves) rebuilt from the roles."""
+    return JaxStep(graph, out_tree)

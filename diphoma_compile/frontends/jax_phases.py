@@ -1,0 +1,116 @@
+"""Phases for a traced step whose jaxpr does not mark them: forward, backward, update.
+
+A jaxpr of ``value_and_grad`` + optimizer is one flat list of equations, so the phases are
+told from data flow and roles:
+
+1. forward: every op the loss output depends on.
+2. update: reading the top-level ops backwards, an op not in the forward set is an update
+   op when it has live users, all of them update ops or outputs that replace a parameter or
+   optimizer state, and it is optimizer math: elementwise or a constant, a broadcast or
+   reshape of a single element, a reduction to a single element (a global gradient norm),
+   or anything that reads optimizer state. Such walks stop at the ops that make gradients
+   (dot, reductions over some dims, transposes, scatters), which stay backward. An op that
+   reads an update value is update too (it runs after the step's update).
+3. backward: the remaining ops that feed a parameter or optimizer-state output, or read a
+   backward value.
+4. forward: the rest (metrics computed from the forward pass alone).
+
+Without a loss output no phases are assigned. Ops inside regions take their op's phase.
+Known imprecision: the sum of two gradient contributions of one parameter (a tied
+embedding) is elementwise and is classed update; it is elementwise math on gradients, so
+sharding it like the update is still correct.
+"""
+
+from __future__ import annotations
+
+from ..ir.analysis import free_inputs
+from ..ir.core import Graph, InputKind, Op, OutputKind, Phase, Region
+from ..ir.ops import Category, op_def
+
+_ELEMENTWISE = {Category.unary, Category.binary, Category.ternary, Category.cast,
+                Category.constant}
+
+
+def _optimizer_math(op: Op, numel: dict[str, int]) -> bool:
+    cat = op_def(op.name).category
+    if cat in _ELEMENTWISE:
+        return True
+    if op.name in ("broadcast_in_dim", "reshape"):
+        return all(numel[n] == 1 for n in op.inputs)
+    if cat is Category.reduce:
+        return all(v.type.numel == 1 for v in op.results)
+    return False
+
+
+def _with_phase(op: Op, phase: Phase) -> Op:
+    regions = tuple(Region(r.name, r.args, tuple(_with_phase(o, phase) for o in r.ops),
+                           r.yields) for r in op.regions)
+    return op.replace(phase=phase, regions=regions)
+
+
+def assign_phases(graph: Graph) -> Graph:
+    """``graph`` with a phase on every op, by the rules in this module's docstring."""
+    loss = [o.name for o in graph.outputs if o.role.kind is OutputKind.loss]
+    if not loss:
+        return graph
+    inputs = {i.name: i for i in graph.inputs}
+    state_targets = {n for n, i in inputs.items()
+                     if i.role.kind in (InputKind.param, InputKind.opt_state)}
+    state_outputs = {o.name for o in graph.outputs if o.role.kind is OutputKind.replaces
+                     and o.role.target in state_targets}
+    other_outputs = {o.name for o in graph.outputs} - state_outputs
+    opt_inputs = {n for n, i in inputs.items() if i.role.kind is InputKind.opt_state}
+
+    ops = graph.ops
+    reads = [free_inputs(op) for op in ops]
+    made = {v.name: k for k, op in enumerate(ops) for v in op.results}
+    numel = {i.name: i.value.type.numel for i in graph.inputs}
+    numel.update((v.name, v.type.numel) for op in ops for v in op.results)
+    users: dict[int, list[int]] = {k: [] for k in range(len(ops))}
+    for k, names in enumerate(reads):
+        for n in names:
+            if n in made:
+                users[made[n]].append(k)
+
+    def ancestors(names: set[str]) -> set[int]:
+        seen: set[int] = set()
+        stack = [made[n] for n in names if n in made]
+        while stack:
+            k = stack.pop()
+            if k not in seen:
+                seen.add(k)
+                stack.extend(made[n] for n in reads[k] if n in made)
+        return seen
+
+    forward = ancestors(set(loss))
+    live = ancestors({o.name for o in graph.outputs})
+    feeds_state = ancestors(state_outputs)
+    reads_state = [False] * len(ops)
+    for k in range(len(ops)):
+        reads_state[k] = any(n in opt_inputs or (n in made and reads_state[made[n]])
+                             for n in reads[k])
+
+    update: set[int] = set()
+    for k in reversed(range(len(ops))):
+        op = ops[k]
+        if k in forward or any(v.name in other_outputs for v in op.results):
+            continue
+        # Dead ops (an unused result jax kept) neither block nor make an update.
+        live_users = [u for u in users[k] if u in live]
+        used = bool(live_users) or any(v.name in state_outputs for v in op.results)
+        if used and all(u in update for u in live_users) and \
+                (reads_state[k] or _optimizer_math(op, numel)):
+            update.add(k)
+
+    phases: list[Phase] = []
+    for k in range(len(ops)):
+        src = [phases[made[n]] for n in reads[k] if n in made]
+        if k in forward:
+            phases.append(Phase.forward)
+        elif k in update or Phase.update in src:
+            phases.append(Phase.update)
+        elif k in feeds_state or Phase.backward in src:
+            phases.append(Phase.backward)
+        else:
+            phases.append(Phase.forward)
+    return graph.replace(ops=tuple(_with_phase(op, p) for op, p in zip(ops, phases)))

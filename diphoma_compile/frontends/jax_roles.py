@@ -1,0 +1,186 @@
+"""The step convention for JAX: value names from pytree paths, input and output roles.
+
+A step is ``step(params, opt_state, batch, *rest) -> (params, opt_state, *metrics)`` over
+pytrees of arrays; which argument is which can be overridden (``StepSignature``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.tree_util import keystr, tree_flatten_with_path, tree_structure
+
+from ..errors import FrontendError
+from ..ir.core import Input, InputKind, InputRole, NameSupply, OutputKind, OutputRole, Value
+from .jax_types import ir_type, is_key_dtype
+
+
+@dataclass(frozen=True)
+class StepSignature:
+    """Which positional arguments of the step hold parameters, optimizer state and batch."""
+
+    params_argnum: int = 0
+    opt_state_argnum: int = 1
+    batch_argnums: tuple[int, ...] = (2,)
+
+    def check(self, nargs: int) -> None:
+        """FrontendError unless the argument numbers are distinct and within ``nargs``."""
+        nums = [self.params_argnum, self.opt_state_argnum, *self.batch_argnums]
+        if len(set(nums)) != len(nums):
+            raise FrontendError(f"argument numbers {nums} repeat an argument; expected "
+                                "distinct positions for params, opt_state and batch")
+        bad = [n for n in nums if not 0 <= n < nargs]
+        if bad:
+            raise FrontendError(
+                f"the step was given {nargs} example argument(s), but argument number(s) "
+                f"{bad} are named as params/opt_state/batch",
+                hint="call trace(step, params, opt_state, batch, *rest), or pass "
+                     "params_argnum=, opt_state_argnum=, batch_argnums=")
+
+    def prefix(self, argnum: int) -> str:
+        """The name prefix of argument ``argnum``: params, opt_state, batch or argN."""
+        if argnum == self.params_argnum:
+            return "params"
+        if argnum == self.opt_state_argnum:
+            return "opt_state"
+        if argnum in self.batch_argnums:
+            return "batch" if len(self.batch_argnums) == 1 else \
+                f"batch{self.batch_argnums.index(argnum)}"
+        return f"arg{argnum}"
+
+
+def path_name(prefix: str, path: Sequence[Any]) -> str:
+    """``prefix/a/0/b`` for the key path (a, 0, b); just ``prefix`` for the root."""
+    return f"{prefix}/{keystr(tuple(path), simple=True, separator='/')}" if path else prefix
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def arg_leaves(tree: Any, prefix: str) -> list[tuple[str, Any]]:
+    """(name, leaf) of every leaf of one argument; FrontendError for a non-array leaf."""
+    out = []
+    for path, leaf in tree_flatten_with_path(tree)[0]:
+        name = path_name(prefix, path)
+        if not _is_array(leaf):
+            raise FrontendError(
+                f"step argument leaf {name} is a {type(leaf).__name__} ({str(leaf)[:40]!r}); "
+                "expected arrays (jax.Array or numpy.ndarray) at every leaf",
+                hint="wrap numbers with jnp.asarray, or bind non-array settings with "
+                     "functools.partial before tracing")
+        out.append((name, leaf))
+    return out
+
+
+def _same_shapes(a: Any, b: Any) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(
+        x.shape == y.shape and x.dtype == y.dtype for x, y in zip(la, lb))
+
+
+def opt_state_links(params: Any, opt_state: Any) -> list[tuple[int | None, str | None]]:
+    """For each optimizer-state leaf: the index of the parameter leaf it belongs to, and
+    its slot name.
+
+    A subtree of the state with the parameters' tree structure and leaf shapes mirrors
+    them (optax's mu, nu, trace, ...): its leaves link to the parameters in order, and the
+    key naming the subtree is the slot. Other leaves (step counts) link to nothing; their
+    slot is their last key."""
+    pdef = tree_structure(params)
+    nparams = pdef.num_leaves
+
+    def mirrors(node: Any) -> bool:
+        return nparams > 0 and tree_structure(node) == pdef and _same_shapes(node, params)
+
+    links: list[tuple[int | None, str | None]] = []
+    for path, node in tree_flatten_with_path(opt_state, is_leaf=mirrors)[0]:
+        last = keystr(tuple(path[-1:]), simple=True, separator="/") if path else None
+        if mirrors(node):
+            links.extend((k, last or "state") for k in range(nparams))
+        else:
+            links.append((None, last))
+    return links
+
+
+def step_inputs(args: Sequence[Any], sig: StepSignature) -> list[Input]:
+    """The graph inputs for the step's arguments, flattened in argument order, with roles."""
+    leaves = {k: arg_leaves(a, sig.prefix(k)) for k, a in enumerate(args)}
+    param_names = [n for n, _ in leaves[sig.params_argnum]]
+    links = opt_state_links(args[sig.params_argnum], args[sig.opt_state_argnum])
+    names = NameSupply(set())
+    inputs = []
+    for k in range(len(args)):
+        for j, (name, leaf) in enumerate(leaves[k]):
+            t = ir_type(leaf, f"step argument leaf {name}")
+            if k == sig.params_argnum:
+                role = InputRole(InputKind.param)
+            elif k == sig.opt_state_argnum:
+                of, slot = links[j]
+                role = InputRole(InputKind.opt_state,
+                                 of=None if of is None else param_names[of], slot=slot)
+            elif k in sig.batch_argnums:
+                role = InputRole(InputKind.batch)
+            elif is_key_dtype(leaf.dtype):
+                role = InputRole(InputKind.rng)
+            else:
+                role = InputRole(InputKind.hyper)
+            inputs.append(Input(Value(names(name), t), role))
+    return inputs
+
+
+def _describe(tree: Any) -> str:
+    text = str(tree_structure(tree))
+    return text if len(text) < 120 else text[:117] + "..."
+
+
+def _check_mirror(what: str, got: Any, want: Any) -> None:
+    if tree_structure(got) != tree_structure(want):
+        raise FrontendError(
+            f"the step's returned {what} has the structure {_describe(got)}, but the {what} "
+            f"argument has {_describe(want)}; expected the same pytree",
+            hint="return (new_params, new_opt_state, *metrics) in that order")
+    gl = tree_flatten_with_path(got)[0]
+    for (path, g), w in zip(gl, jax.tree.leaves(want)):
+        if g.shape != w.shape or g.dtype != w.dtype:
+            raise FrontendError(
+                f"the step returns {path_name(what, path)} as {g.dtype}{list(g.shape)}, but "
+                f"takes it as {w.dtype}{list(w.shape)}; expected the same shape and dtype",
+                hint="a new parameter or optimizer state must keep its input's type")
+
+
+def step_outputs(out: Any, args: Sequence[Any], sig: StepSignature,
+                 inputs: list[Input]) -> list[tuple[str, OutputRole]]:
+    """(preferred value name, role) of every output leaf, checking the convention."""
+    if not isinstance(out, (tuple, list)) or len(out) < 2:
+        kind = type(out).__name__
+        size = f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""
+        raise FrontendError(
+            f"the step returned a {kind}{size}; expected a tuple (params, opt_state, "
+            "*metrics)", hint="return the new parameters and optimizer state first, "
+                              "then any metrics (the first scalar metric is the loss)")
+    _check_mirror("params", out[0], args[sig.params_argnum])
+    _check_mirror("opt_state", out[1], args[sig.opt_state_argnum])
+    by_arg: dict[int, list[str]] = {}
+    pos = 0
+    for k, a in enumerate(args):
+        n = len(jax.tree.leaves(a))
+        by_arg[k] = [i.name for i in inputs[pos:pos + n]]
+        pos += n
+    result: list[tuple[str, OutputRole]] = []
+    for k, argnum in ((0, sig.params_argnum), (1, sig.opt_state_argnum)):
+        for target in by_arg[argnum]:
+            result.append((f"new/{target}", OutputRole(OutputKind.replaces, target)))
+    have_loss = False
+    for m, metric in enumerate(out[2:]):
+        for path, leaf in tree_flatten_with_path(metric)[0]:
+            floating = jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating)
+            if not have_loss and leaf.shape == () and floating:
+                have_loss = True
+                result.append(("loss", OutputRole(OutputKind.loss)))
+            else:
+                result.append((path_name(f"metric/{m}", path), OutputRole(OutputKind.metric)))
+    return result

@@ -1,0 +1,93 @@
+"""The JAX frontend's entry point: a whole training step, via jax.make_jaxpr, into an IR Graph."""
+
+from __future__ import annotations
+
+import re
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from ..errors import FrontendError
+from ..ir.core import Graph, NameSupply, Op, Output, Value
+from ..ir.rewrite import rename_uses
+from ..ir.verify import verify
+from .jax_convert import JaxprConverter
+from .jax_phases import assign_phases
+from .jax_roles import StepSignature, step_inputs, step_outputs
+
+# id(graph) -> (weak reference to the graph, output pytree structure). The IR has no place
+# for pytree structures; the backend looks a traced graph up here to return the user's trees.
+_OUT_TREES: dict[int, tuple[weakref.ref, Any]] = {}
+
+
+def output_tree(graph: Graph) -> Any | None:
+    """The output PyTreeDef recorded when ``graph`` was traced, or None for another graph."""
+    entry = _OUT_TREES.get(id(graph))
+    if entry is None or entry[0]() is not graph:
+        return None
+    return entry[1]
+
+
+def _remember(graph: Graph, tree: Any) -> None:
+    key = id(graph)
+    _OUT_TREES[key] = (weakref.ref(graph), tree)
+    weakref.finalize(graph, _OUT_TREES.pop, key, None)
+
+
+def _rename_results(ops: list[Op], mapping: dict[str, str]) -> tuple[Op, ...]:
+    """Top-level ops with results (and every use) renamed by ``mapping``."""
+    renamed = []
+    for op in ops:
+        if any(v.name in mapping for v in op.results):
+            op = op.replace(results=tuple(Value(mapping.get(v.name, v.name), v.type)
+                                          for v in op.results))
+        renamed.append(op)
+    return rename_uses(tuple(renamed), mapping)
+
+
+def _graph_name(fn: Callable) -> str:
+    name = getattr(fn, "__name__", "step")
+    return re.sub(r"[^A-Za-z0-9_.\-]", "_", name) or "step"
+
+
+def trace_jax(step_fn: Callable, *example_args: Any, params_argnum: int = 0,
+              opt_state_argnum: int = 1, batch_argnums: tuple[int, ...] = (2,),
+              locations: bool = True) -> Graph:
+    """Trace ``step_fn(*example_args)`` with jax.make_jaxpr into a verified IR Graph.
+
+    The step follows ``step(params, opt_state, batch, *rest) -> (params, opt_state,
+    *metrics)`` over pytrees of arrays; the argnum options say which argument is which.
+    Other arguments are ``hyper`` inputs (``rng`` for PRNG keys). The first scalar float
+    metric is the loss. ``locations`` records the user's file:line on each op."""
+    sig = StepSignature(params_argnum, opt_state_argnum, tuple(batch_argnums))
+    sig.check(len(example_args))
+    inputs = step_inputs(example_args, sig)
+    try:
+        closed, out_shape = jax.make_jaxpr(step_fn, return_shape=True)(*example_args)
+    except TypeError as e:
+        if "JAX type" not in str(e):
+            raise
+        raise FrontendError(f"the step returned a value that is not a pytree of arrays: {e}",
+                            hint="return (params, opt_state, *metrics) with array leaves") \
+            from None
+    roles = step_outputs(out_shape, example_args, sig, inputs)
+
+    names = NameSupply({i.name for i in inputs})
+    ops, outs = JaxprConverter(names, locations).convert(closed, [i.name for i in inputs])
+    if len(outs) != len(roles):
+        raise FrontendError(f"the jaxpr has {len(outs)} outputs but the step's result has "
+                            f"{len(roles)} leaves")
+    # Name each output value after its place in the result (new/params/..., loss), unless
+    # it is an input passed through or already named for an earlier output.
+    input_names = {i.name for i in inputs}
+    mapping: dict[str, str] = {}
+    for value, (preferred, _) in zip(outs, roles):
+        if value not in input_names and value not in mapping:
+            mapping[value] = names(preferred)
+    outputs = tuple(Output(mapping.get(v, v), role) for v, (_, role) in zip(outs, roles))
+    graph = Graph(_graph_name(step_fn), tuple(inputs), _rename_results(ops, mapping), outputs)
+    graph = verify(assign_phases(graph))
+    _remember(graph, jax.tree.structure(out_shape))
+    return graph
