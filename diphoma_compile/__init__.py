@@ -1,7 +1,8 @@
 """diphoma_compile: turns a single-device training step into a distributed program."""
 
+from .api import compile, trace
 from .errors import DiphomaError
 from .mesh import Mesh
 
 __version__ = "0.1.0"
-__all__ = ["DiphomaError", "Mesh", "__version__"]
+__all__ = ["DiphomaError", "Mesh", "__version__", "compile", "trace"]

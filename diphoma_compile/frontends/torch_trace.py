@@ -1,0 +1,73 @@
+"""The PyTorch frontend's entry point: a training step in, an IR graph out.
+
+Failures inside tracing (data-dependent Python control flow, ops fake tensors cannot run)
+become FrontendErrors that name the construct and the line of the user's code."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import DiphomaError, FrontendError
+from ..ir.core import Graph
+from ..ir.verify import verify
+from .torch_capture import _INTERNAL, Captured, capture
+from .torch_import import import_captured
+
+
+def _user_frame(exc: BaseException) -> str | None:
+    """``file:line: code`` of the innermost frame of the user's code in a traceback."""
+    best = None
+    for fs in traceback.extract_tb(exc.__traceback__):
+        if not fs.filename.startswith(_INTERNAL) and not fs.filename.startswith("<"):
+            best = f"{os.path.basename(fs.filename)}:{fs.lineno}: {(fs.line or '').strip()}"
+    return best
+
+
+def _explain(exc: Exception) -> FrontendError:
+    where = _user_frame(exc)
+    at = f" at {where}" if where else ""
+    name = type(exc).__name__
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else name
+    data_dependent = ("DataDependent" in name or "GuardOnDataDependent" in name
+                      or "data-dependent" in text.lower() or "data dependent" in text.lower())
+    if data_dependent:
+        return FrontendError(
+            f"the step branches or reads a value that depends on tensor data{at} ({text})",
+            hint="Python control flow on tensor values cannot be traced: use torch.where, "
+                 "or move the decision out of the step")
+    if "DynamicOutputShape" in name:
+        return FrontendError(f"an op's output shape depends on tensor data{at} ({text})",
+                             hint="ops such as nonzero/unique/masked_select cannot be traced "
+                                  "with static shapes")
+    if "no fake impl" in text.lower() or "meta" in text.lower() and "kernel" in text.lower():
+        return FrontendError(f"an op cannot run on fake tensors{at} ({text})",
+                             hint="register a fake (meta) implementation for custom ops "
+                                  "(torch.library.register_fake)")
+    return FrontendError(f"tracing the step failed{at}: {name}: {text}",
+                         hint="see the chained exception for the full traceback")
+
+
+def trace_torch(step_fn: Callable, *example_args: Any) -> tuple[Graph, Captured]:
+    """Trace a PyTorch training step; return its IR graph and the capture a runtime binds."""
+    try:
+        cap = capture(step_fn, *example_args)
+    except DiphomaError:
+        raise
+    except Exception as e:  # torch raises many types while tracing; name the user's line
+        raise _explain(e) from e
+    graph = import_captured(cap)
+    return verify(graph), cap
+
+
+def is_torch_step(args: tuple) -> bool:
+    """True when the example arguments hold torch modules, optimizers or tensors."""
+    def torchy(x: Any) -> bool:
+        return isinstance(x, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor))
+    leaves = torch.utils._pytree.tree_leaves(args, is_leaf=lambda x: isinstance(
+        x, (torch.nn.Module, torch.optim.Optimizer)))
+    return any(torchy(x) for x in leaves)

@@ -1,0 +1,131 @@
+"""Small models and training steps for the PyTorch frontend tests (kept stable: the golden
+IR files quote line numbers of this file)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int = 8, d_hidden: int = 16, d_out: int = 4) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.fc2 = nn.Linear(d_hidden, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class CNN(nn.Module):
+    def __init__(self, classes: int = 5) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.bn = nn.BatchNorm2d(6)
+        self.head = nn.Linear(6 * 4 * 4, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.max_pool2d(F.relu(self.bn(self.conv(x))), 2)
+        return self.head(h.flatten(1))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+        self.heads = heads
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.down(F.gelu(self.up(self.ln2(x)), approximate="tanh")))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int = 64, d: int = 32, layers: int = 2, heads: int = 4,
+                 block: int = 16, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(block, d)
+        self.blocks = nn.ModuleList(Block(d, heads, dropout) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied, as in GPT-2
+        for p in self.parameters():
+            if p.dim() > 1:
+                nn.init.normal_(p, std=0.5 / math.sqrt(d))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln(x))
+
+
+def classify_step(model, opt, batch):
+    loss = F.cross_entropy(model(batch["x"]), batch["y"])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def clipped_step(model, opt, batch):
+    loss = F.cross_entropy(model(batch["x"]), batch["y"])
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def lm_step(model, opt, batch):
+    logits = model(batch["idx"])
+    loss = F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps, fe: torch.optim.SGD(ps, lr=0.05, foreach=fe),
+    "sgd_momentum": lambda ps, fe: torch.optim.SGD(ps, lr=0.05, momentum=0.9, foreach=fe),
+    "adam": lambda ps, fe: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, foreach=fe),
+    "adamw": lambda ps, fe: torch.optim.AdamW(ps, lr=1e-2, foreach=fe),
+}
+
+
+def mlp_batches(n: int, seed: int = 1) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"x": torch.randn(16, 8, generator=g), "y": torch.randint(0, 4, (16,), generator=g)}
+            for _ in range(n)]
+
+
+def cnn_batches(n: int, seed: int = 2) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"x": torch.randn(4, 3, 8, 8, generator=g),
+             "y": torch.randint(0, 5, (4,), generator=g)} for _ in range(n)]
+
+
+def lm_batches(n: int, seed: int = 3, vocab: int = 64, t: int = 16) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        seq = torch.randint(0, vocab, (4, t + 1), generator=g)
+        out.append({"idx": seq[:, :-1], "targets": seq[:, 1:]})
+    return out
