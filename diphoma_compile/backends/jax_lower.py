@@ -21,20 +21,10 @@ Emitter = Callable[[Op, list, Sequence[TensorType]], list]
 
 
 def _broadcast(args: list, out: TensorType) -> list:
-    """NumPy-style broadcasting made explicit (JAX primitives broadcast only scalars)."""
-    shapes = {tuple(np.shape(a)) for a in args if np.ndim(a) > 0}
-    if len(shapes) <= 1:
-        return args
-    res = []
-    for a in args:
-        nd = np.ndim(a)
-        if nd == 0 or tuple(np.shape(a)) == out.shape:
-            res.append(a)
-            continue
-        keep = [d for d in range(nd) if np.shape(a)[d] == out.shape[out.rank - nd + d]]
-        a = lax.squeeze(a, [d for d in range(nd) if d not in keep]) if len(keep) < nd else a
-        res.append(lax.broadcast_in_dim(a, out.shape, [out.rank - nd + d for d in keep]))
-    return res
+    """Operands as JAX's elementwise primitives take them: those broadcast scalars and
+    size-1 dims of equal rank themselves; lower ranks get leading 1-dims (NumPy rules)."""
+    return [a if np.ndim(a) in (0, out.rank) else
+            lax.expand_dims(a, tuple(range(out.rank - np.ndim(a)))) for a in args]
 
 
 def _nary(fn: Callable) -> Emitter:

@@ -429,7 +429,7 @@ def _attribute(gm1_nodes: list[fx.Node], marks: _Marks, gm2: fx.GraphModule,
     for i, n in enumerate(gm2.graph.nodes):
         while k + 1 < len(made) and made[k + 1][0] <= i:
             k += 1
-        if n.op != "call_function" or k < 0:
+        if n.op not in ("call_function", "get_attr") or k < 0:
             continue
         origin = made[k][1]
         phase[n.name] = marks.phase_of(index1.get(origin, 0))

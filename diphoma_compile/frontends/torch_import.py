@@ -13,8 +13,8 @@ from ..ir.core import (Attrs, Graph, Input, InputKind, InputRole, NameSupply, Op
                        OutputKind, OutputRole, Value)
 from ..ir.types import DType, TensorType
 from .torch_capture import Captured, Slot
-from .torch_ops import (BY_ATEN, DROPPED_TARGETS, IDENTITY, Neutral, encode_arg, ir_dtype,
-                        target_name)
+from .torch_ops import (BY_ATEN, DROPPED_TARGETS, IDENTITY, RNG_TARGETS, Neutral, encode_arg,
+                        ir_dtype, target_name)
 
 aten = torch.ops.aten
 _COMPARE = {"eq", "ne", "lt", "le", "gt", "ge"}
@@ -239,6 +239,8 @@ class _Importer:
                 tensors.append(n)
             return tensors.index(n)
         attrs = {"target": tname, "args": encode_arg(tuple(node.args), index)}
+        if tname in RNG_TARGETS:
+            attrs.update(rng="global", effectful=True)
         for k, v in node.kwargs.items():
             attrs[f"kw_{k}"] = encode_arg(v, index)
         for t in tensors:

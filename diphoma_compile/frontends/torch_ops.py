@@ -153,6 +153,14 @@ BY_ATEN: dict[Any, Neutral] = {n.aten: n for n in NEUTRAL}
 # except where the IR attributes pick the overload).
 IDENTITY = {aten.detach.default, aten.detach_copy.default, aten.alias.default,
             aten.alias_copy.default, aten.lift_fresh_copy.default, aten.clone.default}
+# Ops that draw from the framework's global generator: kept in order (effectful), and marked
+# so that passes see the randomness (with the same seed they draw what eager draws).
+RNG_TARGETS = {f"aten.{n}" for n in (
+    "native_dropout.default", "bernoulli.default", "bernoulli.p", "rand.default",
+    "randn.default", "rand_like.default", "randn_like.default", "randint.default",
+    "randint.low", "randperm.default", "normal.Tensor_float", "normal.float_Tensor",
+    "normal.Tensor_Tensor", "uniform.default", "multinomial.default", "randint_like.default",
+    "randint_like.low_dtype", "exponential.default", "normal_functional.default")}
 DROPPED_TARGETS = {"profiler._record_function_enter_new.default",
                    "profiler._record_function_exit._RecordFunction",
                    "profiler._record_function_enter.default"}

@@ -44,8 +44,8 @@ def _explain(exc: Exception) -> FrontendError:
         return FrontendError(f"an op's output shape depends on tensor data{at} ({text})",
                              hint="ops such as nonzero/unique/masked_select cannot be traced "
                                   "with static shapes")
-    if "no fake impl" in text.lower() or "meta" in text.lower() and "kernel" in text.lower():
-        return FrontendError(f"an op cannot run on fake tensors{at} ({text})",
+    if "UnsupportedOperator" in name or "no fake impl" in text.lower():
+        return FrontendError(f"op {text} has no mapping: it cannot run on fake tensors{at}",
                              hint="register a fake (meta) implementation for custom ops "
                                   "(torch.library.register_fake)")
     return FrontendError(f"tracing the step failed{at}: {name}: {text}",

@@ -1,0 +1,218 @@
+"""The traced IR of PyTorch steps: goldens, roles, schedulers, dropout, errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.nn.functional as F  # noqa: E402
+
+import diphoma_compile  # noqa: E402
+from diphoma_compile.errors import FrontendError  # noqa: E402
+from diphoma_compile.ir import (InputKind, OutputKind, Phase, parse, print_graph,  # noqa: E402
+                                verify)
+
+from .models import GPT, MLP, OPTIMIZERS, clipped_step, lm_batches, mlp_batches  # noqa: E402
+
+
+def mlp_graph(opt_name: str):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = OPTIMIZERS[opt_name](model.parameters(), True)
+    return diphoma_compile.trace(clipped_step, model, opt, mlp_batches(1)[0])
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_mlp_golden(opt_name, golden):
+    g = mlp_graph(opt_name)
+    text = print_graph(g)
+    assert parse(text) == g
+    golden(f"torch_mlp_{opt_name}.ir", text)
+
+
+def test_roles_names_and_phases():
+    g = mlp_graph("adamw")
+    roles = {i.name: i.role for i in g.inputs}
+    assert roles["fc1.weight"].kind is InputKind.param
+    assert roles["fc1.weight.exp_avg"].kind is InputKind.opt_state
+    assert roles["fc1.weight.exp_avg"].of == "fc1.weight"
+    assert roles["fc1.weight.step"].slot == "step"
+    assert roles["lr"].kind is InputKind.hyper
+    assert roles["batch.x"].kind is InputKind.batch
+    replaced = {o.role.target for o in g.outputs if o.role.kind is OutputKind.replaces}
+    assert {"fc1.weight", "fc2.bias", "fc1.weight.exp_avg", "fc2.bias.step"} <= replaced
+    assert g.outputs[0].role.kind is OutputKind.loss
+    phases = [op.phase for op in g.ops]
+    assert phases.index(Phase.backward) > 0 and phases.index(Phase.update) > \
+        phases.index(Phase.backward)
+    assert sorted(phases, key=[Phase.forward, Phase.backward, Phase.update].index) == phases
+    assert any(op.loc and op.loc.startswith("models.py:") for op in g.ops)
+    # no in-place op survives
+    for op in g.walk():
+        target = str(op.attrs.get("target", ""))
+        assert not target.split(".")[1].endswith("_") if target.startswith("aten.") else True
+
+
+def test_learning_rate_and_step_are_inputs_so_schedulers_work():
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0123)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.0123)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+    data = mlp_batches(6)
+    compiled = diphoma_compile.compile(clipped_step, model, opt, data[0])
+    for batch in data:
+        assert torch.equal(compiled(model, opt, batch), clipped_step(ref, ref_opt, batch))
+        sched.step()
+        ref_sched.step()
+    assert opt.param_groups[0]["lr"] == 0.0123 * 0.5 ** 3
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    assert all(not (op.name == "full" and op.attrs.get("value") == 0.0123) for op in
+               compiled.graph.ops), "the learning rate is baked into the graph"
+
+
+def test_dropout_matches_eager_with_a_fixed_seed():
+    torch.manual_seed(0)
+    model = GPT(dropout=0.2)
+    ref = copy.deepcopy(model)
+    opt = OPTIMIZERS["adamw"](model.parameters(), True)
+    ref_opt = OPTIMIZERS["adamw"](ref.parameters(), True)
+    data = lm_batches(3)
+    compiled = diphoma_compile.compile(lm_step_dropout, model, opt, data[0])
+    rng_ops = [op for op in compiled.graph.ops if op.attrs.get("rng") == "global"]
+    assert rng_ops and all(op.attrs.get("effectful") for op in rng_ops)
+    for i, batch in enumerate(data):
+        torch.manual_seed(100 + i)
+        loss = compiled(model, opt, batch)
+        torch.manual_seed(100 + i)
+        assert torch.equal(loss, lm_step_dropout(ref, ref_opt, batch))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+def lm_step_dropout(model, opt, batch):
+    model.train()
+    loss = F.cross_entropy(model(batch["idx"]).flatten(0, 1), batch["targets"].flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def test_compiled_code_is_readable_python():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = OPTIMIZERS["sgd"](model.parameters(), True)
+    compiled = diphoma_compile.compile(clipped_step, model, opt, mlp_batches(1)[0])
+    assert "torch.ops.aten.addmm.default" in compiled.code
+    assert "def forward(self, fc1_weight" in compiled.code
+
+
+def test_passes_run_on_traced_graph():
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    opt = OPTIMIZERS["sgd_momentum"](model.parameters(), True)
+    ref_opt = OPTIMIZERS["sgd_momentum"](ref.parameters(), True)
+    data = mlp_batches(3)
+    compiled = diphoma_compile.compile(clipped_step, model, opt, data[0], passes="dce,cse")
+    assert compiled.graph.passes == ("dce", "cse")
+    for batch in data:
+        assert torch.equal(compiled(model, opt, batch), clipped_step(ref, ref_opt, batch))
+
+
+# ------------------------------------------------------------------ errors
+
+def test_data_dependent_control_flow_is_named():
+    def step(model, opt, batch):
+        loss = F.cross_entropy(model(batch["x"]), batch["y"])
+        if loss > 1.0:  # Python control flow on a tensor value
+            loss = loss * 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    model = MLP()
+    opt = OPTIMIZERS["sgd"](model.parameters(), True)
+    with pytest.raises(FrontendError) as e:
+        diphoma_compile.trace(step, model, opt, mlp_batches(1)[0])
+    msg = str(e.value)
+    assert "depends on tensor data" in msg
+    assert "test_trace.py" in msg and "if loss > 1.0:" in msg
+    assert "torch.where" in msg
+
+
+def test_op_without_mapping_is_named():
+    lib = torch.library.Library("diphoma_test", "FRAGMENT")  # noqa: TOR901
+    lib.define("opaque_scale(Tensor x) -> Tensor")
+    lib.impl("opaque_scale", lambda x: x * 2, "CPU")
+
+    def step(model, opt, batch):
+        out = torch.ops.diphoma_test.opaque_scale(model(batch["x"]))
+        loss = F.cross_entropy(out, batch["y"])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    model = MLP()
+    opt = OPTIMIZERS["sgd"](model.parameters(), True)
+    with pytest.raises(FrontendError) as e:
+        diphoma_compile.trace(step, model, opt, mlp_batches(1)[0])
+    msg = str(e.value)
+    assert "diphoma_test.opaque_scale" in msg
+    assert "test_trace.py" in msg and "register_fake" in msg
+
+
+def test_step_without_optimizer():
+    model = MLP()
+    with pytest.raises(FrontendError, match="uses no torch.optim optimizer"):
+        diphoma_compile.trace(lambda m, b: m(b["x"]).sum(), model, mlp_batches(1)[0])
+
+
+def test_step_returning_a_python_number():
+    def step(model, opt, batch):
+        loss = F.cross_entropy(model(batch["x"]), batch["y"])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+    model = MLP()
+    opt = OPTIMIZERS["sgd"](model.parameters(), True)
+    with pytest.raises(FrontendError, match="returns a"):
+        diphoma_compile.trace(step, model, opt, mlp_batches(1)[0])
+
+
+def test_wrong_shape_at_call_time():
+    model = MLP()
+    opt = OPTIMIZERS["sgd"](model.parameters(), True)
+    compiled = diphoma_compile.compile(clipped_step, model, opt, mlp_batches(1)[0])
+    bad = {"x": torch.randn(3, 8), "y": torch.zeros(3, dtype=torch.long)}
+    with pytest.raises(diphoma_compile.DiphomaError, match=r"traced for an argument of shape"):
+        compiled(model, opt, bad)
+
+
+def test_graph_verifies_and_round_trips_for_gpt():
+    torch.manual_seed(0)
+    model = GPT()
+    opt = OPTIMIZERS["adamw"](model.parameters(), True)
+    g = diphoma_compile.trace(clipped_step_lm, model, opt, lm_batches(1)[0])
+    verify(g)
+    assert parse(print_graph(g)) == g
+    # tied embedding/head weight is one parameter
+    assert [i.name for i in g.inputs].count("tok.weight") == 1
+    assert "head.weight" not in {i.name for i in g.inputs}
+
+
+def clipped_step_lm(model, opt, batch):
+    loss = F.cross_entropy(model(batch["idx"]).flatten(0, 1), batch["targets"].flatten())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+    return loss
