@@ -234,8 +234,11 @@ VERIFY_CASES = [
      graph("%c: f32[4] = add(%a, %b)", ins="%a: f32[4], %b: f16[4]"),
      "%c: f32[4] = add(%a, %b)",
      ["inputs must share one dtype", "f32[4], f16[4]", "insert an explicit convert"]),
-    ("wrong-arity", graph("%c: f32[4] = add(%a)"),
-     "%c: f32[4] = add(%a)", ["add: takes 2 input(s), found 1"]),
+    ("wrong-arity", graph("%c: f32[4] = mul(%a)"),
+     "%c: f32[4] = mul(%a)", ["mul: takes 2 input(s), found 1"]),
+    ("scale-operand-not-scalar", graph("%c: f32[4] = add(%a, %b, %b)",
+                                       ins="%a: f32[4], %b: f32[4]"),
+     "%c: f32[4] = add(%a, %b, %b)", ["alpha operand must be a 0-d float, found f32[4]"]),
     # --- placements and collectives
     ("reduce-scatter-indivisible",
      graph("%c: f32[6] {dp: S(0)} = reduce_scatter(%a) {axis=dp, dim=0, op=sum}",

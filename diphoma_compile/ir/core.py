@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Union
@@ -13,6 +14,9 @@ from ..mesh import Mesh
 from .types import TensorType
 
 AttrValue = Union[None, bool, int, float, str, tuple["AttrValue", ...]]  # noqa: UP007 (recursive alias)
+
+
+_ATTR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*\Z")
 
 
 def _attr_key(v: Any) -> Any:
@@ -47,6 +51,10 @@ class Attrs(Mapping[str, AttrValue]):
     def __init__(self, items: Mapping[str, Any] | None = None, **kw: Any) -> None:
         merged = dict(items or {})
         merged.update(kw)
+        for k in merged:
+            if not isinstance(k, str) or not _ATTR_NAME.match(k):
+                raise IRError(f"attribute name {k!r} is not an identifier",
+                              hint="attribute names are words like axis or bucket_mb")
         self._items = tuple(sorted((str(k), _freeze_attr(k, v)) for k, v in merged.items()))
         self._hash: int | None = None
 
