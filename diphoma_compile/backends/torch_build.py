@@ -18,25 +18,17 @@ import torch.fx as fx
 from ..errors import UnsupportedOpError
 from ..ir.core import Graph, InputKind, Op
 from ..ir.types import DType
-from ..frontends.torch_ops import DTYPE_TO_TORCH, decode_arg, resolve_target
+from ..frontends.torch_ops import DTYPE_TO_TORCH, decode_arg, emit_target, resolve_target
 
 aten = torch.ops.aten
 
-_UNARY = {"neg": aten.neg.default, "abs": aten.abs.default, "exp": aten.exp.default,
-          "log": aten.log.default, "sqrt": aten.sqrt.default, "rsqrt": aten.rsqrt.default,
-          "tanh": aten.tanh.default, "sigmoid": aten.sigmoid.default,
-          "relu": aten.relu.default, "reciprocal": aten.reciprocal.default,
-          "sign": aten.sign.default}
-_BINARY = {"mul": aten.mul.Tensor, "div": aten.div.Tensor, "max": aten.maximum.default,
-           "min": aten.minimum.default}
-_COMPARE = {"eq": (aten.eq.Tensor, aten.eq.Scalar), "ne": (aten.ne.Tensor, aten.ne.Scalar),
-            "lt": (aten.lt.Tensor, aten.lt.Scalar), "le": (aten.le.Tensor, aten.le.Scalar),
-            "gt": (aten.gt.Tensor, aten.gt.Scalar), "ge": (aten.ge.Tensor, aten.ge.Scalar)}
+_ELEMENTWISE = {"neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu",
+                "reciprocal", "sign", "mul", "div", "max", "min"}
+_COMPARE = {"eq", "ne", "lt", "le", "gt", "ge"}
 _HOST_OPS = {"mul": operator.mul, "add": operator.add, "sub": operator.sub,
              "div": operator.truediv, "pow": operator.pow}
 _HOST_DTYPES = {DType.f64, DType.i64, DType.bool}
-_REDUCE = {"reduce_sum": aten.sum.dim_IntList, "reduce_mean": aten.mean.dim,
-           "reduce_max": aten.amax.default}
+_REDUCE = {"reduce_sum", "reduce_mean", "reduce_max"}
 
 
 def _py_name(name: str) -> str:
@@ -120,10 +112,10 @@ class _Builder:
             return
         if n == "opaque":
             out = self.opaque(op)
-        elif n in _UNARY:
-            out = self.call(_UNARY[n], [self.node(ins[0])])
+        elif n in _ELEMENTWISE and len(ins) == 1:
+            out = self.call(emit_target(n), [self.node(ins[0])])
         elif n in ("add", "sub"):
-            target = aten.add.Tensor if n == "add" else aten.sub.Tensor
+            target = emit_target(n)
             kw = {"alpha": a["alpha"]} if "alpha" in a else {}
             if len(ins) == 3:
                 kw = {"alpha": self.arg(ins[2])}
@@ -135,35 +127,32 @@ class _Builder:
                 out = self.call(aten.pow.Tensor_Scalar, [self.node(ins[0]), self.arg(ins[1])])
             else:
                 out = self.call(aten.pow.Tensor_Tensor, [self.node(ins[0]), self.node(ins[1])])
-        elif n in _BINARY:
-            out = self.call(_BINARY[n], [self.node(ins[0]), self.arg(ins[1])])
+        elif n in _ELEMENTWISE:
+            out = self.call(emit_target(n), [self.node(ins[0]), self.arg(ins[1])])
         elif n in _COMPARE:
-            tensor_t, scalar_t = _COMPARE[n]
-            out = self.call(scalar_t if ins[1] in self.scalars else tensor_t,
-                            [self.node(ins[0]), self.arg(ins[1])])
+            target = emit_target(n, "Scalar" if ins[1] in self.scalars else "Tensor")
+            out = self.call(target, [self.node(ins[0]), self.arg(ins[1])])
         elif n == "select":
-            out = self.call(aten.where.self, [self.node(i) for i in ins])
+            out = self.call(emit_target(n), [self.node(i) for i in ins])
         elif n == "lerp":
-            target = aten.lerp.Scalar if ins[2] in self.scalars else aten.lerp.Tensor
+            target = emit_target(n, "Scalar" if ins[2] in self.scalars else "Tensor")
             out = self.call(target, [self.node(ins[0]), self.node(ins[1]), self.arg(ins[2])])
         elif n in ("addcmul", "addcdiv"):
             kw = {"value": a["value"]} if "value" in a else {}
             if len(ins) == 4:
                 kw = {"value": self.arg(ins[3])}
-            target = aten.addcmul.default if n == "addcmul" else aten.addcdiv.default
-            out = self.call(target, [self.node(i) for i in ins[:3]], kw)
+            out = self.call(emit_target(n), [self.node(i) for i in ins[:3]], kw)
         elif n == "dot":
             out = self.dot(op)
         elif n == "transpose":
-            out = self.call(aten.permute.default, [self.node(ins[0]), list(a["perm"])])
+            out = self.call(emit_target(n), [self.node(ins[0]), list(a["perm"])])
         elif n == "reshape":
-            out = self.call(aten.reshape.default, [self.node(ins[0]),
-                                                   list(op.result.type.shape)])
+            out = self.call(emit_target(n), [self.node(ins[0]), list(op.result.type.shape)])
         elif n == "broadcast_in_dim":
             out = self.broadcast(op)
         elif n in _REDUCE:
-            out = self.call(_REDUCE[n], [self.node(ins[0]), list(a["dims"]),
-                                         bool(a.get("keepdim", False))])
+            out = self.call(emit_target(n), [self.node(ins[0]), list(a["dims"]),
+                                             bool(a.get("keepdim", False))])
         elif n == "convert":
             out = self.call(aten._to_copy.default, [self.node(ins[0])],
                             {"dtype": DTYPE_TO_TORCH[DType(a["dtype"])]})
@@ -194,7 +183,7 @@ class _Builder:
         lb, rb = tuple(a.get("lhs_batch", ())), tuple(a.get("rhs_batch", ()))
         lc, rc = tuple(a["lhs_contract"]), tuple(a["rhs_contract"])
         if not lb and lc == (1,) and rc == (0,):
-            return self.call(aten.mm.default, [lhs, rhs])
+            return self.call(emit_target("dot", "default"), [lhs, rhs])   # mm
         if lb == rb == (0,) and lc == (2,) and rc == (1,):
             return self.call(aten.bmm.default, [lhs, rhs])
         raise UnsupportedOpError(f"the torch backend has no lowering for dot with attributes "

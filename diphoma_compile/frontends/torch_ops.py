@@ -128,16 +128,16 @@ NEUTRAL: list[Neutral] = [
     Neutral(aten.addcdiv.default, "addcdiv", (0, 1, 2), {"value": ("value", 1)}),
     Neutral(aten.mm.default, "dot", (0, 1), make_attrs=_dot_mm),
     Neutral(aten.bmm.default, "dot", (0, 1), make_attrs=_dot_bmm),
+    Neutral(aten.permute.default, "transpose", (0,), make_attrs=_perm_permute),
     Neutral(aten.t.default, "transpose", (0,), make_attrs=_perm_t),
     Neutral(aten.t_copy.default, "transpose", (0,), make_attrs=_perm_t),
-    Neutral(aten.permute.default, "transpose", (0,), make_attrs=_perm_permute),
     Neutral(aten.permute_copy.default, "transpose", (0,), make_attrs=_perm_permute),
     Neutral(aten.transpose.int, "transpose", (0,), make_attrs=_perm_transpose),
     Neutral(aten.transpose_copy.int, "transpose", (0,), make_attrs=_perm_transpose),
+    Neutral(aten.reshape.default, "reshape", (0,)),
     Neutral(aten.view.default, "reshape", (0,)),
     Neutral(aten.view_copy.default, "reshape", (0,)),
     Neutral(aten._unsafe_view.default, "reshape", (0,)),
-    Neutral(aten.reshape.default, "reshape", (0,)),
     Neutral(aten.expand.default, "broadcast_in_dim", (0,), make_attrs=_broadcast_dims),
     Neutral(aten.expand_copy.default, "broadcast_in_dim", (0,), make_attrs=_broadcast_dims),
     Neutral(aten.sum.dim_IntList, "reduce_sum", (0,), make_attrs=_dims_of),
@@ -149,8 +149,18 @@ NEUTRAL: list[Neutral] = [
 
 BY_ATEN: dict[Any, Neutral] = {n.aten: n for n in NEUTRAL}
 
-# The aten call the backend makes for a neutral op (the first table row of that op wins,
-# except where the IR attributes pick the overload).
+
+def emit_target(ir_name: str, overload: str | None = None) -> Any:
+    """The aten overload the backend calls for a neutral op: the op's first row in NEUTRAL
+    (the rows are ordered so that it is the form eager code calls), or the row with the
+    given overload name (``Scalar`` for a comparison with a Python number)."""
+    for row in NEUTRAL:
+        if row.ir == ir_name and (overload is None or row.aten._overloadname == overload):
+            return row.aten
+    raise UnsupportedOpError(f"the torch backend has no aten form of IR op {ir_name!r}"
+                             + (f" ({overload})" if overload else ""))
+
+
 IDENTITY = {aten.detach.default, aten.detach_copy.default, aten.alias.default,
             aten.alias_copy.default, aten.lift_fresh_copy.default, aten.clone.default}
 # Ops that draw from the framework's global generator: kept in order (effectful), and marked
