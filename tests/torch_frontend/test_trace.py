@@ -216,3 +216,17 @@ def clipped_step_lm(model, opt, batch):
     opt.step()
     opt.zero_grad()
     return loss
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_adamw_update_is_all_neutral_ops(foreach):
+    """Weight-update sharding must understand the optimizer math: no opaque op in it."""
+    from .models import classify_step
+    torch.manual_seed(0)
+    model = MLP()
+    opt = OPTIMIZERS["adamw"](model.parameters(), foreach)
+    g = diphoma_compile.trace(classify_step, model, opt, mlp_batches(1)[0])
+    update = [op for op in g.ops if op.phase is Phase.update]
+    assert len(update) > 50
+    assert [op for op in update if op.name == "opaque"] == []
+    assert {"lerp", "addcmul", "addcdiv", "sqrt"} <= {op.name for op in update}
