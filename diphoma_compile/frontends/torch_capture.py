@@ -287,7 +287,8 @@ class _Step:
         n_p, n_b = len(self.params), len(self.buffers)
         n_s = sum(len(k) for k in self.state_keys)
         n_lr = len(self.lr_slots)
-        ps = [t.detach().requires_grad_(True) for t in flat[:n_p]]
+        # frozen parameters stay frozen: no gradient is computed for them
+        ps = [t.detach().requires_grad_(p.requires_grad) for t, p in zip(flat[:n_p], self.params)]
         bs = list(flat[n_p:n_p + n_b])
         ss = flat[n_p + n_b:n_p + n_b + n_s]
         lrs = list(flat[n_p + n_b + n_s:n_p + n_b + n_s + n_lr])

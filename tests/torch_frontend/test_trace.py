@@ -230,3 +230,25 @@ def test_adamw_update_is_all_neutral_ops(foreach):
     assert len(update) > 50
     assert [op for op in update if op.name == "opaque"] == []
     assert {"lerp", "addcmul", "addcdiv", "sqrt"} <= {op.name for op in update}
+
+
+def test_frozen_parameters_and_two_param_groups():
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        m.fc1.bias.requires_grad_(False)
+
+    def make(m):
+        return torch.optim.AdamW([{"params": [m.fc1.weight], "lr": 0.02},
+                                  {"params": [m.fc2.weight, m.fc2.bias], "lr": 0.005}])
+    opt, ref_opt = make(model), make(ref)
+    data = mlp_batches(4)
+    compiled = diphoma_compile.compile(clipped_step, model, opt, data[0])
+    names = {i.name for i in compiled.graph.inputs}
+    assert {"opt0.group0.lr", "opt0.group1.lr"} <= names
+    assert "fc1.bias.exp_avg" not in names
+    for batch in data:
+        assert torch.equal(compiled(model, opt, batch), clipped_step(ref, ref_opt, batch))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
