@@ -7,6 +7,7 @@ with the frontends.)"""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -108,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     except DiphomaError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader (head, less) went away: stop quietly, as Unix tools do
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+        return 0
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

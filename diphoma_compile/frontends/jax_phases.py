@@ -4,13 +4,14 @@ A jaxpr of ``value_and_grad`` + optimizer is one flat list of equations, so the 
 told from data flow and roles:
 
 1. forward: every op the loss output depends on.
-2. update: reading the top-level ops backwards, an op not in the forward set is an update
-   op when it has live users, all of them update ops or outputs that replace a parameter or
-   optimizer state, and it is optimizer math: elementwise or a constant, a broadcast or
-   reshape of a single element, a reduction to a single element (a global gradient norm),
-   or anything that reads optimizer state. Such walks stop at the ops that make gradients
-   (dot, reductions over some dims, transposes, scatters), which stay backward. An op that
-   reads an update value is update too (it runs after the step's update).
+2. update: reading the top-level ops backwards, an op not in the forward set that feeds a
+   parameter or optimizer-state output is an update op when its users that feed such
+   outputs are all update ops, and it is optimizer math: elementwise or a constant, a
+   broadcast or reshape of a single element, a reduction to a single element (a global
+   gradient norm), or anything that reads optimizer state. Such walks stop at the ops that
+   make gradients (dot, reductions over some dims, transposes, scatters), which stay
+   backward. An op that reads an update value is update too (it runs after the update:
+   metrics of the new parameters).
 3. backward: the remaining ops that feed a parameter or optimizer-state output, or read a
    backward value.
 4. forward: the rest (metrics computed from the forward pass alone).
@@ -58,7 +59,6 @@ def assign_phases(graph: Graph) -> Graph:
                      if i.role.kind in (InputKind.param, InputKind.opt_state)}
     state_outputs = {o.name for o in graph.outputs if o.role.kind is OutputKind.replaces
                      and o.role.target in state_targets}
-    other_outputs = {o.name for o in graph.outputs} - state_outputs
     opt_inputs = {n for n, i in inputs.items() if i.role.kind is InputKind.opt_state}
 
     ops = graph.ops
@@ -83,7 +83,6 @@ def assign_phases(graph: Graph) -> Graph:
         return seen
 
     forward = ancestors(set(loss))
-    live = ancestors({o.name for o in graph.outputs})
     feeds_state = ancestors(state_outputs)
     reads_state = [False] * len(ops)
     for k in range(len(ops)):
@@ -92,14 +91,13 @@ def assign_phases(graph: Graph) -> Graph:
 
     update: set[int] = set()
     for k in reversed(range(len(ops))):
-        op = ops[k]
-        if k in forward or any(v.name in other_outputs for v in op.results):
+        if k in forward or k not in feeds_state:
             continue
-        # Dead ops (an unused result jax kept) neither block nor make an update.
-        live_users = [u for u in users[k] if u in live]
-        used = bool(live_users) or any(v.name in state_outputs for v in op.results)
-        if used and all(u in update for u in live_users) and \
-                (reads_state[k] or _optimizer_math(op, numel)):
+        # Users that feed no state output (metrics of the new values, dead results) run
+        # after the update and do not decide whether this op belongs to it.
+        deciding = [u for u in users[k] if u in feeds_state]
+        if all(u in update for u in deciding) and \
+                (reads_state[k] or _optimizer_math(ops[k], numel)):
             update.add(k)
 
     phases: list[Phase] = []

@@ -156,10 +156,14 @@ def step_outputs(out: Any, args: Sequence[Any], sig: StepSignature,
                  inputs: list[Input]) -> list[tuple[str, OutputRole]]:
     """(preferred value name, role) of every output leaf, checking the convention."""
     if not isinstance(out, (tuple, list)) or len(out) < 2:
-        kind = type(out).__name__
-        size = f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""
+        if isinstance(out, jax.ShapeDtypeStruct):
+            what = f"a single array ({out.dtype}{list(out.shape)})"
+        elif isinstance(out, (tuple, list)):
+            what = f"a {type(out).__name__} of length {len(out)}"
+        else:
+            what = f"a {type(out).__name__}"
         raise FrontendError(
-            f"the step returned a {kind}{size}; expected a tuple (params, opt_state, "
+            f"the step returned {what}; expected a tuple (params, opt_state, "
             "*metrics)", hint="return the new parameters and optimizer state first, "
                               "then any metrics (the first scalar metric is the loss)")
     _check_mirror("params", out[0], args[sig.params_argnum])
@@ -171,7 +175,7 @@ def step_outputs(out: Any, args: Sequence[Any], sig: StepSignature,
         by_arg[k] = [i.name for i in inputs[pos:pos + n]]
         pos += n
     result: list[tuple[str, OutputRole]] = []
-    for k, argnum in ((0, sig.params_argnum), (1, sig.opt_state_argnum)):
+    for argnum in (sig.params_argnum, sig.opt_state_argnum):
         for target in by_arg[argnum]:
             result.append((f"new/{target}", OutputRole(OutputKind.replaces, target)))
     have_loss = False
