@@ -15,7 +15,8 @@ from diphoma_compile.errors import FrontendError  # noqa: E402
 from diphoma_compile.ir import (InputKind, OutputKind, Phase, parse, print_graph,  # noqa: E402
                                 verify)
 
-from .models import GPT, MLP, OPTIMIZERS, clipped_step, lm_batches, mlp_batches  # noqa: E402
+from .models import (GPT, MLP, OPTIMIZERS, classify_step, clipped_step, lm_batches,  # noqa: E402
+                     lm_step, mlp_batches)
 
 
 def mlp_graph(opt_name: str):
@@ -201,7 +202,7 @@ def test_graph_verifies_and_round_trips_for_gpt():
     torch.manual_seed(0)
     model = GPT()
     opt = OPTIMIZERS["adamw"](model.parameters(), True)
-    g = diphoma_compile.trace(clipped_step_lm, model, opt, lm_batches(1)[0])
+    g = diphoma_compile.trace(lm_step, model, opt, lm_batches(1)[0])
     verify(g)
     assert parse(print_graph(g)) == g
     # tied embedding/head weight is one parameter
@@ -209,19 +210,9 @@ def test_graph_verifies_and_round_trips_for_gpt():
     assert "head.weight" not in {i.name for i in g.inputs}
 
 
-def clipped_step_lm(model, opt, batch):
-    loss = F.cross_entropy(model(batch["idx"]).flatten(0, 1), batch["targets"].flatten())
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad()
-    return loss
-
-
 @pytest.mark.parametrize("foreach", [True, False])
 def test_adamw_update_is_all_neutral_ops(foreach):
     """Weight-update sharding must understand the optimizer math: no opaque op in it."""
-    from .models import classify_step
     torch.manual_seed(0)
     model = MLP()
     opt = OPTIMIZERS["adamw"](model.parameters(), foreach)
