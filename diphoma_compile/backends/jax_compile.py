@@ -216,6 +216,7 @@ class JaxStep:
 def compile_jax(graph: Graph, *, out_tree: Any = None) -> JaxStep:
     """A callable running ``graph`` under jax.jit, taking and returning the user's pytrees.
 
-    The output structure is ``out_tree`` if given, else the one recorded when the graph
-    was traced, else (params, opt_state, *metric leaves) rebuilt from the roles."""
+    The output structure is ``out_tree`` if given, else the one the frontend recorded for
+    a graph with this signature (the traced graph, or a pass's rewrite that keeps input
+    and output names), else (params, opt_state, *metric leaves) rebuilt from the roles."""
     return JaxStep(graph, out_tree)

@@ -40,6 +40,14 @@ def _number(x: Any, dtype: DType, where: str) -> int | float:
                         "and integer constants only")
 
 
+def _literal_value(v: Any) -> Any:
+    """The Python number of a scalar literal operand, else None."""
+    if not isinstance(v, Literal):
+        return None
+    arr = np.asarray(v.val)
+    return arr.item() if arr.size == 1 else None
+
+
 class JaxprConverter:
     """Converts (closed) jaxprs into IR ops, drawing value names from one supply."""
 
@@ -150,8 +158,7 @@ class JaxprConverter:
         if conv is not None:
             view = EqnView(
                 prim, eqn.params, ins, in_types, out_types,
-                [np.asarray(v.val).item() if isinstance(v, Literal) else None
-                 for v in eqn.invars],
+                [_literal_value(v) for v in eqn.invars],
                 lambda name, i, a, t: self._emit(block, name, i, a, t, name, loc))
             outs = conv(view)
         if outs is None:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..ir.types import DType, TensorType
+from .jax_params import is_trivial_sharding
 from .jax_types import ir_dtype
 
 
@@ -41,6 +42,7 @@ Converter = Callable[[EqnView], "list[str] | None"]
 # equation only when each has its default value.
 _DEFAULTS: dict[str, Any] = {"accuracy": None, "sharding": None, "out_sharding": None,
                              "out_dtype": None}
+_SHARDINGS = ("sharding", "out_sharding")
 
 
 def _ints(xs: Any) -> list[int]:
@@ -52,6 +54,8 @@ def _defaults_only(params: Mapping[str, Any], consumed: tuple[str, ...] = ()) ->
     for k, v in params.items():
         if k in consumed:
             continue
+        if k in _SHARDINGS and is_trivial_sharding(v):
+            continue  # JAX writes "not sharded" as None or as a sharding over no mesh
         if k not in _DEFAULTS or v is not _DEFAULTS[k]:
             return False
     return True

@@ -9,10 +9,12 @@ carries is written with a tag that ``decode`` reads back to the very same object
 - a tuple whose first item is a tagged string is a tagged compound:
   ``("!named:jax._src.lax.slicing:GatherDimensionNumbers", field0, field1, ...)`` (a
   NamedTuple), ``("!scalar:float32", 1.5)`` (a numpy scalar), ``("!list", ...)``,
-  ``("!array:int32", shape, data)``.
+  ``("!array:int32", shape, data)``, ``("!unsharded", *spec)`` (a NamedSharding over the
+  empty mesh, which JAX records on ops that nothing shards).
 
-Jaxprs, functions and shardings have no encoding: ``encode`` raises EncodingError and the
-frontend reports the primitive. Decoding imports classes only from jax, jaxlib and numpy.
+Jaxprs, functions and shardings over real meshes have no encoding: ``encode`` raises
+EncodingError and the frontend reports the primitive. Decoding imports classes only from
+jax, jaxlib and numpy.
 """
 
 from __future__ import annotations
@@ -52,6 +54,18 @@ def _prng_impls() -> dict[str, Any]:
     return prng.prngs
 
 
+def _is_unsharded(value: Any) -> bool:
+    """A NamedSharding over the empty mesh: what JAX records where nothing is sharded."""
+    from jax.sharding import NamedSharding
+    return isinstance(value, NamedSharding) and not value.mesh.axis_names and \
+        value.memory_kind is None
+
+
+def is_trivial_sharding(value: Any) -> bool:
+    """True for None and for a sharding over the empty mesh (both mean: not sharded)."""
+    return value is None or _is_unsharded(value)
+
+
 def encode(value: Any) -> AttrValue:
     """The attribute value for a primitive parameter; EncodingError when there is none."""
     if value is None or isinstance(value, (bool, int, float)):
@@ -71,6 +85,8 @@ def encode(value: Any) -> AttrValue:
         if _prng_impls().get(value.name) is not value:
             raise EncodingError(f"PRNG implementation {value.name!r} is not registered")
         return f"!prng:{value.name}"
+    if _is_unsharded(value):
+        return ("!unsharded",) + tuple(encode(v) for v in value.spec)
     if isinstance(value, tuple) and hasattr(type(value), "_fields"):
         return (f"!named:{_qualified(type(value))}",) + tuple(encode(v) for v in value)
     if isinstance(value, tuple):
@@ -111,6 +127,9 @@ def decode(value: AttrValue) -> Any:
                 return np.asarray(data, dtype=_resolve_dtype(rest)).reshape(shape)
             if tag == "list":
                 return [decode(v) for v in items]
+            if tag == "unsharded":
+                from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+                return NamedSharding(AbstractMesh((), ()), PartitionSpec(*map(decode, items)))
             # any other tagged string heads an ordinary tuple
         return tuple(decode(v) for v in value)
     return value

@@ -126,8 +126,10 @@ def step_inputs(args: Sequence[Any], sig: StepSignature) -> list[Input]:
                 role = InputRole(InputKind.batch)
             elif is_key_dtype(leaf.dtype):
                 role = InputRole(InputKind.rng)
+            elif t.numel == 1:
+                role = InputRole(InputKind.hyper)  # a learning rate, a step count
             else:
-                role = InputRole(InputKind.hyper)
+                role = InputRole(InputKind.other)
             inputs.append(Input(Value(names(name), t), role))
     return inputs
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -17,23 +16,21 @@ from .jax_convert import JaxprConverter
 from .jax_phases import assign_phases
 from .jax_roles import StepSignature, step_inputs, step_outputs
 
-# id(graph) -> (weak reference to the graph, output pytree structure). The IR has no place
-# for pytree structures; the backend looks a traced graph up here to return the user's trees.
-_OUT_TREES: dict[int, tuple[weakref.ref, Any]] = {}
+# The IR has no place for pytree structures, so the frontend remembers the output structure
+# of each traced step here, keyed by the graph's signature (input names, shapes and dtypes;
+# output names and roles). Passes keep that signature while they change placements and ops,
+# so the backend finds the user's trees for a transformed graph too.
+_OUT_TREES: dict[tuple, Any] = {}
+
+
+def _signature(graph: Graph) -> tuple:
+    return (tuple((i.name, i.value.type.shape, i.value.type.dtype) for i in graph.inputs),
+            tuple((o.name, o.role) for o in graph.outputs))
 
 
 def output_tree(graph: Graph) -> Any | None:
-    """The output PyTreeDef recorded when ``graph`` was traced, or None for another graph."""
-    entry = _OUT_TREES.get(id(graph))
-    if entry is None or entry[0]() is not graph:
-        return None
-    return entry[1]
-
-
-def _remember(graph: Graph, tree: Any) -> None:
-    key = id(graph)
-    _OUT_TREES[key] = (weakref.ref(graph), tree)
-    weakref.finalize(graph, _OUT_TREES.pop, key, None)
+    """The output PyTreeDef of the traced step ``graph`` (or a rewrite of it), else None."""
+    return _OUT_TREES.get(_signature(graph))
 
 
 def _rename_results(ops: list[Op], mapping: dict[str, str]) -> tuple[Op, ...]:
@@ -59,7 +56,8 @@ def trace_jax(step_fn: Callable, *example_args: Any, params_argnum: int = 0,
 
     The step follows ``step(params, opt_state, batch, *rest) -> (params, opt_state,
     *metrics)`` over pytrees of arrays; the argnum options say which argument is which.
-    Other arguments are ``hyper`` inputs (``rng`` for PRNG keys). The first scalar float
+    Leaves of other arguments are ``rng`` (PRNG keys), ``hyper`` (single numbers: learning
+    rates, step counts) or ``other``. The first scalar float
     metric is the loss. ``locations`` records the user's file:line on each op."""
     sig = StepSignature(params_argnum, opt_state_argnum, tuple(batch_argnums))
     sig.check(len(example_args))
@@ -89,5 +87,5 @@ def trace_jax(step_fn: Callable, *example_args: Any, params_argnum: int = 0,
     outputs = tuple(Output(mapping.get(v, v), role) for v, (_, role) in zip(outs, roles))
     graph = Graph(_graph_name(step_fn), tuple(inputs), _rename_results(ops, mapping), outputs)
     graph = verify(assign_phases(graph))
-    _remember(graph, jax.tree.structure(out_shape))
+    _OUT_TREES[_signature(graph)] = jax.tree.structure(out_shape)
     return graph
