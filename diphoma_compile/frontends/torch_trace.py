@@ -20,12 +20,20 @@ from .torch_import import import_captured
 
 
 def _user_frame(exc: BaseException) -> str | None:
-    """``file:line: code`` of the innermost frame of the user's code in a traceback."""
-    best = None
+    """``file:line: code`` of the innermost frame of the user's code in a traceback.
+
+    Installed packages (site-packages) count as the user's code only when no frame of the
+    user's own files is there: a model from a library, called from the user's step."""
+    own = lib = None
     for fs in traceback.extract_tb(exc.__traceback__):
-        if not fs.filename.startswith(_INTERNAL) and not fs.filename.startswith("<"):
-            best = f"{os.path.basename(fs.filename)}:{fs.lineno}: {(fs.line or '').strip()}"
-    return best
+        if fs.filename.startswith(_INTERNAL) or fs.filename.startswith("<"):
+            continue
+        text = f"{os.path.basename(fs.filename)}:{fs.lineno}: {(fs.line or '').strip()}"
+        if "site-packages" in fs.filename or "dist-packages" in fs.filename:
+            lib = text
+        else:
+            own = text
+    return own or lib
 
 
 def _explain(exc: Exception) -> FrontendError:
