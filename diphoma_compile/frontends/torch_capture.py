@@ -246,7 +246,6 @@ class _Step:
                           for i, (path, leaf) in enumerate(leaves)
                           if isinstance(leaf, torch.Tensor)]
         self.state_keys: list[list[tuple[str, torch.Size, torch.dtype]]] = []
-        self.discovered: list[list[tuple[str, torch.Size, torch.dtype]]] | None = None
         self.user_spec: pytree.TreeSpec | None = None
         self.n_user = 0
 
@@ -324,8 +323,6 @@ class _Step:
                                     "returns tensors (the loss, metrics) or nothing",
                                     hint="return loss, not loss.item()")
         self.n_user = len(out_leaves)
-        self.discovered = [[(k, v.shape, v.dtype) for k, v in sorted(state[p].items())
-                            if isinstance(v, torch.Tensor)] for p in ps]
         new_state = [state[ps[pi]][k] for pi, keys in enumerate(self.state_keys)
                      for k, _, _ in keys]
         return (*[t.detach() for t in out_leaves], *[p.detach() for p in ps],
@@ -340,6 +337,26 @@ class _Step:
             mod = getattr(mod, p)
         now = getattr(mod, leaf)
         return now if isinstance(now, torch.Tensor) else traced
+
+
+def _discover_state(step: _Step) -> list[list[tuple[str, torch.Size, torch.dtype]]]:
+    """The state layout a fresh optimizer creates in its first step(), learned by running
+    only the optimizers, on fake parameters with zero gradients."""
+    fake = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
+    ps = [fake.from_tensor(p.detach()).requires_grad_(p.requires_grad) for p in step.params]
+    state: dict = defaultdict(dict)
+    with fake, contextlib.ExitStack() as stack:
+        for fp in ps:
+            if fp.requires_grad:
+                fp.grad = torch.zeros_like(fp)
+        for oi, opt in enumerate(step.opts):
+            groups = [[ps[i] for i in g] for g in step.groups[oi]]
+            stack.enter_context(_bind_optimizer(opt, groups, state,
+                                                [g["lr"] for g in opt.param_groups]))
+        for opt in step.opts:
+            opt.step()
+    return [[(k, v.shape, v.dtype) for k, v in sorted(state[fp].items())
+             if isinstance(v, torch.Tensor)] for fp in ps]
 
 
 def _fake_inputs(step: _Step) -> list[torch.Tensor]:
@@ -400,13 +417,7 @@ def capture(step_fn: Callable, *args: Any) -> Captured:
                             hint="pass the optimizer to the step, e.g. step(model, opt, batch)")
     step = _Step(step_fn, args, modules, opts)
     live = step.live_state_keys()
-    if live is None:
-        # A fresh optimizer makes its state inside step(): trace once to learn its layout.
-        step.state_keys = [[] for _ in step.params]
-        _trace(step, _fake_inputs(step), None, False)
-        step.state_keys = step.discovered
-    else:
-        step.state_keys = live
+    step.state_keys = live if live is not None else _discover_state(step)
     marks = _Marks()
     gm1 = _trace(step, _fake_inputs(step), marks, True)
     gm1_nodes = list(gm1.graph.nodes)
