@@ -265,10 +265,10 @@ class _Builder:
         return self.emit(blk, "full", [], [t], {"value": value}, derive=False)[0]
 
     def matching(self, blk: _Block, t: TensorType) -> str:
-        """A visible value with the shape and dtype of ``t``, or a new constant."""
-        v = self.pick(blk, lambda u: u.shape == t.shape and u.dtype is t.dtype)
+        """A visible value of type ``t`` (placements included), or a new constant."""
+        v = self.pick(blk, lambda u: u == t)
         if v is None or self.integer(0, 4) == 0:
-            v = self.full(blk, t.replicated())
+            v = self.full(blk, t)
         return v
 
     # ------------------------------------------------------------ blocks
@@ -724,10 +724,14 @@ class _Builder:
     def _replicated(self, blk: _Block, max_size: int, min_size: int = 0) -> list[str]:
         return self.pick_many(blk, lambda u: not u.placements, max_size, min_size)
 
+    def _replicated_in(self, blk: _Block) -> list[str]:
+        # control-flow results are replicated, and a region yields exactly their types
+        return [v for v in blk.visible if not self.types[v].placements]
+
     def call(self, blk: _Block, depth: int) -> None:
         ins = self._replicated(blk, 3)
         name, args, inner = self.region(blk, depth, [self.types[i] for i in ins])
-        ys = self.some(inner.visible, 3)
+        ys = self.some(self._replicated_in(inner), 3)
         attrs = {"callee": self.draw(STRINGS)} if self.coin() else {}
         self.emit(blk, "call", ins, [self.types[y].replicated() for y in ys], attrs,
                   (Region(name, args, tuple(inner.ops), tuple(ys)),))
@@ -745,7 +749,7 @@ class _Builder:
         for _ in range(self.choice([2, 2, 2, 1, 3])):
             name, args, inner = self.region(blk, depth, arg_types)
             if outs is None:
-                ys = self.some(inner.visible, 2)
+                ys = self.some(self._replicated_in(inner), 2)
                 outs = [self.types[y].replicated() for y in ys]
             else:
                 ys = [self.matching(inner, t) for t in outs]
@@ -780,7 +784,7 @@ class _Builder:
         xt = [self.types[x].with_shape(self.types[x].shape[1:]) for x in xs]
         name, args, inner = self.region(blk, depth, ct + xt)
         ys = [self.matching(inner, self.types[c]) for c in carry]
-        ys += self.some(inner.visible, 2)
+        ys += self.some(self._replicated_in(inner), 2)
         stacked = [TensorType((length,) + self.types[y].shape, self.types[y].dtype)
                    for y in ys[len(carry):]]
         attrs: dict = {"length": length, "num_carry": len(carry)}

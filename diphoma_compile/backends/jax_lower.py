@@ -135,25 +135,32 @@ def _gelu(op: Op, ins: list, outs) -> list:
 def _scaled(fn: Callable) -> Emitter:
     # add/sub with alpha (a + alpha*b), as the PyTorch frontend writes them.
     def emit(op: Op, ins: list, outs) -> list:
-        a, b = ins
-        alpha = op.attrs.get("alpha")
-        if alpha is not None and alpha != 1:
-            b = lax.mul(b, np.array(alpha, b.dtype))
+        a, b = ins[:2]
+        if len(ins) == 3:   # alpha computed at run time
+            b = lax.mul(lax.convert_element_type(ins[2], b.dtype), b)
+        elif op.attrs.get("alpha", 1) != 1:
+            b = lax.mul(np.array(op.attrs["alpha"], b.dtype), b)
         return [fn(*_broadcast([a, b], outs[0]))]
     return emit
 
 
 def _addc(fn: Callable) -> Emitter:
     def emit(op: Op, ins: list, outs) -> list:
-        s, t1, t2 = _broadcast(list(ins), outs[0])
-        v = np.array(op.attrs.get("value", 1), s.dtype)
-        return [lax.add(s, lax.mul(v, fn(t1, t2)))]
+        # s + (value*t1) (*|/) t2: the order of the framework kernels
+        s, t1, t2 = _broadcast(list(ins[:3]), outs[0])
+        v = (lax.convert_element_type(ins[3], s.dtype) if len(ins) == 4
+             else np.array(op.attrs.get("value", 1), s.dtype))
+        return [lax.add(s, fn(lax.mul(v, t1), t2))]
     return emit
 
 
 def _lerp(op: Op, ins: list, outs) -> list:
+    # a + w*(b - a) for |w| < 0.5, else b - (b - a)*(1 - w): PyTorch's lerp, exact at both ends
     a, b, w = _broadcast(list(ins), outs[0])
-    return [lax.add(a, lax.mul(w, lax.sub(b, a)))]
+    diff = lax.sub(b, a)
+    low = lax.add(a, lax.mul(w, diff))
+    high = lax.sub(b, lax.mul(diff, lax.sub(np.array(1, w.dtype), w)))
+    return [lax.select(lax.lt(lax.abs(w), np.array(0.5, w.dtype)), low, high)]
 
 
 EMITTERS: dict[str, Emitter] = {

@@ -148,11 +148,12 @@ _add("mul div pow max min rem atan2 and or xor", C.binary, R.binary, E, flops=1)
 _add("eq ne lt le gt ge", C.binary, R.compare, E, flops=1)
 _add("select", C.ternary, R.select, E, flops=1)
 _add("clamp", C.ternary, R.ternary, E, flops=2)
-_add("lerp", C.ternary, R.ternary, E, flops=3, doc="a + w*(b - a)")
+_add("lerp", C.ternary, R.ternary, E, flops=3,
+     doc="a + w*(b - a) where |w| < 0.5, else b - (b - a)*(1 - w)")
 _add("addcmul", C.ternary, R.scaled_ternary, E, {"value": ("number", False)}, flops=3,
-     doc="s + value*t1*t2 (value: attribute or a fourth 0-d operand)")
+     doc="s + (value*t1)*t2 (value: attribute or a fourth 0-d operand)")
 _add("addcdiv", C.ternary, R.scaled_ternary, E, {"value": ("number", False)}, flops=3,
-     doc="s + value*t1/t2 (value: attribute or a fourth 0-d operand)")
+     doc="s + (value*t1)/t2 (value: attribute or a fourth 0-d operand)")
 _add("convert", C.cast, R.convert, E, {"dtype": ("dtype", True)}, flops=1)
 _add("bitcast", C.cast, R.bitcast, E, {"dtype": ("dtype", True)})
 

@@ -435,7 +435,7 @@ def unpack(op: Op, ins, outs) -> None:
 # ---------------------------------------------------------------- control flow
 
 def _sig(ts: Sequence[TensorType]) -> list[str]:
-    return [_fmt(t) for t in ts]
+    return [str(t) for t in ts]   # placements included: a region sees what its op passes
 
 
 def _match(what: str, got: Sequence[TensorType], want: Sequence[TensorType]) -> None:

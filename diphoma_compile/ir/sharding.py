@@ -66,8 +66,13 @@ def _partial_elementwise(op: Op, pls: list[Placement]):
     if any(p.op != "sum" for p in part):
         return None
     whole = [p for p in pls if isinstance(p, Replicate)]
-    if op.name in LINEAR_UNARY or (op.name in ("add", "sub") and len(part) == len(pls)):
+    if op.name in LINEAR_UNARY:
         return (Partial("sum"),)
+    if op.name in ("add", "sub"):
+        # linear in the two summands; a run-time alpha must be the same on every device
+        two = all(isinstance(p, Partial) for p in pls[:2])
+        return (Partial("sum"),) if two and all(isinstance(p, Replicate) for p in pls[2:]) \
+            else None
     if op.name == "mul" and len(part) == 1 and len(whole) == len(pls) - 1:
         return (Partial("sum"),)
     if op.name == "div" and isinstance(pls[0], Partial) and isinstance(pls[1], Replicate):
@@ -234,12 +239,15 @@ def constant(op: Op, ins, outs, axis: str):
 
 
 def gather_scatter(op: Op, ins, outs, axis: str):
-    """gather/scatter_add along ``dim``: splits on other dims pass through when all agree."""
+    """gather/scatter_add along ``dim``: a split of another dim passes through when every
+    operand is split there and has the same size there (so the pieces line up)."""
     pls = _pls(ins, axis)
     if all(isinstance(p, Replicate) for p in pls):
         return _all_r(outs)
     if len(set(pls)) == 1 and isinstance(pls[0], Shard) and pls[0].dim != op.attrs["dim"]:
-        return (pls[0],)
+        d = pls[0].dim
+        if len({t.shape[d] for t in ins}) == 1:
+            return (pls[0],)
     return None
 
 

@@ -14,7 +14,7 @@ from .ops import Category, check_attr, op_def
 from .printer import format_name, format_op_head
 from .rules import TypeRuleError, region_types
 from .sharding import expected_collective
-from .types import Shard, TensorType
+from .types import FlatShard, Shard, TensorType
 
 _PHASE_RANK = {Phase.forward: 0, Phase.backward: 1, Phase.update: 2}
 
@@ -207,6 +207,15 @@ class _Verifier:
                     self.fail(f"{op.name} on axis {axis!r} gives {want}, but its result is "
                               f"declared {got}", **where)
                 continue
+            if d.category is Category.reduce and ins and \
+                    isinstance(ins[0].placement(axis), FlatShard) and \
+                    ins[0].numel % self.sizes[axis]:
+                # the rule cannot see the padding; math before the reduction may have made
+                # the zero padding nonzero (exp(0) = 1)
+                self.fail(f"{op.name} reduces a flat shard padded on axis {axis!r} "
+                          f"({ins[0].numel} elements over {self.sizes[axis]} devices)",
+                          **where, hint="reduce a tensor whose size divides the axis, or "
+                                        "gather it first")
             want_all = d.sharding_rule(op, ins, outs, axis)
             if want_all is None:
                 placed = ", ".join(str(t.placement(axis)) for t in ins) or "no inputs"
