@@ -24,6 +24,7 @@ aten = torch.ops.aten
 
 _ELEMENTWISE = {"neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu",
                 "reciprocal", "sign", "mul", "div", "max", "min"}
+_TAKES_NUMBER = {"mul", "div"}   # overloads whose second operand may be a Python number
 _COMPARE = {"eq", "ne", "lt", "le", "gt", "ge"}
 _HOST_OPS = {"mul": operator.mul, "add": operator.add, "sub": operator.sub,
              "div": operator.truediv, "pow": operator.pow}
@@ -84,7 +85,7 @@ class _Builder:
         if n == "convert":
             # an .item() read, or a scalar handed to a tensor op (which rounds it itself)
             self.scalars[op.result.name] = vals[0]
-        elif n in _HOST_OPS and t.dtype in _HOST_DTYPES and not op.attrs:
+        elif n in _HOST_OPS and t.dtype in _HOST_DTYPES and not op.attrs and len(vals) == 2:
             self.scalars[op.result.name] = self.call(_HOST_OPS[n], vals)
         elif n == "neg" and t.dtype in _HOST_DTYPES:
             self.scalars[op.result.name] = self.call(operator.neg, vals)
@@ -128,7 +129,8 @@ class _Builder:
             else:
                 out = self.call(aten.pow.Tensor_Tensor, [self.node(ins[0]), self.node(ins[1])])
         elif n in _ELEMENTWISE:
-            out = self.call(emit_target(n), [self.node(ins[0]), self.arg(ins[1])])
+            rhs = self.arg(ins[1]) if n in _TAKES_NUMBER else self.node(ins[1])
+            out = self.call(emit_target(n), [self.node(ins[0]), rhs])
         elif n in _COMPARE:
             target = emit_target(n, "Scalar" if ins[1] in self.scalars else "Tensor")
             out = self.call(target, [self.node(ins[0]), self.arg(ins[1])])

@@ -9,7 +9,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import DiphomaError
-from ..frontends.torch_capture import LR_DTYPE, Captured, Slot, _is_state
+from ..frontends.torch_capture import LR_DTYPE, Captured, Slot, _is_state, settings_of
+from ..frontends.torch_ops import DTYPE_TO_TORCH
 from ..ir.core import Graph
 from .torch_build import build_module
 
@@ -35,10 +36,14 @@ class TorchStep:
         p = cap.params[pi]
         opt = cap.optimizers[slot.owner]
         st = opt.state[p]
-        if key not in st:
+        if not st:
             # a fresh optimizer: start from the zero state the graph was traced with
-            _, shape, dtype = next(k for k in cap.state_keys[pi] if k[0] == key)
-            st[key] = torch.zeros(shape, dtype=dtype, device=p.device)
+            for k, shape, dtype in cap.state_keys[pi]:
+                st[k] = torch.zeros(shape, dtype=dtype, device=p.device)
+        if key not in st:
+            raise DiphomaError(f"the optimizer state of {slot.name.rsplit('.', 1)[0]} has no "
+                               f"{key!r} (it has {sorted(st)})",
+                               hint="trace the step again after changing the optimizer")
         return st[key]
 
     def _gather(self, args: tuple) -> list[torch.Tensor]:
@@ -49,11 +54,17 @@ class TorchStep:
             raise DiphomaError(f"the step was traced with {len(self._arg_types)} tensor "
                                f"arguments but is called with {len(tensors)}",
                                hint="call it with arguments shaped like the example")
-        for t, (shape, _) in zip(tensors, self._arg_types):
-            if tuple(t.shape) != shape:
-                raise DiphomaError(f"the step was traced for an argument of shape {shape}, "
-                                   f"called with {tuple(t.shape)}",
-                                   hint="trace again for the new shape")
+        for t, (shape, dtype) in zip(tensors, self._arg_types):
+            if tuple(t.shape) != shape or t.dtype != DTYPE_TO_TORCH[dtype]:
+                raise DiphomaError(f"the step was traced for an argument of shape {shape} "
+                                   f"and dtype {dtype}, called with {tuple(t.shape)} and "
+                                   f"{t.dtype}", hint="trace again for the new argument")
+        if settings_of(cap.modules, cap.optimizers) != cap.settings:
+            raise DiphomaError(
+                "the optimizer's hyperparameters (other than lr), its parameter groups, or a "
+                "module's train/eval mode changed since the step was traced; the trace baked "
+                "them in", hint="trace the step again (only the learning rate may change "
+                               "between calls, e.g. by a scheduler)")
         it = iter(tensors)
         return [self._live(slot, it) for slot in cap.inputs]
 
@@ -73,6 +84,10 @@ class TorchStep:
         inputs = self._gather(args)
         with torch.no_grad():
             outs = self.module(*inputs)
+            # An output that is (a view of) an input would change while earlier outputs are
+            # written back (state = param.clone() reads the param before the update): copy.
+            held = {t.untyped_storage().data_ptr() for t in inputs}
+            outs = [o.clone() if o.untyped_storage().data_ptr() in held else o for o in outs]
             n_user = len(outs) - len([s for s in cap.outputs if s is not None])
             for slot, new in zip(cap.outputs[n_user:], outs[n_user:]):
                 self._write(slot, new)

@@ -60,6 +60,19 @@ class Captured:
     phase: dict[str, Phase] = field(default_factory=dict)   # fx node name -> phase
     loc: dict[str, str] = field(default_factory=dict)       # fx node name -> "file:line"
     name: str = "step"
+    settings: tuple = ()   # what the trace baked in, from settings_of(); checked per call
+
+
+_LIVE_KEYS = {"params", "lr", "initial_lr"}   # read per call, or not used by step()
+
+
+def settings_of(modules: list[torch.nn.Module], opts: list[torch.optim.Optimizer]) -> tuple:
+    """Everything a trace bakes in that a user may change between calls: the optimizers'
+    hyperparameters other than the learning rate, their group count, train/eval modes."""
+    groups = tuple(tuple(sorted((k, repr(v)) for k, v in g.items() if k not in _LIVE_KEYS))
+                   for opt in opts for g in opt.param_groups)
+    modes = tuple(sub.training for m in modules for sub in m.modules())
+    return tuple(len(o.param_groups) for o in opts), groups, modes
 
 
 # ------------------------------------------------------------------ finding the state
@@ -212,13 +225,19 @@ class _Step:
         self.buffer_slots: list[Slot] = []
         self.buffers: list[torch.Tensor] = []
         index_of: dict[int, int] = {}
+        seen_buffers: set[int] = set()
         for mi, m in enumerate(modules):
             pre = (names.get(id(m), f"module{mi}") + ".") if prefix else ""
             for q, p in m.named_parameters():
+                if id(p) in index_of:
+                    continue   # shared with a module found earlier: one input, not two
                 index_of[id(p)] = len(self.params)
                 self.param_slots.append(Slot("param", mi, (q,), pre + q))
                 self.params.append(p)
             for q, b in m.named_buffers():
+                if id(b) in seen_buffers:
+                    continue
+                seen_buffers.add(id(b))
                 self.buffer_slots.append(Slot("buffer", mi, (q,), pre + q))
                 self.buffers.append(b)
         self.groups: list[list[list[int]]] = []   # optimizer -> group -> param indices
@@ -428,7 +447,8 @@ def capture(step_fn: Callable, *args: Any) -> Captured:
     slots = step.param_slots + step.buffer_slots + step.state_slots() + step.lr_slots + \
         step.arg_slots
     return Captured(gm2, slots, outputs, step.user_spec, modules, opts, step.params,
-                    step.state_keys, phase, loc, getattr(step_fn, "__name__", "step"))
+                    step.state_keys, phase, loc, getattr(step_fn, "__name__", "step"),
+                    settings_of(modules, opts))
 
 
 def _attribute(gm1_nodes: list[fx.Node], marks: _Marks, gm2: fx.GraphModule,

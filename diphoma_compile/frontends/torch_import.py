@@ -13,7 +13,7 @@ from ..ir.core import (Attrs, Graph, Input, InputKind, InputRole, NameSupply, Op
                        OutputKind, OutputRole, Value)
 from ..ir.types import DType, TensorType
 from .torch_capture import Captured, Slot
-from .torch_ops import (BY_ATEN, DROPPED_TARGETS, IDENTITY, RNG_TARGETS, Neutral, encode_arg,
+from .torch_ops import (BY_ATEN, DROPPED_TARGETS, IDENTITY, Neutral, draws_random, encode_arg,
                         ir_dtype, target_name)
 
 aten = torch.ops.aten
@@ -206,19 +206,13 @@ class _Importer:
     def neutral(self, row: Neutral, args, kwargs, val) -> str:
         out_t = _ttype(val)
         vals = [_concrete(a.meta["val"]) if isinstance(a, fx.Node) else a for a in args]
-        if row.ir in _COMPARE:
-            compute = ir_dtype(torch.result_type(vals[0], vals[1]))
-        elif row.ir == "select":
-            compute = out_t.dtype
-        else:
-            compute = out_t.dtype
+        compute = (ir_dtype(torch.result_type(vals[0], vals[1])) if row.ir in _COMPARE
+                   else out_t.dtype)
         ins = []
         for k, pos in enumerate(row.tensors):
             a = args[pos] if pos < len(args) else kwargs.get(("self", "other")[k])
             if row.ir == "select" and k == 0:
                 ins.append(self.env[a])
-            elif row.ir == "lerp" and k == 2 and not isinstance(a, fx.Node):
-                ins.append(self.scalar(a, compute))
             else:
                 ins.append(self.operand(a, compute))
         attrs = dict(row.make_attrs(args, kwargs)) if row.make_attrs else {}
@@ -239,7 +233,7 @@ class _Importer:
                 tensors.append(n)
             return tensors.index(n)
         attrs = {"target": tname, "args": encode_arg(tuple(node.args), index)}
-        if tname in RNG_TARGETS:
+        if draws_random(node.target):
             attrs.update(rng="global", effectful=True)
         for k, v in node.kwargs.items():
             attrs[f"kw_{k}"] = encode_arg(v, index)

@@ -39,34 +39,27 @@ def ir_dtype(dt: torch.dtype) -> DType:
 class Neutral:
     """One aten overload <-> one neutral op.
 
-    ``tensors``: positions of tensor operands in the aten call (their order is the IR
-    inputs' order); ``scalars``: positions that may hold a Python number instead of a tensor
-    (the IR makes it a `full` constant; the backend passes the number back); ``attrs``:
-    aten keyword or position -> IR attribute name, with defaults that are left out."""
+    ``tensors``: positions of the operands in the aten call, in the IR inputs' order (a
+    Python number there becomes a `full` constant, and the backend passes the number back);
+    ``attrs``: IR attribute name -> (aten keyword, default left out); ``make_attrs``:
+    attributes computed from the call (dims, perm)."""
 
     aten: Any
     ir: str
     tensors: tuple[int, ...]
     attrs: dict[str, tuple[int | str, Any]] = field(default_factory=dict)
     make_attrs: Callable[[tuple, dict], dict] | None = None    # computed attributes
-    back: Callable[[dict, list], tuple[tuple, dict]] | None = None   # IR attrs -> aten args
 
 
 def _dims_of(args, kwargs):
     x = args[0]
     dims = args[1] if len(args) > 1 else kwargs.get("dim")
     rank = x.meta["val"].dim()
-    if dims is None:
-        dims = list(range(rank))
+    if dims is None or (isinstance(dims, (list, tuple)) and not dims):
+        dims = list(range(rank))   # aten reads an empty dim list as "every dimension"
     dims = sorted(d % rank for d in (dims if isinstance(dims, (list, tuple)) else [dims]))
     keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
     return {"dims": tuple(dims), "keepdim": bool(keep)}
-
-
-def _reduce_back(overload):
-    def back(attrs, ins):
-        return (ins[0], list(attrs["dims"]), bool(attrs.get("keepdim", False))), {}
-    return back
 
 
 def _perm_t(args, kwargs):
@@ -163,14 +156,13 @@ def emit_target(ir_name: str, overload: str | None = None) -> Any:
 
 IDENTITY = {aten.detach.default, aten.detach_copy.default, aten.alias.default,
             aten.alias_copy.default, aten.lift_fresh_copy.default, aten.clone.default}
-# Ops that draw from the framework's global generator: kept in order (effectful), and marked
-# so that passes see the randomness (with the same seed they draw what eager draws).
-RNG_TARGETS = {f"aten.{n}" for n in (
-    "native_dropout.default", "bernoulli.default", "bernoulli.p", "rand.default",
-    "randn.default", "rand_like.default", "randn_like.default", "randint.default",
-    "randint.low", "randperm.default", "normal.Tensor_float", "normal.float_Tensor",
-    "normal.Tensor_Tensor", "uniform.default", "multinomial.default", "randint_like.default",
-    "randint_like.low_dtype", "exponential.default", "normal_functional.default")}
+def draws_random(target: Any) -> bool:
+    """True for ops that draw from the framework's global generator (dropout, rand, ...):
+    they are kept in order (effectful) and marked, so no pass drops, merges or moves them;
+    with the same seed they draw what eager draws."""
+    return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
+
+
 DROPPED_TARGETS = {"profiler._record_function_enter_new.default",
                    "profiler._record_function_exit._RecordFunction",
                    "profiler._record_function_enter.default"}

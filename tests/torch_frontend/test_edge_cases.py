@@ -1,0 +1,143 @@
+"""Steps that once went wrong: aliasing outputs, random draws under cse, changed settings,
+constants in maximum, empty dim lists, wrong dtypes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import diphoma_compile  # noqa: E402
+from diphoma_compile.errors import DiphomaError  # noqa: E402
+
+from .models import MLP, OPTIMIZERS, clipped_step, mlp_batches  # noqa: E402
+
+
+def run_both(make_model, make_opt, step, data, passes=""):
+    torch.manual_seed(0)
+    model = make_model()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = make_opt(model), make_opt(ref)
+    compiled = diphoma_compile.compile(step, model, opt, data[0], passes=passes)
+    for i, batch in enumerate(data):
+        torch.manual_seed(10 + i)
+        loss = compiled(model, opt, batch)
+        torch.manual_seed(10 + i)
+        ref_loss = step(ref, ref_opt, batch)
+        assert torch.equal(loss, ref_loss), f"loss differs at step {i}"
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), name
+    for (name, b), c in zip(model.named_buffers(), ref.buffers()):
+        assert torch.equal(b, c), name
+    for p, q in zip(model.parameters(), ref.parameters()):
+        for k, v in ref_opt.state[q].items():
+            assert torch.equal(opt.state[p][k], v), k
+    return model, opt, compiled
+
+
+class PrevSGD(torch.optim.SGD):
+    """Keeps the parameter from before the update in its state (an output that is an input)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                self.state[p]["prev"] = p.clone()
+        return super().step(closure)
+
+
+class Shifter(MLP):
+    """Rebinds buffers: the new `prev` is the old `cur`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cur", torch.zeros(4))
+        self.register_buffer("prev", torch.zeros(4))
+
+    def forward(self, x):
+        out = super().forward(x)
+        self.prev = self.cur
+        self.cur = out.detach().mean(0)
+        return out
+
+
+def test_outputs_that_alias_inputs_are_written_back_correctly():
+    data = mlp_batches(3)
+    run_both(MLP, lambda m: PrevSGD(m.parameters(), lr=0.1), clipped_step, data)
+    run_both(Shifter, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), clipped_step, data)
+
+
+def noisy_step(model, opt, batch):
+    noise = torch.normal(0.0, 1.0, size=(16, 4)) + torch.normal(0.0, 1.0, size=(16, 4))
+    loss = F.cross_entropy(model(batch["x"]) + noise, batch["y"])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def test_random_draws_are_not_merged_or_dropped():
+    model, opt, compiled = run_both(MLP, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                                    noisy_step, mlp_batches(3), passes="dce,cse")
+    assert sum(op.attrs.get("rng") == "global" for op in compiled.graph.ops) == 2
+
+
+class Clamped(MLP):
+    def forward(self, x):
+        h = torch.maximum(self.fc1(x), torch.tensor(0.0))
+        return self.fc2(h) + h.amax() * 0 + h.sum(dim=[]) * 0 + h.mean(dim=[]) * 0
+
+
+def test_constant_operand_of_maximum_and_empty_dim_lists():
+    run_both(Clamped, lambda m: torch.optim.Adam(m.parameters(), lr=0.01), clipped_step,
+             mlp_batches(3))
+
+
+def test_changed_hyperparameters_or_mode_are_refused():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = OPTIMIZERS["sgd_momentum"](model.parameters(), True)
+    data = mlp_batches(2)
+    compiled = diphoma_compile.compile(clipped_step, model, opt, data[0])
+    compiled(model, opt, data[0])
+    opt.param_groups[0]["momentum"] = 0.5
+    with pytest.raises(DiphomaError, match="hyperparameters .other than lr.* changed"):
+        compiled(model, opt, data[1])
+    opt.param_groups[0]["momentum"] = 0.9
+    model.eval()
+    with pytest.raises(DiphomaError, match="train/eval mode"):
+        compiled(model, opt, data[1])
+    model.train()
+    compiled(model, opt, data[1])
+
+
+def test_wrong_dtype_at_call_time():
+    model = MLP()
+    opt = OPTIMIZERS["sgd"](model.parameters(), True)
+    data = mlp_batches(1)
+    compiled = diphoma_compile.compile(clipped_step, model, opt, data[0])
+    bad = {"x": data[0]["x"].double(), "y": data[0]["y"]}
+    with pytest.raises(DiphomaError, match="dtype f32, called with .* torch.float64"):
+        compiled(model, opt, bad)
+
+
+def test_two_modules_sharing_a_submodule():
+    torch.manual_seed(0)
+    shared = nn.Linear(8, 8)
+    a, b = nn.Sequential(shared, nn.ReLU()), nn.Sequential(shared, nn.Linear(8, 4))
+    opt = torch.optim.SGD(list(a.parameters()) + list(b[1].parameters()), lr=0.1)
+
+    def step(a, b, opt, batch):
+        loss = F.cross_entropy(b(a(batch["x"])), batch["y"])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    g = diphoma_compile.trace(step, a, b, opt, mlp_batches(1)[0])
+    names = [i.name for i in g.inputs if i.role.kind.value == "param"]
+    assert names == ["a.0.weight", "a.0.bias", "b.1.weight", "b.1.bias"]
