@@ -59,6 +59,11 @@ class TorchStep:
                 raise DiphomaError(f"the step was traced for an argument of shape {shape} "
                                    f"and dtype {dtype}, called with {tuple(t.shape)} and "
                                    f"{t.dtype}", hint="trace again for the new argument")
+        if not cap.clears_grads and any(p.grad is not None for p in cap.params):
+            raise DiphomaError("a parameter holds a .grad, and the traced step adds to it "
+                               "(it does not call zero_grad before backward)",
+                               hint="clear gradients before calling, or call "
+                                    "opt.zero_grad() in the step")
         if settings_of(cap.modules, cap.optimizers) != cap.settings:
             raise DiphomaError(
                 "the optimizer's hyperparameters (other than lr), its parameter groups, or a "
@@ -91,8 +96,10 @@ class TorchStep:
             n_user = len(outs) - len([s for s in cap.outputs if s is not None])
             for slot, new in zip(cap.outputs[n_user:], outs[n_user:]):
                 self._write(slot, new)
-        for p in cap.params:
-            p.grad = None
+        with_grad = {s.key[0] for s in cap.outputs if s is not None and s.kind == "grad"}
+        for pi, p in enumerate(cap.params):
+            if pi not in with_grad:
+                p.grad = None
         return pytree.tree_unflatten(list(outs[:n_user]), cap.user_out_spec)
 
     def _write(self, slot: Slot, new: torch.Tensor) -> None:
@@ -102,6 +109,8 @@ class TorchStep:
         elif slot.kind == "opt_state":
             pi, key = slot.key
             cap.optimizers[slot.owner].state[cap.params[pi]][key].copy_(new)
+        elif slot.kind == "grad":
+            cap.params[slot.key[0]].grad = new
 
 
 def _get_attr(mod: torch.nn.Module, qualname: str) -> torch.Tensor:

@@ -61,6 +61,7 @@ class Captured:
     loc: dict[str, str] = field(default_factory=dict)       # fx node name -> "file:line"
     name: str = "step"
     settings: tuple = ()   # what the trace baked in, from settings_of(); checked per call
+    clears_grads: bool = True   # the step zero_grads before backward: a leftover .grad is moot
 
 
 _LIVE_KEYS = {"params", "lr", "initial_lr"}   # read per call, or not used by step()
@@ -267,6 +268,9 @@ class _Step:
         self.state_keys: list[list[tuple[str, torch.Size, torch.dtype]]] = []
         self.user_spec: pytree.TreeSpec | None = None
         self.n_user = 0
+        self.grads_left: list[int] = []    # params whose .grad the step leaves set
+        self.cleared_first = False         # zero_grad came before the first backward
+        self.backward_seen = False
 
     # --------------------------------------------------------------- optimizer state
     def live_state_keys(self) -> list[list[tuple[str, torch.Size, torch.dtype]]] | None:
@@ -325,6 +329,7 @@ class _Step:
                 tensors.update({s.key[0]: t for s, t in zip(self.buffer_slots, bs)
                                 if s.owner == mi})
                 stack.enter_context(_reparametrize_module(m, tensors, tie_weights=True))
+            stack.enter_context(self._watch_grad_clearing())
             lr_it = iter(lrs)
             for oi, opt in enumerate(self.opts):
                 groups = [[ps[i] for i in g] for g in self.groups[oi]]
@@ -344,8 +349,36 @@ class _Step:
         self.n_user = len(out_leaves)
         new_state = [state[ps[pi]][k] for pi, keys in enumerate(self.state_keys)
                      for k, _, _ in keys]
+        # gradients the step leaves in .grad (zero_grad before backward) are outputs too
+        self.grads_left = [pi for pi, p in enumerate(ps) if p.grad is not None]
         return (*[t.detach() for t in out_leaves], *[p.detach() for p in ps],
-                *new_buffers, *new_state)
+                *new_buffers, *new_state, *[ps[pi].grad.detach() for pi in self.grads_left])
+
+    @contextlib.contextmanager
+    def _watch_grad_clearing(self) -> Iterator[None]:
+        """Notes whether the step clears gradients (zero_grad) before its first backward:
+        if not, eager would add to whatever .grad holds when it is called."""
+        self.cleared_first = False
+        self.backward_seen = False
+        zero_opt, zero_mod = torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad
+        backward, grad = torch.autograd.backward, torch.autograd.grad
+
+        def clearing(orig):
+            def inner(*a, **k):
+                self.cleared_first |= not self.backward_seen
+                return orig(*a, **k)
+            return inner
+
+        def differentiating(orig):
+            def inner(*a, **k):
+                self.backward_seen = True
+                return orig(*a, **k)
+            return inner
+        with mock.patch.object(torch.optim.Optimizer, "zero_grad", clearing(zero_opt)), \
+                mock.patch.object(torch.nn.Module, "zero_grad", clearing(zero_mod)), \
+                mock.patch("torch.autograd.backward", differentiating(backward)), \
+                mock.patch("torch.autograd.grad", differentiating(grad)):
+            yield
 
     def _buffer_now(self, slot: Slot, traced: torch.Tensor) -> torch.Tensor:
         # A module may rebind a buffer (self.num_batches_tracked = t + 1) instead of
@@ -442,13 +475,20 @@ def capture(step_fn: Callable, *args: Any) -> Captured:
     gm1_nodes = list(gm1.graph.nodes)
     gm2, made = _functionalize(gm1, _fake_inputs(step))
     phase, loc = _attribute(gm1_nodes, marks, gm2, made)
+    if step.grads_left and not step.cleared_first:
+        raise FrontendError(
+            "the step leaves gradients in .grad without clearing them before backward(), so "
+            "eager PyTorch would add each call's gradients to the previous ones",
+            hint="call opt.zero_grad() in the step (before backward or after opt.step())")
     outputs: list[Slot | None] = [None] * step.n_user
     outputs += step.param_slots + step.buffer_slots + step.state_slots()
+    outputs += [Slot("grad", 0, (pi,), f"{step.param_slots[pi].name}.grad")
+                for pi in step.grads_left]
     slots = step.param_slots + step.buffer_slots + step.state_slots() + step.lr_slots + \
         step.arg_slots
     return Captured(gm2, slots, outputs, step.user_spec, modules, opts, step.params,
                     step.state_keys, phase, loc, getattr(step_fn, "__name__", "step"),
-                    settings_of(modules, opts))
+                    settings_of(modules, opts), step.cleared_first)
 
 
 def _attribute(gm1_nodes: list[fx.Node], marks: _Marks, gm2: fx.GraphModule,

@@ -117,7 +117,9 @@ class _Importer:
         loss_given = False
         for val, slot in zip(flat, self.cap.outputs):
             name = self.env[val]
-            if slot is None:
+            if slot is not None and slot.kind == "grad":
+                outs.append(Output(name, OutputRole(OutputKind.other)))
+            elif slot is None:
                 t = self.types[name]
                 is_loss = not loss_given and t.numel == 1 and t.dtype.is_float
                 loss_given |= is_loss

@@ -32,6 +32,8 @@ def run_both(make_model, make_opt, step, data, passes=""):
         assert torch.equal(loss, ref_loss), f"loss differs at step {i}"
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), name
+        assert (p.grad is None) == (q.grad is None), name
+        assert p.grad is None or torch.equal(p.grad, q.grad), name
     for (name, b), c in zip(model.named_buffers(), ref.buffers()):
         assert torch.equal(b, c), name
     for p, q in zip(model.parameters(), ref.parameters()):
@@ -141,3 +143,41 @@ def test_two_modules_sharing_a_submodule():
     g = diphoma_compile.trace(step, a, b, opt, mlp_batches(1)[0])
     names = [i.name for i in g.inputs if i.role.kind.value == "param"]
     assert names == ["a.0.weight", "a.0.bias", "b.1.weight", "b.1.bias"]
+
+
+def zero_first_step(model, opt, batch):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(batch["x"]), batch["y"])
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_zero_grad_first_leaves_the_same_grads_as_eager():
+    model, opt, compiled = run_both(MLP, lambda m: OPTIMIZERS["adamw"](m.parameters(), True),
+                                    zero_first_step, mlp_batches(3))
+    assert all(p.grad is not None for p in model.parameters())
+    assert sum(o.role.kind.value == "other" for o in compiled.graph.outputs) == 4
+
+
+def test_accumulating_step_is_refused():
+    def step(model, opt, batch):
+        loss = F.cross_entropy(model(batch["x"]), batch["y"])
+        loss.backward()
+        opt.step()
+        return loss
+    model = MLP()
+    opt = OPTIMIZERS["sgd"](model.parameters(), True)
+    with pytest.raises(DiphomaError, match="add each call's gradients"):
+        diphoma_compile.trace(step, model, opt, mlp_batches(1)[0])
+
+
+def test_leftover_grad_with_a_step_that_clears_late_is_refused():
+    model = MLP()
+    opt = OPTIMIZERS["sgd"](model.parameters(), True)
+    data = mlp_batches(1)
+    compiled = diphoma_compile.compile(clipped_step, model, opt, data[0])
+    clipped_step(model, opt, data[0])   # eager: clears after the step, .grad is None
+    model.fc1.weight.grad = torch.ones_like(model.fc1.weight)
+    with pytest.raises(DiphomaError, match="holds a .grad"):
+        compiled(model, opt, data[0])
