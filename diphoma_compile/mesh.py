@@ -6,6 +6,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import MeshError
 
@@ -52,6 +53,34 @@ class Mesh:
         have = ", ".join(self.names) or "none"
         raise MeshError(f"mesh has no axis {name!r} (axes: {have})",
                         hint="name an axis of the mesh, or add it to the mesh")
+
+    @classmethod
+    def of(cls, mesh: Any) -> Mesh:
+        """A Mesh from a Mesh, a dict of axis sizes, a torch DeviceMesh or a jax Mesh."""
+        if isinstance(mesh, Mesh):
+            return mesh
+        if isinstance(mesh, Mapping):
+            return cls(mesh)
+        names = getattr(mesh, "mesh_dim_names", None)      # torch DeviceMesh
+        if names is not None or type(mesh).__name__ == "DeviceMesh":
+            if not names:
+                raise MeshError("the torch DeviceMesh has no dimension names",
+                                hint="create it with mesh_dim_names=('dp', ...)")
+            return cls(tuple(zip(names, (int(s) for s in mesh.mesh.shape))))
+        shape = getattr(mesh, "shape", None)                # jax.sharding.Mesh
+        if isinstance(shape, Mapping) and hasattr(mesh, "axis_names"):
+            return cls(tuple((str(n), int(shape[n])) for n in mesh.axis_names))
+        raise MeshError(f"cannot read a mesh from {type(mesh).__name__}",
+                        hint="pass diphoma_compile.Mesh({'dp': 4}), a dict of axis sizes, a "
+                             "torch DeviceMesh or a jax.sharding.Mesh")
+
+    def check_world(self, world_size: int, what: str = "processes") -> None:
+        """MeshError unless the mesh has exactly ``world_size`` devices."""
+        if self.size != world_size:
+            axes = " x ".join(f"{n}={s}" for n, s in self.axes) or "no axes"
+            raise MeshError(f"the mesh ({axes}) has {self.size} devices but there are "
+                            f"{world_size} {what}",
+                            hint="make the product of the axis sizes equal the world size")
 
     def __contains__(self, name: object) -> bool:
         return any(n == name for n, _ in self.axes)
