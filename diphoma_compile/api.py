@@ -40,10 +40,11 @@ def compile(step_fn: Callable, *example_args: Any, passes: str = "") -> Any:
     For PyTorch it updates the live module and optimizer exactly as the eager step would."""
     if _framework(example_args) != "torch":
         from .backends.jax_compile import compile_jax
-        from .frontends.jax_trace import trace_jax
-        graph = trace_jax(step_fn, *example_args)
+        from .frontends.jax_trace import trace_jax_with_tree
+        # this step's own output structure, whatever passes do to the graph
+        graph, tree = trace_jax_with_tree(step_fn, *example_args)
         graph = Pipeline.from_spec(passes).run(graph, PassContext()) if passes else graph
-        return compile_jax(graph)
+        return compile_jax(graph, out_tree=tree)
     from .backends.torch_runtime import TorchStep
     from .frontends.torch_trace import trace_torch
     graph, cap = trace_torch(step_fn, *example_args)

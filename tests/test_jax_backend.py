@@ -134,7 +134,7 @@ def test_flax_features_run_bit_identical(module, key):
 
 def test_rewritten_graph_keeps_the_users_pytrees(control_graph):
     # A pass returns a new graph object with the same signature: the structure is found.
-    rewritten = control_graph.replace(name="rewritten", passes=("dce",))
+    rewritten = control_graph.replace(passes=("dce",))
     assert_identical(jax.jit(_control_step)(*ARGS), compile_jax(rewritten)(*ARGS))
 
 

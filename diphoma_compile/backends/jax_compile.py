@@ -137,7 +137,7 @@ def _dtype_matches(dtype: Any, want: DType) -> bool:
     is_key = jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
     if want is DType.key or is_key:
         return want is DType.key and is_key
-    return np.dtype(dtype) == numpy_dtype(want)
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype)) == numpy_dtype(want)
 
 
 def _check_leaf(name: str, want: TensorType, leaf: Any) -> None:
@@ -196,9 +196,11 @@ class JaxStep:
                 where[self.graph.inputs[pos].name] = (k, j)
                 pos += 1
         kinds = {i.name: i.role.kind for i in self.graph.inputs}
-        first = {kind: next((where[n][0] for n, kd in kinds.items() if kd is kind), None)
-                 for kind in (InputKind.param, InputKind.opt_state)}
-        if None in first.values():
+        first = {kind: next((where[n][0] for n, kd in kinds.items() if kd is kind), default)
+                 for kind, default in ((InputKind.param, 0), (InputKind.opt_state, 1))}
+        # a kind with no array leaves (optax.sgd's EmptyState) sits where the convention puts
+        # it: params first, optimizer state second
+        if len(set(first.values())) != 2 or max(first.values()) >= len(treedefs):
             return tuple(outs)
         new = {k: list(jax.tree.leaves(args[k])) for k in set(first.values())}
         metrics = []

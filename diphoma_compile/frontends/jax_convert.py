@@ -92,7 +92,7 @@ class JaxprConverter:
             if key not in block.consts:
                 (block.consts[key],) = self._emit(block, "full", [], {"value": v}, [t], "c")
             return block.consts[key]
-        data = tuple(_number(x, t.dtype, where) for x in arr.astype(arr.dtype).ravel())
+        data = tuple(_number(x, t.dtype, where) for x in arr.ravel())
         key = (t.dtype, t.shape, "literal", repr(data))
         if key not in block.consts:
             (block.consts[key],) = self._emit(block, "literal", [], {"data": data}, [t], "c")
@@ -171,6 +171,12 @@ class JaxprConverter:
         attrs: dict[str, Any] = {"target": f"jax:{prim}"}
         if eqn.effects:
             attrs["effectful"] = True
+        if prim == "scatter" and eqn.params.get("update_jaxpr") is not None:
+            # x.at[i].apply(f): the backend rebuilds scatters from their kind and would
+            # replace instead of applying f
+            raise UnsupportedOpError(
+                "scatter with a custom update function (x.at[...].apply(f)) is not supported",
+                hint="use .at[...].set/add/multiply/min/max, or apply f before the scatter")
         for k, v in eqn.params.items():
             if k in DERIVED_PARAMS.get(prim, ()):
                 continue

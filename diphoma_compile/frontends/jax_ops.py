@@ -61,11 +61,17 @@ def _defaults_only(params: Mapping[str, Any], consumed: tuple[str, ...] = ()) ->
     return True
 
 
+_BOOL_RESULT = {"eq", "ne", "lt", "le", "gt", "ge", "isfinite", "isnan", "logical_not"}
+
+
 def same(op: str) -> Converter:
     """A primitive that is the neutral op ``op`` when its parameters are defaults."""
     def conv(e: EqnView) -> list[str] | None:
         if not _defaults_only(e.params):
             return None
+        if op not in _BOOL_RESULT and e.in_types and \
+                any(t.dtype is not e.in_types[0].dtype for t in e.out_types):
+            return None   # abs of a complex number is real: not the neutral op; stays opaque
         return e.emit(op, e.inputs, {}, e.out_types)
     return conv
 
@@ -237,7 +243,7 @@ PRIMITIVES: dict[str, Converter] = {
     "expm1": same("expm1"), "sqrt": same("sqrt"), "rsqrt": same("rsqrt"),
     "tanh": same("tanh"), "logistic": same("sigmoid"), "sin": same("sin"), "cos": same("cos"),
     "erf": same("erf"), "is_finite": same("isfinite"), "square": same("square"),
-    "copy": same("copy"), "copy_p": same("copy"),
+    "copy": same("copy"),
     "stop_gradient": same("copy"),  # an identity once the step is differentiated
     "integer_pow": _integer_pow, "not": _logical_not,
     # binary
@@ -265,6 +271,8 @@ PRIMITIVES: dict[str, Converter] = {
 # inlines it too), custom_jvp/custom_vjp calls only attach differentiation rules to their
 # primal body, which is all a step that has already been differentiated runs, and remat
 # only asks for recomputation in a gradient that has already been built.
+# (pjit, core_call, custom_vjp_call_jaxpr and checkpoint are the names older JAX releases
+# give these primitives.)
 INLINE: dict[str, str] = {
     "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
     "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",

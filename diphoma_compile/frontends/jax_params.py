@@ -68,14 +68,14 @@ def is_trivial_sharding(value: Any) -> bool:
 
 def encode(value: Any) -> AttrValue:
     """The attribute value for a primitive parameter; EncodingError when there is none."""
+    if isinstance(value, enum.Enum):   # before numbers: an IntEnum is an int too
+        return f"!enum:{_qualified(type(value))}:{value.name}"
     if value is None or isinstance(value, (bool, int, float)):
         return value
     if isinstance(value, str):
         return "!" + value if value.startswith("!") else value
     if isinstance(value, np.dtype) or (isinstance(value, type) and issubclass(value, np.generic)):
         return f"!dtype:{np.dtype(value).name}"
-    if isinstance(value, enum.Enum):
-        return f"!enum:{_qualified(type(value))}:{value.name}"
     if isinstance(value, np.generic):
         return (f"!scalar:{value.dtype.name}", value.item())
     if isinstance(value, np.ndarray):

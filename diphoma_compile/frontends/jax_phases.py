@@ -96,7 +96,11 @@ def assign_phases(graph: Graph) -> Graph:
         # Users that feed no state output (metrics of the new values, dead results) run
         # after the update and do not decide whether this op belongs to it.
         deciding = [u for u in users[k] if u in feeds_state]
-        if all(u in update for u in deciding) and \
+        # optimizer math reads parameters, state and scalars, never a forward activation
+        # (the gradient of a scalar parameter reduces activations: that is backward)
+        reads_activation = any(n in made and made[n] in forward and numel[n] > 1
+                               for n in reads[k])
+        if all(u in update for u in deciding) and not reads_activation and \
                 (reads_state[k] or _optimizer_math(ops[k], numel)):
             update.add(k)
 

@@ -78,8 +78,8 @@ def arg_leaves(tree: Any, prefix: str) -> list[tuple[str, Any]]:
 
 def _same_shapes(a: Any, b: Any) -> bool:
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return len(la) == len(lb) and all(
-        x.shape == y.shape and x.dtype == y.dtype for x, y in zip(la, lb))
+    # shapes only: optax keeps moments in another dtype on request (adam(mu_dtype=bf16))
+    return len(la) == len(lb) and all(x.shape == y.shape for x, y in zip(la, lb))
 
 
 def opt_state_links(params: Any, opt_state: Any) -> list[tuple[int | None, str | None]]:

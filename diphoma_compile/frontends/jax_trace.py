@@ -21,16 +21,26 @@ from .jax_roles import StepSignature, step_inputs, step_outputs
 # output names and roles). Passes keep that signature while they change placements and ops,
 # so the backend finds the user's trees for a transformed graph too.
 _OUT_TREES: dict[tuple, Any] = {}
+_AMBIGUOUS = object()   # two traced steps with one signature and different output trees
 
 
 def _signature(graph: Graph) -> tuple:
-    return (tuple((i.name, i.value.type.shape, i.value.type.dtype) for i in graph.inputs),
+    return (graph.name,
+            tuple((i.name, i.value.type.shape, i.value.type.dtype) for i in graph.inputs),
             tuple((o.name, o.role) for o in graph.outputs))
 
 
 def output_tree(graph: Graph) -> Any | None:
-    """The output PyTreeDef of the traced step ``graph`` (or a rewrite of it), else None."""
-    return _OUT_TREES.get(_signature(graph))
+    """The output PyTreeDef of the traced step ``graph`` (or a rewrite of it); None when
+    unknown or ambiguous (the backend then rebuilds the trees from the roles)."""
+    tree = _OUT_TREES.get(_signature(graph))
+    return None if tree is _AMBIGUOUS else tree
+
+
+def _remember_tree(graph: Graph, tree: Any) -> None:
+    key = _signature(graph)
+    old = _OUT_TREES.get(key, tree)
+    _OUT_TREES[key] = tree if old == tree else _AMBIGUOUS
 
 
 def _rename_results(ops: list[Op], mapping: dict[str, str]) -> tuple[Op, ...]:
@@ -49,16 +59,23 @@ def _graph_name(fn: Callable) -> str:
     return re.sub(r"[^A-Za-z0-9_.\-]", "_", name) or "step"
 
 
-def trace_jax(step_fn: Callable, *example_args: Any, params_argnum: int = 0,
-              opt_state_argnum: int = 1, batch_argnums: tuple[int, ...] = (2,),
-              locations: bool = True) -> Graph:
+def trace_jax(step_fn: Callable, *example_args: Any, **options: Any) -> Graph:
+    """Trace ``step_fn(*example_args)`` with jax.make_jaxpr into a verified IR Graph (see
+    ``trace_jax_with_tree`` for the options)."""
+    return trace_jax_with_tree(step_fn, *example_args, **options)[0]
+
+
+def trace_jax_with_tree(step_fn: Callable, *example_args: Any, params_argnum: int = 0,
+                        opt_state_argnum: int = 1, batch_argnums: tuple[int, ...] = (2,),
+                        locations: bool = True) -> tuple[Graph, Any]:
     """Trace ``step_fn(*example_args)`` with jax.make_jaxpr into a verified IR Graph.
 
     The step follows ``step(params, opt_state, batch, *rest) -> (params, opt_state,
     *metrics)`` over pytrees of arrays; the argnum options say which argument is which.
     Leaves of other arguments are ``rng`` (PRNG keys), ``hyper`` (single numbers: learning
     rates, step counts) or ``other``. The first scalar float
-    metric is the loss. ``locations`` records the user's file:line on each op."""
+    metric is the loss. ``locations`` records the user's file:line on each op. Returns the
+    graph and the PyTreeDef of the step's result."""
     sig = StepSignature(params_argnum, opt_state_argnum, tuple(batch_argnums))
     sig.check(len(example_args))
     inputs = step_inputs(example_args, sig)
@@ -87,5 +104,6 @@ def trace_jax(step_fn: Callable, *example_args: Any, params_argnum: int = 0,
     outputs = tuple(Output(mapping.get(v, v), role) for v, (_, role) in zip(outs, roles))
     graph = Graph(_graph_name(step_fn), tuple(inputs), _rename_results(ops, mapping), outputs)
     graph = verify(assign_phases(graph))
-    _OUT_TREES[_signature(graph)] = jax.tree.structure(out_shape)
-    return graph
+    tree = jax.tree.structure(out_shape)
+    _remember_tree(graph, tree)
+    return graph, tree

@@ -30,7 +30,8 @@ def ir_dtype(dtype: Any, where: str = "a value") -> DType:
     """The IR dtype of a JAX/numpy dtype; FrontendError for dtypes the IR lacks."""
     if is_key_dtype(dtype):
         return DType.key
-    name = np.dtype(dtype).name
+    # what JAX computes with: numpy int64/float64 leaves become 32-bit unless x64 is on
+    name = np.dtype(jax.dtypes.canonicalize_dtype(dtype)).name
     try:
         return _FROM_NUMPY[name]
     except KeyError:

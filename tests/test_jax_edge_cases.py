@@ -1,0 +1,123 @@
+"""JAX steps that once went wrong: scatter-apply, IntEnum parameters, output trees of
+look-alike steps, state with no leaves, scalar-parameter phases, numpy 64-bit leaves,
+complex abs, optimizer state in another dtype."""
+
+from __future__ import annotations
+
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import diphoma_compile  # noqa: E402
+from diphoma_compile.backends.jax_compile import compile_jax  # noqa: E402
+from diphoma_compile.errors import UnsupportedOpError  # noqa: E402
+from diphoma_compile.frontends import jax_trace  # noqa: E402
+from diphoma_compile.frontends.jax_trace import trace_jax  # noqa: E402
+from diphoma_compile.ir import Phase, parse, print_graph  # noqa: E402
+
+P = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
+X = jnp.linspace(-2, 2, 6).reshape(2, 3)
+
+
+def sgd_step(loss_fn, tx=None):
+    tx = tx or optax.sgd(0.1)
+
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    return step, tx
+
+
+def same_bits(a, b) -> bool:
+    return all(np.asarray(x).tobytes() == np.asarray(y).tobytes()
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))) and \
+        jax.tree.structure(a) == jax.tree.structure(b)
+
+
+def test_scatter_apply_is_refused():
+    inner, tx = sgd_step(lambda p, x: jnp.sum(p["w"] * x))
+
+    def step(params, opt_state, batch):
+        params, opt_state, loss = inner(params, opt_state, batch)
+        return {**params, "w": params["w"].at[0].apply(jnp.sin)}, opt_state, loss
+    with pytest.raises(UnsupportedOpError, match=r"at\[...\].apply"):
+        trace_jax(step, P, tx.init(P), X)
+
+
+def test_int_enum_parameters_survive_the_text_form():
+    step, tx = sgd_step(lambda p, x: jnp.sum(jnp.round(p["w"] * x) * p["w"]))
+    s = tx.init(P)
+    g = parse(print_graph(trace_jax(step, P, s, X)))
+    assert same_bits(compile_jax(g, out_tree=jax.tree.structure(step(P, s, X)))(P, s, X),
+                     jax.jit(step)(P, s, X))
+
+
+def test_look_alike_steps_keep_their_own_output_trees():
+    def loss_fn(p, x):
+        return jnp.sum((x @ p["w"].T) ** 2)
+
+    def make(wrap):
+        def step(params, opt_state, batch):
+            return params, opt_state, wrap(jax.value_and_grad(loss_fn)(params, batch)[0])
+        return step
+    plain, boxed = make(lambda loss: loss), make(lambda loss: {"loss": loss})
+    s = optax.sgd(0.1).init(P)
+    a = diphoma_compile.compile(plain, P, s, X)
+    b = diphoma_compile.compile(boxed, P, s, X)
+    assert same_bits(a(P, s, X), jax.jit(plain)(P, s, X))
+    assert same_bits(b(P, s, X), jax.jit(boxed)(P, s, X))
+
+
+def test_roles_fallback_with_an_empty_optimizer_state():
+    step, tx = sgd_step(lambda p, x: jnp.sum((x @ p["w"].T) ** 2) + jnp.sum(p["b"]))
+    s = tx.init(P)
+    g = trace_jax(step, P, s, X)
+    jax_trace._OUT_TREES.clear()   # as in a fresh process
+    new, state, loss = compile_jax(g)(P, s, X)
+    assert same_bits((new, state, loss), jax.jit(step)(P, s, X))
+
+
+def test_gradient_of_a_scalar_parameter_is_backward():
+    params = {"w": jnp.ones((3, 4)), "scale": jnp.array(2.0)}
+    x = jnp.linspace(-1, 1, 24).reshape(8, 3)
+    step, tx = sgd_step(lambda p, x: jnp.mean(jnp.tanh(x @ p["w"]) * p["scale"]))
+    g = trace_jax(step, params, tx.init(params), x)
+    update = [op for op in g.ops if op.phase is Phase.update]
+    assert all(v.type.numel <= 12 for op in update for v in op.results), \
+        "an activation-sized op was put in the update phase"
+
+
+def test_numpy_64_bit_leaves_are_traced_as_jax_computes_them():
+    labels = np.array([0, 2])
+
+    def loss_fn(p, batch):
+        x, y = batch
+        logp = jax.nn.log_softmax(x @ p["w"].T)
+        return -jnp.mean(jnp.take_along_axis(logp, y[:, None], 1))
+    step, tx = sgd_step(loss_fn)
+    s = tx.init(P)
+    batch = (np.linspace(-2, 2, 6).reshape(2, 3), labels)
+    run = diphoma_compile.compile(step, P, s, batch)
+    assert same_bits(run(P, s, batch), jax.jit(step)(P, s, batch))
+
+
+def test_abs_of_a_complex_value():
+    # |x + ix| is real; the gradient does not flow through the complex value
+    step, tx = sgd_step(lambda p, x: jnp.sum(p["w"] * jnp.abs(jax.lax.complex(x, x))))
+    s = tx.init(P)
+    g = trace_jax(step, P, s, X)
+    assert any(op.attrs.get("target") == "jax:abs" for op in g.walk())
+    assert same_bits(compile_jax(g)(P, s, X), jax.jit(step)(P, s, X))
+
+
+def test_optimizer_state_in_another_dtype_links_to_its_parameter():
+    step, tx = sgd_step(lambda p, x: jnp.sum((x @ p["w"].T) ** 2) + jnp.sum(p["b"]),
+                        optax.adam(1e-2, mu_dtype=jnp.bfloat16))
+    g = trace_jax(step, P, tx.init(P), X)
+    mu = [i for i in g.inputs if i.role.slot == "mu"]
+    assert [i.role.of for i in mu] == ["params/b", "params/w"]
