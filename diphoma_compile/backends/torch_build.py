@@ -50,9 +50,8 @@ class _Builder:
         for i in self.g.inputs:
             self.env[i.name] = self.fx.placeholder(_py_name(i.name))
             if i.role.kind is InputKind.hyper and i.value.type.shape == ():
-                self.scalars[i.name] = self.call(aten._local_scalar_dense.default,
-                                                 [self.env[i.name]])
-                self.dtype_of[i.name] = DTYPE_TO_TORCH[i.value.type.dtype]
+                self.set_host(i.name, self.call(aten._local_scalar_dense.default,
+                                                [self.env[i.name]]), i.value.type.dtype)
         for op in self.g.ops:
             self.op(op)
         self.fx.output(tuple(self.env[o.name] for o in self.g.outputs))
@@ -74,6 +73,11 @@ class _Builder:
                                            {"dtype": self.dtype_of[name]})
         return v
 
+    def set_host(self, name: str, value: Any, dtype: DType) -> None:
+        """Record ``name`` as a host scalar: a Python number or a node producing one."""
+        self.scalars[name] = value
+        self.dtype_of[name] = DTYPE_TO_TORCH[dtype]
+
     def host(self, op: Op) -> bool:
         """Compute a 0-d op with Python numbers when its inputs are host scalars."""
         if len(op.results) != 1 or op.result.type.shape != () or not op.inputs:
@@ -84,14 +88,14 @@ class _Builder:
         vals = [self.scalars[i] for i in op.inputs]
         if n == "convert":
             # an .item() read, or a scalar handed to a tensor op (which rounds it itself)
-            self.scalars[op.result.name] = vals[0]
+            value = vals[0]
         elif n in _HOST_OPS and t.dtype in _HOST_DTYPES and not op.attrs and len(vals) == 2:
-            self.scalars[op.result.name] = self.call(_HOST_OPS[n], vals)
+            value = self.call(_HOST_OPS[n], vals)
         elif n == "neg" and t.dtype in _HOST_DTYPES:
-            self.scalars[op.result.name] = self.call(operator.neg, vals)
+            value = self.call(operator.neg, vals)
         else:
             return False
-        self.dtype_of[op.result.name] = DTYPE_TO_TORCH[t.dtype]
+        self.set_host(op.result.name, value, t.dtype)
         return True
 
     def op(self, op: Op) -> None:
@@ -100,16 +104,15 @@ class _Builder:
         if n == "convert" and op.inputs[0] not in self.scalars and \
                 op.result.type.shape == () and op.result.type.dtype in _HOST_DTYPES:
             # .item(): read a 0-d tensor into a Python number
-            self.scalars[op.result.name] = self.call(aten._local_scalar_dense.default,
-                                                     [self.node(op.inputs[0])])
-            self.dtype_of[op.result.name] = DTYPE_TO_TORCH[op.result.type.dtype]
+            self.set_host(op.result.name, self.call(aten._local_scalar_dense.default,
+                                                    [self.node(op.inputs[0])]),
+                          op.result.type.dtype)
             return
         if self.host(op):
             return
         if n == "full" and op.result.type.shape == ():
             # folded into the ops that use it; materialized on demand
-            self.scalars[op.result.name] = a["value"]
-            self.dtype_of[op.result.name] = DTYPE_TO_TORCH[op.result.type.dtype]
+            self.set_host(op.result.name, a["value"], op.result.type.dtype)
             return
         if n == "opaque":
             out = self.opaque(op)

@@ -24,6 +24,9 @@ class TorchStep:
         self.module = build_module(graph)
         self._arg_types = [(tuple(i.value.type.shape), i.value.type.dtype)
                            for i, s in zip(graph.inputs, captured.inputs) if s.kind == "arg"]
+        self._n_user = captured.outputs.count(None)   # the step's own results come first
+        self._with_grad = {s.key[0] for s in captured.outputs
+                           if s is not None and s.kind == "grad"}
 
     @property
     def code(self) -> str:
@@ -93,12 +96,11 @@ class TorchStep:
             # written back (state = param.clone() reads the param before the update): copy.
             held = {t.untyped_storage().data_ptr() for t in inputs}
             outs = [o.clone() if o.untyped_storage().data_ptr() in held else o for o in outs]
-            n_user = len(outs) - len([s for s in cap.outputs if s is not None])
+            n_user = self._n_user
             for slot, new in zip(cap.outputs[n_user:], outs[n_user:]):
                 self._write(slot, new)
-        with_grad = {s.key[0] for s in cap.outputs if s is not None and s.kind == "grad"}
         for pi, p in enumerate(cap.params):
-            if pi not in with_grad:
+            if pi not in self._with_grad:
                 p.grad = None
         return pytree.tree_unflatten(list(outs[:n_user]), cap.user_out_spec)
 

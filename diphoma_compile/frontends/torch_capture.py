@@ -108,20 +108,12 @@ def _is_state(x: Any) -> bool:
     return isinstance(x, (torch.nn.Module, torch.optim.Optimizer))
 
 
-def _arg_names(fn: Callable, args: tuple) -> dict[int, str]:
+def _param_names(fn: Callable) -> list[str]:
+    """The names of ``fn``'s parameters, in order (none for builtins without a signature)."""
     try:
-        names = list(inspect.signature(fn).parameters)
+        return list(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
-        names = []
-    return {id(a): names[i] for i, a in enumerate(args) if i < len(names)}
-
-
-def _has_sig(fn: Callable) -> bool:
-    try:
-        inspect.signature(fn)
-        return True
-    except (TypeError, ValueError):
-        return False
+        return []
 
 
 def _arg_path_name(path: tuple, by_pos: dict[int, str]) -> str:
@@ -219,7 +211,8 @@ class _Step:
 
     def __init__(self, fn: Callable, args: tuple, modules, opts) -> None:
         self.fn, self.args, self.modules, self.opts = fn, args, modules, opts
-        names = _arg_names(fn, args)
+        params = _param_names(fn)
+        names = {id(a): params[i] for i, a in enumerate(args) if i < len(params)}
         prefix = len(modules) > 1
         self.param_slots: list[Slot] = []
         self.params: list[torch.Tensor] = []
@@ -261,7 +254,7 @@ class _Step:
                          for oi, gs in enumerate(self.groups) for gi in range(len(gs))]
         leaves, self.arg_spec = pytree.tree_flatten_with_path(args, is_leaf=_is_state)
         self.arg_leaves = [leaf for _, leaf in leaves]
-        by_pos = dict(enumerate(inspect.signature(fn).parameters)) if _has_sig(fn) else {}
+        by_pos = dict(enumerate(params))
         self.arg_slots = [Slot("arg", 0, (i,), _arg_path_name(path, by_pos) or f"arg{i}")
                           for i, (path, leaf) in enumerate(leaves)
                           if isinstance(leaf, torch.Tensor)]

@@ -87,13 +87,12 @@ class _Importer:
         cap = self.cap
         placeholders = [n for n in cap.gm.graph.nodes if n.op == "placeholder"]
         inputs = []
-        param_name = {i: s.name for i, s in enumerate(cap.inputs) if s.kind == "param"}
         for node, slot in zip(placeholders, cap.inputs):
             name = self.names(slot.name)
             t = _ttype(node.meta["val"])
             self.env[node] = name
             self.types[name] = t
-            inputs.append(Input(Value(name, t), self._role(slot, param_name)))
+            inputs.append(Input(Value(name, t), self._role(slot)))
         for node in cap.gm.graph.nodes:
             if node.op == "call_function":
                 self.node = node
@@ -105,9 +104,9 @@ class _Importer:
                 outputs = self.outputs(node)
         return Graph(cap.name, tuple(inputs), tuple(self.ops), tuple(outputs))
 
-    def _role(self, slot: Slot, param_name: dict[int, str]) -> InputRole:
+    def _role(self, slot: Slot) -> InputRole:
         if slot.kind == "opt_state":
-            pi, key = slot.key
+            pi, key = slot.key   # parameter slots come first: input pi is parameter pi
             return InputRole(InputKind.opt_state, of=self.cap.inputs[pi].name, slot=key)
         return InputRole(_ROLE[slot.kind])
 

@@ -90,24 +90,21 @@ def _scale_operand(t: TensorType, what: str) -> None:
         raise TypeRuleError(f"the {what} operand must be a 0-d float, found {_fmt(t)}")
 
 
-def scaled_binary(op: Op, ins, outs) -> None:
-    """add/sub: two operands, and the scale alpha as an attribute or a third 0-d operand."""
-    _arity(ins, 2, 3)
-    if len(ins) == 3:
-        _scale_operand(ins[2], "alpha")
-        if "alpha" in op.attrs:
-            raise TypeRuleError("alpha is given both as an attribute and as an operand")
-    _expect(outs, [(broadcast_shapes(*(t.shape for t in ins[:2])), _same_dtype(ins[:2]))])
+def _scaled(n: int, scale: str) -> Callable:
+    """A rule for ops of ``n`` operands plus a scale given as the attribute ``scale`` or as
+    an extra 0-d operand (add/sub: alpha; addcmul/addcdiv: value)."""
+    def rule(op: Op, ins, outs) -> None:
+        _arity(ins, n, n + 1)
+        if len(ins) == n + 1:
+            _scale_operand(ins[n], scale)
+            if scale in op.attrs:
+                raise TypeRuleError(f"{scale} is given both as an attribute and as an operand")
+        _expect(outs, [(broadcast_shapes(*(t.shape for t in ins[:n])), _same_dtype(ins[:n]))])
+    return rule
 
 
-def scaled_ternary(op: Op, ins, outs) -> None:
-    """addcmul/addcdiv: three operands, and value as an attribute or a fourth 0-d operand."""
-    _arity(ins, 3, 4)
-    if len(ins) == 4:
-        _scale_operand(ins[3], "value")
-        if "value" in op.attrs:
-            raise TypeRuleError("value is given both as an attribute and as an operand")
-    _expect(outs, [(broadcast_shapes(*(t.shape for t in ins[:3])), _same_dtype(ins[:3]))])
+scaled_binary = _scaled(2, "alpha")      # add, sub
+scaled_ternary = _scaled(3, "value")     # addcmul, addcdiv
 
 
 def compare(op: Op, ins, outs) -> None:
