@@ -19,7 +19,7 @@ from diphoma_compile.ir import (
     parse,
     verify,
 )
-from diphoma_compile.ir.sharding import expected_collective
+from diphoma_compile.ir.sharding import expected_collective, propagate
 from diphoma_compile.mesh import Mesh
 
 
@@ -41,7 +41,7 @@ def rule_placements(g, axis: str = "dp") -> list[tuple]:
             want, _ = expected_collective(op, ins[0].placement(axis))
             got.append((want,))
         else:
-            got.append(tuple(d.sharding_rule(op, ins, outs, axis)))
+            got.append(tuple(propagate(op, ins, outs, axis, d.sharding_rule)))
     return got
 
 
@@ -94,7 +94,7 @@ VALID = [
      graph("%w: f32[10] {dp: F}, %m: f32[10] {dp: F}, %lr: f32[] hyper",
            "%s: f32[10] {dp: F} = mul(%m, %lr)",
            "%n: f32[10] {dp: F} = sub(%w, %s)",
-           "%e: f32[10] {dp: F} = exp(%n)")),
+           "%e: f32[10] {dp: Fx} = exp(%n)")),
     ("elementwise-split-with-broadcast-row",
      graph("%x: f32[32,8] {dp: S(0)}, %b: f32[8]",
            "%y: f32[32,8] {dp: S(0)} = add(%x, %b)")),
@@ -122,6 +122,20 @@ VALID = [
            "%y: f32[32,2,4] {dp: S(0)} = reshape(%x)",
            "%t: f32[8,32] {dp: S(1)} = transpose(%x) {perm=[1, 0]}",
            "%f: f32[15] {dp: F} = reshape(%v)")),
+    ("varying-local-batch-through-any-op",
+     graph("%x: f32[4,8] {dp: V} batch, %w: f32[16,8] param",
+           "%h: f32[4,16] {dp: V} = opaque(%x, %w) {target=aten.linear.default}",
+           "%l: f32[] {dp: V} = reduce_mean(%h) {dims=[0, 1]}",
+           "%g: f32[] = all_reduce(%l) {axis=dp, op=avg}",
+           "%t: f32[4,16] {dp: F} = reduce_scatter(%h) {axis=dp, dim=flat, op=avg}")),
+    ("flat-zero-padding-through-update-math",
+     graph("%g: f32[3,5] {dp: F}, %m: f32[3,5] {dp: F}, %c: f32[]",
+           "%a: f32[3,5] {dp: F} = mul(%g, %c)",
+           "%b: f32[3,5] {dp: F} = lerp(%m, %a, %c)",
+           "%q: f32[3,5] {dp: F} = square(%b)",
+           "%s: f32[] {dp: P(sum)} = reduce_sum(%q) {dims=[0, 1]}",
+           "%e: f32[3,5] {dp: Fx} = add(%q, %c)",
+           "%d: f32[3,5] {dp: Fx} = div(%b, %e)")),
     ("two-axis-mesh",
      graph("%x: f32[8,4] {dp: S(0)}, %w: f32[4,6] {tp: S(1)}",
            "%h: f32[8,6] {dp: S(0), tp: S(1)} = dot(%x, %w) {lhs_contract=[1], rhs_contract=[0]}",
@@ -199,10 +213,23 @@ INVALID = [
      "%h: f32[4,8,32] {dp: S(2)}",
      "%s: f32[8,32] {dp: S(0)} = reduce_sum(%h) {dims=[0]}",
      ["declared S(0) on axis 'dp', but its inputs give S(1)"]),
-    ("reduce-sum-of-padded-flat",
-     "%v: f32[3,5] {dp: F}",
+    ("reduce-sum-of-dirty-padded-flat",
+     "%v: f32[3,5] {dp: Fx}",
      "%s: f32[] {dp: P(sum)} = reduce_sum(%v) {dims=[0, 1]}",
-     ["reduce_sum reduces a flat shard padded on axis 'dp' (15 elements over 4 devices)"]),
+     ["reduce_sum reduces a flat shard whose padding may be nonzero (Fx) on axis 'dp' "
+      "(15 elements over 4 devices)"]),
+    ("add-constant-dirties-flat-padding",
+     "%v: f32[3,5] {dp: F}, %c: f32[]",
+     "%s: f32[3,5] {dp: F} = add(%v, %c)",
+     ["add: result 0 is declared F on axis 'dp', but its inputs give Fx"]),
+    ("varying-mixed-with-split",
+     "%v: f32[4,8] {dp: V}, %w: f32[4,8] {dp: S(0)}",
+     "%s: f32[4,8] {dp: V} = add(%v, %w)",
+     ["add cannot take inputs placed (V, S(0)) on axis 'dp'"]),
+    ("varying-declared-replicated",
+     "%v: f32[4,8] {dp: V}",
+     "%s: f32[4,8] = exp(%v)",
+     ["exp: result 0 is declared R on axis 'dp', but its inputs give V"]),
     ("reduce-mean-of-flat",
      "%v: f32[12] {dp: F}",
      "%s: f32[] {dp: P(avg)} = reduce_mean(%v) {dims=[0]}",
@@ -299,6 +326,15 @@ def test_rejected_placements(ins: str, op_line: str, words: list[str]) -> None:
     assert f">> {op_line.splitlines()[0].removesuffix(' (')}\n" in msg + "\n", msg
     for w in words:
         assert w in msg, f"{w!r} not in:\n{msg}"
+
+
+def test_zero_padded_flat_may_be_declared_dirty_not_the_reverse() -> None:
+    ok = graph("%b: f32[3,5] {dp: F}", "%k: f32[3,5] {dp: Fx} = sqrt(%b)",
+               outs="%k other")
+    verify(parse(ok))
+    bad = graph("%b: f32[3,5] {dp: Fx}", "%k: f32[3,5] {dp: F} = sqrt(%b)", outs="%k other")
+    with pytest.raises(IRVerifyError, match="declared F on axis 'dp', but its inputs give Fx"):
+        verify(parse(bad))
 
 
 def test_placement_checks_apply_on_every_axis() -> None:

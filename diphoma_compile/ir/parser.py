@@ -10,7 +10,7 @@ from ..errors import DiphomaError, IRError, IRParseError
 from ..mesh import Mesh
 from .core import (AttrValue, Attrs, Graph, Input, InputKind, InputRole, Op, Output, OutputKind,
                    OutputRole, Phase, Region, Value)
-from .types import REPLICATE, DType, FlatShard, Partial, Placement, Shard, TensorType
+from .types import REPLICATE, VARYING, DType, FlatShard, Partial, Placement, Shard, TensorType
 
 _STRING = r'"(?:[^"\\\n]|\\.)*"'
 _TOKEN = re.compile(rf"""
@@ -189,11 +189,13 @@ class _Parser:
         return Attrs(items)
 
     def placement(self) -> Placement:
-        tok = self.expect("word", what="a placement (R, S(dim), F or P(op))")
+        tok = self.expect("word", what="a placement (R, S(dim), F, Fx, V or P(op))")
         if tok.text == "R":
             return REPLICATE
-        if tok.text == "F":
-            return FlatShard()
+        if tok.text in ("F", "Fx"):
+            return FlatShard(dirty=tok.text == "Fx")
+        if tok.text == "V":
+            return VARYING
         if tok.text in ("S", "P"):
             self.expect("punct", "(")
             if tok.text == "S":
@@ -207,7 +209,7 @@ class _Parser:
             self.expect("punct", ")")
             return p
         raise self.error(f"unknown placement {tok.text!r}",
-                         tok, hint="placements are R, S(dim), F and P(sum|avg|max|min)")
+                         tok, hint="placements are R, S(dim), F, Fx, V and P(sum|avg|max|min)")
 
     def type_(self) -> TensorType:
         tok = self.expect("word", what="a type such as f32[4,8]")

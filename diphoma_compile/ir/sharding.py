@@ -11,12 +11,33 @@ from collections.abc import Callable, Sequence
 
 from .core import Op
 from .rules import dot_dims
-from .types import REPLICATE, FlatShard, Partial, Placement, Replicate, Shard, TensorType
+from .types import (FLAT, FLAT_DIRTY, REPLICATE, VARYING, FlatShard, Partial, Placement,
+                    Replicate, Shard, TensorType, Varying)
 
 ShardingRule = Callable[[Op, Sequence[TensorType], Sequence[TensorType], str],
                         "tuple[Placement, ...] | None"]
 
 LINEAR_UNARY = {"neg", "copy"}
+
+# Ops that map zeros to zeros, so a flat shard's zero padding stays zero through them.
+ZERO_UNARY = {"neg", "abs", "sqrt", "square", "relu", "copy", "tanh", "sin", "sign", "floor",
+              "ceil", "round", "expm1", "log1p", "erf", "convert", "bitcast", "integer_pow"}
+# Binary and ternary ops whose result is zero when the listed operands are zero and the
+# others are finite: mul by anything, div of zero by a replicated (nonzero) scale, ...
+ZERO_WHEN = {"add": (0, 1), "sub": (0, 1), "max": (0, 1), "min": (0, 1), "lerp": (0, 1),
+             "select": (1, 2), "addcmul": (0, 1, 2)}
+
+
+def propagate(op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType], axis: str,
+              rule: ShardingRule) -> tuple[Placement, ...] | None:
+    """The placements of an op's results on ``axis``: per-device (varying) inputs make any op
+    a per-device computation; otherwise the op's own sharding rule decides."""
+    pls = _pls(ins, axis)
+    if any(isinstance(p, Varying) for p in pls):
+        if all(isinstance(p, (Varying, Replicate)) for p in pls):
+            return tuple(VARYING for _ in outs)
+        return None
+    return rule(op, ins, outs, axis)
 
 
 def _pls(ins: Sequence[TensorType], axis: str) -> list[Placement]:
@@ -44,6 +65,8 @@ def elementwise(op: Op, ins, outs, axis: str):
         return _partial_elementwise(op, pls)
     out = outs[0]
     split = {p for p in pls if not isinstance(p, Replicate)}
+    if split and all(isinstance(q, FlatShard) for q in split):
+        return _flat_elementwise(op, ins, pls, outs)
     if len(split) != 1:
         return None
     p = split.pop()
@@ -59,6 +82,29 @@ def elementwise(op: Op, ins, outs, axis: str):
             if aligned >= 0 and t.shape[aligned] != 1:
                 return None  # a whole operand spanning the split dim: slice it first
     return tuple(p for _ in outs)
+
+
+def _flat_elementwise(op: Op, ins, pls: list[Placement], outs):
+    """Flat shards line up only with same-size flat shards and replicated scalars; the result
+    keeps zero padding when the op maps the zero operands to zero."""
+    for t, q in zip(ins, pls):
+        if isinstance(q, FlatShard):
+            if t.shape != outs[0].shape:
+                return None
+        elif t.numel != 1:
+            return None
+    zero = [isinstance(q, FlatShard) and not q.dirty for q in pls]
+    if op.name in ZERO_UNARY:
+        clean = zero[0]
+    elif op.name == "mul":
+        clean = any(zero) and all(z or not isinstance(q, FlatShard) for z, q in zip(zero, pls))
+    elif op.name == "div":
+        clean = zero[0] and isinstance(pls[1], Replicate)
+    elif op.name in ZERO_WHEN:
+        clean = all(zero[i] for i in ZERO_WHEN[op.name] if i < len(pls))
+    else:
+        clean = False
+    return tuple(FLAT if clean else FLAT_DIRTY for _ in outs)
 
 
 def _partial_elementwise(op: Op, pls: list[Placement]):
@@ -97,7 +143,8 @@ def reduce(op: Op, ins, outs, axis: str):
             return (Partial(kind),) if kind else None
         return (Shard(p.dim if keep else p.dim - sum(d < p.dim for d in dims)),)
     if isinstance(p, FlatShard):
-        # Zero padding is harmless only to a sum over every dimension.
+        # Zero padding is harmless only to a sum over every dimension; padding of unknown
+        # value (Fx) is harmless only when nothing is padded (the verifier checks the size).
         full = len(dims) == ins[0].rank
         return (Partial("sum"),) if op.name == "reduce_sum" and full else None
     if isinstance(p, Partial) and p.op == "sum" and op.name == "reduce_sum":
@@ -274,18 +321,19 @@ def expected_collective(op: Op, src: Placement) -> tuple[Placement | None, str]:
     """For a collective on its own axis: the result placement it gives, or None and why."""
     name, red = op.name, op.attrs.get("op", "sum")
     if name == "all_reduce":
-        if src != Partial(red):
-            return None, f"all_reduce{{op={red}}} takes a P({red}) input, found {src}"
+        if src != Partial(red) and not isinstance(src, Varying):
+            return None, f"all_reduce{{op={red}}} takes a P({red}) or V input, found {src}"
         return REPLICATE, ""
     if name == "reduce_scatter":
-        if src != Partial(red):
-            return None, f"reduce_scatter{{op={red}}} takes a P({red}) input, found {src}"
+        if src != Partial(red) and not isinstance(src, Varying):
+            return None, f"reduce_scatter{{op={red}}} takes a P({red}) or V input, found {src}"
         dim = op.attrs["dim"]
-        return (FlatShard() if dim == "flat" else Shard(dim)), ""
+        return (FLAT if dim == "flat" else Shard(dim)), ""
     if name == "all_gather":
         dim = op.attrs["dim"]
-        want = FlatShard() if dim == "flat" else Shard(dim)
-        if src != want:
+        ok = isinstance(src, FlatShard) if dim == "flat" else src == Shard(dim)
+        if not ok:
+            want = "F" if dim == "flat" else str(Shard(dim))
             return None, f"all_gather{{dim={dim}}} takes a {want} input, found {src}"
         return REPLICATE, ""
     if name == "all_to_all":
@@ -299,7 +347,7 @@ def expected_collective(op: Op, src: Placement) -> tuple[Placement | None, str]:
         if not isinstance(src, Replicate):
             return None, f"take_shard takes a replicated input, found {src}"
         dim = op.attrs["dim"]
-        return (FlatShard() if dim == "flat" else Shard(dim)), ""
+        return (FLAT if dim == "flat" else Shard(dim)), ""
     if name in ("send", "recv"):
         return src, ""
     return None, f"{name} is not a collective"

@@ -93,12 +93,27 @@ class Shard:
 
 @dataclass(frozen=True)
 class FlatShard:
-    """The flattened tensor, zero-padded to a multiple of the axis size, split evenly.
+    """The flattened tensor, padded to a multiple of the axis size, split evenly.
 
-    Weight-update sharding uses it for tensors none of whose dimensions divide."""
+    Weight-update sharding uses it for tensors none of whose dimensions divide. ``F``: the
+    padding is known to be zero (a reduce-scatter or take_shard made it, and only math that
+    keeps zeros zero followed), so a sum over the shard is a partial sum of the tensor.
+    ``Fx``: the padding may hold anything (``sqrt(v) + eps`` made it eps)."""
+
+    dirty: bool = False
 
     def __str__(self) -> str:
-        return "F"
+        return "Fx" if self.dirty else "F"
+
+
+@dataclass(frozen=True)
+class Varying:
+    """Each device holds its own value, computed from its own data (its local batch under
+    data parallelism); the type's shape is the per-device shape. Only a reducing collective
+    (all_reduce, reduce_scatter) gives the devices' values one meaning: their sum or mean."""
+
+    def __str__(self) -> str:
+        return "V"
 
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -118,10 +133,18 @@ class Partial:
         return f"P({self.op})"
 
 
-Placement = Replicate | Shard | FlatShard | Partial
+Placement = Replicate | Shard | FlatShard | Partial | Varying
 
 REPLICATE = Replicate()
 FLAT = FlatShard()
+FLAT_DIRTY = FlatShard(dirty=True)
+VARYING = Varying()
+
+
+def fits(declared: Placement, given: Placement) -> bool:
+    """True when a value that ops give placed ``given`` may be declared ``declared``: the
+    same, or a flat shard with known-zero padding declared as one with unknown padding."""
+    return declared == given or (declared == FLAT_DIRTY and given == FLAT)
 
 
 # ---------------------------------------------------------------- tensor types
@@ -149,7 +172,8 @@ class TensorType:
         pl = dict(self.placements)
         if len(pl) != len(self.placements):
             raise IRError(f"placement names an axis twice: {self.placements}")
-        canon = tuple(sorted((a, p) for a, p in pl.items() if not isinstance(p, Replicate)))
+        canon = tuple(sorted(((a, p) for a, p in pl.items() if not isinstance(p, Replicate)),
+                             key=lambda ap: ap[0]))
         object.__setattr__(self, "placements", canon)
 
     @property

@@ -13,8 +13,8 @@ from .core import Graph, InputKind, Op, OutputKind, Phase
 from .ops import Category, check_attr, op_def
 from .printer import format_name, format_op_head
 from .rules import TypeRuleError, region_types
-from .sharding import expected_collective
-from .types import FlatShard, Shard, TensorType
+from .sharding import expected_collective, propagate
+from .types import FLAT_DIRTY, Shard, TensorType, fits
 
 _PHASE_RANK = {Phase.forward: 0, Phase.backward: 1, Phase.update: 2}
 
@@ -105,7 +105,7 @@ class _Verifier:
                     self.fail(f"output {format_name(o.name)} replaces "
                               f"{format_name(o.role.target)}, which is not a graph input")
                 replaced[o.role.target] += 1
-                if target.value.type != d.type:
+                if not _type_fits(target.value.type, d.type):
                     self.fail(f"output {format_name(o.name)} ({d.type}) replaces input "
                               f"{format_name(target.name)} of another type "
                               f"({target.value.type})",
@@ -203,20 +203,19 @@ class _Verifier:
                 if want is None:
                     self.fail(f"{op.name} on axis {axis!r}: {why}", **where)
                 got = outs[0].placement(axis) if outs else want
-                if got != want:
+                if not fits(got, want):
                     self.fail(f"{op.name} on axis {axis!r} gives {want}, but its result is "
                               f"declared {got}", **where)
                 continue
             if d.category is Category.reduce and ins and \
-                    isinstance(ins[0].placement(axis), FlatShard) and \
-                    ins[0].numel % self.sizes[axis]:
-                # the rule cannot see the padding; math before the reduction may have made
-                # the zero padding nonzero (exp(0) = 1)
-                self.fail(f"{op.name} reduces a flat shard padded on axis {axis!r} "
-                          f"({ins[0].numel} elements over {self.sizes[axis]} devices)",
-                          **where, hint="reduce a tensor whose size divides the axis, or "
-                                        "gather it first")
-            want_all = d.sharding_rule(op, ins, outs, axis)
+                    ins[0].placement(axis) == FLAT_DIRTY and ins[0].numel % self.sizes[axis]:
+                # math before the reduction may have made the padding nonzero (exp(0) = 1)
+                self.fail(f"{op.name} reduces a flat shard whose padding may be nonzero (Fx) "
+                          f"on axis {axis!r} ({ins[0].numel} elements over "
+                          f"{self.sizes[axis]} devices)",
+                          **where, hint="reduce a value whose padding is zero (F), or gather "
+                                        "it first")
+            want_all = propagate(op, ins, outs, axis, d.sharding_rule)
             if want_all is None:
                 placed = ", ".join(str(t.placement(axis)) for t in ins) or "no inputs"
                 self.fail(f"{op.name} cannot take inputs placed ({placed}) on axis {axis!r}",
@@ -224,7 +223,7 @@ class _Verifier:
                                         "take_shard before it")
             for k, (t, want) in enumerate(zip(outs, want_all)):
                 got = t.placement(axis)
-                if got != want:
+                if not fits(got, want):
                     self.fail(f"{op.name}: result {k} is declared {got} on axis {axis!r}, "
                               f"but its inputs give {want}", **where)
 
@@ -241,6 +240,13 @@ class _Verifier:
                     _PHASE_RANK[prod.phase] > _PHASE_RANK[op.phase]:
                 self.fail(f"{op.name} ({op.phase.value}) uses {format_name(n)} made in the "
                           f"later {prod.phase.value} phase", **where)
+
+
+def _type_fits(declared: TensorType, given: TensorType) -> bool:
+    if (declared.shape, declared.dtype) != (given.shape, given.dtype):
+        return False
+    axes = {a for a, _ in declared.placements} | {a for a, _ in given.placements}
+    return all(fits(declared.placement(a), given.placement(a)) for a in axes)
 
 
 def op_region_types(op: Op) -> dict[str, TensorType]:
