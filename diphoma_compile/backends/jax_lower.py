@@ -66,6 +66,19 @@ def _reduce_mean(x, dims):
     return lax.div(lax.reduce_sum(x, dims), np.array(n, x.dtype))
 
 
+def _norm(op: Op, ins: list, outs) -> list:
+    dims, x, o = tuple(op.attrs["dims"]), ins[0], op.attrs["ord"]
+    if o == 2:
+        r = lax.sqrt(lax.reduce_sum(lax.mul(x, x), dims))
+    elif o == 1:
+        r = lax.reduce_sum(lax.abs(x), dims)
+    elif o == float("inf"):
+        r = lax.reduce_max(lax.abs(x), dims)
+    else:
+        raise BackendError(f"the JAX backend has no lowering for norm of ord {o}")
+    return [lax.reshape(r, outs[0].shape) if op.attrs.get("keepdim", False) else r]
+
+
 def _arg_reduce(fn: Callable) -> Emitter:
     def emit(op: Op, ins: list, outs) -> list:
         (d,) = op.attrs["dims"]
@@ -191,7 +204,7 @@ EMITTERS: dict[str, Emitter] = {
     # reductions and contraction
     "reduce_sum": _reduce(lax.reduce_sum), "reduce_max": _reduce(lax.reduce_max),
     "reduce_min": _reduce(lax.reduce_min), "reduce_prod": _reduce(lax.reduce_prod),
-    "reduce_mean": _reduce(_reduce_mean), "argmax": _arg_reduce(lax.argmax),
+    "reduce_mean": _reduce(_reduce_mean), "norm": _norm, "argmax": _arg_reduce(lax.argmax),
     "argmin": _arg_reduce(lax.argmin), "dot": _dot,
     # layout
     "reshape": lambda op, ins, outs: [lax.reshape(ins[0], outs[0].shape)],

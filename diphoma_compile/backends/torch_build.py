@@ -158,6 +158,13 @@ class _Builder:
         elif n in _REDUCE:
             out = self.call(emit_target(n), [self.node(ins[0]), list(a["dims"]),
                                              bool(a.get("keepdim", False))])
+        elif n == "norm":
+            x = self.g_types[ins[0]]
+            dims = list(a["dims"])
+            full = dims == list(range(x.rank)) and not a.get("keepdim", False)
+            out = self.call(aten.linalg_vector_norm.default,
+                            [self.node(ins[0]), a["ord"], None if full else dims,
+                             bool(a.get("keepdim", False))])
         elif n == "convert":
             out = self.call(aten._to_copy.default, [self.node(ins[0])],
                             {"dtype": DTYPE_TO_TORCH[DType(a["dtype"])]})

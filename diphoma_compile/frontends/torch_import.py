@@ -175,7 +175,7 @@ class _Importer:
         if name.startswith("_foreach_") and self.foreach(node, name[len("_foreach_"):]):
             return
         row = BY_ATEN.get(target)
-        if row is not None:
+        if row is not None and (row.accepts is None or row.accepts(node.args, node.kwargs)):
             self.env[node] = self.neutral(row, node.args, node.kwargs, node.meta["val"])
         else:
             self.env[node] = self.opaque(node, tname)

@@ -49,6 +49,7 @@ class Neutral:
     tensors: tuple[int, ...]
     attrs: dict[str, tuple[int | str, Any]] = field(default_factory=dict)
     make_attrs: Callable[[tuple, dict], dict] | None = None    # computed attributes
+    accepts: Callable[[tuple, dict], bool] | None = None       # else the call stays opaque
 
 
 def _dims_of(args, kwargs):
@@ -60,6 +61,20 @@ def _dims_of(args, kwargs):
     dims = sorted(d % rank for d in (dims if isinstance(dims, (list, tuple)) else [dims]))
     keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
     return {"dims": tuple(dims), "keepdim": bool(keep)}
+
+
+def _norm_attrs(args, kwargs):
+    ordv = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    keep = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
+    attrs = _dims_of((args[0], dim, keep), {})
+    return {**attrs, "ord": float(ordv)}
+
+
+def _plain_norm(args, kwargs):
+    ordv = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    return kwargs.get("dtype") is None and float(ordv) in (1.0, 2.0, float("inf")) and \
+        args[0].meta["val"].dtype.is_floating_point
 
 
 def _perm_t(args, kwargs):
@@ -138,6 +153,8 @@ NEUTRAL: list[Neutral] = [
     Neutral(aten.mean.dim, "reduce_mean", (0,), make_attrs=_dims_of),
     Neutral(aten.mean.default, "reduce_mean", (0,), make_attrs=_dims_of),
     Neutral(aten.amax.default, "reduce_max", (0,), make_attrs=_dims_of),
+    Neutral(aten.linalg_vector_norm.default, "norm", (0,), make_attrs=_norm_attrs,
+            accepts=_plain_norm),
 ]
 
 BY_ATEN: dict[Any, Neutral] = {n.aten: n for n in NEUTRAL}

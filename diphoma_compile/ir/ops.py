@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from ..errors import UnknownOpError
 from . import rules as R
 from . import sharding as S
-from .core import Op
+from .core import Attrs, Op, Value
 from .types import REDUCE_OPS, DType, TensorType
 
 
@@ -54,6 +54,7 @@ class OpDef:
     deterministic: bool = True      # False: two identical ops may differ (unkeyed rng)
     open_attrs: bool = False        # accepts attributes not listed (opaque)
     region_rule: Callable | None = None
+    expand: Callable | None = None  # (op, input types, names) -> equivalent simpler ops
     doc: str = ""
 
     def flops(self, op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType]) -> int:
@@ -160,6 +161,10 @@ _add("bitcast", C.cast, R.bitcast, E, {"dtype": ("dtype", True)})
 # reductions and contraction ---------------------------------------------------------
 _add("reduce_sum reduce_max reduce_min reduce_mean reduce_prod", C.reduce, R.reduce, S.reduce,
      _REDUCE, flops=1)
+_add("norm", C.reduce, R.reduce, S.replicate_only, {**_REDUCE, "ord": ("number", True)},
+     flops=2, expand=lambda op, ins, names: _expand_norm(op, ins, names),
+     doc="the vector norm over dims (ord 2, 1 or inf); a pass that must shard its input "
+         "expands it into sums that shard")
 _add("argmax argmin", C.reduce, R.arg_reduce, S.replicate_only, _REDUCE, flops=1)
 _add("dot", C.dot, R.dot, S.dot, {"lhs_contract": ("ints", True), "rhs_contract": ("ints", True),
                                    "lhs_batch": ("ints", False), "rhs_batch": ("ints", False)})
@@ -232,6 +237,28 @@ _add("scan", C.control, None, S.replicate_only,
 # everything else ---------------------------------------------------------------------------------
 _add("opaque", C.opaque, None, S.replicate_only,
      {"target": ("str", True), "effectful": ("bool", False)}, open_attrs=True)
+
+
+def _expand_norm(op: Op, ins: Sequence[TensorType], names) -> list[Op] | None:
+    """norm as elementwise math and a sum or max, whose sharding rules split it into partial
+    results (not bit-exact with a framework's fused kernel: the summation order differs)."""
+    x, out = ins[0], op.result
+    red = {k: op.attrs[k] for k in ("dims", "keepdim") if k in op.attrs}
+    ordv = op.attrs["ord"]
+    common = {"phase": op.phase, "stage": op.stage, "microbatch": op.microbatch, "loc": op.loc}
+    one = TensorType(x.shape, x.dtype)
+    red_t = TensorType(out.type.shape, out.type.dtype)
+    if ordv == 2:
+        sq, s = names(f"{out.name}.sq"), names(f"{out.name}.sumsq")
+        return [Op("square", (op.inputs[0],), (Value(sq, one),), **common),
+                Op("reduce_sum", (sq,), (Value(s, red_t),), Attrs(red), **common),
+                Op("sqrt", (s,), (Value(out.name, red_t),), **common)]
+    if ordv in (1, math.inf):
+        a = names(f"{out.name}.abs")
+        kind = "reduce_sum" if ordv == 1 else "reduce_max"
+        return [Op("abs", (op.inputs[0],), (Value(a, one),), **common),
+                Op(kind, (a,), (Value(out.name, red_t),), Attrs(red), **common)]
+    return None
 
 
 def is_effectful(op: Op) -> bool:
