@@ -1,0 +1,192 @@
+"""Data parallelism three ways, side by side in one launch: PyTorch DDP, FSDP2
+(fully_shard) and diphoma_compile.parallelize, training the same GPT (examples/gpt.py)
+with AdamW on N gloo ranks on the CPU.
+
+    python benchmarks/dp_vs_ddp_fsdp.py [--steps 10] [--warmup 3] [--nproc 4]
+        [--layers 4 --embd 256 --vocab 8192 --seq 128 --batch 16] [--variants ddp,fsdp2,diphoma]
+
+The script spawns the ranks itself. Every variant starts from identical weights (same seed)
+and sees the same batches; each rank trains on its own slice (global batch / N). Rank 0
+prints one row per variant:
+  s/step      median wall time of one step over the timed steps (after --warmup steps; a
+              barrier before and after each step, the slowest rank's time);
+  first s     the first call (for diphoma it includes tracing and compiling);
+  opt MB      optimizer-state bytes held by one rank (the largest over ranks), 1 MB = 1e6 B:
+              DDP/FSDP2 sum the tensors in opt.state (FSDP2: the local shards),
+              diphoma reports pstep.memory_report().opt_state_bytes;
+  param MB    parameter bytes held by one rank, counted the same way;
+  vs DDP      the ratio to the DDP row (below 1 is better);
+  loss        the last step's loss, averaged over ranks (variants should agree closely).
+The goal for diphoma: DDP's s/step or better with FSDP2's 1/N optimizer memory.
+No asserts: the machine is noisy; read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import socket
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from gpt import GPT, GPTConfig, make_batch, train_step  # noqa: E402
+
+VARIANTS = ("ddp", "fsdp2", "diphoma")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # DTensor -> this rank's shard
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(_local(v).nbytes for s in opt.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor))
+
+
+def _param_bytes(model: torch.nn.Module) -> int:
+    return sum(_local(p).nbytes for p in model.parameters())  # parameters() skips tied copies
+
+
+def _build(variant: str, cfg: GPTConfig, world: int, lr: float):
+    """(step callable, model, optimizer, memory function) for one variant."""
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    if variant == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model)
+    elif variant == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    if variant != "diphoma":
+        return train_step, model, opt, lambda: (_state_bytes(opt), _param_bytes(model))
+    import diphoma_compile
+    pstep = diphoma_compile.parallelize(train_step, diphoma_compile.Mesh({"dp": world}))
+
+    def memory() -> tuple[int, int]:
+        rep = pstep.memory_report()
+        return int(rep.opt_state_bytes), int(rep.param_bytes)
+    return pstep, model, opt, memory
+
+
+def _run(variant: str, a: argparse.Namespace, cfg: GPTConfig, batches: list) -> dict:
+    world = dist.get_world_size()
+    step, model, opt, memory = _build(variant, cfg, world, a.lr)
+    times, loss = [], None
+    for idx, targets in batches:
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = step(model, opt, idx, targets)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    # the slowest rank's time per step, and the loss averaged over ranks
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    lv = torch.tensor([float(loss.detach())], dtype=torch.float64)
+    dist.all_reduce(lv)
+    opt_b, par_b = memory()
+    mem = torch.tensor([opt_b, par_b], dtype=torch.int64)
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    return {"median": statistics.median(t[a.warmup:].tolist()), "first": t[0].item(),
+            "opt": mem[0].item(), "param": mem[1].item(), "loss": lv.item() / world}
+
+
+def _worker(rank: int, world: int, a: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=a.timeout))
+    cfg = GPTConfig(vocab_size=a.vocab, block_size=a.seq, n_layer=a.layers,
+                    n_head=a.heads, n_embd=a.embd)
+    local = a.batch // world
+    # batch of step i on rank r: seed i * world + r, the same for every variant
+    batches = [make_batch(cfg, local, seed=i * world + rank) for i in range(a.warmup + a.steps)]
+    results: dict[str, dict | str] = {}
+    for v in a.variants:
+        try:
+            res: dict | str = _run(v, a, cfg, batches)
+        except Exception as e:  # noqa: BLE001 - a failing variant must not hide the others
+            if rank == 0 and a.verbose:
+                traceback.print_exc()
+            res = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        # agree on success: if any rank failed, report the first failure
+        every: list = [None] * world
+        dist.all_gather_object(every, res)
+        errors = [r for r in every if isinstance(r, str)]
+        results[v] = errors[0] if errors else res
+        gc.collect()
+        dist.barrier()
+    if rank == 0:
+        _report(a, cfg, results)
+    dist.destroy_process_group()
+
+
+def _report(a: argparse.Namespace, cfg: GPTConfig, results: dict) -> None:
+    n = sum(p.numel() for p in GPT(cfg).parameters())
+    print(f"GPT {a.layers} layers, d={a.embd}, vocab {a.vocab}, seq {a.seq}, {n / 1e6:.2f}M "
+          f"params; AdamW; global batch {a.batch} on {a.nproc} gloo ranks "
+          f"({a.batch // a.nproc} each); {a.warmup} warmup + {a.steps} timed steps")
+    base = results.get("ddp") if isinstance(results.get("ddp"), dict) else None
+
+    def ratio(r: dict, key: str) -> str:
+        return f"{r[key] / base[key]:.2f}x" if base and base[key] else "-"
+    print(f"{'variant':<8} {'s/step':>8} {'vs DDP':>7} {'first s':>8} {'opt MB':>8} "
+          f"{'vs DDP':>7} {'param MB':>9} {'vs DDP':>7} {'loss':>10}")
+    for v, r in results.items():
+        if isinstance(r, str):
+            print(f"{v}: unavailable ({r})")
+            continue
+        print(f"{v:<8} {r['median']:>8.3f} {ratio(r, 'median'):>7} {r['first']:>8.2f} "
+              f"{r['opt'] / 1e6:>8.2f} {ratio(r, 'opt'):>7} {r['param'] / 1e6:>9.2f} "
+              f"{ratio(r, 'param'):>7} {r['loss']:>10.5f}")
+    losses = [r["loss"] for r in results.values() if isinstance(r, dict)]
+    if len(losses) > 1:
+        print(f"largest difference of final losses: {max(losses) - min(losses):.2e}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 1)")
+    p.add_argument("--nproc", type=int, default=4, help="gloo ranks")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--embd", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16, help="global batch, split over ranks")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--timeout", type=int, default=300, help="seconds a collective may wait")
+    p.add_argument("--verbose", action="store_true", help="print a failing variant's traceback")
+    a = p.parse_args()
+    a.variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+    bad = [v for v in a.variants if v not in VARIANTS]
+    if bad or a.batch % a.nproc or a.warmup < 1 or a.steps < 1:
+        p.error(f"variants from {VARIANTS}; --batch divisible by --nproc; warmup, steps >= 1"
+                + (f" (unknown: {bad})" if bad else ""))
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(_free_port())
+    mp.spawn(_worker, args=(a.nproc, a), nprocs=a.nproc, join=True)
+
+
+if __name__ == "__main__":
+    main()
