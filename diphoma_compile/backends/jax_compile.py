@@ -68,22 +68,36 @@ def _opaque(op: Op, ins: list) -> list:
 
 # ---------------------------------------------------------------- the interpreter
 
-def _run_region(r: Region, outer: Env, args: Sequence[Any]) -> list:
+class Lowering:
+    """How one op without regions becomes JAX calls. This one runs the whole program on one
+    device; the per-device lowering of distributed graphs (jax_parallel) refines it."""
+
+    def emit(self, op: Op, ins: list) -> list:
+        """The op's result arrays, given its input arrays."""
+        if op.name == "opaque":
+            return _opaque(op, ins)
+        return emitter(op)(op, ins, [v.type for v in op.results])
+
+
+SINGLE_DEVICE = Lowering()
+
+
+def _run_region(r: Region, outer: Env, args: Sequence[Any], low: Lowering) -> list:
     env: Env = ChainMap(dict(zip((a.name for a in r.args), args)), outer)
-    run_ops(r.ops, env)
+    run_ops(r.ops, env, low)
     return [env[y] for y in r.yields]
 
 
-def _control(op: Op, ins: list, env: Env) -> list:
+def _control(op: Op, ins: list, env: Env, low: Lowering) -> list:
     if op.name == "call":
-        return _run_region(op.regions[0], env, ins)
+        return _run_region(op.regions[0], env, ins, low)
     if op.name == "cond":
-        branches = [lambda *a, r=r: tuple(_run_region(r, env, a)) for r in op.regions]
+        branches = [lambda *a, r=r: tuple(_run_region(r, env, a, low)) for r in op.regions]
         return list(lax.switch(ins[0], branches, *ins[1:]))
     if op.name == "while":
         cond, body = op.regions
-        out = lax.while_loop(lambda c: _run_region(cond, env, c)[0],
-                             lambda c: tuple(_run_region(body, env, c)), tuple(ins))
+        out = lax.while_loop(lambda c: _run_region(cond, env, c, low)[0],
+                             lambda c: tuple(_run_region(body, env, c, low)), tuple(ins))
         return list(out)
     if op.name == "scan":
         nc, nk = op.attrs.get("num_consts", 0), op.attrs["num_carry"]
@@ -91,7 +105,7 @@ def _control(op: Op, ins: list, env: Env) -> list:
         (body,) = op.regions
 
         def step(c, x):
-            ys = _run_region(body, env, list(consts) + list(c) + list(x))
+            ys = _run_region(body, env, list(consts) + list(c) + list(x), low)
             return tuple(ys[:nk]), tuple(ys[nk:])
         c, ys = lax.scan(step, tuple(carry), tuple(xs), length=op.attrs["length"],
                          reverse=op.attrs.get("reverse", False),
@@ -100,16 +114,14 @@ def _control(op: Op, ins: list, env: Env) -> list:
     raise BackendError(f"the JAX backend has no lowering for control op {op.name!r}")
 
 
-def run_ops(ops: Sequence[Op], env: Env) -> None:
+def run_ops(ops: Sequence[Op], env: Env, lowering: Lowering = SINGLE_DEVICE) -> None:
     """Evaluate ``ops`` in order, reading and writing values in ``env`` by name."""
     for op in ops:
         ins = [env[n] for n in op.inputs]
         if op.regions:
-            outs = _control(op, ins, env)
-        elif op.name == "opaque":
-            outs = _opaque(op, ins)
+            outs = _control(op, ins, env, lowering)
         else:
-            outs = emitter(op)(op, ins, [v.type for v in op.results])
+            outs = lowering.emit(op, ins)
         if len(outs) != len(op.results):
             raise BackendError(f"{op.name} gave {len(outs)} results where the IR declares "
                                f"{len(op.results)}")
@@ -117,13 +129,13 @@ def run_ops(ops: Sequence[Op], env: Env) -> None:
             env[v.name] = x
 
 
-def graph_function(graph: Graph) -> Callable[..., tuple]:
+def graph_function(graph: Graph, lowering: Lowering = SINGLE_DEVICE) -> Callable[..., tuple]:
     """The graph as a plain function of its input arrays (in order) returning its outputs."""
     names = [i.name for i in graph.inputs]
 
     def run(*leaves: Any) -> tuple:
         env: Env = dict(zip(names, leaves))
-        run_ops(graph.ops, env)
+        run_ops(graph.ops, env, lowering)
         return tuple(env[o.name] for o in graph.outputs)
     run.__name__ = graph.name
     return run

@@ -1,0 +1,382 @@
+"""The JAX backend for distributed graphs: the per-device program under jax.shard_map.
+
+A graph that the distribution passes made is each device's program: batch inputs are
+varying (``V``, the local batch), parameters replicated, optimizer state split (``S(d)``)
+or replicated, and collectives say where devices talk. The runner here wraps that program
+in one ``jax.jit`` whose in/out shardings lay the user's global pytrees out over a
+``jax.sharding.Mesh``; inside, ``jax.shard_map`` hands each device its pieces, and the
+ops run on local shapes (``TensorType.local_shape``) with collectives as ``jax.lax``
+calls on named mesh axes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ..errors import BackendError, MeshError
+from ..frontends.jax_trace import output_tree
+from ..frontends.jax_types import numpy_dtype
+from ..ir.core import Graph, InputKind, Op, OutputKind
+from ..ir.types import FlatShard, Partial, Placement, Replicate, Shard, TensorType, Varying
+from ..mesh import Mesh
+from .jax_compile import JaxStep, Lowering, _dtype_matches, graph_function
+from .jax_lower import emitter
+
+_PSUM = {"sum": lax.psum, "avg": lax.pmean, "max": lax.pmax, "min": lax.pmin}
+
+
+# ---------------------------------------------------------------- per-device lowering
+
+class PerDeviceLowering(Lowering):
+    """Ops on local shapes plus collectives over named mesh axes, inside jax.shard_map."""
+
+    def __init__(self, axis_sizes: dict[str, int]) -> None:
+        self.sizes = dict(axis_sizes)
+
+    def local(self, t: TensorType) -> TensorType:
+        """The type of one device's piece, with no placements left."""
+        return TensorType(t.local_shape(self.sizes), t.dtype)
+
+    def emit(self, op: Op, ins: list) -> list:
+        if op.attrs.get("axis") in self.sizes and op.name in _COLLECTIVES:
+            return _COLLECTIVES[op.name](self, op, ins)
+        if op.name == "opaque":
+            return super().emit(op, ins)
+        outs = [self.local(v.type) for v in op.results]
+        if op.name == "slice":
+            op = self._local_slice(op)
+        elif op.name in ("literal", "iota") and any(v.type.placements for v in op.results):
+            return self._sharded_constant(op)
+        return emitter(op)(op, ins, outs)
+
+    def _local_slice(self, op: Op) -> Op:
+        # The sharding rule keeps a split only through whole dims: their limit is the global
+        # size, which on one device is the local size.
+        (res,) = op.results
+        local = res.type.local_shape(self.sizes)
+        if local == res.type.shape or len(local) != res.type.rank:
+            return op
+        limits = [start + n if n != g else limit for limit, start, g, n in
+                  zip(op.attrs["limits"], op.attrs["starts"], res.type.shape, local)]
+        return op.replace(attrs=op.attrs.set(limits=tuple(limits)))
+
+    def _sharded_constant(self, op: Op) -> list:
+        # A constant placed split is built whole and cut to this device's piece.
+        (res,) = op.results
+        whole = emitter(op)(op, [], [res.type.replicated()])[0]
+        x = whole
+        for axis, p in res.type.placements:
+            x = _cut(x, axis, self.sizes[axis], p, res.type)
+        return [x]
+
+
+def _axis(op: Op) -> str:
+    return str(op.attrs["axis"])
+
+
+def _flat_padded(x: Any, n: int) -> tuple[Any, int]:
+    """x flattened and zero padded to a multiple of n; and the chunk size per device."""
+    flat = lax.reshape(x, (math.prod(np.shape(x)),))
+    chunk = -(-flat.shape[0] // n)
+    pad = chunk * n - flat.shape[0]
+    if pad:
+        flat = lax.pad(flat, np.array(0, flat.dtype), [(0, pad, 0)])
+    return flat, chunk
+
+
+def _cut(x: Any, axis: str, n: int, p: Placement, t: TensorType) -> Any:
+    """This device's piece of the whole (replicated) value x under placement p."""
+    if isinstance(p, Replicate) or isinstance(p, Varying):
+        return x
+    idx = lax.axis_index(axis)
+    if isinstance(p, Shard):
+        chunk = np.shape(x)[p.dim] // n
+        return lax.dynamic_slice_in_dim(x, idx * chunk, chunk, axis=p.dim)
+    if isinstance(p, FlatShard):
+        flat, chunk = _flat_padded(x, n)
+        return lax.dynamic_slice_in_dim(flat, idx * chunk, chunk, axis=0)
+    raise BackendError(f"cannot take a device's piece of a value placed {p}")
+
+
+def _all_reduce(low: PerDeviceLowering, op: Op, ins: list) -> list:
+    red = str(op.attrs.get("op", "sum"))
+    if red not in _PSUM:
+        raise BackendError(f"all_reduce with op={red} has no JAX lowering")
+    return [_PSUM[red](ins[0], _axis(op))]
+
+
+def _reduce_scatter(low: PerDeviceLowering, op: Op, ins: list) -> list:
+    axis, red, dim = _axis(op), str(op.attrs.get("op", "sum")), op.attrs["dim"]
+    n = low.sizes[axis]
+    x = ins[0]
+    if red not in ("sum", "avg"):
+        raise BackendError(f"reduce_scatter with op={red} has no JAX lowering",
+                           hint="reduce_scatter sums or averages")
+    if dim == "flat":
+        x, _ = _flat_padded(x, n)
+        dim = 0
+    out = lax.psum_scatter(x, axis, scatter_dimension=int(dim), tiled=True)
+    if red == "avg":
+        out = lax.div(out, np.array(n, out.dtype))
+    return [out]
+
+
+def _all_gather(low: PerDeviceLowering, op: Op, ins: list) -> list:
+    axis, dim = _axis(op), op.attrs["dim"]
+    (res,) = op.results
+    if dim == "flat":
+        whole = lax.all_gather(ins[0], axis, axis=0, tiled=True)
+        shape = low.local(res.type).shape
+        return [lax.reshape(lax.slice_in_dim(whole, 0, math.prod(shape)), shape)]
+    return [lax.all_gather(ins[0], axis, axis=int(dim), tiled=True)]
+
+
+def _take_shard(low: PerDeviceLowering, op: Op, ins: list) -> list:
+    axis = _axis(op)
+    (res,) = op.results
+    return [_cut(ins[0], axis, low.sizes[axis], res.type.placement(axis), res.type)]
+
+
+def _broadcast(low: PerDeviceLowering, op: Op, ins: list) -> list:
+    axis, root, x = _axis(op), int(op.attrs.get("root", 0)), ins[0]
+    if np.issubdtype(np.dtype(x.dtype), np.number) and not np.issubdtype(x.dtype, np.complexfloating):
+        mine = lax.eq(lax.axis_index(axis), np.int32(root))
+        return [lax.psum(lax.select(lax.broadcast(mine, np.shape(x)), x,
+                                    lax.full_like(x, 0)), axis)]
+    return [lax.index_in_dim(lax.all_gather(x, axis), root, keepdims=False)]
+
+
+def _all_to_all(low: PerDeviceLowering, op: Op, ins: list) -> list:
+    return [lax.all_to_all(ins[0], _axis(op), split_axis=int(op.attrs["to_dim"]),
+                           concat_axis=int(op.attrs["from_dim"]), tiled=True)]
+
+
+_COLLECTIVES = {"all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter,
+                "all_gather": _all_gather, "take_shard": _take_shard,
+                "broadcast": _broadcast, "all_to_all": _all_to_all}
+
+
+# ---------------------------------------------------------------- layouts over the mesh
+
+def _spec(t: TensorType, mesh_axes: Sequence[str], what: str) -> PartitionSpec:
+    """The PartitionSpec of a graph input or output of type t (global arrays outside)."""
+    dims: list[list[str]] = [[] for _ in range(t.rank)]
+    for axis in mesh_axes:              # mesh order: the order devices are laid out in
+        p = t.placement(axis)
+        if isinstance(p, Replicate):
+            continue
+        if isinstance(p, Shard):
+            dims[p.dim].append(axis)
+        elif isinstance(p, Varying) and t.rank >= 1:
+            dims[0].append(axis)
+        else:
+            why = ("a per-device scalar has no global array to be part of"
+                   if isinstance(p, Varying) else
+                   "flat (padded) shards are kept inside the program only"
+                   if isinstance(p, FlatShard) else "a partial value must be reduced first")
+            raise BackendError(f"{what} is placed {p} on axis {axis!r}: {why}",
+                               hint="the distribution passes give graph inputs and outputs "
+                                    "R, S(d) or (batch) V placements")
+    return PartitionSpec(*[None if not d else d[0] if len(d) == 1 else tuple(d)
+                           for d in dims])
+
+
+def _global_shape(t: TensorType, sizes: dict[str, int]) -> tuple[int, ...]:
+    """The user's (global) shape of a graph input: varying values stack along dim 0."""
+    shape = list(t.shape)
+    for axis, p in t.placements:
+        if isinstance(p, Varying):
+            shape[0] *= sizes[axis]
+    return tuple(shape)
+
+
+def jax_mesh(mesh: Any) -> jax.sharding.Mesh:
+    """A jax.sharding.Mesh for a jax Mesh (as is), a diphoma Mesh or a dict of axis sizes
+    (over jax.devices(), whose number must equal the mesh's size)."""
+    if isinstance(mesh, jax.sharding.Mesh):
+        return mesh
+    m = Mesh.of(mesh)
+    devices = jax.devices()
+    m.check_world(len(devices), what=f"JAX devices ({devices[0].platform})")
+    shape = tuple(s for _, s in m.axes)
+    return jax.sharding.Mesh(np.array(devices).reshape(shape), m.names)
+
+
+# ---------------------------------------------------------------- memory
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes of parameters and optimizer state that one device holds (the largest over
+    devices), measured from live arrays or, before the first call, planned from types."""
+
+    param_bytes: int
+    opt_state_bytes: int
+    devices: int
+    measured: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (for JSON)."""
+        return asdict(self)
+
+
+def per_device_bytes(arrays: Sequence[Any]) -> int:
+    """The most bytes any one device holds of these arrays (their addressable shards)."""
+    held: dict[Any, int] = {}
+    for x in arrays:
+        shards = getattr(x, "addressable_shards", None)
+        if shards is None:          # numpy or a scalar: on the host, counted as whole
+            held[None] = held.get(None, 0) + int(np.asarray(x).nbytes)
+            continue
+        for s in shards:
+            held[s.device] = held.get(s.device, 0) + int(s.data.nbytes)
+    return max(held.values(), default=0)
+
+
+# ---------------------------------------------------------------- the runner
+
+class JaxParallelStep(JaxStep):
+    """A distributed graph as one jax.jit over a mesh: call it like the user's step with
+    the global batch; parameters come back replicated, optimizer state stays sharded."""
+
+    def __init__(self, graph: Graph, out_tree: Any = None, *, mesh: Any = None,
+                 axis: str | None = None) -> None:
+        self.graph = graph
+        self.out_tree = out_tree if out_tree is not None else output_tree(graph)
+        self.mesh = jax_mesh(mesh if mesh is not None else graph.mesh)
+        self.axis = axis if axis is not None else _data_axis(graph)
+        self.sizes = {str(k): int(v) for k, v in self.mesh.shape.items()}
+        self._check_meshes()
+        names = tuple(self.mesh.axis_names)
+        self.in_specs = tuple(_spec(i.value.type, names, f"input {i.name}")
+                              for i in graph.inputs)
+        self.out_specs = tuple(_spec(graph.value_types()[o.name], names, f"output {o.name}")
+                               for o in graph.outputs)
+        self.in_shardings = tuple(NamedSharding(self.mesh, s) for s in self.in_specs)
+        self.out_shardings = tuple(NamedSharding(self.mesh, s) for s in self.out_specs)
+        self.global_shapes = [_global_shape(i.value.type, self.sizes) for i in graph.inputs]
+        self.fn = graph_function(graph, PerDeviceLowering(dict(graph.mesh.axes)))
+        body = jax.shard_map(self.fn, mesh=self.mesh, in_specs=self.in_specs,
+                             out_specs=self.out_specs, check_vma=False)
+        self.jitted = jax.jit(body, in_shardings=self.in_shardings,
+                              out_shardings=self.out_shardings)
+        self._last: tuple = ()
+
+    def _check_meshes(self) -> None:
+        have = ", ".join(f"{n}={s}" for n, s in self.sizes.items())
+        if self.axis not in self.sizes:
+            raise MeshError(f"the device mesh ({have}) has no axis {self.axis!r}",
+                            hint="name the data axis of the mesh, or add it to the mesh")
+        for name, size in self.graph.mesh.axes:
+            if self.sizes.get(name) != size:
+                raise MeshError(f"the graph was partitioned for mesh axis {name}={size}, but "
+                                f"the device mesh has {have}",
+                                hint="run the passes with the mesh you run on")
+
+    def flatten(self, args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        """(input leaves laid out over the mesh, the treedef of each argument), checked
+        against the graph: global shapes, dtypes, and a batch that splits evenly."""
+        treedefs, leaves = [], []
+        for a in args:
+            ls, td = jax.tree.flatten(a)
+            treedefs.append(td)
+            leaves.extend(ls)
+        if len(leaves) != len(self.graph.inputs):
+            raise BackendError(f"the step was called with {len(leaves)} array leaves; the "
+                               f"graph takes {len(self.graph.inputs)} inputs",
+                               hint="pass the same pytrees the step was traced with")
+        placed = []
+        for i, want, sharding, leaf in zip(self.graph.inputs, self.global_shapes,
+                                           self.in_shardings, leaves):
+            self._check_leaf(i.name, i.value.type, want, leaf)
+            if isinstance(leaf, jax.Array) and leaf.sharding != sharding:
+                leaf = jax.device_put(leaf, sharding)
+            placed.append(leaf)
+        return placed, treedefs
+
+    def _check_leaf(self, name: str, t: TensorType, want: tuple[int, ...], leaf: Any) -> None:
+        shape = tuple(np.shape(leaf))
+        dtype = getattr(leaf, "dtype", None)
+        varying = [a for a, p in t.placements if isinstance(p, Varying)]
+        if varying and shape:
+            n = math.prod(self.sizes[a] for a in varying)
+            if shape[0] % n:
+                raise MeshError(
+                    f"the global batch leaf {name} has {shape[0]} rows along dim 0, which "
+                    f"does not divide evenly over the {n} devices of mesh axis "
+                    f"{'/'.join(varying)}",
+                    hint=f"use a global batch that is a multiple of {n}")
+            if shape[0] != want[0]:
+                raise BackendError(
+                    f"batch leaf {name} has {shape[0]} rows, but the step was parallelized "
+                    f"for a global batch of {want[0]} ({t.shape[0]} per device x {n})",
+                    hint="parallelize again for this batch size")
+        if shape != want or not _dtype_matches(dtype, t.dtype):
+            raise BackendError(f"input {name} is {dtype}{list(shape)}; the parallel step "
+                               f"expects {t.dtype}{list(want)}",
+                               hint="call it with the global arrays of the shapes it was "
+                                    "parallelized for")
+
+    def __call__(self, *args: Any) -> Any:
+        leaves, treedefs = self.flatten(args)
+        outs = self.jitted(*leaves)
+        self._last = tuple(outs)
+        if self.out_tree is not None:
+            return jax.tree.unflatten(self.out_tree, outs)
+        return self._by_roles(args, treedefs, outs)
+
+    # ------------------------------------------------------------ memory
+
+    def _state_outputs(self) -> dict[InputKind, list[int]]:
+        kinds = {i.name: i.role.kind for i in self.graph.inputs}
+        found: dict[InputKind, list[int]] = {InputKind.param: [], InputKind.opt_state: []}
+        for k, o in enumerate(self.graph.outputs):
+            if o.role.kind is OutputKind.replaces and kinds.get(o.role.target) in found:
+                found[kinds[o.role.target]].append(k)
+        return found
+
+    def memory_report(self) -> MemoryReport:
+        """Parameter and optimizer-state bytes per device: measured from the arrays the last
+        call returned (their shards on each device), or planned from the graph's types
+        before the first call."""
+        which = self._state_outputs()
+        if self._last:
+            param = per_device_bytes([self._last[k] for k in which[InputKind.param]])
+            state = per_device_bytes([self._last[k] for k in which[InputKind.opt_state]])
+            return MemoryReport(param, state, self.mesh.size, True)
+        types = self.graph.value_types()
+        axes = dict(self.graph.mesh.axes)
+
+        def planned(kind: InputKind) -> int:
+            return sum(types[self.graph.outputs[k].name].local_nbytes(axes) for k in which[kind])
+        return MemoryReport(planned(InputKind.param), planned(InputKind.opt_state),
+                            self.mesh.size, False)
+
+
+def _data_axis(graph: Graph) -> str:
+    """The one mesh axis the batch inputs vary over (when the caller names none)."""
+    axes = {a for i in graph.inputs for a, p in i.value.type.placements
+            if isinstance(p, Varying)}
+    if len(axes) == 1:
+        return axes.pop()
+    if not axes and len(graph.mesh.axes) == 1:
+        return graph.mesh.axes[0][0]
+    raise MeshError(f"cannot tell the data axis of the graph (batch inputs vary over "
+                    f"{sorted(axes) or 'no axis'})", hint="pass axis= explicitly")
+
+
+def compile_jax_parallel(graph: Graph, *, mesh: Any = None, axis: str | None = None,
+                         out_tree: Any = None) -> JaxParallelStep:
+    """The per-device graph ``graph`` as a runnable step over ``mesh`` (a jax Mesh, a
+    diphoma Mesh or a dict of axis sizes; by default the graph's own mesh)."""
+    return JaxParallelStep(graph, out_tree, mesh=mesh, axis=axis)
+
+
+__all__ = ["JaxParallelStep", "MemoryReport", "PerDeviceLowering", "compile_jax_parallel",
+           "jax_mesh", "per_device_bytes"]
