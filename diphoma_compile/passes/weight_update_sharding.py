@@ -1,0 +1,346 @@
+"""Cross-replica weight-update sharding (Xu et al. 2020, arXiv 2004.13336).
+
+Under data parallelism every device repeats the whole optimizer update after an all-reduce
+of the gradients. This pass finds the update by static analysis (the ``update``-phase ops
+between the averaged gradients, the optimizer state, the parameters and the new values) and
+shards it: each gradient's all-reduce becomes a reduce-scatter, each device updates its
+1/N piece of every tensor (the optimizer state is stored only as that piece), and an
+all-gather returns the new parameters. The communication volume is that of the all-reduce.
+
+Placements flow through the update by the op table's sharding rules. An op the rules cannot
+run on pieces is first expanded into simpler ops when the table knows how (a norm becomes a
+sum of squares, whose partial sums take one scalar all-reduce); otherwise its inputs are
+gathered and it runs replicated, and the plan says which op and why.
+
+``layout=flat`` shards every tensor as its flattened, zero-padded form (the torch backend);
+``layout=dims`` splits the first dimension that divides the axis and leaves tensors with
+none replicated (for backends whose shardings need even splits, such as JAX's)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from ..ir.core import Attrs, Graph, Input, InputKind, Op, OutputKind, Phase, Value
+from ..ir.ops import op_def
+from ..ir.sharding import propagate
+from ..ir.types import (FLAT, FLAT_DIRTY, REPLICATE, FlatShard, Partial, Placement, Replicate,
+                        Shard, TensorType, Varying, fits)
+from .base import Pass, PassContext, PassFailure, register_pass
+from .data_parallel import require_axis
+
+_LAYOUTS = ("flat", "dims")
+
+
+def shard_placement(t: TensorType, n: int, layout: str) -> tuple[Placement, str]:
+    """Where a tensor's update runs: its placement and, when replicated, why."""
+    if t.numel <= 1:
+        return REPLICATE, "a scalar: cheaper to repeat than to split"
+    if layout == "flat":
+        return FLAT, ""
+    for d, size in enumerate(t.shape):
+        if size % n == 0:
+            return Shard(d), ""
+    return REPLICATE, (f"no dimension of {list(t.shape)} divides {n} and layout=dims needs "
+                       "even splits")
+
+
+def _dim_attr(p: Placement) -> Any:
+    return "flat" if isinstance(p, FlatShard) else p.dim
+
+
+@dataclass
+class _Plan:
+    """What the rewrite decided, for the notes and the plan report."""
+
+    sharded: dict[str, str]
+    replicated: list[tuple[str, str]]
+    expanded: list[str]
+    scalar_reductions: list[str]
+    gathered: list[str]
+    grads_left_sharded: list[str]
+
+
+@register_pass
+@dataclass(frozen=True)
+class WeightUpdateSharding(Pass):
+    """Shard the optimizer update and its state over mesh axis ``axis``."""
+
+    name = "weight-update-sharding"
+    axis: str = "dp"
+    layout: str = "flat"
+
+    def __call__(self, graph: Graph, ctx: PassContext) -> Graph:
+        n = require_axis(graph, self.axis, self.name)
+        if self.layout not in _LAYOUTS:
+            raise PassFailure(f"{self.name}: layout={self.layout!r} is not one of "
+                              f"{', '.join(_LAYOUTS)}")
+        if not any(_is_grad_sync(op, self.axis) for op in graph.ops):
+            raise PassFailure(f"{self.name}: the graph has no gradient all-reduce on axis "
+                              f"{self.axis!r} to turn into a reduce-scatter",
+                              hint=f"run data-parallel{{axis={self.axis}}} first")
+        if n == 1:
+            return graph
+        dirty: set[str] = set()
+        for _ in range(4):   # state whose padding the update dirties is declared Fx
+            out, plan, more = _Rewrite(graph, self.axis, n, self.layout, dirty).run()
+            if not more:
+                break
+            dirty |= more
+        else:  # pragma: no cover - each round only adds names
+            raise PassFailure(f"{self.name}: state placements did not settle")
+        ctx.notes[self.name] = {"axis": self.axis, "layout": self.layout, **vars(plan)}
+        return out
+
+
+def _is_grad_sync(op: Op, axis: str) -> bool:
+    return op.name == "all_reduce" and op.attrs.get("axis") == axis
+
+
+class _Rewrite:
+    def __init__(self, graph: Graph, axis: str, n: int, layout: str, dirty: set[str]) -> None:
+        self.g, self.ax, self.n, self.layout, self.dirty = graph, axis, n, layout, dirty
+        self.types: dict[str, TensorType] = {}
+        self.names = graph.fresh_names()
+        self.out: list[Op] = []
+        self.plan = _Plan({}, [], [], [], [], [])
+        self.param_shard: dict[str, str] = {}     # param -> its take_shard value
+        self.alias: dict[str, str] = {}           # a transpose undone by the next -> source
+        self.transposed: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self.lazy: dict[str, Op] = {}             # transposes of pieces not yet needed
+        self.params = {i.name for i in graph.inputs if i.role.kind is InputKind.param}
+        users: dict[str, list[Op]] = {}
+        for op in graph.ops:
+            for i in op.inputs:
+                users.setdefault(i, []).append(op)
+        self.users = users
+        self.output_names = {o.name for o in graph.outputs}
+
+    # -------------------------------------------------------------- helpers
+    def place(self, t: TensorType) -> tuple[Placement, str]:
+        return shard_placement(t, self.n, self.layout)
+
+    def emit(self, name: str, ins: tuple[str, ...], t: TensorType, attrs: dict,
+             at: Op | None, hint: str) -> str:
+        v = self.names(hint)
+        self.out.append(Op(name, ins, (Value(v, t),), Attrs(attrs),
+                           phase=at.phase if at is not None else Phase.update,
+                           loc=at.loc if at is not None else None))
+        self.types[v] = t
+        return v
+
+    def gather(self, name: str, at: Op | None) -> str:
+        t = self.types[name]
+        p = t.placement(self.ax)
+        return self.emit("all_gather", (name,), t.with_placement(self.ax, REPLICATE),
+                         {"axis": self.ax, "dim": _dim_attr(p)}, at, f"{name}.full")
+
+    def shard(self, name: str, p: Placement, at: Op | None) -> str:
+        t = self.types[name]
+        return self.emit("take_shard", (name,), t.with_placement(self.ax, p),
+                         {"axis": self.ax, "dim": _dim_attr(p)}, at, f"{name}.shard")
+
+    # -------------------------------------------------------------- the rewrite
+    def run(self) -> tuple[Graph, _Plan, set[str]]:
+        g, ax = self.g, self.ax
+        inputs = []
+        for i in g.inputs:
+            t = i.value.type
+            if i.role.kind is InputKind.opt_state and i.role.of is not None:
+                pt = g.input(i.role.of).value.type
+                if pt.shape == t.shape:
+                    p, why = self.place(t)
+                    if p == FLAT and i.name in self.dirty:
+                        p = FLAT_DIRTY
+                    if isinstance(p, Replicate):
+                        self.plan.replicated.append((i.name, why))
+                    else:
+                        t = t.with_placement(ax, p)
+                        self.plan.sharded[i.name] = str(p)
+                        i = Input(Value(i.name, t), i.role)
+            self.types[i.name] = t
+            inputs.append(i)
+
+        work = deque(g.ops)
+        while work:
+            op = work.popleft()
+            if _is_grad_sync(op, ax) and isinstance(self.types[op.inputs[0]].placement(ax),
+                                                    Varying):
+                self.grad_sync(op)
+            elif op.phase is Phase.update:
+                expanded = self.update_op(op)
+                if expanded is not None:
+                    work.extendleft(reversed(expanded))
+            else:
+                self.keep(op)
+        return self.finish(inputs)
+
+    def keep(self, op: Op) -> None:
+        self.out.append(op)
+        self.types.update((v.name, v.type) for v in op.results)
+
+    def grad_sync(self, op: Op) -> None:
+        v = op.result
+        p, why = self.place(v.type)
+        users = self.users.get(v.name, [])
+        if isinstance(p, Replicate) or not all(u.phase is Phase.update for u in users):
+            if why and v.type.numel > 1:
+                self.plan.replicated.append((v.name, why))
+            self.keep(op)
+            return
+        t = v.type.with_placement(self.ax, p)
+        self.out.append(op.replace(name="reduce_scatter", results=(Value(v.name, t),),
+                                   attrs=op.attrs.set(dim=_dim_attr(p))))
+        self.types[v.name] = t
+
+    def update_op(self, op: Op) -> list[Op] | None:
+        """Place one update op; returns its expansion when it must be expanded instead."""
+        ins = [self.alias.get(i, i) for i in op.inputs]
+        if op.name == "transpose":
+            if self.undoes_transpose(op, ins[0]):
+                return None
+            if not isinstance(self.types[ins[0]].placement(self.ax), Replicate):
+                # wait: the next transpose may undo it; run it only if something reads it
+                self.lazy[op.result.name] = op.replace(inputs=tuple(ins))
+                return None
+        for i in ins:
+            if i in self.lazy:
+                self.place_op(self.lazy.pop(i))
+        for k, name in enumerate(ins):
+            if name in self.params:
+                ins[k] = self.param_piece(name, op)
+        return self.place_op(op.replace(inputs=tuple(ins)))
+
+    def place_op(self, op: Op) -> list[Op] | None:
+        ins = list(op.inputs)
+        tried_gather = tried_slice = False
+        d = op_def(op.name)
+        while True:
+            types = [self.types[i] for i in ins]
+            outs = [v.type for v in op.results]
+            got = None if op.regions and any(t.placements for t in types) else \
+                propagate(op, types, outs, self.ax, d.sharding_rule)
+            if got is not None:
+                break
+            split = any(not isinstance(t.placement(self.ax), Replicate) for t in types)
+            if split and d.expand is not None:
+                new = d.expand(op.replace(inputs=tuple(ins)), types, self.names)
+                if new is not None:
+                    self.plan.expanded.append(f"{op.name} -> "
+                                              + ", ".join(o.name for o in new))
+                    return new
+            partial = [k for k, t in enumerate(types) if isinstance(t.placement(self.ax),
+                                                                     Partial)]
+            if partial:
+                for k in partial:
+                    red = types[k].placement(self.ax).op
+                    ins[k] = self.emit("all_reduce", (ins[k],),
+                                       types[k].with_placement(self.ax, REPLICATE),
+                                       {"axis": self.ax, "op": red}, op, f"{ins[k]}.sum")
+                    self.plan.scalar_reductions.append(ins[k])
+                continue
+            if not tried_slice:
+                # a whole operand beside pieces: take its piece locally (a slice, no
+                # communication), e.g. a scalar broadcast to the tensor's shape
+                tried_slice = True
+                pieces = {t.placement(self.ax) for t in types
+                          if not isinstance(t.placement(self.ax), Replicate)}
+                if len(pieces) == 1:
+                    piece = pieces.pop()
+                    whole = [k for k, t in enumerate(types) if t.numel > 1 and
+                             isinstance(t.placement(self.ax), Replicate) and
+                             t.shape == op.results[0].type.shape]
+                    if whole:
+                        for k in whole:
+                            ins[k] = self.shard(ins[k], FLAT if piece == FLAT_DIRTY
+                                                else piece, op)
+                        continue
+            if tried_gather or not split:
+                raise PassFailure(f"weight-update-sharding: {op.name} cannot run on its "
+                                  "inputs even replicated", op=op)
+            for k, t in enumerate(types):
+                if not isinstance(t.placement(self.ax), Replicate):
+                    ins[k] = self.gather(ins[k], op)
+            self.plan.replicated.append((f"{op.name} -> %{op.results[0].name}",
+                                         f"the {op.name} rule cannot run on pieces"))
+            tried_gather = True
+        results = tuple(Value(v.name, v.type.with_placement(self.ax, p))
+                        for v, p in zip(op.results, got))
+        self.keep(op.replace(inputs=tuple(ins), results=results))
+        return None
+
+    def undoes_transpose(self, op: Op, src: str) -> bool:
+        """A transpose of a transpose that restores the order is its source (the views
+        eager code takes, t().t(), traced as two transposes): alias instead of running it,
+        since a flat piece cannot be transposed locally."""
+        perm = tuple(op.attrs["perm"])
+        if src in self.transposed:
+            base, first = self.transposed[src]
+            if tuple(first[p] for p in perm) == tuple(range(len(perm))):
+                self.alias[op.result.name] = base
+                self.types[op.result.name] = self.types[base]
+                return True
+        self.transposed[op.result.name] = (src, perm)
+        return False
+
+    def param_piece(self, name: str, at: Op) -> str:
+        """This device's piece of a full parameter, made once (a slice, no communication)."""
+        if name not in self.param_shard:
+            p, _ = self.place(self.types[name])
+            self.param_shard[name] = name if isinstance(p, Replicate) else \
+                self.shard(name, p, at)
+        return self.param_shard[name]
+
+    def finish(self, inputs: list[Input]) -> tuple[Graph, _Plan, set[str]]:
+        g, ax = self.g, self.ax
+        in_types = {i.name: i.value.type for i in inputs}
+        fix: dict[str, str] = {}
+        after: dict[str, list[Op]] = {}
+        more: set[str] = set()
+        outs = [type(o)(self.alias.get(o.name, o.name), o.role) for o in g.outputs]
+        for o in outs:
+            if o.name in self.lazy:
+                self.place_op(self.lazy.pop(o.name))
+        producer = {v.name: op for op in self.out for v in op.results}
+        for o in outs:
+            t = self.types[o.name]
+            p = t.placement(ax)
+            at = producer.get(o.name)
+            mark = len(self.out)
+            if o.role.kind is OutputKind.replaces:
+                want = in_types[o.role.target].placement(ax)
+                if fits(want, p):
+                    continue
+                if want == FLAT and p == FLAT_DIRTY:
+                    more.add(o.role.target)
+                    continue
+                name = o.name
+                if isinstance(p, Partial):
+                    name = self.emit("all_reduce", (name,), t.with_placement(ax, REPLICATE),
+                                     {"axis": ax, "op": p.op}, at, f"{name}.sum")
+                elif not isinstance(p, Replicate):
+                    name = self.gather(name, at)
+                    if o.role.target in self.params:
+                        self.plan.gathered.append(o.role.target)
+                if not isinstance(want, Replicate):
+                    name = self.shard(name, want, at)
+                fix[o.name] = name
+            elif isinstance(p, Partial):
+                fix[o.name] = self.emit("all_reduce", (o.name,), t.with_placement(ax, REPLICATE),
+                                        {"axis": ax, "op": p.op}, at, f"{o.name}.sum")
+            elif not isinstance(p, Replicate) and not isinstance(p, Varying):
+                self.plan.grads_left_sharded.append(o.name)
+            made, self.out[mark:] = self.out[mark:], []
+            if made:
+                after.setdefault(o.name, []).extend(made)
+        ops: list[Op] = []
+        for op in self.out:
+            ops.append(op)
+            for v in op.results:
+                ops.extend(after.pop(v.name, ()))
+        for rest in after.values():   # outputs that are inputs
+            ops[:0] = rest
+        outputs = tuple(type(o)(fix.get(o.name, o.name), o.role) for o in outs)
+        graph = g.replace(inputs=tuple(inputs), ops=tuple(ops), outputs=outputs)
+        return graph, self.plan, more - self.dirty
