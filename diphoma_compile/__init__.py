@@ -3,6 +3,8 @@
 from .api import compile, trace
 from .errors import DiphomaError
 from .mesh import Mesh
+from .parallel import ParallelStep, parallelize
 
 __version__ = "0.1.0"
-__all__ = ["DiphomaError", "Mesh", "__version__", "compile", "trace"]
+__all__ = ["DiphomaError", "Mesh", "ParallelStep", "__version__", "compile", "parallelize",
+           "trace"]

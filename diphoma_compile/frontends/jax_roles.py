@@ -58,7 +58,7 @@ def path_name(prefix: str, path: Sequence[Any]) -> str:
 
 
 def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
 
 
 def arg_leaves(tree: Any, prefix: str) -> list[tuple[str, Any]]:

@@ -84,12 +84,16 @@ class OpDef:
             return 0
         n = axis_size
         frac = (n - 1) / n
+        axis = {str(op.attrs.get("axis")): n}
         if self.name == "all_reduce":
             return int(2 * frac * ins[0].nbytes)
-        if self.name in ("reduce_scatter", "all_to_all"):
+        if self.name == "reduce_scatter":
+            # the padded whole: n pieces of the result's local size
+            return int(frac * n * outs[0].local_nbytes(axis))
+        if self.name == "all_to_all":
             return int(frac * ins[0].nbytes)
         if self.name == "all_gather":
-            return int(frac * outs[0].nbytes)
+            return int(frac * n * ins[0].local_nbytes(axis))
         if self.name in ("broadcast", "send"):
             return ins[0].nbytes
         return 0

@@ -1,0 +1,186 @@
+"""The plan: what the passes decided, read off the final IR, for a person (text) or a tool
+(JSON, versioned schema). Per tensor its placement and bytes per device; each collective
+with what it moves and the bytes a device sends per step (ring algorithms); per-device
+memory for parameters, gradients and optimizer state next to the single-device figures."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .ir.analysis import producers
+from .ir.core import Graph, InputKind, Op, OutputKind
+from .ir.ops import Category, op_def
+from .ir.types import TensorType, Varying
+
+SCHEMA_VERSION = 1
+_ROLES = (InputKind.param, InputKind.opt_state, InputKind.batch, InputKind.buffer)
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """A graph input's placement and size."""
+
+    name: str
+    role: str
+    shape: tuple[int, ...]
+    dtype: str
+    placement: str           # "R", or "dp: F", "dp: V, tp: S(1)", ...
+    bytes_per_device: int
+    bytes_total: int         # the whole tensor (for a varying batch: all devices together)
+
+
+@dataclass(frozen=True)
+class CollectivePlan:
+    """One collective of the step."""
+
+    kind: str
+    axis: str
+    value: str               # the IR value it reads
+    serves: str              # what it is for: "gradient of fc1.weight", "loss", ...
+    reduction: str | None
+    bytes_per_device: int    # bytes one device sends per step
+    phase: str | None
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per device, and on one device running the unsharded step."""
+
+    params: int
+    grads: int
+    opt_state: int
+    single_device_params: int
+    single_device_grads: int
+    single_device_opt_state: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A readable account of a transformed step; ``to_text()`` and ``to_json()``."""
+
+    graph: str
+    mesh: dict[str, int]
+    passes: tuple[str, ...]
+    tensors: tuple[TensorPlan, ...]
+    collectives: tuple[CollectivePlan, ...]
+    memory: Memory
+    comm_bytes_per_step: int
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data with ``schema`` = SCHEMA_VERSION (see docs/plan.md)."""
+        d = asdict(self)
+        d["schema"] = SCHEMA_VERSION
+        d["passes"] = list(self.passes)
+        return d
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The plan as JSON."""
+        return json.dumps(self.to_dict(), indent=indent, default=str)
+
+    def to_text(self, max_rows: int = 60) -> str:
+        """The plan as a report: summary, tensors, collectives, decisions."""
+        from .plan_text import render
+        return render(self, max_rows)
+
+
+def _placement(t: TensorType) -> str:
+    return ", ".join(f"{a}: {p}" for a, p in t.placements) or "R"
+
+
+def gradient_sources(graph: Graph) -> dict[str, str]:
+    """Collective result -> the parameter whose gradient it carries: walking back from each
+    new parameter through values of the parameter's size to a collective."""
+    prod = producers(graph)
+    types = graph.value_types()
+    inputs = {i.name: i for i in graph.inputs}
+    found: dict[str, str] = {}
+    for o in graph.outputs:
+        if o.role.kind is not OutputKind.replaces:
+            continue
+        target = inputs.get(o.role.target)
+        if target is None or target.role.kind is not InputKind.param:
+            continue
+        numel = target.value.type.numel
+        stack, seen = [o.name], set()
+        while stack:
+            n = stack.pop()
+            op = prod.get(n)
+            if op is None or n in seen:
+                continue
+            seen.add(n)
+            if op_def(op.name).category is Category.collective and op.inputs and \
+                    op.name in ("all_reduce", "reduce_scatter"):
+                found.setdefault(op.results[0].name, target.name)
+                continue
+            stack.extend(i for i in op.inputs if types[i].numel == numel)
+    return found
+
+
+def build_plan(graph: Graph, notes: dict[str, Any] | None = None) -> Plan:
+    """The plan of a (transformed) graph; ``notes`` are the passes' decisions."""
+    sizes = dict(graph.mesh.axes)
+    types = graph.value_types()
+    tensors = []
+    for i in graph.inputs:
+        if i.role.kind not in _ROLES:
+            continue
+        t = i.value.type
+        total = t.nbytes
+        for a, p in t.placements:
+            if isinstance(p, Varying):
+                total *= sizes.get(a, 1)
+        tensors.append(TensorPlan(i.name, i.role.kind.value, t.shape, t.dtype.value,
+                                  _placement(t), t.local_nbytes(sizes), total))
+    grads = gradient_sources(graph)
+    loss = {o.name for o in graph.outputs if o.role.kind is OutputKind.loss}
+    grads.update((o.name, o.role.target) for o in graph.outputs
+                 if o.role.kind is OutputKind.replaces)
+    collectives = []
+    for op in graph.walk():
+        d = op_def(op.name)
+        if d.category is not Category.collective:
+            continue
+        axis = str(op.attrs.get("axis"))
+        ins = [types[n] for n in op.inputs]
+        outs = [v.type for v in op.results]
+        collectives.append(CollectivePlan(
+            op.name, axis, op.inputs[0] if op.inputs else "", _serves(op, grads, loss),
+            op.attrs.get("op"), d.comm_bytes(op, ins, outs, sizes.get(axis, 1)),
+            op.phase.value if op.phase else None))
+    memory = _memory(graph, sizes, gradient_sources(graph), types)
+    return Plan(graph.name, sizes, graph.passes, tuple(tensors), tuple(collectives), memory,
+                sum(c.bytes_per_device for c in collectives), dict(notes or {}))
+
+
+def _serves(op: Op, grads: dict[str, str], loss: set[str]) -> str:
+    out = op.results[0].name if op.results else ""
+    if out in grads:
+        return (f"new value of {grads[out]}" if op.name == "all_gather"
+                else f"gradient of {grads[out]}")
+    if out in loss:
+        return "loss"
+    if op.name == "all_reduce" and op.attrs.get("op") == "sum" and op.results[0].type.numel == 1:
+        return "partial sum (e.g. a gradient norm)"
+    if op.name == "take_shard":
+        return "local piece, no communication"
+    return ""
+
+
+def _memory(graph: Graph, sizes: dict[str, int], grads: dict[str, str],
+            types: dict[str, TensorType]) -> Memory:
+    per = {k: 0 for k in ("param", "opt_state")}
+    whole = dict(per)
+    for i in graph.inputs:
+        k = i.role.kind.value
+        if k in per:
+            per[k] += i.value.type.local_nbytes(sizes)
+            whole[k] += i.value.type.nbytes
+    g_local = sum(types[n].local_nbytes(sizes) for n in grads)
+    g_whole = sum(types[n].nbytes for n in grads)
+    if not grads:   # an untransformed step: a gradient per trainable parameter
+        g_local = g_whole = per["param"]
+    return Memory(per["param"], g_local, per["opt_state"], whole["param"], g_whole,
+                  whole["opt_state"])
