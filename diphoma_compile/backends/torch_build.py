@@ -4,7 +4,12 @@ Neutral ops go back to the aten overload the frontend table maps them from. 0-d 
 made only from constants, hyperparameter inputs and ``.item()`` reads are *host scalars*:
 computed with Python floats and passed to aten calls as Python numbers, as the eager
 optimizer does with its learning rate and step count. Layout ops become views (permute,
-expand, reshape), as eager code makes them. So the program makes the eager step's calls."""
+expand, reshape), as eager code makes them. So the program makes the eager step's calls.
+
+A graph placed over a mesh becomes one rank's program: every shape it builds (reshape
+targets, constants, broadcasts) is the value's *local* shape (``TensorType.local_shape``; a
+flat shard is a 1-D chunk), and collectives call the helpers of ``torch_comm`` on the
+``Comm`` of their axis, which the program reads as an attribute (``self.comm_dp``)."""
 
 from __future__ import annotations
 
@@ -15,10 +20,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..errors import UnsupportedOpError
-from ..ir.core import Graph, InputKind, Op
-from ..ir.types import DType
+from ..errors import BackendError, UnsupportedOpError
 from ..frontends.torch_ops import DTYPE_TO_TORCH, decode_arg, emit_target, resolve_target
+from ..ir.core import Graph, InputKind, Op
+from ..ir.types import DType, TensorType
+from . import torch_comm
 
 aten = torch.ops.aten
 
@@ -30,6 +36,7 @@ _HOST_OPS = {"mul": operator.mul, "add": operator.add, "sub": operator.sub,
              "div": operator.truediv, "pow": operator.pow}
 _HOST_DTYPES = {DType.f64, DType.i64, DType.bool}
 _REDUCE = {"reduce_sum", "reduce_mean", "reduce_max"}
+_COLLECTIVES = {"all_reduce", "reduce_scatter", "all_gather", "take_shard", "broadcast"}
 
 
 def _py_name(name: str) -> str:
@@ -38,13 +45,23 @@ def _py_name(name: str) -> str:
 
 
 class _Builder:
-    def __init__(self, graph: Graph) -> None:
+    def __init__(self, graph: Graph, comms: dict[str, torch_comm.Comm] | None = None) -> None:
         self.g = graph
         self.fx = fx.Graph()
         self.env: dict[str, Any] = {}       # IR name -> fx node or Python scalar
         self.scalars: dict[str, Any] = {}   # IR name of a 0-d full -> its value
         self.dtype_of: dict[str, torch.dtype] = {}
         self.g_types = graph.value_types()
+        self.sizes = dict(graph.mesh.axes)
+        self.comms = dict(comms or {})
+        self.comm_nodes: dict[str, fx.Node] = {}
+        self.uses: dict[str, int] = {}      # how often each value is read (outputs count)
+        self.fresh: set[str] = set()        # values in storage of their own (not views)
+        for op in graph.ops:
+            for name in op.inputs:
+                self.uses[name] = self.uses.get(name, 0) + 1
+        for o in graph.outputs:
+            self.uses[o.name] = self.uses.get(o.name, 0) + 1
 
     def build(self) -> fx.GraphModule:
         for i in self.g.inputs:
@@ -56,7 +73,14 @@ class _Builder:
             self.op(op)
         self.fx.output(tuple(self.env[o.name] for o in self.g.outputs))
         self.fx.lint()
-        return fx.GraphModule(torch.nn.Module(), self.fx, class_name=_py_name(self.g.name))
+        root = torch.nn.Module()
+        for axis, comm in self.comms.items():
+            setattr(root, f"comm_{axis}", comm)
+        return fx.GraphModule(root, self.fx, class_name=_py_name(self.g.name))
+
+    def local(self, t: TensorType) -> list[int]:
+        """The shape of the piece of a value this rank holds."""
+        return list(t.local_shape(self.sizes)) if t.placements else list(t.shape)
 
     def call(self, target, args, kwargs=None):
         return self.fx.call_function(target, tuple(args), dict(kwargs or {}))
@@ -152,16 +176,22 @@ class _Builder:
         elif n == "transpose":
             out = self.call(emit_target(n), [self.node(ins[0]), list(a["perm"])])
         elif n == "reshape":
-            out = self.call(emit_target(n), [self.node(ins[0]), list(op.result.type.shape)])
+            src, dst = self.local(self.g_types[ins[0]]), self.local(op.result.type)
+            if src == dst and len(dst) < op.result.type.rank:
+                out = self.node(ins[0])   # a flat shard: the same 1-D chunk, whatever shape
+            else:
+                out = self.call(emit_target(n), [self.node(ins[0]), dst])
         elif n == "broadcast_in_dim":
             out = self.broadcast(op)
         elif n in _REDUCE:
-            out = self.call(emit_target(n), [self.node(ins[0]), list(a["dims"]),
-                                             bool(a.get("keepdim", False))])
+            out = self.reduce(op)
         elif n == "norm":
             x = self.g_types[ins[0]]
             dims = list(a["dims"])
             full = dims == list(range(x.rank)) and not a.get("keepdim", False)
+            if len(self.local(x)) != x.rank:
+                raise BackendError(f"norm of a flat shard ({x}) has no lowering",
+                                   hint="expand norm (square, reduce_sum, sqrt) first")
             out = self.call(aten.linalg_vector_norm.default,
                             [self.node(ins[0]), a["ord"], None if full else dims,
                              bool(a.get("keepdim", False))])
@@ -170,24 +200,66 @@ class _Builder:
                             {"dtype": DTYPE_TO_TORCH[DType(a["dtype"])]})
         elif n == "literal":
             t = op.result.type
+            if self.local(t) != list(t.shape):
+                raise BackendError(f"a sharded literal ({t}) has no lowering",
+                                   hint="make the literal replicated and take_shard it")
             out = self.call(torch.tensor, [list(a["data"])], {"dtype": DTYPE_TO_TORCH[t.dtype]})
             out = self.call(aten.reshape.default, [out, list(t.shape)])
         elif n == "full":
             t = op.result.type
-            out = self.call(aten.full.default, [list(t.shape), a["value"]],
+            out = self.call(aten.full.default, [self.local(t), a["value"]],
                             {"dtype": DTYPE_TO_TORCH[t.dtype]})
+        elif n in _COLLECTIVES:
+            out = self.collective(op)
         else:
             raise UnsupportedOpError(f"the torch backend cannot run IR op {n!r}",
                                      hint="this op has no torch lowering yet")
         self.bind(op, out)
 
     def bind(self, op: Op, out: Any) -> None:
+        if _makes_storage(op):
+            self.fresh.update(v.name for v in op.results)
         if len(op.results) == 1:
             self.env[op.result.name] = out
             return
         idx = op.attrs.get("outs", tuple(range(len(op.results))))
         for v, i in zip(op.results, idx):
             self.env[v.name] = self.call(_getitem, [out, i])
+
+    def reduce(self, op: Op) -> fx.Node:
+        a, x = op.attrs, self.g_types[op.inputs[0]]
+        dims, keep = list(a["dims"]), bool(a.get("keepdim", False))
+        if len(self.local(x)) == x.rank:
+            return self.call(emit_target(op.name), [self.node(op.inputs[0]), dims, keep])
+        # a flat shard (only a sum over every dimension is allowed): sum the 1-D chunk
+        out = self.call(emit_target(op.name), [self.node(op.inputs[0]), [0], False])
+        shape = self.local(op.result.type)
+        return self.call(aten.reshape.default, [out, shape]) if shape else out
+
+    def collective(self, op: Op) -> fx.Node:
+        a = op.attrs
+        axis = str(a["axis"])
+        if axis not in self.comms:
+            raise BackendError(f"the program has a {op.name} over mesh axis {axis!r} but no "
+                               "process group was given for that axis",
+                               hint="run a distributed graph through "
+                                    "diphoma_compile.backends.torch_dist.TorchDistStep")
+        if axis not in self.comm_nodes:
+            self.comm_nodes[axis] = self.fx.get_attr(f"comm_{axis}")
+        comm, x = self.comm_nodes[axis], self.node(op.inputs[0])
+        name, src, dst = op.name, op.inputs[0], op.result.type
+        if name == "all_reduce":
+            # reduce in place when nothing else reads the value (not a graph input)
+            owned = self.uses.get(src, 0) == 1 and src in self.fresh
+            return self.call(torch_comm.all_reduce, [comm, x, str(a["op"]), owned])
+        if name == "reduce_scatter":
+            return self.call(torch_comm.reduce_scatter,
+                             [comm, x, str(a["op"]), a["dim"], self.local(dst)])
+        if name == "all_gather":
+            return self.call(torch_comm.all_gather, [comm, x, a["dim"], list(dst.shape)])
+        if name == "take_shard":
+            return self.call(torch_comm.take_shard, [comm, x, a["dim"], self.local(dst)])
+        return self.call(torch_comm.broadcast, [comm, x, int(a["root"])])
 
     def dot(self, op: Op) -> fx.Node:
         a = op.attrs
@@ -206,12 +278,16 @@ class _Builder:
         dst = op.result.type
         dims = tuple(op.attrs["dims"])
         x = self.node(op.inputs[0])
+        src_shape, dst_shape = self.local(src), self.local(dst)
+        if len(dst_shape) != dst.rank or len(src_shape) != src.rank:
+            raise BackendError(f"broadcast_in_dim of a flat shard ({src} -> {dst}) has no "
+                               "lowering")
         if dims != tuple(range(dst.rank - src.rank, dst.rank)):
             shape = [1] * dst.rank
             for i, d in enumerate(dims):
-                shape[d] = src.shape[i]
+                shape[d] = src_shape[i]
             x = self.call(aten.reshape.default, [x, shape])
-        return self.call(aten.expand.default, [x, list(dst.shape)])
+        return self.call(aten.expand.default, [x, dst_shape])
 
     def opaque(self, op: Op) -> fx.Node:
         target = resolve_target(str(op.attrs["target"]))
@@ -221,10 +297,32 @@ class _Builder:
         return self.call(target, args, kwargs)
 
 
+_VIEWS = {"transpose", "reshape", "broadcast_in_dim", "take_shard", "all_gather", "opaque"}
+
+
+def _makes_storage(op: Op) -> bool:
+    """True when the op's results are new tensors, not views of (or aliases to) its inputs,
+    so that a collective may reduce them in place when nothing else reads them."""
+    if op.name != "opaque":
+        return op.name not in _VIEWS
+    target = str(op.attrs["target"])
+    if "view" in target or "alias" in target:
+        return False     # _unsafe_view shares storage though its schema says otherwise
+    try:
+        schema = resolve_target(target)._schema
+    except (UnsupportedOpError, AttributeError):
+        return False
+    return all(r.alias_info is None for r in schema.returns)
+
+
 def _getitem(x, i):
     return x[i]
 
 
-def build_module(graph: Graph) -> fx.GraphModule:
-    """A GraphModule taking the graph's inputs in order and returning its outputs."""
-    return _Builder(graph).build()
+def build_module(graph: Graph,
+                 comms: dict[str, torch_comm.Comm] | None = None) -> fx.GraphModule:
+    """A GraphModule taking the graph's inputs in order and returning its outputs.
+
+    ``comms`` gives the process group of each mesh axis the graph's collectives run on; the
+    module holds them as ``comm_<axis>`` attributes."""
+    return _Builder(graph, comms).build()
