@@ -1,0 +1,152 @@
+"""data-parallel and weight-update-sharding on traced PyTorch steps: goldens, structure,
+the plan's bytes against the all-reduce bound, and what stays whole and why."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import diphoma_compile  # noqa: E402
+from diphoma_compile.ir import InputKind, OutputKind, Phase, parse, print_graph  # noqa: E402
+from diphoma_compile.ir.types import FlatShard, Replicate, Varying  # noqa: E402
+from diphoma_compile.mesh import Mesh  # noqa: E402
+from diphoma_compile.parallel import default_passes  # noqa: E402
+from diphoma_compile.errors import PassError  # noqa: E402
+from diphoma_compile.passes import PassContext, Pipeline  # noqa: E402
+from diphoma_compile.plan import build_plan  # noqa: E402
+
+from .models import MLP, OPTIMIZERS, classify_step, clipped_step, mlp_batches  # noqa: E402
+
+N = 4
+
+
+class OddMLP(torch.nn.Module):
+    """An MLP with a parameter no dimension of which divides 4 (7 x 3) and a bias of 3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 7)
+        self.fc2 = torch.nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def traced(opt_name: str = "adamw", step=clipped_step, model_cls=MLP):
+    torch.manual_seed(0)
+    model = model_cls()
+    opt = OPTIMIZERS[opt_name](model.parameters(), True)
+    batch = mlp_batches(1)[0]
+    if model_cls is OddMLP:
+        batch = {"x": batch["x"], "y": batch["y"] % 3}
+    return diphoma_compile.trace(step, model, opt, batch).replace(mesh=Mesh({"dp": N}))
+
+
+def run(graph, spec: str):
+    ctx = PassContext()
+    return Pipeline.from_spec(spec).run(graph, ctx), ctx
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw"])
+def test_golden_data_parallel_and_weight_update_sharding(opt_name, golden):
+    g = traced(opt_name)
+    dp, _ = run(g, "dce,data-parallel,dce")
+    wus, _ = run(g, default_passes("torch", "dp"))
+    for name, out in (("dp", dp), ("wus", wus)):
+        text = print_graph(out)
+        assert parse(text) == out
+        golden(f"torch_mlp_{opt_name}.{name}.ir", text)
+
+
+def test_data_parallel_averages_each_gradient_once_where_backward_ends():
+    g, ctx = run(traced("sgd_momentum", classify_step), "dce,data-parallel")
+    batch = [i for i in g.inputs if i.role.kind is InputKind.batch]
+    assert batch and all(isinstance(i.value.type.placement("dp"), Varying) for i in batch)
+    syncs = [op for op in g.ops if op.name == "all_reduce"]
+    params = [i for i in g.inputs if i.role.kind is InputKind.param]
+    assert len(syncs) == len(params) + 1   # one per gradient, one for the loss
+    assert all(op.attrs["op"] == "avg" for op in syncs)
+    loss = next(o for o in g.outputs if o.role.kind is OutputKind.loss)
+    assert loss.name in {op.result.name for op in syncs}
+    for op in g.ops:   # the update reads nothing per-device
+        if op.phase is Phase.update:
+            assert not any(isinstance(v.type.placement("dp"), Varying) for v in op.results)
+    assert ctx.notes["data-parallel"]["batch"] == [i.name for i in batch]
+
+
+def test_weight_update_sharding_structure_and_memory():
+    g, ctx = run(traced("adamw"), default_passes("torch", "dp"))
+    kinds = [op.name for op in g.ops]
+    params = [i.name for i in g.inputs if i.role.kind is InputKind.param]
+    assert kinds.count("reduce_scatter") == kinds.count("all_gather") == len(params)
+    # gradients: reduce-scatter only; the all-reduces left are the loss and norm partials
+    ar = [op for op in g.ops if op.name == "all_reduce"]
+    assert all(op.result.type.numel == 1 for op in ar)
+    for i in g.inputs:
+        if i.role.kind is InputKind.opt_state:
+            want = Replicate if i.value.type.numel == 1 else FlatShard
+            assert isinstance(i.value.type.placement("dp"), want), i.name
+    new_params = {o.role.target: o.name for o in g.outputs
+                  if o.role.kind is OutputKind.replaces and o.role.target in params}
+    made = {v.name: op for op in g.ops for v in op.results}
+    assert all(made[n].name == "all_gather" for n in new_params.values())
+    plan = build_plan(g, ctx.notes)
+    m = plan.memory
+    assert m.opt_state < m.single_device_opt_state / N * 1.05 + 64   # + replicated steps
+    assert m.params == m.single_device_params
+    assert ctx.notes["weight-update-sharding"]["replicated"] == []
+    assert len(ctx.notes["weight-update-sharding"]["expanded"]) == len(params)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw"])
+def test_plan_bytes_equal_the_all_reduce_bound(opt_name):
+    g, ctx = run(traced(opt_name, model_cls=OddMLP), default_passes("torch", "dp"))
+    plan = build_plan(g, ctx.notes)
+    grad_bytes = 0
+    for i in g.inputs:
+        if i.role.kind is InputKind.param:
+            grad_bytes += N * -(-i.value.type.numel // N) * 4   # padded flat pieces
+    scalars = [c for c in plan.collectives if c.kind == "all_reduce"]
+    bound = 2 * (N - 1) / N * grad_bytes
+    scalar_bytes = sum(c.bytes_per_device for c in scalars)
+    assert plan.comm_bytes_per_step == pytest.approx(bound + scalar_bytes, abs=8)
+    assert scalar_bytes <= 8 * len(scalars)
+    gradients = [c for c in plan.collectives if c.serves.startswith("gradient of")]
+    assert {c.serves for c in gradients} == {f"gradient of {n}" for n in
+                                            ("fc1.weight", "fc1.bias", "fc2.weight",
+                                             "fc2.bias")}
+
+
+def test_uneven_tensors_flat_or_replicated_with_reason():
+    g = traced("adamw", model_cls=OddMLP)
+    flat, _ = run(g, default_passes("torch", "dp"))
+    placed = {i.name: i.value.type.placement("dp") for i in flat.inputs}
+    assert isinstance(placed["fc2.weight.exp_avg"], FlatShard)     # 21 elements over 4
+    dims, ctx = run(g, default_passes("jax", "dp"))
+    placed = {i.name: i.value.type.placement("dp") for i in dims.inputs}
+    assert isinstance(placed["fc2.weight.exp_avg"], Replicate)
+    reasons = dict(ctx.notes["weight-update-sharding"]["replicated"])
+    assert "no dimension of [3, 7] divides 4" in reasons["fc2.weight.exp_avg"]
+    text = build_plan(dims, ctx.notes).to_text()
+    assert "kept whole in the update" in text and "fc2.weight.exp_avg" in text
+
+
+def test_plan_text_and_json_agree():
+    g, ctx = run(traced("adamw"), default_passes("torch", "dp"))
+    plan = build_plan(g, ctx.notes)
+    text, data = plan.to_text(), plan.to_dict()
+    assert data["schema"] == 1 and data["mesh"] == {"dp": N}
+    assert len(data["collectives"]) == len(plan.collectives)
+    assert "optimizer state" in text and "reduce_scatter" in text
+    assert "gradient of fc1.weight" in text and "new value of fc1.weight" in text
+
+
+def test_errors_name_the_problem():
+    g = traced("sgd", classify_step)
+    with pytest.raises(PassError, match="run data-parallel"):
+        run(g, "weight-update-sharding")
+    with pytest.raises(PassError, match="the mesh has no axis 'tp'"):
+        run(g, "data-parallel{axis=tp}")
+    with pytest.raises(PassError, match="layout='rows' is not one of flat, dims"):
+        run(g, "data-parallel,weight-update-sharding{layout=rows}")
