@@ -140,6 +140,8 @@ class _Builder:
             return
         if n == "opaque":
             out = self.opaque(op)
+        elif n == "square":    # from an expanded norm: x * x, one rounding as pow(x, 2)
+            out = self.call(aten.mul.Tensor, [self.node(ins[0]), self.node(ins[0])])
         elif n in _ELEMENTWISE and len(ins) == 1:
             out = self.call(emit_target(n), [self.node(ins[0])])
         elif n in ("add", "sub"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..errors import DiphomaError
@@ -18,10 +19,11 @@ from .torch_build import build_module
 class TorchStep:
     """A callable with the user's step signature that runs the compiled IR graph."""
 
-    def __init__(self, graph: Graph, captured: Captured) -> None:
+    def __init__(self, graph: Graph, captured: Captured,
+                 module: fx.GraphModule | None = None) -> None:
         self.graph = graph
         self.captured = captured
-        self.module = build_module(graph)
+        self.module = module if module is not None else build_module(graph)
         self._arg_types = [(tuple(i.value.type.shape), i.value.type.dtype)
                            for i, s in zip(graph.inputs, captured.inputs) if s.kind == "arg"]
         self._n_user = captured.outputs.count(None)   # the step's own results come first
@@ -42,12 +44,17 @@ class TorchStep:
         if not st:
             # a fresh optimizer: start from the zero state the graph was traced with
             for k, shape, dtype in cap.state_keys[pi]:
-                st[k] = torch.zeros(shape, dtype=dtype, device=p.device)
+                st[k] = torch.zeros(self._state_shape(pi, k, shape), dtype=dtype,
+                                    device=p.device)
         if key not in st:
             raise DiphomaError(f"the optimizer state of {slot.name.rsplit('.', 1)[0]} has no "
                                f"{key!r} (it has {sorted(st)})",
                                hint="trace the step again after changing the optimizer")
         return st[key]
+
+    def _state_shape(self, pi: int, key: str, shape: torch.Size) -> tuple[int, ...]:
+        """The shape this process keeps a state tensor in (a shard under sharding)."""
+        return tuple(shape)
 
     def _gather(self, args: tuple) -> list[torch.Tensor]:
         cap = self.captured

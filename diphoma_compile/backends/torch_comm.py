@@ -1,0 +1,145 @@
+"""The collectives a generated per-rank program calls, on the process group of one mesh axis.
+
+Each helper is a plain function of (comm, tensor, attributes) so that the fx program reads as
+Python: ``all_reduce(comm_dp, grad, 'avg')``. Each adds the bytes this rank sends under the
+ring model to ``comm.bytes_sent``, by the formulas of ``OpDef.comm_bytes`` applied to the
+tensors actually passed (flat shards count their zero padding: it is sent), so a test can
+compare what ran with what the plan predicted. They are synchronous for now."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_REDUCE = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
+
+# torch >= 2.13 names the single-tensor forms *_single; older releases *_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Comm(torch.nn.Module):
+    """One mesh axis as the program sees it: its process group, this rank's index in it,
+    and what was sent so far. A Module so that the program reaches it by ``get_attr``."""
+
+    def __init__(self, axis: str, size: int, rank: int, group: Any = None) -> None:
+        super().__init__()
+        self.axis = axis
+        self.size = size
+        self.rank = rank
+        self.group = group
+        self.bytes_sent = 0
+        self.calls: Counter[str] = Counter()   # collective kind -> how many ran
+
+    def global_rank(self, group_rank: int) -> int:
+        """The world rank of the group's ``group_rank``-th member (for src/dst arguments)."""
+        return group_rank if self.group is None else dist.get_global_rank(self.group,
+                                                                          group_rank)
+
+    def _count(self, kind: str, nbytes: int) -> None:
+        self.calls[kind] += 1
+        self.bytes_sent += nbytes
+
+    def extra_repr(self) -> str:
+        return f"axis={self.axis}, size={self.size}, rank={self.rank}"
+
+
+def _frac(comm: Comm) -> float:
+    n = comm.size
+    return (n - 1) / n
+
+
+def _reduce_op(op: str):
+    return getattr(dist.ReduceOp, _REDUCE[op])
+
+
+def _padded_flat(x: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """The flattened tensor zero-padded to a multiple of n (contiguous), and the chunk size."""
+    flat = x.reshape(-1)
+    numel = flat.numel()
+    k = -(-numel // n)
+    if n * k != numel:
+        flat = torch.cat([flat, flat.new_zeros(n * k - numel)])
+    return flat.contiguous(), k
+
+
+def all_reduce(comm: Comm, x: torch.Tensor, op: str, owned: bool = False) -> torch.Tensor:
+    """The reduction of every rank's ``x``; ``avg`` sums, then divides by N in x's dtype.
+    ``owned``: the program does not read ``x`` again, so it may be reduced in place."""
+    if owned and x._base is None and x.is_contiguous():
+        t = x
+    else:
+        t = x.clone(memory_format=torch.contiguous_format)
+    if comm.size > 1:
+        dist.all_reduce(t, op=_reduce_op(op), group=comm.group)
+    if op == "avg":
+        t.div_(comm.size)
+    comm._count("all_reduce", int(2 * _frac(comm) * (t.numel() * t.element_size())))
+    return t
+
+
+def reduce_scatter(comm: Comm, x: torch.Tensor, op: str, dim: Any,
+                   local_shape: list[int]) -> torch.Tensor:
+    """This rank's chunk of the reduction: of the zero-padded flattened tensor (``flat``), or
+    along dimension ``dim``."""
+    n = comm.size
+    if dim == "flat":
+        src, k = _padded_flat(x, n)
+        out = src.new_empty(k)
+    else:
+        src = x.movedim(dim, 0).contiguous()
+        out = src.new_empty((src.shape[0] // n, *src.shape[1:]))
+    if n > 1:
+        _reduce_scatter(out, src, op=_reduce_op(op), group=comm.group)
+    else:
+        out.copy_(src)
+    if op == "avg":
+        out.div_(n)
+    comm._count("reduce_scatter", int(_frac(comm) * n * (out.numel() * out.element_size())))
+    if dim != "flat":
+        out = out.movedim(0, dim)
+    return out.reshape(local_shape)
+
+
+def all_gather(comm: Comm, x: torch.Tensor, dim: Any, shape: list[int]) -> torch.Tensor:
+    """The whole tensor of global ``shape`` from every rank's chunk (padding dropped)."""
+    n = comm.size
+    if dim == "flat":
+        src = x.reshape(-1).contiguous()
+        out = src.new_empty(n * src.numel())
+    else:
+        src = x.movedim(dim, 0).contiguous()
+        out = src.new_empty((n * src.shape[0], *src.shape[1:]))
+    if n > 1:
+        _all_gather(out, src, group=comm.group)
+    else:
+        out.copy_(src)
+    comm._count("all_gather", int(_frac(comm) * n * (src.numel() * src.element_size())))
+    if dim == "flat":
+        numel = 1
+        for s in shape:
+            numel *= s
+        return out[:numel].view(shape)
+    return out.movedim(0, dim)
+
+
+def take_shard(comm: Comm, x: torch.Tensor, dim: Any, local_shape: list[int]) -> torch.Tensor:
+    """This rank's chunk of a replicated tensor, without communication."""
+    n, r = comm.size, comm.rank
+    if dim == "flat":
+        flat, k = _padded_flat(x, n)
+        return flat.narrow(0, r * k, k).reshape(local_shape)
+    c = x.shape[dim] // n
+    return x.narrow(dim, r * c, c)
+
+
+def broadcast(comm: Comm, x: torch.Tensor, root: int) -> torch.Tensor:
+    """Rank ``root``'s ``x`` on every rank (only the root sends)."""
+    t = x.clone(memory_format=torch.contiguous_format)
+    if comm.size > 1:
+        dist.broadcast(t, src=comm.global_rank(root), group=comm.group)
+    comm._count("broadcast", t.numel() * t.element_size() if comm.rank == root else 0)
+    return t

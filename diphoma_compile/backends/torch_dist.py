@@ -1,0 +1,242 @@
+"""The per-rank runtime of a data-parallel torch step: one process per device, gloo or NCCL.
+
+``TorchDistStep`` runs the program ``torch_build`` makes of a graph placed over one mesh axis
+(after ``data-parallel`` and ``weight-update-sharding``). Each rank passes its own local
+batch (the DDP convention). Parameters stay whole and identical on every rank; optimizer
+state placed ``F``/``Fx``/``S(d)`` is kept *sharded inside the optimizer's own state dict*:
+``opt.state[p][key]`` holds this rank's 1-D flat chunk (or dim chunk), so the optimizer holds
+1/N of it. A gradient that the graph leaves sharded is not written to ``p.grad`` (a rank
+holds only a piece of it, as under FSDP/ZeRO): ``p.grad`` is None after such a step."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import BackendError, MeshError
+from ..frontends.torch_capture import Captured, Slot
+from ..ir.core import Graph, OutputKind
+from ..ir.types import FlatShard, Placement, Replicate, Shard, TensorType, Varying
+from ..mesh import Mesh
+from . import torch_comm
+from .torch_build import build_module
+from .torch_runtime import TorchStep
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes of the live tensors this process holds (each storage counted once)."""
+
+    param_bytes: int
+    opt_state_bytes: int
+    grad_bytes: int
+
+    def to_dict(self) -> dict[str, int]:
+        """The report as a plain dict (for JSON)."""
+        return asdict(self)
+
+
+class TorchDistStep(TorchStep):
+    """A callable with the user's step signature that runs this rank's part of a
+    data-parallel program and keeps this rank's optimizer-state shards in the optimizer."""
+
+    def __init__(self, graph: Graph, captured: Captured, mesh: Any = None, group: Any = None,
+                 axis: str = "dp", sync_module_states: bool = True) -> None:
+        self.mesh = Mesh.of(mesh) if mesh is not None else graph.mesh
+        self.axis = axis
+        size, rank = _check_world(graph, self.mesh, group, axis)
+        self.comm = torch_comm.Comm(axis, size, rank, group)
+        self.calls = 0
+        self._check_binding(graph, captured)
+        super().__init__(graph, captured, build_module(graph, {axis: self.comm}))
+        self._state_type: dict[tuple[int, str], TensorType] = {
+            s.key: i.value.type for i, s in zip(graph.inputs, captured.inputs)
+            if s.kind == "opt_state"}
+        self._param_names = [s.name for s in captured.inputs if s.kind == "param"]
+        self._check_outputs()
+        # gradients the graph leaves sharded are not written back: p.grad stays None
+        self._with_grad -= self._sharded_grads
+        if sync_module_states:
+            self._broadcast_module_states()
+
+    # ------------------------------------------------------------------ checks
+    @staticmethod
+    def _check_binding(graph: Graph, cap: Captured) -> None:
+        names = [i.name for i in graph.inputs]
+        if names != [s.name for s in cap.inputs] or len(graph.outputs) != len(cap.outputs):
+            raise BackendError("the graph's inputs or outputs are not those of the traced step "
+                               "(a pass added, removed or reordered them)",
+                               hint="passes keep the step's signature; trace the step again")
+
+    def _placement(self, t: TensorType) -> Placement:
+        return t.placement(self.axis)
+
+    def _check_outputs(self) -> None:
+        self._sharded_grads: set[int] = set()
+        types = self.graph.value_types()
+        for out, slot in zip(self.graph.outputs, self.captured.outputs):
+            p = self._placement(types[out.name])
+            if slot is None or slot.kind == "opt_state":
+                continue   # the user's results (R or V); state keeps its input's placement
+            if slot.kind == "grad":
+                if isinstance(p, (Shard, FlatShard)):
+                    self._sharded_grads.add(slot.key[0])
+                elif not isinstance(p, Replicate):
+                    raise BackendError(f"the gradient output {out.name} is placed {p} on "
+                                       f"{self.axis!r}; a gradient is written back whole (R) "
+                                       "or not at all (S/F)")
+            elif not isinstance(p, (Replicate, Varying)) or (
+                    slot.kind == "param" and not isinstance(p, Replicate)):
+                raise BackendError(f"the new {slot.kind} {slot.name} is placed {p} on "
+                                   f"{self.axis!r}; parameters are written back whole",
+                                   hint="the program must all_gather new parameters")
+        for o in self.graph.outputs:
+            if o.role.kind is OutputKind.loss and not isinstance(
+                    self._placement(types[o.name]), Replicate):
+                raise BackendError(f"the loss {o.name} is not replicated over {self.axis!r}",
+                                   hint="all_reduce{op=avg} the loss")
+
+    # ------------------------------------------------------------------ state shards
+    def _state_shape(self, pi: int, key: str, shape: torch.Size) -> tuple[int, ...]:
+        t = self._state_type.get((pi, key))
+        return tuple(shape) if t is None else t.local_shape(dict(self.mesh.axes))
+
+    def _state(self, slot: Slot) -> torch.Tensor:
+        t = super()._state(slot)
+        typ = self._state_type[slot.key]
+        local = typ.local_shape(dict(self.mesh.axes))
+        if tuple(t.shape) == local:
+            return t
+        if tuple(t.shape) != typ.shape:
+            raise BackendError(f"the optimizer state {slot.name} has shape {tuple(t.shape)}; "
+                               f"this rank keeps {local} (whole: {typ.shape})",
+                               hint="load a checkpoint of the whole state, or of this "
+                                    "rank's shards, before the first step")
+        # resuming from whole state: keep only this rank's shard, in storage of its own
+        pi, key = slot.key
+        p = self.captured.params[pi]
+        shard = self._shard_of(t, typ).clone()
+        self.captured.optimizers[slot.owner].state[p][key] = shard
+        return shard
+
+    def _shard_of(self, t: torch.Tensor, typ: TensorType) -> torch.Tensor:
+        p = self._placement(typ)
+        local = list(typ.local_shape(dict(self.mesh.axes)))
+        dim = "flat" if isinstance(p, FlatShard) else p.dim
+        return torch_comm.take_shard(self.comm, t.detach(), dim, local)
+
+    def _write(self, slot: Slot, new: torch.Tensor) -> None:
+        if slot.kind == "grad" and slot.key[0] in self._sharded_grads:
+            return
+        super()._write(slot, new)
+
+    # ------------------------------------------------------------------ running
+    def __call__(self, *args: Any) -> Any:
+        if not dist.is_initialized():
+            raise BackendError("torch.distributed is no longer initialized",
+                               hint="call the step before destroy_process_group()")
+        self.calls += 1
+        return super().__call__(*args)
+
+    @property
+    def comm_bytes(self) -> int:
+        """Bytes this rank sent in the step's collectives so far (ring model)."""
+        return self.comm.bytes_sent
+
+    def _broadcast_module_states(self) -> None:
+        # as DDP does at construction: every rank starts from rank 0's parameters/buffers
+        if self.comm.size == 1:
+            return
+        seen: set[int] = set()
+        with torch.no_grad():
+            for m in self.captured.modules:
+                for t in list(m.parameters()) + list(m.buffers()):
+                    if id(t) not in seen:
+                        seen.add(id(t))
+                        dist.broadcast(t.data, src=self.comm.global_rank(0),
+                                       group=self.comm.group)
+
+    # ------------------------------------------------------------------ reports
+    def memory_report(self) -> MemoryReport:
+        """Bytes of parameters, optimizer state and gradients this process holds now."""
+        cap = self.captured
+        params = [p for m in cap.modules for p in m.parameters()]
+        state = [v for opt in cap.optimizers for st in opt.state.values()
+                 for v in st.values() if isinstance(v, torch.Tensor)]
+        grads = [p.grad for p in params if p.grad is not None]
+        return MemoryReport(_storage_bytes(params), _storage_bytes(state), _storage_bytes(grads))
+
+    def gather_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The whole optimizer state, {param name: {slot: tensor}}, on every rank (a
+        collective: every rank must call it). For tests and checkpoints."""
+        cap = self.captured
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for slot in cap.inputs:
+            if slot.kind != "opt_state":
+                continue
+            pi, key = slot.key
+            t = self._state(slot).detach()
+            typ = self._state_type[slot.key]
+            p = self._placement(typ)
+            if isinstance(p, FlatShard):
+                t = torch_comm.all_gather(self.comm, t, "flat", list(typ.shape))
+            elif isinstance(p, Shard):
+                t = torch_comm.all_gather(self.comm, t, p.dim, list(typ.shape))
+            else:
+                t = t.clone()
+            out.setdefault(self._param_names[pi], {})[key] = t
+        return out
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+    return sum(seen.values())
+
+
+def _check_world(graph: Graph, mesh: Mesh, group: Any, axis: str) -> tuple[int, int]:
+    """The axis size and this rank's index on it, after checking that the mesh, the graph
+    and the running process group agree (before any collective runs)."""
+    if axis not in mesh:
+        have = ", ".join(mesh.names) or "none"
+        raise MeshError(f"the mesh {mesh} has no axis {axis!r} (axes: {have})",
+                        hint=f"pass a mesh with a {axis!r} axis, e.g. Mesh({{{axis!r}: 4}}), "
+                             "or name the axis the graph was transformed for")
+    size = mesh.axis_size(axis)
+    if axis not in graph.mesh:
+        raise MeshError(f"the graph is not distributed over mesh axis {axis!r} (its mesh is "
+                        f"{graph.mesh or 'empty'})",
+                        hint=f"run the data-parallel{{axis={axis}}} pass on a graph whose mesh "
+                             "has that axis")
+    if graph.mesh.axis_size(axis) != size:
+        raise MeshError(f"the graph was transformed for {graph.mesh} but runs on {mesh}",
+                        hint="run the passes for the mesh you run on")
+    others = [n for n, s in mesh.axes if n != axis and s > 1]
+    if others:
+        raise BackendError(f"the torch runtime runs one mesh axis ({axis!r}); the mesh also "
+                           f"has {', '.join(others)}", hint="use a one-axis mesh for now")
+    coll = {str(op.attrs.get("axis")) for op in graph.ops
+            if op.name in ("all_reduce", "reduce_scatter", "all_gather", "take_shard",
+                           "broadcast", "all_to_all", "send", "recv")}
+    if coll - {axis}:
+        raise BackendError(f"the graph has collectives over {sorted(coll - {axis})}, not "
+                           f"only {axis!r}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise BackendError(
+            f"torch.distributed is not initialized, and the step runs on {size} processes "
+            f"(mesh axis {axis!r})",
+            hint=f"run under torchrun --nproc_per_node={size} and call "
+                 "torch.distributed.init_process_group('gloo' or 'nccl') before building "
+                 "the step")
+    world = dist.get_world_size(group)
+    if world != size:
+        raise MeshError(f"mesh axis {axis!r} has {size} devices but the process group has "
+                        f"{world} processes",
+                        hint=f"run under torchrun --nproc_per_node={size}, or transform the "
+                             f"step for Mesh({{{axis!r}: {world}}})")
+    return size, dist.get_rank(group)
