@@ -146,8 +146,11 @@ def build_plan(graph: Graph, notes: dict[str, Any] | None = None) -> Plan:
         axis = str(op.attrs.get("axis"))
         ins = [types[n] for n in op.inputs]
         outs = [v.type for v in op.results]
+        value = op.inputs[0] if op.inputs else ""
+        if len(op.inputs) > 1:
+            value += f" (+{len(op.inputs) - 1})"
         collectives.append(CollectivePlan(
-            op.name, axis, op.inputs[0] if op.inputs else "", _serves(op, grads, loss),
+            op.name, axis, value, _serves(op, grads, loss),
             op.attrs.get("op"), d.comm_bytes(op, ins, outs, sizes.get(axis, 1)),
             op.phase.value if op.phase else None))
     memory = _memory(graph, sizes, gradient_sources(graph), types)
@@ -156,6 +159,11 @@ def build_plan(graph: Graph, notes: dict[str, Any] | None = None) -> Plan:
 
 
 def _serves(op: Op, grads: dict[str, str], loss: set[str]) -> str:
+    if len(op.results) > 1:
+        parts = [_serves(op.replace(inputs=(i,), results=(v,)), grads, loss)
+                 for i, v in zip(op.inputs, op.results)]
+        kinds = sorted({p.split(" of ")[0] for p in parts if p})
+        return f"bucket of {len(parts)}: " + ", ".join(kinds)
     out = op.results[0].name if op.results else ""
     if out in grads:
         return (f"new value of {grads[out]}" if op.name == "all_gather"

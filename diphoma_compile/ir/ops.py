@@ -29,6 +29,7 @@ class Category(enum.Enum):
     constant = "constant"
     rng = "rng"
     collective = "collective"
+    sync = "sync"
     quant = "quant"
     control = "control"
     opaque = "opaque"
@@ -86,14 +87,14 @@ class OpDef:
         frac = (n - 1) / n
         axis = {str(op.attrs.get("axis")): n}
         if self.name == "all_reduce":
-            return int(2 * frac * ins[0].nbytes)
+            return int(2 * frac * sum(t.nbytes for t in ins))
         if self.name == "reduce_scatter":
-            # the padded whole: n pieces of the result's local size
-            return int(frac * n * outs[0].local_nbytes(axis))
+            # the padded whole: n pieces of the results' local size
+            return int(frac * n * sum(t.local_nbytes(axis) for t in outs))
         if self.name == "all_to_all":
             return int(frac * ins[0].nbytes)
         if self.name == "all_gather":
-            return int(frac * n * ins[0].local_nbytes(axis))
+            return int(frac * n * sum(t.local_nbytes(axis) for t in ins))
         if self.name in ("broadcast", "send"):
             return ins[0].nbytes
         return 0
@@ -202,12 +203,17 @@ _add("rng_normal", C.rng, R.rng, S.replicate_only,
 _add("rng_bernoulli", C.rng, R.rng, S.replicate_only, {**_RNG, "p": ("number", True)}, flops=1)
 
 # collectives --------------------------------------------------------------------------------
-_add("all_reduce", C.collective, R.same_as_input, S.collective,
-     {**_COLL, "op": ("reduce", True)}, flops=1)
-_add("reduce_scatter", C.collective, R.same_as_input, S.collective,
-     {**_COLL, "op": ("reduce", True), "dim": ("dim_or_flat", True)}, flops=1)
-_add("all_gather", C.collective, R.same_as_input, S.collective,
-     {**_COLL, "dim": ("dim_or_flat", True)})
+# all_reduce, reduce_scatter and all_gather may carry a bucket: k inputs and k results, moved
+# as one packed buffer (a device's piece of the bucket is its pieces of the members, packed)
+_ASYNC = {"async": ("bool", False)}
+_add("all_reduce", C.collective, R.same_as_inputs, S.collective,
+     {**_COLL, **_ASYNC, "op": ("reduce", True)}, flops=1)
+_add("reduce_scatter", C.collective, R.same_as_inputs, S.collective,
+     {**_COLL, **_ASYNC, "op": ("reduce", True), "dim": ("dim_or_flat", True)}, flops=1)
+_add("all_gather", C.collective, R.same_as_inputs, S.collective,
+     {**_COLL, **_ASYNC, "dim": ("dim_or_flat", True)})
+_add("wait", C.sync, R.same_as_inputs, S.same_placements,
+     doc="the results of an async collective, usable from here on (issue early, wait late)")
 _add("all_to_all", C.collective, R.same_as_input, S.collective,
      {**_COLL, "from_dim": ("int", True), "to_dim": ("int", True)})
 _add("broadcast", C.collective, R.same_as_input, S.collective, {**_COLL, "root": ("int", True)})

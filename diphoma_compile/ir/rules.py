@@ -360,6 +360,15 @@ def same_as_input(op: Op, ins, outs) -> None:
     _expect(outs, [(ins[0].shape, ins[0].dtype)])
 
 
+def same_as_inputs(op: Op, ins, outs) -> None:
+    """One result per input, of its shape and dtype (a bucket of collectives, a wait)."""
+    _arity(ins, 1, 1 << 30)
+    _expect(outs, [(t.shape, t.dtype) for t in ins])
+    if op.name != "wait" and len({t.dtype for t in ins}) > 1:
+        raise TypeRuleError("a bucket packs values of one dtype, found "
+                            + ", ".join(sorted({t.dtype.value for t in ins})))
+
+
 def send(op: Op, ins, outs) -> None:
     _arity(ins, 1)
     _expect(outs, [])

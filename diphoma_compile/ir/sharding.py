@@ -304,7 +304,14 @@ def collective(op: Op, ins, outs, axis: str):
         return None  # checked by verify_collective against the collective's semantics
     if not ins:
         return tuple(REPLICATE for _ in outs)
+    if len(ins) == len(outs):
+        return tuple(t.placement(axis) for t in ins)
     return tuple(ins[0].placement(axis) for _ in outs)
+
+
+def same_placements(op: Op, ins, outs, axis: str):
+    """Each result is placed as its input (a wait hands values through)."""
+    return tuple(t.placement(axis) for t in ins)
 
 
 def quant(op: Op, ins, outs, axis: str):

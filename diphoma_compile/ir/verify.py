@@ -198,14 +198,18 @@ class _Verifier:
             return
         for axis in self.sizes:
             if d.category is Category.collective and op.attrs.get("axis") == axis:
-                src = ins[0].placement(axis) if ins else outs[0].placement(axis)
-                want, why = expected_collective(op, src)
-                if want is None:
-                    self.fail(f"{op.name} on axis {axis!r}: {why}", **where)
-                got = outs[0].placement(axis) if outs else want
-                if not fits(got, want):
-                    self.fail(f"{op.name} on axis {axis!r} gives {want}, but its result is "
-                              f"declared {got}", **where)
+                pairs = list(zip(ins, outs)) if len(ins) == len(outs) else \
+                    [(ins[0] if ins else outs[0], outs[0] if outs else None)]
+                for k, (t_in, t_out) in enumerate(pairs):
+                    want, why = expected_collective(op, t_in.placement(axis))
+                    if want is None:
+                        which = f" (input {k})" if len(pairs) > 1 else ""
+                        self.fail(f"{op.name} on axis {axis!r}{which}: {why}", **where)
+                    got = t_out.placement(axis) if t_out is not None else want
+                    if not fits(got, want):
+                        which = f" {k}" if len(pairs) > 1 else ""
+                        self.fail(f"{op.name} on axis {axis!r} gives {want}, but its result"
+                                  f"{which} is declared {got}", **where)
                 continue
             if d.category is Category.reduce and ins and \
                     ins[0].placement(axis) == FLAT_DIRTY and ins[0].numel % self.sizes[axis]:
