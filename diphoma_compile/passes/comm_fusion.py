@@ -8,9 +8,9 @@ backward order — into buckets of about ``bucket_mb`` megabytes. A bucket is on
 op with k inputs and k results, placed where its last member was: the backend moves it as
 one packed buffer, in which a device's piece is the concatenation of its pieces of the
 members, so packing and unpacking are local copies (weight-update sharding's pieces stay
-what they were). A bucket closes before a member whose input depends on an earlier member (fusing them
-would make a cycle); readers of an earlier member's result that came before the bucket move
-after it, keeping program order otherwise."""
+what they were). A bucket closes before a member whose input depends on an earlier member
+(fusing them would make a cycle); readers of an earlier member's result that came before the
+bucket move after it, keeping program order otherwise."""
 
 from __future__ import annotations
 
