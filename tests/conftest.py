@@ -1,8 +1,15 @@
-"""Shared fixtures: the golden-file checker and its --update-golden switch."""
+"""Shared fixtures: the golden-file checker and its --update-golden switch; 8 CPU devices
+for JAX."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# Eight virtual CPU devices for the JAX parallel tests; it must be set before jax is imported.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=8").strip()
 
 import pytest
 
