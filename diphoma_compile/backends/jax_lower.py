@@ -225,6 +225,7 @@ def emitter(op: Op) -> Emitter:
         return EMITTERS[op.name]
     except KeyError:
         raise BackendError(f"the JAX backend has no lowering for op {op.name!r}",
-                           hint="collectives, quantization and random ops of the neutral "
-                                "vocabulary come with the distribution passes") from None
+                           hint="collectives run in per-device programs only "
+                                "(backends.jax_parallel); quantization, send/recv and the "
+                                "neutral random ops have no JAX lowering yet") from None
 
