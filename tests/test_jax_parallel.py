@@ -78,8 +78,8 @@ OPTIMIZERS = {
 }
 
 
-def _normal(rng: np.random.Generator, shape, scale: float = 1.0) -> jax.Array:
-    return jnp.asarray((rng.standard_normal(shape) * scale).astype(np.float32))
+def _normal(rng: np.random.Generator, shape, scale: float = 1.0, base: float = 0.0):
+    return jnp.asarray((base + rng.standard_normal(shape) * scale).astype(np.float32))
 
 
 def make(model: str, optimizer: str):
@@ -101,8 +101,8 @@ def make(model: str, optimizer: str):
             return optax.softmax_cross_entropy_with_integer_labels(logits, b["labels"]).mean()
     example = batch[0] if model == "mlp" else batch["ids"]
     abstract = jax.eval_shape(module.init, jax.random.key(0), example)["params"]
-    params = jax.tree.map(lambda a: (1.0 if a.ndim == 1 and a.shape[0] == DIM else 0.0)
-                          + _normal(rng, a.shape, 0.3 / math.sqrt(max(a.shape[0], 1))),
+    params = jax.tree.map(lambda a: _normal(rng, a.shape, 0.3 / math.sqrt(max(a.shape[0], 1)),
+                                            1.0 if a.ndim == 1 and a.shape[0] == DIM else 0.0),
                           abstract)
     tx = OPTIMIZERS[optimizer]()
 
@@ -110,7 +110,7 @@ def make(model: str, optimizer: str):
         loss, grads = jax.value_and_grad(loss_of)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
-    return step, params, tx.init(params), batch
+    return step, params, jax.jit(tx.init)(params), batch
 
 
 def gspmd(step, mesh):
@@ -144,20 +144,24 @@ def max_rel_dev(a, b) -> float:
 
 
 # Every model on both meshes, with and without clipping, in both optimizer families; the LM
-# only twice, as each of its programs takes seconds to compile here.
-CASES = [("mlp", "momentum", (8,)), ("mlp", "clip_momentum", (2, 4)),
-         ("mlp", "adamw", (2, 4)), ("mlp", "clip_adamw", (8,)),
-         ("lm", "momentum", (2, 4)), ("lm", "clip_adamw", (8,))]
+# only twice, as each of its programs takes seconds to compile here. "fused" adds bucketed,
+# early-issued collectives (comm-fusion, schedule-comm) to the default pipeline.
+CASES = [("mlp", "momentum", (8,), ""), ("mlp", "clip_momentum", (2, 4), "fused"),
+         ("mlp", "adamw", (2, 4), ""), ("mlp", "clip_adamw", (8,), "fused"),
+         ("lm", "momentum", (2, 4), ""), ("lm", "clip_adamw", (8,), "")]
+FUSED = ("dce,data-parallel{axis=data},weight-update-sharding{axis=data, layout=dims},"
+         "comm-fusion{bucket-mb=25},schedule-comm,dce")
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{m}-{o}-{'x'.join(map(str, s))}"
-                                             for m, o, s in CASES])
+@pytest.mark.parametrize("case", CASES, ids=["-".join([m, o, "x".join(map(str, s))] +
+                                                      ([f] if f else []))
+                                             for m, o, s, f in CASES])
 def test_ten_steps_match_the_single_device_step(case):
-    model, optimizer, shape = case
+    model, optimizer, shape, fused = case
     step, params, opt_state, batch = make(model, optimizer)
     mesh = jax_mesh(shape)
     n = mesh.shape["data"]
-    pstep = parallelize(step, mesh, axis="data")
+    pstep = parallelize(step, mesh, axis="data", passes=FUSED if fused else None)
     ref_p, ref_s, ref_l = run(jax.jit(step), params, opt_state, batch)
     our_p, our_s, our_l = run(pstep, params, opt_state, batch)
     assert ref_l[-1] < ref_l[0]      # the model learns: parity of a frozen step proves little
@@ -201,10 +205,13 @@ def test_ten_steps_match_the_single_device_step(case):
 def collectives_ir(mesh: str, n: int) -> str:
     """Every collective the backend lowers, on local batches x: f32[r,8], y: f32[r,3]."""
     r = 16 // n
+    s1, f = "{data: S(1)}", "{data: F}"
+    rs_bucket, rs_flat = "async=true, axis=data, dim=1, op=sum", "axis=data, dim=flat, op=avg"
     return f"""graph @collectives {mesh} (
   %w: f32[8,16] param,
   %x: f32[{r},8] {{data: V}} batch,
   %y: f32[{r},3] {{data: V}} batch,
+  %z: f32[{r},16] {{data: V}} batch,
 ) {{
   %sum: f32[{r},8] = all_reduce(%x) {{axis=data, op=sum}}
   %avg: f32[{r},8] = all_reduce(%x) {{axis=data, op=avg}}
@@ -219,7 +226,14 @@ def collectives_ir(mesh: str, n: int) -> str:
   %wg: f32[8,16] = all_gather(%wt) {{axis=data, dim=1}}
   %sl: f32[8,4] {{data: S(0)}} = slice(%ws) {{limits=[8, 6], starts=[0, 2]}}
   %io: i32[8,16] {{data: S(0)}} = iota() {{dim=0}}
-  return (%sum, %avg, %max, %min, %rs, %rfg, %root, %wt, %wg, %sl, %io)
+  %b1: f32[{r},8] {s1}, %b2: f32[{r},16] {s1} = reduce_scatter(%x, %z) {{{rs_bucket}}}
+  %c1: f32[{r},8] {s1}, %c2: f32[{r},16] {s1} = wait(%b1, %b2)
+  %g1: f32[{r},8], %g2: f32[{r},16] = all_gather(%c1, %c2) {{axis=data, dim=1}}
+  %f1: f32[{r},3] {f}, %f2: f32[{r},8] {f} = reduce_scatter(%y, %x) {{{rs_flat}}}
+  %h1: f32[{r},3], %h2: f32[{r},8] = all_gather(%f1, %f2) {{axis=data, dim=flat}}
+  %a1: f32[{r},8], %a2: f32[{r},3] = all_reduce(%x, %y) {{axis=data, op=max}}
+  return (%sum, %avg, %max, %min, %rs, %rfg, %root, %wt, %wg, %sl, %io, %c2, %g1, %g2, %h1, %h2,
+          %a1, %a2)
 }}
 """
 
@@ -231,12 +245,15 @@ def test_collectives_lower_to_their_meaning(shape):
     text = collectives_ir("mesh[data=8]" if n == 8 else "mesh[data=2, model=4]", n)
     graph = verify(parse(text))
     rng = np.random.default_rng(1)
-    w, x, y = (rng.standard_normal(s).astype(np.float32) for s in ((8, 16), (16, 8), (16, 3)))
-    tree = jax.tree.structure(tuple(range(11)))
-    outs = compile_jax_parallel(graph, mesh=mesh, out_tree=tree)(w, x, y)
-    bx, by = x.reshape(n, -1, 8), y.reshape(n, -1, 3)
+    w, x, y, z = (rng.standard_normal(s).astype(np.float32)
+                  for s in ((8, 16), (16, 8), (16, 3), (16, 16)))
+    tree = jax.tree.structure(tuple(range(18)))
+    outs = compile_jax_parallel(graph, mesh=mesh, out_tree=tree)(w, x, y, z)
+    bx, by, bz = x.reshape(n, -1, 8), y.reshape(n, -1, 3), z.reshape(n, -1, 16)
     want = [bx.sum(0), bx.mean(0), bx.max(0), bx.min(0), bx.mean(0), by.sum(0), bx[1],
-            w, w, w[:, 2:6], np.broadcast_to(np.arange(8, dtype=np.int32)[:, None], (8, 16))]
+            w, w, w[:, 2:6], np.broadcast_to(np.arange(8, dtype=np.int32)[:, None], (8, 16)),
+            # buckets: one packed collective for several values
+            bz.sum(0), bx.sum(0), bz.sum(0), by.mean(0), bx.mean(0), bx.max(0), by.max(0)]
     for k, (got, exp) in enumerate(zip(outs, want)):
         np.testing.assert_allclose(np.asarray(got), exp, rtol=1e-6, atol=1e-6,
                                    err_msg=f"output {k}")

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -103,37 +104,96 @@ def _cut(x: Any, axis: str, n: int, p: Placement) -> Any:
     raise BackendError(f"cannot take a device's piece of a value placed {p}")
 
 
+# A bucket (k inputs, k results) moves as one packed buffer. A value is packed as rows, one
+# per device: row j is device j's piece (its chunk along the split dim, or of the padded flat
+# tensor), so one collective over the concatenated rows moves every member at once.
+
+def _rows(x: Any, dim: Any, n: int) -> Any:
+    """(n, c): row j is device j's piece of x (split along ``dim``, or flat), flattened."""
+    if dim == "flat":
+        flat, chunk = _flat_padded(x, n)
+        return lax.reshape(flat, (n, chunk))
+    return lax.reshape(jnp.moveaxis(x, int(dim), 0), (n, math.prod(np.shape(x)) // n))
+
+
+def _piece(row: Any, dim: Any, shape: tuple[int, ...]) -> Any:
+    """One device's piece, of local ``shape``, from its flattened row."""
+    if dim == "flat":
+        return lax.reshape(row, shape)
+    d = int(dim)
+    moved = (shape[d],) + shape[:d] + shape[d + 1:]
+    return jnp.moveaxis(lax.reshape(row, moved), 0, d)
+
+
+def _split_columns(packed: Any, widths: Sequence[int]) -> list:
+    """The column blocks of a 2-d array, ``widths`` wide, in order."""
+    out, at = [], 0
+    for w in widths:
+        out.append(lax.slice_in_dim(packed, at, at + w, axis=1))
+        at += w
+    return out
+
+
+def _flat_concat(xs: Sequence[Any]) -> Any:
+    return lax.concatenate([lax.reshape(x, (1, math.prod(np.shape(x)))) for x in xs], 1)
+
+
 def _all_reduce(low: PerDeviceLowering, op: Op, ins: list) -> list:
     red = str(op.attrs.get("op", "sum"))
     if red not in _PSUM:
         raise BackendError(f"all_reduce with op={red} has no JAX lowering")
-    return [_PSUM[red](ins[0], _axis(op))]
+    if len(ins) == 1:
+        return [_PSUM[red](ins[0], _axis(op))]
+    packed = _PSUM[red](_flat_concat(ins), _axis(op))
+    cols = _split_columns(packed, [math.prod(np.shape(x)) for x in ins])
+    return [lax.reshape(c, np.shape(x)) for c, x in zip(cols, ins)]
 
 
 def _reduce_scatter(low: PerDeviceLowering, op: Op, ins: list) -> list:
     axis, red, dim = _axis(op), str(op.attrs.get("op", "sum")), op.attrs["dim"]
     n = low.sizes[axis]
-    x = ins[0]
     if red not in ("sum", "avg"):
         raise BackendError(f"reduce_scatter with op={red} has no JAX lowering",
                            hint="reduce_scatter sums or averages")
-    if dim == "flat":
-        x, _ = _flat_padded(x, n)
-        dim = 0
-    out = lax.psum_scatter(x, axis, scatter_dimension=int(dim), tiled=True)
+    if len(ins) == 1:
+        x, scatter = ins[0], dim
+        if dim == "flat":
+            x, scatter = _flat_padded(x, n)[0], 0
+        outs = [lax.psum_scatter(x, axis, scatter_dimension=int(scatter), tiled=True)]
+    else:
+        rows = [_rows(x, dim, n) for x in ins]
+        mine = lax.psum_scatter(lax.concatenate(rows, 1), axis, scatter_dimension=0,
+                                tiled=True)
+        cols = _split_columns(mine, [r.shape[1] for r in rows])
+        outs = [_piece(c, dim, low.local(v.type).shape) for c, v in zip(cols, op.results)]
     if red == "avg":
-        out = lax.div(out, np.array(n, out.dtype))
-    return [out]
+        outs = [lax.div(o, np.array(n, o.dtype)) for o in outs]
+    return outs
 
 
 def _all_gather(low: PerDeviceLowering, op: Op, ins: list) -> list:
     axis, dim = _axis(op), op.attrs["dim"]
-    (res,) = op.results
-    if dim == "flat":
-        whole = lax.all_gather(ins[0], axis, axis=0, tiled=True)
-        shape = low.local(res.type).shape
-        return [lax.reshape(lax.slice_in_dim(whole, 0, math.prod(shape)), shape)]
-    return [lax.all_gather(ins[0], axis, axis=int(dim), tiled=True)]
+    if len(ins) == 1 and dim != "flat":
+        return [lax.all_gather(ins[0], axis, axis=int(dim), tiled=True)]
+    # each device contributes its pieces as one row; gathered, row j is device j's
+    pieces = [x if dim == "flat" else jnp.moveaxis(x, int(dim), 0) for x in ins]
+    gathered = lax.all_gather(_flat_concat(pieces), axis, axis=0, tiled=True)
+    cols = _split_columns(gathered, [math.prod(np.shape(x)) for x in ins])
+    outs = []
+    for c, v in zip(cols, op.results):
+        shape = low.local(v.type).shape
+        if dim == "flat":      # drop the padding of the last piece
+            whole = lax.reshape(c, (math.prod(np.shape(c)),))
+            outs.append(lax.reshape(lax.slice_in_dim(whole, 0, math.prod(shape)), shape))
+        else:                  # (n, piece) -> the pieces stacked along the split dim
+            outs.append(_piece(c, dim, shape))
+    return outs
+
+
+def _wait(low: PerDeviceLowering, op: Op, ins: list) -> list:
+    # XLA schedules collectives itself (asynchronously where the platform can): the values
+    # are simply handed on
+    return list(ins)
 
 
 def _take_shard(low: PerDeviceLowering, op: Op, ins: list) -> list:
@@ -158,7 +218,7 @@ def _all_to_all(low: PerDeviceLowering, op: Op, ins: list) -> list:
 
 
 _COLLECTIVES = {"all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter,
-                "all_gather": _all_gather, "take_shard": _take_shard,
+                "all_gather": _all_gather, "wait": _wait, "take_shard": _take_shard,
                 "broadcast": _broadcast, "all_to_all": _all_to_all}
 
 
