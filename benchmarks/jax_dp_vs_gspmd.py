@@ -1,11 +1,12 @@
 """JAX data parallelism two (three) ways on N virtual CPU devices: plain GSPMD (jax.jit of the
 user's step, batch split over 'data', everything else replicated), hand-written ZeRO-1
 shardings (optimizer state split on 'data' through jit's in/out shardings), and
-diphoma_compile.parallelize (weight-update sharding under shard_map), training a flax
-GPT-style LM with AdamW.
+diphoma_compile.parallelize (weight-update sharding under shard_map; diphoma-fused adds
+comm-fusion and schedule-comm: bucketed, early-issued collectives), training a flax GPT-style
+LM with AdamW.
 
     python benchmarks/jax_dp_vs_gspmd.py [--devices 8] [--steps 5] [--layers 2 --dim 128
-        --vocab 2048 --seq 64 --batch 16] [--variants gspmd,zero1,diphoma]
+        --vocab 2048 --seq 64 --batch 16] [--variants gspmd,zero1,diphoma,diphoma-fused]
 
 One row per variant: s/step (median over the timed steps, after one warm-up call),
 first s (the first call: tracing and compiling), opt MB and param MB (bytes one device
@@ -29,7 +30,7 @@ ap.add_argument("--dim", type=int, default=128)
 ap.add_argument("--vocab", type=int, default=2048)
 ap.add_argument("--seq", type=int, default=64)
 ap.add_argument("--batch", type=int, default=16)
-ap.add_argument("--variants", default="gspmd,zero1,diphoma")
+ap.add_argument("--variants", default="gspmd,zero1,diphoma,diphoma-fused")
 args = ap.parse_args()
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            f" --xla_force_host_platform_device_count={args.devices}")
@@ -45,6 +46,10 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from diphoma_compile.backends.jax_parallel import per_device_bytes  # noqa: E402
 from diphoma_compile.parallel import parallelize  # noqa: E402
+
+
+FUSED = ("dce,data-parallel{axis=data},weight-update-sharding{axis=data, layout=dims},"
+         "comm-fusion{bucket-mb=25},schedule-comm,dce")
 
 
 class Block(nn.Module):
@@ -107,10 +112,11 @@ def main() -> None:
         "zero1": lambda: jax.jit(step, in_shardings=(rep, state_sh, split),
                                  out_shardings=(rep, state_sh, rep)),
         "diphoma": lambda: parallelize(step, mesh, axis="data"),
+        "diphoma-fused": lambda: parallelize(step, mesh, axis="data", passes=FUSED),
     }
     print(f"{n} devices, GPT layers={args.layers} dim={args.dim} vocab={args.vocab} "
           f"seq={args.seq} batch={args.batch}, adamw")
-    print(f"{'variant':8} {'s/step':>8} {'first s':>8} {'opt MB':>8} {'param MB':>9} {'loss':>9}")
+    print(f"{'variant':13} {'s/step':>8} {'first s':>8} {'opt MB':>8} {'param MB':>9} {'loss':>9}")
     for name in args.variants.split(","):
         fn = runners[name]()
         t0 = time.perf_counter()
@@ -121,7 +127,7 @@ def main() -> None:
             t0 = time.perf_counter()
             p, s, loss = jax.block_until_ready(fn(p, s, batch))
             times.append(time.perf_counter() - t0)
-        print(f"{name:8} {statistics.median(times):8.3f} {first:8.2f} "
+        print(f"{name:13} {statistics.median(times):8.3f} {first:8.2f} "
               f"{per_device_bytes(jax.tree.leaves(s)) / 1e6:8.2f} "
               f"{per_device_bytes(jax.tree.leaves(p)) / 1e6:9.2f} {float(loss):9.5f}")
 
