@@ -129,6 +129,7 @@ def all_gather(comm: Comm, x: torch.Tensor, dim: Any, shape: list[int]) -> torch
 def take_shard(comm: Comm, x: torch.Tensor, dim: Any, local_shape: list[int]) -> torch.Tensor:
     """This rank's chunk of a replicated tensor, without communication."""
     n, r = comm.size, comm.rank
+    comm._count("take_shard", 0)
     if dim == "flat":
         flat, k = _padded_flat(x, n)
         return flat.narrow(0, r * k, k).reshape(local_shape)

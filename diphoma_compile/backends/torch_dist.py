@@ -49,6 +49,9 @@ class TorchDistStep(TorchStep):
         self.axis = axis
         size, rank = _check_world(graph, self.mesh, group, axis)
         self.comm = torch_comm.Comm(axis, size, rank, group)
+        # for collectives outside the step (resharding, gathering state): not counted in
+        # the step's bytes
+        self._side = torch_comm.Comm(axis, size, rank, group)
         self.calls = 0
         self._check_binding(graph, captured)
         super().__init__(graph, captured, build_module(graph, {axis: self.comm}))
@@ -126,7 +129,7 @@ class TorchDistStep(TorchStep):
         p = self._placement(typ)
         local = list(typ.local_shape(dict(self.mesh.axes)))
         dim = "flat" if isinstance(p, FlatShard) else p.dim
-        return torch_comm.take_shard(self.comm, t.detach(), dim, local)
+        return torch_comm.take_shard(self._side, t.detach(), dim, local)
 
     def _write(self, slot: Slot, new: torch.Tensor) -> None:
         if slot.kind == "grad" and slot.key[0] in self._sharded_grads:
@@ -182,9 +185,9 @@ class TorchDistStep(TorchStep):
             typ = self._state_type[slot.key]
             p = self._placement(typ)
             if isinstance(p, FlatShard):
-                t = torch_comm.all_gather(self.comm, t, "flat", list(typ.shape))
+                t = torch_comm.all_gather(self._side, t, "flat", list(typ.shape))
             elif isinstance(p, Shard):
-                t = torch_comm.all_gather(self.comm, t, p.dim, list(typ.shape))
+                t = torch_comm.all_gather(self._side, t, p.dim, list(typ.shape))
             else:
                 t = t.clone()
             out.setdefault(self._param_names[pi], {})[key] = t

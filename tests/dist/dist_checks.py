@@ -1,0 +1,348 @@
+"""What each rank runs in the distributed torch tests (one launch, many checks).
+
+Every case trains a model for STEPS steps three ways: the data-parallel program with
+weight-update sharding (each rank passes its local batch), the single-device step on the
+global batch (the concatenation of the local batches; on rank 0 only) and, for AdamW,
+PyTorch DDP beside it. The functions return plain data; the tests assert on it."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+import gpt as gpt_example  # noqa: E402  (examples/gpt.py)
+
+from diphoma_compile.backends import torch_comm  # noqa: E402
+from diphoma_compile.backends.torch_dist import TorchDistStep  # noqa: E402
+from diphoma_compile.errors import DiphomaError  # noqa: E402
+from diphoma_compile.frontends.torch_trace import trace_torch  # noqa: E402
+from diphoma_compile.ir.ops import Category, op_def  # noqa: E402
+from diphoma_compile.mesh import Mesh  # noqa: E402
+from diphoma_compile.passes import PassContext, Pipeline  # noqa: E402
+from diphoma_compile.plan import build_plan  # noqa: E402
+
+STEPS = 10
+SPEC = "data-parallel{axis=dp},weight-update-sharding{axis=dp}"
+MLP_LOCAL, GPT_LOCAL = 4, 2          # local batch per rank
+CLIP = 0.05                          # small enough that clipping is active every step
+
+
+# ------------------------------------------------------------------ models and steps
+
+class OddMLP(nn.Module):
+    """An MLP with tensors none of whose dimensions divide 4 (fc3: 3 x 7, fc2.bias: 7)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 7)
+        self.fc3 = nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def mlp_step(model, opt, batch):
+    loss = F.cross_entropy(model(batch["x"]), batch["y"])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def mlp_clipped_step(model, opt, batch):
+    loss = F.cross_entropy(model(batch["x"]), batch["y"])
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def gpt_clipped_step(model, opt, idx, targets):
+    opt.zero_grad()
+    _, loss = model(idx, targets)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    opt.step()
+    return loss
+
+
+GPT_CFG = gpt_example.GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
+
+
+def mlp_batches(world: int, seed: int = 7) -> list[tuple]:
+    g = torch.Generator().manual_seed(seed)
+    n = MLP_LOCAL * world
+    return [({"x": torch.randn(n, 8, generator=g), "y": torch.randint(0, 3, (n,), generator=g)},)
+            for _ in range(STEPS)]
+
+
+def gpt_batches(world: int, seed: int = 11) -> list[tuple]:
+    return [gpt_example.make_batch(GPT_CFG, GPT_LOCAL * world, seed + i) for i in range(STEPS)]
+
+
+def local(args: tuple, rank: int, world: int) -> tuple:
+    """This rank's piece of a global batch: dim 0 of every tensor split evenly."""
+    def cut(t):
+        k = t.shape[0] // world
+        return t[rank * k:(rank + 1) * k]
+    return tuple({k: cut(v) for k, v in a.items()} if isinstance(a, dict) else cut(a)
+                 for a in args)
+
+
+MODELS = {
+    "mlp": (OddMLP, {False: mlp_step, True: mlp_clipped_step}, mlp_batches),
+    "gpt": (lambda: gpt_example.GPT(GPT_CFG),
+            {False: gpt_example.train_step, True: gpt_clipped_step}, gpt_batches),
+}
+OPTS = {
+    "sgdm": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+}
+
+
+# ------------------------------------------------------------------ measures
+
+def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = b.double().abs().max().item() if b.numel() else 0.0
+    return max_abs(a, b) / max(scale, 1e-30)
+
+
+def compare_params(model, ref) -> dict:
+    pairs = list(zip(model.parameters(), ref.parameters()))
+    return {"abs": max(max_abs(p, q) for p, q in pairs),
+            "rel": max(rel(p, q) for p, q in pairs)}
+
+
+def compare_state(state: dict[str, dict[str, torch.Tensor]], ref, ref_opt) -> dict:
+    """Gathered {param name: {slot: tensor}} against a reference optimizer's state."""
+    out = {"abs": 0.0, "rel": 0.0, "keys": 0, "steps_equal": True}
+    for name, q in ref.named_parameters():
+        for key, v in ref_opt.state[q].items():
+            got = state[name][key]
+            assert got.shape == v.shape, (name, key, got.shape, v.shape)
+            if key == "step":
+                out["steps_equal"] &= bool(torch.equal(got, v))
+                continue
+            out["abs"] = max(out["abs"], max_abs(got, v))
+            out["rel"] = max(out["rel"], rel(got, v))
+            out["keys"] += 1
+    return out
+
+
+def ddp_state(model, opt) -> dict[str, dict[str, torch.Tensor]]:
+    return {n: dict(opt.state[p]) for n, p in model.named_parameters()}
+
+
+# ------------------------------------------------------------------ one case
+
+def build(step_fn, model, opt, args, world: int, spec: str = SPEC, group=None):
+    """Trace at the local batch, run the passes for dp=world, make the per-rank step."""
+    graph, cap = trace_torch(step_fn, model, opt, *args)
+    dist_graph = Pipeline.from_spec(spec).run(graph.replace(mesh=Mesh({"dp": world})),
+                                              PassContext())
+    return graph, dist_graph, cap, TorchDistStep(dist_graph, cap, group=group)
+
+
+def run_case(rank: int, world: int, model_name: str, opt_name: str, clip: bool) -> dict:
+    make_model, steps, batches_of = MODELS[model_name]
+    step_fn = steps[clip]
+    torch.manual_seed(0)
+    model = make_model()
+    ref, ddp_model = copy.deepcopy(model), copy.deepcopy(model)
+    opt, ref_opt = OPTS[opt_name](model.parameters()), OPTS[opt_name](ref.parameters())
+    batches = batches_of(world)
+    t0 = time.perf_counter()
+    raw, graph, cap, step = build(step_fn, model, opt, local(batches[0], rank, world), world)
+    res: dict = {"build_s": time.perf_counter() - t0}
+    use_ddp = opt_name == "adamw"
+    if use_ddp:
+        ddp = nn.parallel.DistributedDataParallel(ddp_model)
+        ddp_opt = OPTS[opt_name](ddp.parameters())
+    losses, ref_losses, t_step, t_ddp = [], [], 0.0, 0.0
+    for b in batches:
+        t0 = time.perf_counter()
+        losses.append(step(model, opt, *local(b, rank, world)).item())
+        t_step += time.perf_counter() - t0
+        if use_ddp:
+            t0 = time.perf_counter()
+            step_fn(ddp, ddp_opt, *local(b, rank, world))
+            t_ddp += time.perf_counter() - t0
+        if rank == 0:
+            ref_losses.append(step_fn(ref, ref_opt, *b).item())
+    res.update(losses=losses, step_s=t_step / STEPS, ddp_step_s=t_ddp / STEPS)
+    res["grads_none"] = all(p.grad is None for p in model.parameters())
+    res["params"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    sizes = dict(graph.mesh.axes)
+    res["state_local"] = all(
+        tuple(opt.state[cap.params[s.key[0]]][s.key[1]].shape) == i.value.type.local_shape(sizes)
+        for i, s in zip(graph.inputs, cap.inputs) if s.kind == "opt_state")
+    res["state_sharded"] = sum(bool(i.value.type.placements) for i in graph.inputs
+                               if i.role.kind.value == "opt_state")
+    gathered = step.gather_optimizer_state()       # a collective: every rank
+    res["memory"] = step.memory_report().to_dict()
+    res["full_state_bytes"] = sum(t.numel() * t.element_size()
+                                  for st in gathered.values() for t in st.values())
+    res["full_param_bytes"] = sum(p.numel() * p.element_size() for p in ref.parameters())
+    res.update(comm_bytes(step, graph))
+    if rank == 0:
+        res["ref_losses"] = ref_losses
+        res["param"] = compare_params(model, ref)
+        res["state"] = compare_state(gathered, ref, ref_opt)
+        if use_ddp:
+            res["ddp_param"] = compare_params(ddp.module, ref)
+            res["ddp_state"] = compare_state(ddp_state(ddp.module, ddp_opt), ref, ref_opt)
+    res["_keep"] = (raw, graph, cap)   # for the error checks; dropped before returning
+    return res
+
+
+def comm_bytes(step: TorchDistStep, graph) -> dict:
+    """Bytes counted while running against the plan's bytes per step."""
+    sizes = dict(graph.mesh.axes)
+    types = graph.value_types()
+    by_table, kinds = 0, Counter()
+    for op in graph.ops:
+        d = op_def(op.name)
+        if d.category is Category.collective:
+            kinds[op.name] += 1
+            by_table += d.comm_bytes(op, [types[n] for n in op.inputs],
+                                     [v.type for v in op.results], sizes[op.attrs["axis"]])
+    return {"counted": step.comm_bytes, "calls": step.calls,
+            "plan": build_plan(graph).comm_bytes_per_step, "table": by_table,
+            "kinds_counted": dict(step.comm.calls),
+            "kinds_expected": {k: v * step.calls for k, v in kinds.items()}}
+
+
+# ------------------------------------------------------------------ other checks
+
+def run_resume(rank: int, world: int) -> dict:
+    """An optimizer that already holds whole state (two eager steps) is resharded."""
+    torch.manual_seed(0)
+    model = OddMLP()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = OPTS["adamw"](model.parameters()), OPTS["adamw"](ref.parameters())
+    batches = mlp_batches(world, seed=3)
+    for b in batches[:2]:
+        mlp_step(model, opt, *b)
+        mlp_step(ref, ref_opt, *b)
+    whole = {k: tuple(v.shape) for k, v in opt.state[model.fc3.weight].items()}
+    _, graph, cap, step = build(mlp_step, model, opt, local(batches[2], rank, world), world)
+    for b in batches[2:]:
+        step(model, opt, *local(b, rank, world))
+        mlp_step(ref, ref_opt, *b)
+    gathered = step.gather_optimizer_state()
+    return {"whole": whole,
+            "after": {k: tuple(v.shape) for k, v in opt.state[model.fc3.weight].items()},
+            "param": compare_params(model, ref), "state": compare_state(gathered, ref, ref_opt)}
+
+
+def run_subgroups(rank: int, world: int) -> dict:
+    """Two data-parallel groups of 2 ranks ({0, 1} and {2, 3}), each training on its own
+    data: group ranks, broadcast roots and shard indices are the group's, not the world's."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    gi, grank = rank // 2, rank % 2
+    torch.manual_seed(0)
+    model = OddMLP()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = OPTS["adamw"](model.parameters()), OPTS["adamw"](ref.parameters())
+    batches = mlp_batches(2, seed=20 + gi)
+    _, graph, cap, step = build(mlp_clipped_step, model, opt, local(batches[0], grank, 2), 2,
+                                group=groups[gi])
+    for b in batches:
+        step(model, opt, *local(b, grank, 2))
+        if grank == 0:
+            mlp_clipped_step(ref, ref_opt, *b)
+    gathered = step.gather_optimizer_state()
+    out = {"group": gi, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+    if grank == 0:
+        out.update(param=compare_params(model, ref), state=compare_state(gathered, ref, ref_opt))
+    return out
+
+
+@contextlib.contextmanager
+def no_collectives(calls: list[str]):
+    """Records (and refuses) any collective while building a step that must fail."""
+    def refuse(name):
+        def f(*a, **k):
+            calls.append(name)
+            raise AssertionError(f"{name} ran before the error")
+        return f
+    names = ["all_reduce", "broadcast", "barrier", "all_gather_single", "reduce_scatter_single",
+             "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather"]
+    with contextlib.ExitStack() as stack:
+        for n in names:
+            if hasattr(dist, n):
+                stack.enter_context(mock.patch.object(dist, n, refuse(n)))
+        stack.enter_context(mock.patch.object(torch_comm, "_all_gather", refuse("ag")))
+        stack.enter_context(mock.patch.object(torch_comm, "_reduce_scatter", refuse("rs")))
+        yield
+
+
+def run_errors(rank: int, world: int, kept: tuple) -> dict:
+    """Steps built for the wrong world or mesh fail, with what to do, before any collective."""
+    raw, graph, cap = kept
+    half = Pipeline.from_spec(SPEC).run(raw.replace(mesh=Mesh({"dp": world // 2})),
+                                        PassContext())
+    cases = {
+        "world_size": lambda: TorchDistStep(half, cap),
+        "mesh_without_axis": lambda: TorchDistStep(graph, cap, mesh=Mesh({"tp": world})),
+        "other_axis": lambda: TorchDistStep(graph, cap, axis="tp"),
+        "not_transformed": lambda: TorchDistStep(raw, cap, mesh=Mesh({"dp": world})),
+    }
+    out = {}
+    for name, make in cases.items():
+        calls: list[str] = []
+        with no_collectives(calls):
+            try:
+                make()
+                out[name] = {"raised": None, "calls": calls}
+            except DiphomaError as e:
+                out[name] = {"raised": type(e).__name__, "message": str(e), "calls": calls}
+    return out
+
+
+# ------------------------------------------------------------------ the launch
+
+# Every MLP combination; two GPT ones (a GPT trace costs 5-20 s per rank here, 4 ranks
+# sharing 2 cores): SGD without clipping and the usual AdamW with clipping.
+CASES = [("mlp", o, c) for o in ("sgdm", "adamw") for c in (False, True)] + \
+    [("gpt", "sgdm", False), ("gpt", "adamw", True)]
+
+
+def case_id(model: str, opt: str, clip: bool) -> str:
+    return f"{model}-{opt}" + ("-clip" if clip else "")
+
+
+def run_all(rank: int, world: int) -> dict:
+    """Everything the tests check, in one launch."""
+    t0 = time.perf_counter()
+    out: dict = {"cases": {}}
+    kept = None
+    for case in CASES:
+        res = run_case(rank, world, *case)
+        k = res.pop("_keep")
+        if case == ("mlp", "sgdm", False):
+            kept = k
+        out["cases"][case_id(*case)] = res
+    out["resume"] = run_resume(rank, world)
+    out["subgroups"] = run_subgroups(rank, world)
+    out["errors"] = run_errors(rank, world, kept)
+    out["seconds"] = time.perf_counter() - t0
+    return out

@@ -1,0 +1,76 @@
+"""Runs a function on N gloo ranks (spawned processes on this machine) and returns what each
+rank returned. A launch costs seconds here, so a test module launches once and runs all its
+checks in that one launch (a module-scoped fixture), then asserts on the results."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+TESTS = str(Path(__file__).resolve().parents[1])
+if TESTS not in sys.path:        # the workers import tests/torch_frontend/models.py
+    sys.path.insert(0, TESTS)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable, rank: int, world: int, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    path = Path(out) / f"rank{rank}.pt"
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world)
+        result = fn(rank, world)
+        torch.save({"ok": result}, path)
+    except BaseException:   # noqa: B036 (report anything, then exit nonzero)
+        torch.save({"error": traceback.format_exc()}, path)
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(fn: Callable[[int, int], Any], world: int = 4, timeout: float = 300.0) -> list[Any]:
+    """``fn(rank, world)`` on ``world`` gloo ranks (process group initialized, one thread
+    each); the list of their return values (plain data and tensors), by rank."""
+    import torch
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out:
+        port = _free_port()
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, port, out), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results, errors = [], []
+        for r in range(world):
+            f = Path(out) / f"rank{r}.pt"
+            got = torch.load(f, weights_only=False) if f.exists() else \
+                {"error": f"rank {r} left no result (exit code {procs[r].exitcode})"}
+            if "error" in got:
+                errors.append(f"--- rank {r}:\n{got['error']}")
+            results.append(got.get("ok"))
+        if hung:
+            errors.insert(0, f"ranks {hung} did not finish within {timeout:.0f} s")
+        if errors:
+            raise RuntimeError("distributed run failed\n" + "\n".join(errors))
+        return results
+

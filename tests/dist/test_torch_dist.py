@@ -1,0 +1,161 @@
+"""The data-parallel, weight-update-sharded torch step on 4 gloo ranks against the
+single-device step on the global batch (and PyTorch DDP for AdamW): loss, parameters and
+gathered optimizer state after ten steps; bytes sent equal the plan's; optimizer state per
+rank is 1/N; wrong worlds and meshes fail before any collective. One launch for all."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.distributed.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+import dist_checks  # noqa: E402
+from dist_harness import launch  # noqa: E402
+
+WORLD = 4
+CASES = [dist_checks.case_id(*c) for c in dist_checks.CASES]
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict]:
+    return launch(dist_checks.run_all, world=WORLD, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def cases(runs) -> dict[str, list[dict]]:
+    return {name: [r["cases"][name] for r in runs] for name in CASES}
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "sgdm" in c])
+def test_sgd_momentum_matches_single_device(cases, case):
+    r0 = cases[case][0]
+    for a, b in zip(r0["losses"], r0["ref_losses"]):
+        assert abs(a - b) <= 1e-5 * abs(b), (r0["losses"], r0["ref_losses"])
+    assert r0["param"]["rel"] <= 1e-5, r0["param"]
+    assert r0["state"]["rel"] <= 1e-5 and r0["state"]["keys"] > 0, r0["state"]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "adamw" in c])
+def test_adamw_within_twice_ddp(cases, case):
+    r0 = cases[case][0]
+    for a, b in zip(r0["losses"], r0["ref_losses"]):
+        assert abs(a - b) <= 1e-5, (r0["losses"], r0["ref_losses"])
+    ours, ddp = r0["param"]["abs"], r0["ddp_param"]["abs"]
+    assert ours <= 2 * ddp + 1e-7, f"params: diphoma {ours:.3g} vs DDP {ddp:.3g}"
+    ours, ddp = r0["state"]["abs"], r0["ddp_state"]["abs"]
+    assert ours <= 2 * ddp + 1e-7, f"optimizer state: diphoma {ours:.3g} vs DDP {ddp:.3g}"
+    assert r0["state"]["steps_equal"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ranks_agree_and_keep_shards(cases, case):
+    per_rank = cases[case]
+    for r in per_rank[1:]:
+        assert torch.equal(r["params"], per_rank[0]["params"]), "parameters differ by rank"
+        assert r["losses"] == per_rank[0]["losses"], "losses differ by rank"
+    for r in per_rank:
+        assert r["state_local"], "opt.state does not hold this rank's shards"
+        assert r["state_sharded"] > 0
+        # gradients are reduce-scattered: no rank holds a whole one, .grad stays None
+        assert r["grads_none"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bytes_sent_equal_plan(cases, case):
+    for r in cases[case]:
+        assert r["calls"] == dist_checks.STEPS
+        assert r["plan"] == r["table"]
+        assert r["counted"] == r["calls"] * r["plan"], (r["counted"], r["plan"])
+        for kind, n in r["kinds_expected"].items():
+            assert r["kinds_counted"].get(kind, 0) == n, (kind, r["kinds_counted"])
+
+
+def test_optimizer_state_is_one_nth_per_rank(cases):
+    for r in cases["gpt-adamw-clip"]:
+        mem = r["memory"]
+        assert mem["opt_state_bytes"] <= r["full_state_bytes"] / WORLD * 1.01, \
+            (mem, r["full_state_bytes"])
+        assert mem["param_bytes"] == r["full_param_bytes"]     # parameters stay whole
+        assert mem["grad_bytes"] == 0
+
+
+def test_resume_from_whole_state_reshards(runs):
+    for r in runs:
+        res = r["resume"]
+        assert res["whole"]["exp_avg"] == (3, 7)
+        assert res["after"]["exp_avg"] == (6,)        # ceil(21 / 4): a padded flat shard
+    r0 = runs[0]["resume"]
+    assert r0["param"]["abs"] <= 1e-6 and r0["state"]["abs"] <= 1e-6, r0
+
+
+def test_process_subgroups(runs):
+    by_group: dict[int, list[dict]] = {}
+    for r in runs:
+        by_group.setdefault(r["subgroups"]["group"], []).append(r["subgroups"])
+    assert sorted(by_group) == [0, 1]
+    for members in by_group.values():
+        assert torch.equal(members[0]["params"], members[1]["params"])
+        lead = members[0]
+        assert lead["param"]["abs"] <= 1e-6 and lead["state"]["abs"] <= 1e-6, lead
+    assert not torch.equal(by_group[0][0]["params"], by_group[1][0]["params"])
+
+
+ERRORS = {
+    "world_size": ("MeshError", ["mesh axis 'dp' has 2 devices but the process group has 4",
+                                 "torchrun --nproc_per_node=2"]),
+    "mesh_without_axis": ("MeshError", ["has no axis 'dp'", "axes: tp"]),
+    "other_axis": ("MeshError", ["no axis 'tp'"]),
+    "not_transformed": ("MeshError", ["not distributed over mesh axis 'dp'",
+                                      "data-parallel{axis=dp}"]),
+}
+
+
+@pytest.mark.parametrize("name", list(ERRORS))
+def test_errors_before_any_collective(runs, name):
+    kind, words = ERRORS[name]
+    for r in runs:
+        got = r["errors"][name]
+        assert got["raised"] == kind, got
+        for w in words:
+            assert w in got["message"], (w, got["message"])
+        assert got["calls"] == [], f"collectives ran before the error: {got['calls']}"
+
+
+
+def test_not_initialized_names_torchrun():
+    from diphoma_compile.backends.torch_dist import TorchDistStep
+    from diphoma_compile.errors import BackendError
+    assert not torch.distributed.is_initialized()
+    torch.manual_seed(0)
+    model = dist_checks.OddMLP()
+    opt = dist_checks.OPTS["sgdm"](model.parameters())
+    args = dist_checks.local(dist_checks.mlp_batches(WORLD)[0], 0, WORLD)
+    graph, _, cap, _ = None, None, None, None
+    from diphoma_compile.frontends.torch_trace import trace_torch
+    from diphoma_compile.mesh import Mesh
+    from diphoma_compile.passes import PassContext, Pipeline
+    graph, cap = trace_torch(dist_checks.mlp_step, model, opt, *args)
+    graph = Pipeline.from_spec(dist_checks.SPEC).run(graph.replace(mesh=Mesh({"dp": WORLD})),
+                                                     PassContext())
+    with pytest.raises(BackendError, match="torch.distributed is not initialized") as e:
+        TorchDistStep(graph, cap)
+    assert "torchrun --nproc_per_node=4" in str(e.value)
+
+
+def test_summary(runs, cases, capsys):
+    """Prints the measured deviations and timings (pytest -s shows them)."""
+    lines = [f"{'case':18} {'loss dev':>9} {'param abs':>10} {'DDP':>10} {'state abs':>10} "
+             f"{'DDP':>10} {'build s':>8} {'step ms':>8} {'DDP ms':>7}"]
+    for name, per_rank in cases.items():
+        r0 = per_rank[0]
+        loss = max(abs(a - b) for a, b in zip(r0["losses"], r0["ref_losses"]))
+        lines.append(
+            f"{name:18} {loss:9.2e} {r0['param']['abs']:10.2e} "
+            f"{r0.get('ddp_param', {}).get('abs', float('nan')):10.2e} "
+            f"{r0['state']['abs']:10.2e} {r0.get('ddp_state', {}).get('abs', float('nan')):10.2e} "
+            f"{r0['build_s']:8.2f} {1e3 * r0['step_s']:8.1f} {1e3 * r0['ddp_step_s']:7.1f}")
+    lines.append(f"per-rank run time {max(r['seconds'] for r in runs):.1f} s")
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
