@@ -47,7 +47,11 @@ def test_errors_are_messages_not_tracebacks(tmp_path, capsys):
 def test_list_passes_and_ops(capsys):
     assert main(["passes"]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[0].startswith("cse") and "dce" in out
+    names = [line.split("{")[0].split()[0] for line in out.splitlines() if line.strip()]
+    assert names == sorted(names)
+    for name in ("cse", "dce", "data-parallel", "weight-update-sharding", "comm-fusion",
+                 "schedule-comm"):
+        assert name in names
     assert main(["ops"]) == 0
     out = capsys.readouterr().out
     assert "reduce_scatter" in out and "opaque" in out and "quantize" in out
