@@ -1,8 +1,9 @@
 """Command line: ``python -m diphoma_compile`` or ``diphoma``.
 
-``ir FILE`` reads IR text, verifies it, runs a pass pipeline and prints the result with
-its analyses; ``passes`` and ``ops`` list what is registered. (``inspect model.py`` arrives
-with the frontends.)"""
+``inspect PATH[:NAME]`` plans a model file's training step for a mesh and prints the plan
+(no devices needed; see docs/guide.md); ``ir FILE`` reads IR text, verifies it, runs a pass
+pipeline and prints the result with its analyses; ``passes`` and ``ops`` list what is
+registered."""
 
 from __future__ import annotations
 
@@ -86,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``diphoma`` command."""
     p = argparse.ArgumentParser(prog="diphoma", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
+    from .inspect_cmd import add_parser
+    add_parser(sub)
     ir = sub.add_parser("ir", help="verify IR text, run passes on it, print it with analyses")
     ir.add_argument("file", help="a .ir file, or - for standard input")
     ir.add_argument("--passes", default="", help="pipeline spec, e.g. 'dce,cse'")

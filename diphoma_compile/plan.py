@@ -1,7 +1,8 @@
 """The plan: what the passes decided, read off the final IR, for a person (text) or a tool
 (JSON, versioned schema). Per tensor its placement and bytes per device; each collective
 with what it moves and the bytes a device sends per step (ring algorithms); per-device
-memory for parameters, gradients and optimizer state next to the single-device figures."""
+memory for parameters, gradients, optimizer state and saved activations next to the
+single-device figures. The JSON schema is documented in docs/plan.md."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .ir.analysis import producers
-from .ir.core import Graph, InputKind, Op, OutputKind
+from .ir.analysis import free_inputs, producers
+from .ir.core import Graph, InputKind, Op, OutputKind, Phase
 from .ir.ops import Category, op_def
 from .ir.types import TensorType, Varying
 
@@ -54,6 +55,9 @@ class Memory:
     single_device_params: int
     single_device_grads: int
     single_device_opt_state: int
+    # an estimate: forward values that backward reads (views counted once, at their base)
+    activations: int = 0
+    single_device_activations: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,10 @@ class Plan:
     memory: Memory
     comm_bytes_per_step: int
     notes: dict[str, Any] = field(default_factory=dict)
+    param_count: int = 0     # elements of all parameters (tied ones once): the model size
+    # what was planned, when a tool knows more than the graph: source, framework, inputs,
+    # loss, optimizer (diphoma inspect fills it; plain strings)
+    context: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data with ``schema`` = SCHEMA_VERSION (see docs/plan.md)."""
@@ -154,8 +162,9 @@ def build_plan(graph: Graph, notes: dict[str, Any] | None = None) -> Plan:
             op.attrs.get("op"), d.comm_bytes(op, ins, outs, sizes.get(axis, 1)),
             op.phase.value if op.phase else None))
     memory = _memory(graph, sizes, gradient_sources(graph), types)
+    params = sum(i.value.type.numel for i in graph.inputs if i.role.kind is InputKind.param)
     return Plan(graph.name, sizes, graph.passes, tuple(tensors), tuple(collectives), memory,
-                sum(c.bytes_per_device for c in collectives), dict(notes or {}))
+                sum(c.bytes_per_device for c in collectives), dict(notes or {}), params)
 
 
 def _serves(op: Op, grads: dict[str, str], loss: set[str]) -> str:
@@ -190,5 +199,55 @@ def _memory(graph: Graph, sizes: dict[str, int], grads: dict[str, str],
     g_whole = sum(types[n].nbytes for n in grads)
     if not grads:   # an untransformed step: a gradient per trainable parameter
         g_local = g_whole = per["param"]
+    act_local, act_whole = saved_activations(graph, sizes, types)
     return Memory(per["param"], g_local, per["opt_state"], whole["param"], g_whole,
-                  whole["opt_state"])
+                  whole["opt_state"], act_local, act_whole)
+
+
+# aten ops whose results alias their first input (a view costs no memory of its own)
+_VIEWS = frozenset("""view _unsafe_view reshape _reshape_alias t transpose permute expand
+    split split_with_sizes unbind select slice squeeze unsqueeze alias detach as_strided
+    diagonal narrow unfold chunk view_as_real view_as_complex movedim""".split())
+_LAYOUT_VIEWS = frozenset({"reshape", "transpose", "slice", "broadcast_in_dim"})
+
+
+def _is_view(op: Op) -> bool:
+    if op.name in _LAYOUT_VIEWS:
+        return True
+    target = op.attrs.get("target") if op.name == "opaque" else None
+    if isinstance(target, str) and target.startswith("aten."):
+        return target.split(".")[1] in _VIEWS
+    return False
+
+
+def saved_activations(graph: Graph, sizes: dict[str, int],
+                      types: dict[str, TensorType]) -> tuple[int, int]:
+    """Bytes of forward-phase values that backward-phase ops read (the activations kept
+    between the two), per device and on one device running the whole batch. A view counts
+    at its base, once; parameters and other graph inputs are not activations. An estimate:
+    it follows program order and knows nothing of recomputation or a backend's fusion."""
+    base: dict[str, str] = {}
+    made = producers(graph)
+    for op in graph.ops:
+        view = _is_view(op) and bool(op.inputs)
+        for v in op.results:
+            base[v.name] = base.get(op.inputs[0], op.inputs[0]) if view else v.name
+    saved: set[str] = set()
+    for op in graph.ops:
+        if op.phase is not Phase.backward:
+            continue
+        for n in free_inputs(op):
+            b = base.get(n, n)
+            src = made.get(b)
+            if src is not None and src.phase is Phase.forward:
+                saved.add(b)
+    local = whole = 0
+    for b in saved:
+        t = types[b]
+        local += t.local_nbytes(sizes)
+        n = t.nbytes
+        for a, p in t.placements:
+            if isinstance(p, Varying):
+                n *= sizes.get(a, 1)
+        whole += n
+    return local, whole

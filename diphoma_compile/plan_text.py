@@ -37,35 +37,64 @@ def _group(name: str) -> str:
     return re.sub(r"(?<=[._/])\d+(?=[._/])", "#", name)
 
 
-def render(plan: Plan, max_rows: int = 60) -> str:
-    """The text report of ``plan``."""
+def _count(n: int) -> str:
+    """An element count as 124.44M / 3.20K / 17."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+def _summary(plan: Plan) -> list[str]:
     m = plan.memory
     mesh = ", ".join(f"{a}={n}" for a, n in plan.mesh.items()) or "one device"
-    kinds = Counter(c.kind for c in plan.collectives if c.kind != "take_shard")
-    lines = [
-        f"plan for @{plan.graph} on mesh {mesh}",
+    moved = [c for c in plan.collectives if c.kind != "take_shard"]
+    kinds = Counter(c.kind for c in moved)
+    ctx = plan.context
+    lines = [f"plan for @{plan.graph} on mesh {mesh}"]
+    model = ctx.get("model", "")
+    lines.append(f"model: {model + ', ' if model else ''}{_count(plan.param_count)} parameters "
+                 f"({human(m.single_device_params)})")
+    lines += [f"{k}: {ctx[k]}" for k in ("inputs", "loss", "optimizer") if ctx.get(k)]
+    lines += [
         f"passes: {', '.join(plan.passes) or 'none'}",
-        "per device:",
+        "",
+        "per device (vs one device running the whole step):",
         f"  parameters       {human(m.params)}{_ratio(m.params, m.single_device_params)}",
         f"  gradients        {human(m.grads)}{_ratio(m.grads, m.single_device_grads)}",
         f"  optimizer state  {human(m.opt_state)}"
         f"{_ratio(m.opt_state, m.single_device_opt_state)}",
+        f"  activations      {human(m.activations)}"
+        f"{_ratio(m.activations, m.single_device_activations)}"
+        "  (estimate: forward values kept for backward)",
+        f"  total            {human(m.params + m.grads + m.opt_state + m.activations)}",
         f"communication per step per device: {human(plan.comm_bytes_per_step)} in "
         f"{sum(kinds.values())} collectives"
         + (" (" + ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) + ")"
            if kinds else ""),
-        "",
-        "tensors:",
     ]
+    return lines
+
+
+def render(plan: Plan, max_rows: int = 60) -> str:
+    """The text report of ``plan``: summary, tensors, collectives, the passes' decisions.
+    Tables longer than ``max_rows`` group repeated layers (layer numbers become #)."""
+    lines = _summary(plan) + ["", "tensors:"]
     rows = [[t.name, t.role, f"{t.dtype}{list(t.shape)}", t.placement,
              human(t.bytes_per_device)] for t in plan.tensors]
     lines += _table(_fold(rows, max_rows), ["name", "role", "type", "placement",
                                             "bytes/device"])
-    lines += ["", "collectives:"]
-    crow = [[c.kind, c.axis, c.reduction or "", c.value, c.serves, human(c.bytes_per_device)]
-            for c in plan.collectives]
-    lines += _table(_fold(crow, max_rows), ["kind", "axis", "op", "value", "for",
-                                            "bytes/device"]) if crow else ["  none"]
+    lines += ["", "collectives (bytes/device: what one device sends per step):"]
+    moved = [c for c in plan.collectives if c.kind != "take_shard"]
+    crow = [[c.kind, c.axis, c.reduction or "", c.serves or c.value, c.value,
+             human(c.bytes_per_device)] for c in moved]
+    lines += _table(_fold_collectives(crow, max_rows),
+                    ["kind", "axis", "op", "for", "value", "bytes/device"]) \
+        if crow else ["  none"]
+    local = len(plan.collectives) - len(moved)
+    if local:
+        lines += [f"  and {local} take_shard (each device keeps its own piece of a whole "
+                  "tensor: no traffic)"]
     wus = plan.notes.get("weight-update-sharding", {})
     if wus.get("replicated"):
         lines += ["", "kept whole in the update:"]
@@ -77,6 +106,27 @@ def render(plan: Plan, max_rows: int = 60) -> str:
         lines += ["", "gradient outputs left sharded (no full .grad): "
                   + ", ".join(wus["grads_left_sharded"])]
     return "\n".join(lines) + "\n"
+
+
+def _fold_collectives(rows: list[list[str]], max_rows: int) -> list[list[str]]:
+    """Collectives of repeated layers fold like tensors: same kind, axis, op, purpose
+    (layer numbers aside) and bytes become one row; the value column gives the count."""
+    if len(rows) <= max_rows:
+        return rows
+    groups: dict[tuple, int] = {}
+    for kind, axis, op, what, _, nbytes in rows:
+        key = (kind, axis, op, _group(what), nbytes)
+        groups[key] = groups.get(key, 0) + 1
+    out = [[k, a, o, w, f"(x{n})" if n > 1 else "", b] for (k, a, o, w, b), n in
+           groups.items()]
+    return _cut(out, max_rows)
+
+
+def _cut(rows: list[list[str]], max_rows: int) -> list[list[str]]:
+    if len(rows) <= max_rows:
+        return rows
+    return rows[:max_rows] + [[f"... {len(rows) - max_rows} more rows (the JSON report lists "
+                               "them all)", *[""] * (len(rows[0]) - 1)]]
 
 
 def _fold(rows: list[list[str]], max_rows: int) -> list[list[str]]:
@@ -93,7 +143,4 @@ def _fold(rows: list[list[str]], max_rows: int) -> list[list[str]]:
             out.append(rs[0])
         else:
             out.append([f"{key[0]} (x{len(rs)})", *key[1:]])
-    if len(out) > max_rows:
-        out = out[:max_rows] + [[f"... {len(out) - max_rows} more rows",
-                                 *[""] * (len(rows[0]) - 1)]]
-    return out
+    return _cut(out, max_rows)

@@ -388,7 +388,7 @@ def _discover_state(step: _Step) -> list[list[tuple[str, torch.Size, torch.dtype
     """The state layout a fresh optimizer creates in its first step(), learned by running
     only the optimizers, on fake parameters with zero gradients."""
     fake = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
-    ps = [fake.from_tensor(p.detach()).requires_grad_(p.requires_grad) for p in step.params]
+    ps = [_fake_of(fake, p).requires_grad_(p.requires_grad) for p in step.params]
     state: dict = defaultdict(dict)
     with fake, contextlib.ExitStack() as stack:
         for fp in ps:
@@ -404,14 +404,27 @@ def _discover_state(step: _Step) -> list[list[tuple[str, torch.Size, torch.dtype
              if isinstance(v, torch.Tensor)] for fp in ps]
 
 
+def _fake_of(fake: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+    """A fake copy of ``t``. A meta tensor (a model built on the meta device, to plan
+    without allocating it) becomes a fake CPU tensor, so that it mixes with the CPU
+    tensors the model's own code makes (``torch.arange(t)``) as real parameters would."""
+    t = t.detach()
+    if t.is_meta:
+        with fake:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+    return fake.from_tensor(t)
+
+
 def _fake_inputs(step: _Step) -> list[torch.Tensor]:
     # A fresh fake mode per trace, with a shape environment so that .item() (Adam's step
     # count, the learning rate) gives a symbolic float instead of failing.
     fake = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
 
     def f(t: torch.Tensor) -> torch.Tensor:
-        return fake.from_tensor(t.detach())
-    states = [torch.zeros(shape, dtype=dt) for keys in step.state_keys for _, shape, dt in keys]
+        return _fake_of(fake, t)
+    # optimizer state starts as meta tensors: no memory for it, even at 124M parameters
+    states = [torch.empty(shape, dtype=dt, device="meta") for keys in step.state_keys
+              for _, shape, dt in keys]
     lrs = [torch.zeros((), dtype=LR_DTYPE) for _ in step.lr_slots]
     return ([f(p) for p in step.params] + [f(b) for b in step.buffers] + [f(t) for t in states]
             + [f(t) for t in lrs]

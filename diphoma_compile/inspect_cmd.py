@@ -1,0 +1,191 @@
+"""``diphoma inspect PATH[:NAME]``: the sharding plan of a model file the user already has,
+on one machine, with no devices and no processes started.
+
+The steps: read the options (inputs and mesh first: a typo fails before anything is
+loaded), run the file, pick what to plan, build the model and its training step without
+allocating parameters, trace it, run the pass pipeline for the mesh, print the plan."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from .inspect_load import Candidate, load_file, resolve, split_target
+from .inspect_spec import InspectError, Target, parse_input, parse_mesh
+from .mesh import Mesh
+
+_TORCH = ("torch",)
+_JAX = ("jax", "jaxlib", "flax", "optax")
+
+
+def add_parser(sub: Any) -> None:
+    """The ``inspect`` subcommand and its options."""
+    p = sub.add_parser(
+        "inspect", help="plan a model file for a mesh and print the plan (no devices needed)",
+        description="Plan how a model file's training step is distributed over a mesh, "
+                    "without devices, processes or memory for its parameters.")
+    p.add_argument("target", metavar="PATH[:NAME]",
+                   help="a Python file, and what in it to plan: an nn.Module or flax module "
+                        "class, a function that builds one, or a step with example inputs")
+    p.add_argument("--init", metavar="EXPR",
+                   help="Python expression, evaluated in the file's namespace, that builds "
+                        "the model, e.g. 'GPT(GPTConfig(n_layer=2))' (default: NAME())")
+    p.add_argument("--input", action="append", default=[], metavar="SPEC",
+                   help="one model input of the GLOBAL batch: [name=]DTYPE[D0,...][<HIGH], "
+                        "e.g. 'int64[8,128]<50257' or 'x=f32[32,3,32,32]'; repeat per input")
+    p.add_argument("--loss", default="auto", metavar="auto|output|ce|mean|EXPR",
+                   help="the loss: the model's own, cross-entropy over the last dim, the "
+                        "mean, or an expression of out and the inputs (default auto)")
+    p.add_argument("--optimizer", default="adamw", metavar="NAME|EXPR",
+                   help="adamw (default), adam, sgd, momentum, or an expression (torch: of "
+                        "params; jax: an optax transformation)")
+    p.add_argument("--mesh", default="dp=8", metavar="AXIS=N[,...]",
+                   help="the mesh to plan for, any size (default dp=8)")
+    p.add_argument("--axis", default=None, help="the data axis when the mesh has several")
+    p.add_argument("--passes", default=None, metavar="SPEC",
+                   help="pass pipeline instead of the default data parallelism + weight-"
+                        "update sharding")
+    p.add_argument("--dump-ir-after", default="", metavar="PASS|all",
+                   help="print the IR after these passes (comma-separated; 'trace' is the "
+                        "IR before any pass) or all")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--rows", type=int, default=60,
+                   help="text tables longer than this group repeated layers (default 60)")
+    p.add_argument("--out", metavar="FILE", help="write the report here instead of stdout")
+    p.add_argument("--timings", action="store_true",
+                   help="print how long each stage took (to stderr)")
+    p.set_defaults(func=cmd_inspect)
+
+
+def _uses(module: ModuleType, packages: tuple[str, ...]) -> bool:
+    for v in vars(module).values():
+        name = v.__name__ if isinstance(v, ModuleType) else getattr(v, "__module__", None)
+        if isinstance(name, str) and name.split(".")[0] in packages:
+            return True
+    return False
+
+
+def _framework(module: ModuleType, cand: Candidate | None, init: str | None) -> str:
+    """torch or jax: from the candidate's kind, the class --init calls, or what the file
+    imports."""
+    kind = cand.kind if cand is not None else None
+    if init is not None:
+        try:
+            call = ast.parse(init, mode="eval").body
+        except SyntaxError:
+            call = None
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name):
+            from .inspect_load import _base_classes, _kind_of
+            kind = _kind_of(getattr(module, call.func.id, None), _base_classes()) or kind
+    if kind == "torch-module":
+        return "torch"
+    if kind == "flax-module":
+        return "jax"
+    if kind == "nnx-module":
+        raise InspectError("flax.nnx modules are planned through a step: write "
+                           "step(params, opt_state, batch) and example_inputs() in the file "
+                           "and name the step (see docs/guide.md)")
+    torch_, jax_ = _uses(module, _TORCH), _uses(module, _JAX)
+    if torch_ == jax_:
+        raise InspectError("cannot tell whether the file is PyTorch or JAX" if torch_ else
+                           "the file imports neither torch nor jax/flax")
+    return "torch" if torch_ else "jax"
+
+
+def build_target(args: argparse.Namespace, mesh: Mesh, axis: str) -> Target:
+    """Load the file and make the step to plan, as ``args`` describe it."""
+    specs = [parse_input(t) for t in args.input]
+    path, name = split_target(args.target)
+    module = load_file(path)
+    cand = resolve(module, path, name)
+    if cand is None and args.init is None:
+        raise InspectError(f"{Path(path).name} defines no nn.Module, flax module or step "
+                           "with example inputs", hint="name what to build: PATH:NAME, or "
+                                                       "--init EXPR")
+    label = f"{Path(path).name}:{name or (cand.name if cand else 'model')}"
+    framework = _framework(module, cand, args.init)
+    n = mesh.axis_size(axis)
+    if framework == "torch":
+        from . import inspect_torch as fw
+    else:
+        from . import inspect_jax as fw  # type: ignore[no-redef]
+    if cand is not None and cand.kind == "step" and args.init is None:
+        if specs:
+            raise InspectError(f"{cand.name} makes its own inputs with "
+                               f"{cand.inputs_fn.__name__}(); --input is for model classes")
+        return fw.step_target(cand, label, n, axis)
+    return fw.model_target(cand, module, label, args.init, specs, args.loss, args.optimizer,
+                           n, axis)
+
+
+def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump: Any,
+                stream: Any, clock: list | None = None) -> tuple[Any, Any, list]:
+    """Trace the step, run the pipeline for ``mesh`` (dumping as asked), and build the
+    plan; what ``parallelize(...).trace()`` does, with the dumps. ``clock`` collects
+    (stage, time) pairs."""
+    clock = clock if clock is not None else []
+    from .parallel import _local_jax_args, default_passes
+    from .passes import PassContext, Pipeline
+    from .plan import build_plan
+    if target.framework == "torch":
+        from .frontends.torch_trace import trace_torch
+        graph, _ = trace_torch(target.step, *target.args)
+    else:
+        from .frontends.jax_trace import trace_jax_with_tree
+        local = _local_jax_args(target.args, mesh.axis_size(axis), axis)
+        graph, _ = trace_jax_with_tree(target.step, *local)
+    graph = graph.replace(mesh=mesh)
+    clock.append(("trace", time.perf_counter()))
+    if dump == "all" or "trace" in dump:
+        from .ir import print_graph
+        stream(f"# IR after trace\n{print_graph(graph)}")
+    spec = passes if passes is not None else default_passes(target.framework, axis)
+    ctx = PassContext(dump_after=dump, dump_stream=stream)
+    if spec:
+        graph = Pipeline.from_spec(spec).run(graph, ctx)
+    clock.append(("passes", time.perf_counter()))
+    plan = build_plan(graph, ctx.notes)
+    clock.append(("plan", time.perf_counter()))
+    return graph, plan, ctx.records
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """Run ``diphoma inspect``; the report goes to stdout or ``--out``."""
+    from .parallel import data_axis
+    clock = [("start", time.perf_counter())]
+    mesh = parse_mesh(args.mesh)
+    axis = data_axis(mesh, args.axis)
+    dump: Any = "all" if args.dump_ir_after == "all" else frozenset(
+        x.strip() for x in args.dump_ir_after.split(",") if x.strip())
+    out = sys.stdout
+    stream = (lambda s: sys.stderr.write(s)) if args.format == "json" and not args.out \
+        else (lambda s: out.write(s))
+    # what the user's code prints (a parameter count, say) must not mix with the report
+    with contextlib.redirect_stdout(sys.stderr):
+        target = build_target(args, mesh, axis)
+        clock.append(("load and build", time.perf_counter()))
+        graph, plan, records = plan_target(target, mesh, axis, args.passes, dump, stream,
+                                           clock)
+    plan = replace(plan, context=dict(target.context))
+    report = plan.to_json() + "\n" if args.format == "json" else plan.to_text(args.rows)
+    if args.out:
+        Path(args.out).write_text(report)
+    else:
+        sys.stdout.write(report)
+    clock.append(("report", time.perf_counter()))
+    if args.timings:
+        print(f"# total: {clock[-1][1] - clock[0][1]:.2f} s wall, {time.process_time():.2f} s "
+              "CPU in this process (imports included)", file=sys.stderr)
+        for (_, t0), (what, t1) in zip(clock, clock[1:]):
+            print(f"# {what}: {t1 - t0:.2f} s", file=sys.stderr)
+        for r in records:
+            print(f"#   pass {r.spec}: {r.seconds:.2f} s (+{r.verify_seconds:.2f} s verify)",
+                  file=sys.stderr)
+    return 0

@@ -1,0 +1,254 @@
+"""Loading a user's Python file for ``diphoma inspect`` and finding what in it to plan.
+
+The file was not written for this tool: it is run as a module of its own (its directory on
+``sys.path`` so that its sibling imports work, ``if __name__ == "__main__"`` blocks not run),
+and what it defines is sorted into candidates: nn.Module classes, flax modules, and step
+functions that come with an example-inputs function. Errors raised by the user's code are
+shown with their type, message and the line of the file they came from."""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib.util
+import inspect
+import itertools
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from .inspect_spec import InspectError
+
+# the names an example-inputs function may have (``<step>_inputs`` is tried first)
+INPUT_FUNCS = ("example_inputs", "example_args", "make_example_inputs", "get_example_inputs")
+_counter = itertools.count()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """Something in the file that inspect can plan."""
+
+    name: str
+    kind: str                 # torch-module, flax-module, nnx-module, step, factory
+    obj: Any
+    inputs_fn: Callable | None = None     # a step's example-inputs function
+
+    def describe(self) -> str:
+        """One line for the candidate list: kind and signature."""
+        what = {"torch-module": "torch nn.Module", "flax-module": "flax.linen Module",
+                "nnx-module": "flax.nnx Module", "step": "training step",
+                "factory": "function"}[self.kind]
+        extra = f" with {self.inputs_fn.__name__}()" if self.inputs_fn else ""
+        return f"{self.name:24s} {what}{extra}  {self.name}{_signature(self.obj)}"
+
+
+def _signature(obj: Any) -> str:
+    try:
+        return str(inspect.signature(obj))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def split_target(target: str) -> tuple[str, str | None]:
+    """``path/model.py:GPT`` -> (``path/model.py``, ``GPT``); no NAME -> None."""
+    path, sep, name = target.rpartition(":")
+    if sep and name.isidentifier() and path:
+        return path, name
+    return target, None
+
+
+def user_error(exc: BaseException, path: Path, what: str) -> InspectError:
+    """An InspectError for an exception the user's code raised: its type, its message and
+    the innermost line of the user's file in the traceback."""
+    where = None
+    for fs in traceback.extract_tb(exc.__traceback__):
+        if os.path.abspath(fs.filename) == str(path) or fs.filename.startswith("<inspect"):
+            where = f"{os.path.basename(fs.filename)}:{fs.lineno}: {(fs.line or '').strip()}"
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    at = f"\n  at {where}" if where else ""
+    return InspectError(f"{what} raised {type(exc).__name__}{': ' + first if first else ''}{at}",
+                        hint="fix the code (or the expression), then run inspect again")
+
+
+def load_file(path_text: str) -> ModuleType:
+    """Run the file as a fresh module and return it; InspectError when it is missing, not a
+    Python file, or raises while it runs."""
+    path = Path(path_text).expanduser().resolve()
+    if not path.exists():
+        raise InspectError(f"no such file: {path_text}",
+                           hint="give the path of a Python file that defines the model")
+    if path.is_dir():
+        raise InspectError(f"{path_text} is a directory", hint="give a .py file in it")
+    name = f"_diphoma_user_{path.stem}_{next(_counter)}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise InspectError(f"{path_text} is not a Python file Python can import",
+                           hint="give a .py file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module       # dataclasses and pickling look modules up by name
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise InspectError(f"{path_text} does not parse: {e.msg} (line {e.lineno})") from None
+    except (Exception, SystemExit) as e:
+        raise user_error(e, path, f"running {path.name}") from e
+    return module
+
+
+def _base_classes() -> dict[str, tuple[type, ...]]:
+    """The module base classes of the frameworks the file imported (none imported here)."""
+    out: dict[str, tuple[type, ...]] = {}
+    if "torch" in sys.modules:
+        import torch
+        out["torch-module"] = (torch.nn.Module,)
+    if "flax" in sys.modules:
+        try:
+            import flax.linen as linen
+            out["flax-module"] = (linen.Module,)
+        except ImportError:     # pragma: no cover - a broken flax install
+            pass
+        try:
+            from flax import nnx
+            out["nnx-module"] = (nnx.Module,)
+        except ImportError:     # pragma: no cover
+            pass
+    return out
+
+
+def _kind_of(obj: Any, bases: dict[str, tuple[type, ...]]) -> str | None:
+    if isinstance(obj, type):
+        for kind, classes in bases.items():
+            if issubclass(obj, classes) and obj not in classes:
+                return kind
+    return None
+
+
+def _inputs_fn(module: ModuleType, step: str) -> Callable | None:
+    for n in (f"{step}_inputs", f"{step}_example_inputs", *INPUT_FUNCS):
+        fn = getattr(module, n, None)
+        if callable(fn) and not isinstance(fn, type):
+            return fn
+    return None
+
+
+def _defined_here(module: ModuleType) -> dict[str, Any]:
+    return {k: v for k, v in vars(module).items()
+            if getattr(v, "__module__", None) == module.__name__ and not k.startswith("_")}
+
+
+def _referenced_classes(module: ModuleType, names: set[str]) -> set[str]:
+    """Module classes that another module class of the file uses (its building blocks)."""
+    try:
+        tree = ast.parse(inspect.getsource(module))
+    except (OSError, TypeError, SyntaxError):
+        return set()
+    used: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name in names:
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Name) and sub.id in names and sub.id != node.name:
+                    used.add(sub.id)
+    return used
+
+
+def candidates(module: ModuleType) -> list[Candidate]:
+    """What the file defines that inspect can plan: steps with example inputs first, then
+    the module classes no other module class of the file is built from."""
+    bases = _base_classes()
+    here = _defined_here(module)
+    steps = [Candidate(n, "step", f, _inputs_fn(module, n)) for n, f in here.items()
+             if inspect.isfunction(f) and "step" in n.lower() and _inputs_fn(module, n)]
+    mods = {n: k for n, v in here.items() if (k := _kind_of(v, bases))}
+    blocks = _referenced_classes(module, set(mods))
+    roots = [Candidate(n, k, here[n]) for n, k in mods.items() if n not in blocks]
+    return steps + roots
+
+
+def resolve(module: ModuleType, path: str, name: str | None) -> Candidate | None:
+    """The candidate called ``name`` (any module class, factory or step of the file), the
+    single candidate when ``name`` is None; InspectError listing the candidates otherwise.
+    None when there is nothing to resolve but ``--init`` will say what to build."""
+    found = candidates(module)
+    if name is None:
+        steps = [c for c in found if c.kind == "step"]
+        pick = steps if steps else found
+        if len(pick) == 1:
+            return pick[0]
+        if not pick:
+            return None
+        raise InspectError(f"{os.path.basename(path)} defines several things to plan; "
+                           "name one as PATH:NAME:\n" + _listing(pick))
+    obj = getattr(module, name, None)
+    if obj is None:
+        close = difflib.get_close_matches(name, [n for n in vars(module)
+                                                 if not n.startswith("_")], n=3)
+        hint = f"did you mean {', '.join(close)}?" if close else None
+        listing = ("\n" + _listing(found)) if found else ""
+        raise InspectError(f"{os.path.basename(path)} has no {name!r}" +
+                           (f"; it defines:{listing}" if listing else ""), hint=hint)
+    kind = _kind_of(obj, _base_classes())
+    if kind is not None:
+        return Candidate(name, kind, obj)
+    if inspect.isfunction(obj) and "step" in name.lower():
+        fn = _inputs_fn(module, name)
+        if fn is None:
+            raise InspectError(
+                f"{name} looks like a training step, but {os.path.basename(path)} defines "
+                "no function that makes its example inputs",
+                hint=f"define {name}_inputs() or example_inputs() returning the step's "
+                     "arguments, or name the model class instead")
+        return Candidate(name, "step", obj, fn)
+    if callable(obj):
+        return Candidate(name, "factory", obj)
+    raise InspectError(f"{name} in {os.path.basename(path)} is a {type(obj).__name__}, not "
+                       "a module class, a function that builds a model, or a step",
+                       hint="name a model class (PATH:GPT) or pass --init EXPR")
+
+
+def _listing(cands: list[Candidate]) -> str:
+    return "\n".join("  " + c.describe() for c in cands)
+
+
+def evaluate(expr: str, module: ModuleType, what: str, extra: dict[str, Any] | None = None
+             ) -> Any:
+    """Evaluate a Python expression in the file's namespace (plus ``extra`` names); an
+    InspectError with the expression's own error when it does not parse or raises."""
+    try:
+        code = compile(expr, f"<inspect {what}>", "eval")
+    except SyntaxError as e:
+        raise InspectError(f"{what} {expr!r} does not parse: {e.msg}",
+                           hint="give a Python expression, e.g. --init 'GPT(GPTConfig())'") \
+            from None
+    scope = dict(vars(module))
+    scope.update(extra or {})
+    try:
+        return eval(code, scope)  # noqa: S307 - the user's own expression, on purpose
+    except Exception as e:
+        raise user_error(e, Path(module.__file__ or "").resolve(), f"{what} {expr!r}") from e
+
+
+def construct(cand: Candidate, module: ModuleType) -> Any:
+    """``NAME()``: a model class or factory called without arguments; InspectError saying
+    which arguments it needs (use --init) when it takes some."""
+    try:
+        inspect.signature(cand.obj).bind()
+    except TypeError:
+        configs = [n for n, v in _defined_here(module).items() if isinstance(v, type)
+                   and n.endswith(("Config", "Args", "Params"))]
+        example = f"{cand.name}({configs[0]}())" if len(configs) == 1 else f"{cand.name}(...)"
+        raise InspectError(f"{cand.name}{_signature(cand.obj)} needs arguments to build",
+                           hint=f"pass --init EXPR, e.g. --init '{example}'") from None
+    except ValueError:
+        pass
+    try:
+        return cand.obj()
+    except Exception as e:
+        raise user_error(e, Path(module.__file__ or "").resolve(), f"{cand.name}()") from e

@@ -1,0 +1,208 @@
+"""What ``diphoma inspect`` plans for a PyTorch file: the model built on the meta device (no
+memory for its parameters), meta inputs at one rank's share of the global batch, a loss
+chosen from the model's output, an optimizer, and the training step that ties them up. Or
+the file's own step with its example inputs."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils import _pytree as pytree
+
+from .errors import DiphomaError
+from .inspect_load import Candidate, construct, evaluate
+from .inspect_loss import LossChoice, choose, expr_loss, get
+from .inspect_spec import (InputSpec, InspectError, Target, describe_inputs, local_shape,
+                           unique_names)
+
+# the multi-tensor (foreach) kernels: what these optimizers run by default on GPUs, and a
+# shorter trace than the per-tensor loop; the math and the plan are the same
+OPTIMIZERS: dict[str, tuple[str, Callable]] = {
+    "adamw": ("AdamW(lr=0.001)", lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True)),
+    "adam": ("Adam(lr=0.001)", lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=True)),
+    "sgd": ("SGD(lr=0.01)", lambda ps: torch.optim.SGD(ps, lr=1e-2, foreach=True)),
+    "momentum": ("SGD(lr=0.01, momentum=0.9)",
+                 lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, foreach=True)),
+}
+
+
+def on_meta(make: Callable[[], Any], what: str) -> tuple[Any, bool]:
+    """``make()`` under ``torch.device("meta")``: parameters without memory. A constructor
+    that cannot run there (it reads values back, say) is run again for real, with a note;
+    its own error is shown when that fails too."""
+    try:
+        with torch.device("meta"):
+            return make(), True
+    except Exception as meta_error:
+        out = make()
+        print(f"note: {what} does not build on the meta device ({type(meta_error).__name__}: "
+              f"{str(meta_error).splitlines()[0] if str(meta_error) else ''}); it was built "
+              "with real memory", file=sys.stderr)
+        return out, False
+
+
+def _forward_names(model: torch.nn.Module) -> tuple[list[str], int, int]:
+    """The forward's positional parameter names, how many are required, how many it takes
+    (a large number for ``*args``)."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return [], 0, 1 << 30
+    pos = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    takes = 1 << 30 if any(p.kind is p.VAR_POSITIONAL for p in params) else len(pos)
+    required = sum(1 for p in pos if p.default is p.empty)
+    return [p.name for p in pos], required, takes
+
+
+def _meta(spec: InputSpec) -> torch.Tensor:
+    return torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device="meta")
+
+
+def _fake(fake: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+    if t.is_meta:    # as the tracer does: a meta tensor stands for a CPU one
+        with fake:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+    return fake.from_tensor(t)
+
+
+def probe(model: torch.nn.Module, xs: list[torch.Tensor]) -> Any:
+    """The model's output for these inputs, computed on fake tensors (shapes only); a
+    FrontendError naming the construct when the forward cannot run that way."""
+    from .frontends.torch_trace import _explain
+    fake = FakeTensorMode()
+    tensors = {n: _fake(fake, t.detach()) for n, t in
+               [*model.named_parameters(), *model.named_buffers()]}
+    try:
+        with _reparametrize_module(model, tensors, tie_weights=True), fake, torch.no_grad():
+            return model(*[_fake(fake, x) for x in xs])
+    except DiphomaError:
+        raise
+    except Exception as e:
+        raise _explain(e) from e
+
+
+def _is_float(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+def _loss_fn(choice: LossChoice, module: ModuleType) -> Callable:
+    if choice.kind == "expr":
+        return expr_loss(choice.expr or "", {**vars(module), "torch": torch, "F": F})
+    if choice.kind == "ce":
+        def ce(out: Any, inputs: dict[str, Any]) -> torch.Tensor:
+            t = get(out, choice.path)
+            return F.cross_entropy(t.reshape(-1, t.shape[-1]), inputs["labels"].reshape(-1))
+        return ce
+    if choice.kind == "mean":
+        return lambda out, inputs: get(out, choice.path).float().mean()
+    return lambda out, inputs: get(out, choice.path)
+
+
+def make_step(n_model: int, names: list[str], loss_fn: Callable) -> Callable:
+    """``train_step(model, opt, *inputs)``: forward on the first ``n_model`` inputs, the
+    loss, backward, the optimizer step, zero_grad; its signature names the inputs (the IR
+    names batch inputs after them)."""
+    def train_step(model, opt, *batch):
+        out = model(*batch[:n_model])
+        loss = loss_fn(out, dict(zip(names, batch)))
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise InspectError(f"the loss is {shape}, not a scalar tensor",
+                               hint="reduce it (e.g. .mean()) in --loss")
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    P = inspect.Parameter
+    train_step.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [P(n, P.POSITIONAL_ONLY) for n in ("model", "opt", *names)])
+    return train_step
+
+
+def _optimizer(how: str, model: torch.nn.Module, module: ModuleType) -> tuple[Any, str]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise InspectError("the model has no trainable parameters")
+    if how.lower() in OPTIMIZERS:
+        text, make = OPTIMIZERS[how.lower()]
+        return make(params), text
+    opt = evaluate(how, module, "--optimizer", {"params": params, "model": model,
+                                                "torch": torch})
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise InspectError(f"--optimizer {how!r} gave a {type(opt).__name__}, not a "
+                           "torch.optim.Optimizer",
+                           hint="one of " + ", ".join(OPTIMIZERS) + ", or an expression of "
+                                "params, e.g. 'torch.optim.SGD(params, lr=0.1)'")
+    return opt, how
+
+
+def model_target(cand: Candidate | None, module: ModuleType, label: str, init: str | None,
+                 specs: list[InputSpec], loss: str, optimizer: str, n: int,
+                 axis: str) -> Target:
+    """The training step of a model class (or factory, or ``--init`` expression)."""
+    if init is not None:
+        model, meta = on_meta(lambda: evaluate(init, module, "--init"), label)
+    else:
+        assert cand is not None
+        model, meta = on_meta(lambda: construct(cand, module), label)
+    if not isinstance(model, torch.nn.Module):
+        raise InspectError(f"{init or cand.name + '()'} gave a {type(model).__name__}, "
+                           "not an nn.Module")
+    fnames, required, takes = _forward_names(model)
+    sig = f"{type(model).__name__}.forward({', '.join(fnames)})"
+    if len(specs) < required:
+        raise InspectError(f"{sig} takes {required} input(s) but --input describes "
+                           f"{len(specs)}", hint="describe each with --input, e.g. "
+                           "--input 'int64[8,128]<50257' or --input 'f32[32,3,32,32]'")
+    names = unique_names(specs, fnames)
+    specs = [InputSpec(nm, s.dtype, s.shape, s.high) for nm, s in zip(names, specs)]
+    local = [s.local(n, axis) for s in specs]
+    xs = [_meta(s) for s in local]
+    n_model = min(len(specs), takes)
+    choice = choose(probe(model, xs[:n_model]), loss, _is_float)
+    if choice.kind == "ce":
+        if "labels" in names:
+            raise InspectError("an input is called 'labels', which cross-entropy's labels "
+                               "are called too", hint="rename the input or pass --loss")
+        lab = InputSpec("labels", "int64", (choice.label_shape[0] * n,
+                                            *choice.label_shape[1:]), choice.classes)
+        specs, names = [*specs, lab], [*names, "labels"]
+        xs.append(_meta(lab.local(n, axis)))
+    opt, opt_text = _optimizer(optimizer, model, module)
+    step = make_step(n_model, names, _loss_fn(choice, module))
+    context = {
+        "model": f"{label} (torch{', built on the meta device' if meta else ''})",
+        "inputs": describe_inputs(specs, n),
+        "loss": choice.describe(),
+        "optimizer": opt_text,
+    }
+    return Target("torch", step, (model, opt, *xs), context)
+
+
+def step_target(cand: Candidate, label: str, n: int, axis: str) -> Target:
+    """The file's own step with the arguments its example-inputs function makes (on the
+    meta device); batch tensors are the global batch, and each rank traces its share."""
+    assert cand.inputs_fn is not None
+    args, meta = on_meta(cand.inputs_fn, f"{cand.inputs_fn.__name__}()")
+    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    state = (torch.nn.Module, torch.optim.Optimizer)
+    leaves, spec = pytree.tree_flatten_with_path(args, is_leaf=lambda x: isinstance(x, state))
+    out, shapes = [], []
+    for path, x in leaves:
+        if isinstance(x, torch.Tensor):
+            what = f"{cand.name} argument {pytree.keystr(path)}"
+            shapes.append(f"{pytree.keystr(path)}: {str(x.dtype).removeprefix('torch.')}"
+                          f"{list(x.shape)}")
+            x = x[: local_shape(tuple(x.shape), n, axis, what)[0]]
+        out.append(x)
+    context = {"model": f"{label} (torch step{', built on the meta device' if meta else ''})",
+               "inputs": ", ".join(shapes) + (" (global batch)" if n > 1 else "")}
+    return Target("torch", cand.obj, tuple(pytree.tree_unflatten(out, spec)), context)
