@@ -213,6 +213,11 @@ class _Builder:
                             {"dtype": DTYPE_TO_TORCH[t.dtype]})
         elif n in _COLLECTIVES:
             out = self.collective(op)
+        elif n == "wait":
+            # collectives run synchronously for now: their results are ready already
+            for v, i in zip(op.results, ins):
+                self.env[v.name] = self.node(i)
+            return
         else:
             raise UnsupportedOpError(f"the torch backend cannot run IR op {n!r}",
                                      hint="this op has no torch lowering yet")
@@ -248,7 +253,10 @@ class _Builder:
                                     "diphoma_compile.backends.torch_dist.TorchDistStep")
         if axis not in self.comm_nodes:
             self.comm_nodes[axis] = self.fx.get_attr(f"comm_{axis}")
-        comm, x = self.comm_nodes[axis], self.node(op.inputs[0])
+        comm = self.comm_nodes[axis]
+        if len(op.inputs) > 1:
+            return self.bucket(op, comm)
+        x = self.node(op.inputs[0])
         name, src, dst = op.name, op.inputs[0], op.result.type
         if name == "all_reduce":
             # reduce in place when nothing else reads the value (not a graph input)
@@ -262,6 +270,20 @@ class _Builder:
         if name == "take_shard":
             return self.call(torch_comm.take_shard, [comm, x, a["dim"], self.local(dst)])
         return self.call(torch_comm.broadcast, [comm, x, int(a["root"])])
+
+    def bucket(self, op: Op, comm: fx.Node) -> fx.Node:
+        """k values moved as one packed buffer; the call returns a tuple (bound by getitem)."""
+        a, xs = op.attrs, [self.node(i) for i in op.inputs]
+        if op.name == "all_reduce":
+            return self.call(torch_comm.all_reduce_bucket, [comm, xs, str(a["op"])])
+        if op.name == "reduce_scatter":
+            return self.call(torch_comm.reduce_scatter_bucket,
+                             [comm, xs, str(a["op"]), a["dim"],
+                              [self.local(v.type) for v in op.results]])
+        if op.name == "all_gather":
+            return self.call(torch_comm.all_gather_bucket,
+                             [comm, xs, a["dim"], [list(v.type.shape) for v in op.results]])
+        raise UnsupportedOpError(f"the torch backend has no bucketed {op.name}")
 
     def dot(self, op: Op) -> fx.Node:
         a = op.attrs

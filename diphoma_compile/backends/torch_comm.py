@@ -144,3 +144,71 @@ def broadcast(comm: Comm, x: torch.Tensor, root: int) -> torch.Tensor:
         dist.broadcast(t, src=comm.global_rank(root), group=comm.group)
     comm._count("broadcast", t.numel() * t.element_size() if comm.rank == root else 0)
     return t
+
+
+# ------------------------------------------------------------------ buckets
+# A bucket moves k values of one dtype as one packed buffer. Each member is laid out as
+# (N, m): row r is rank r's piece, flattened (a whole value under all_reduce is its own
+# single row); the rows of all members are concatenated, so a rank's piece of the buffer is
+# its pieces of the members, one after the other.
+
+def _rows(x: torch.Tensor, n: int, dim: Any) -> torch.Tensor:
+    """A value to scatter as (n, m): its zero-padded flattening, or its chunks along dim."""
+    if dim == "flat":
+        flat, k = _padded_flat(x, n)
+        return flat.view(n, k)
+    return x.movedim(dim, 0).reshape(n, -1)
+
+
+def all_reduce_bucket(comm: Comm, xs: list[torch.Tensor], op: str) -> tuple[torch.Tensor, ...]:
+    """all_reduce of k values in one call on their concatenation."""
+    buf = torch.cat([x.reshape(-1) for x in xs])
+    buf = all_reduce(comm, buf, op, owned=True)
+    return tuple(p.view(x.shape) for p, x in zip(buf.split([x.numel() for x in xs]), xs))
+
+
+def reduce_scatter_bucket(comm: Comm, xs: list[torch.Tensor], op: str, dim: Any,
+                          local_shapes: list[list[int]]) -> tuple[torch.Tensor, ...]:
+    """reduce_scatter of k values in one call: this rank's piece of each."""
+    n = comm.size
+    rows = [_rows(x, n, dim) for x in xs]
+    src = torch.cat(rows, dim=1).reshape(-1)
+    out = src.new_empty(src.numel() // n)
+    if n > 1:
+        _reduce_scatter(out, src, op=_reduce_op(op), group=comm.group)
+    else:
+        out.copy_(src)
+    if op == "avg":
+        out.div_(n)
+    comm._count("reduce_scatter", int(_frac(comm) * n * (out.numel() * out.element_size())))
+    pieces = out.split([r.shape[1] for r in rows])
+    if dim == "flat":
+        return tuple(p.view(s) for p, s in zip(pieces, local_shapes))
+    return tuple(p.view([x.shape[dim] // n] + [s for i, s in enumerate(x.shape) if i != dim])
+                 .movedim(0, dim) for p, x in zip(pieces, xs))
+
+
+def all_gather_bucket(comm: Comm, xs: list[torch.Tensor], dim: Any,
+                      shapes: list[list[int]]) -> tuple[torch.Tensor, ...]:
+    """all_gather of k values in one call: each whole value, padding dropped."""
+    n = comm.size
+    flats = [(x.movedim(dim, 0) if dim != "flat" else x).reshape(-1) for x in xs]
+    src = torch.cat(flats)
+    out = src.new_empty(n * src.numel())
+    if n > 1:
+        _all_gather(out, src, group=comm.group)
+    else:
+        out.copy_(src)
+    comm._count("all_gather", int(_frac(comm) * n * (src.numel() * src.element_size())))
+    rows = out.view(n, -1).split([f.numel() for f in flats], dim=1)
+    res = []
+    for r, x, shape in zip(rows, xs, shapes):
+        if dim == "flat":
+            numel = 1
+            for s in shape:
+                numel *= s
+            res.append(r.reshape(-1)[:numel].view(shape))
+        else:
+            piece = list(x.movedim(dim, 0).shape)
+            res.append(r.reshape([n * piece[0]] + piece[1:]).movedim(0, dim))
+    return tuple(res)

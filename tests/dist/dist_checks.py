@@ -35,6 +35,7 @@ from diphoma_compile.plan import build_plan  # noqa: E402
 
 STEPS = 10
 SPEC = "data-parallel{axis=dp},weight-update-sharding{axis=dp}"
+FUSED = SPEC + ",comm-fusion,schedule-comm"   # bucketed collectives, async + wait
 MLP_LOCAL, GPT_LOCAL = 4, 2          # local batch per rank
 CLIP = 0.05                          # small enough that clipping is active every step
 
@@ -161,7 +162,8 @@ def build(step_fn, model, opt, args, world: int, spec: str = SPEC, group=None):
     return graph, dist_graph, cap, TorchDistStep(dist_graph, cap, group=group)
 
 
-def run_case(rank: int, world: int, model_name: str, opt_name: str, clip: bool) -> dict:
+def run_case(rank: int, world: int, model_name: str, opt_name: str, clip: bool,
+             fused: bool = False) -> dict:
     make_model, steps, batches_of = MODELS[model_name]
     step_fn = steps[clip]
     torch.manual_seed(0)
@@ -170,8 +172,11 @@ def run_case(rank: int, world: int, model_name: str, opt_name: str, clip: bool) 
     opt, ref_opt = OPTS[opt_name](model.parameters()), OPTS[opt_name](ref.parameters())
     batches = batches_of(world)
     t0 = time.perf_counter()
-    raw, graph, cap, step = build(step_fn, model, opt, local(batches[0], rank, world), world)
-    res: dict = {"build_s": time.perf_counter() - t0}
+    raw, graph, cap, step = build(step_fn, model, opt, local(batches[0], rank, world), world,
+                                  FUSED if fused else SPEC)
+    res: dict = {"build_s": time.perf_counter() - t0,
+                 "buckets": sum(len(op.inputs) > 1 for op in graph.ops),
+                 "waits": sum(op.name == "wait" for op in graph.ops)}
     use_ddp = opt_name == "adamw"
     if use_ddp:
         ddp = nn.parallel.DistributedDataParallel(ddp_model)
@@ -320,14 +325,15 @@ def run_errors(rank: int, world: int, kept: tuple) -> dict:
 
 # ------------------------------------------------------------------ the launch
 
-# Every MLP combination; two GPT ones (a GPT trace costs 5-20 s per rank here, 4 ranks
-# sharing 2 cores): SGD without clipping and the usual AdamW with clipping.
-CASES = [("mlp", o, c) for o in ("sgdm", "adamw") for c in (False, True)] + \
-    [("gpt", "sgdm", False), ("gpt", "adamw", True)]
+# Every MLP combination, and one with bucketed async collectives (comm-fusion,
+# schedule-comm); two GPT ones (a GPT trace costs 5-20 s per rank here, 4 ranks sharing 2
+# cores): SGD without clipping, bucketed, and the usual AdamW with clipping.
+CASES = [("mlp", o, c, False) for o in ("sgdm", "adamw") for c in (False, True)] + \
+    [("mlp", "adamw", True, True), ("gpt", "sgdm", False, True), ("gpt", "adamw", True, False)]
 
 
-def case_id(model: str, opt: str, clip: bool) -> str:
-    return f"{model}-{opt}" + ("-clip" if clip else "")
+def case_id(model: str, opt: str, clip: bool, fused: bool) -> str:
+    return f"{model}-{opt}" + ("-clip" if clip else "") + ("-fused" if fused else "")
 
 
 def run_all(rank: int, world: int) -> dict:
@@ -338,7 +344,7 @@ def run_all(rank: int, world: int) -> dict:
     for case in CASES:
         res = run_case(rank, world, *case)
         k = res.pop("_keep")
-        if case == ("mlp", "sgdm", False):
+        if case == ("mlp", "sgdm", False, False):
             kept = k
         out["cases"][case_id(*case)] = res
     out["resume"] = run_resume(rank, world)

@@ -72,6 +72,11 @@ def test_bytes_sent_equal_plan(cases, case):
             assert r["kinds_counted"].get(kind, 0) == n, (kind, r["kinds_counted"])
 
 
+def test_fused_case_has_buckets(cases):
+    r = cases["mlp-adamw-clip-fused"][0]
+    assert r["buckets"] >= 2 and r["waits"] >= 1, r
+
+
 def test_optimizer_state_is_one_nth_per_rank(cases):
     for r in cases["gpt-adamw-clip"]:
         mem = r["memory"]
@@ -125,22 +130,15 @@ def test_errors_before_any_collective(runs, name):
 
 
 def test_not_initialized_names_torchrun():
-    from diphoma_compile.backends.torch_dist import TorchDistStep
+    """In a process without a process group (this one): the error says how to launch."""
     from diphoma_compile.errors import BackendError
     assert not torch.distributed.is_initialized()
     torch.manual_seed(0)
     model = dist_checks.OddMLP()
     opt = dist_checks.OPTS["sgdm"](model.parameters())
     args = dist_checks.local(dist_checks.mlp_batches(WORLD)[0], 0, WORLD)
-    graph, _, cap, _ = None, None, None, None
-    from diphoma_compile.frontends.torch_trace import trace_torch
-    from diphoma_compile.mesh import Mesh
-    from diphoma_compile.passes import PassContext, Pipeline
-    graph, cap = trace_torch(dist_checks.mlp_step, model, opt, *args)
-    graph = Pipeline.from_spec(dist_checks.SPEC).run(graph.replace(mesh=Mesh({"dp": WORLD})),
-                                                     PassContext())
     with pytest.raises(BackendError, match="torch.distributed is not initialized") as e:
-        TorchDistStep(graph, cap)
+        dist_checks.build(dist_checks.mlp_step, model, opt, args, WORLD)
     assert "torchrun --nproc_per_node=4" in str(e.value)
 
 
