@@ -281,6 +281,30 @@ def run_subgroups(rank: int, world: int) -> dict:
     return out
 
 
+def run_parallelize(rank: int, world: int) -> dict:
+    """The public entry point: diphoma_compile.parallelize(step, mesh) runs on this runtime."""
+    import diphoma_compile
+    torch.manual_seed(0)
+    model = OddMLP()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = OPTS["adamw"](model.parameters()), OPTS["adamw"](ref.parameters())
+    step = diphoma_compile.parallelize(mlp_clipped_step, diphoma_compile.Mesh({"dp": world}))
+    losses, ref_losses = [], []
+    for b in mlp_batches(world, seed=5):
+        losses.append(step(model, opt, *local(b, rank, world)).item())
+        if rank == 0:
+            ref_losses.append(mlp_clipped_step(ref, ref_opt, *b).item())
+    runner = step.runner
+    out = {"runner": type(runner).__name__, "memory": step.memory_report().to_dict(),
+           "counted": runner.comm_bytes, "plan": step.plan.comm_bytes_per_step,
+           "calls": runner.calls, "losses": losses}
+    gathered = runner.gather_optimizer_state()
+    if rank == 0:
+        out.update(ref_losses=ref_losses, param=compare_params(model, ref),
+                   state=compare_state(gathered, ref, ref_opt))
+    return out
+
+
 @contextlib.contextmanager
 def no_collectives(calls: list[str]):
     """Records (and refuses) any collective while building a step that must fail."""
@@ -350,5 +374,6 @@ def run_all(rank: int, world: int) -> dict:
     out["resume"] = run_resume(rank, world)
     out["subgroups"] = run_subgroups(rank, world)
     out["errors"] = run_errors(rank, world, kept)
+    out["parallelize"] = run_parallelize(rank, world)
     out["seconds"] = time.perf_counter() - t0
     return out

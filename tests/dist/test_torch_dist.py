@@ -107,6 +107,17 @@ def test_process_subgroups(runs):
     assert not torch.equal(by_group[0][0]["params"], by_group[1][0]["params"])
 
 
+def test_parallelize_runs_on_this_runtime(runs):
+    for r in runs:
+        res = r["parallelize"]
+        assert res["runner"] == "TorchDistStep"
+        assert res["counted"] == res["calls"] * res["plan"]
+    r0 = runs[0]["parallelize"]
+    for a, b in zip(r0["losses"], r0["ref_losses"]):
+        assert abs(a - b) <= 1e-5
+    assert r0["param"]["abs"] <= 1e-6 and r0["state"]["abs"] <= 1e-6, r0
+
+
 ERRORS = {
     "world_size": ("MeshError", ["mesh axis 'dp' has 2 devices but the process group has 4",
                                  "torchrun --nproc_per_node=2"]),
