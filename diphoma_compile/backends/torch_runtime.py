@@ -24,7 +24,8 @@ class TorchStep:
         self.graph = graph
         self.captured = captured
         self.module = module if module is not None else build_module(graph)
-        self._arg_types = [(tuple(i.value.type.shape), i.value.type.dtype)
+        sizes = dict(graph.mesh.axes)   # a rank is called with its own piece of the batch
+        self._arg_types = [(tuple(i.value.type.local_shape(sizes)), i.value.type.dtype)
                            for i, s in zip(graph.inputs, captured.inputs) if s.kind == "arg"]
         self._n_user = captured.outputs.count(None)   # the step's own results come first
         self._with_grad = {s.key[0] for s in captured.outputs
