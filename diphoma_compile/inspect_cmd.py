@@ -104,12 +104,13 @@ def build_target(args: argparse.Namespace, mesh: Mesh, axis: str) -> Target:
     specs = [parse_input(t) for t in args.input]
     path, name = split_target(args.target)
     module = load_file(path)
-    cand = resolve(module, path, name)
+    cand = resolve(module, path, name) if name is not None or args.init is None else None
     if cand is None and args.init is None:
         raise InspectError(f"{Path(path).name} defines no nn.Module, flax module or step "
                            "with example inputs", hint="name what to build: PATH:NAME, or "
                                                        "--init EXPR")
-    label = f"{Path(path).name}:{name or (cand.name if cand else 'model')}"
+    # "model.py:" when --init alone says what to build: the model's class completes it
+    label = f"{Path(path).name}:{name or (cand.name if cand else '')}"
     framework = _framework(module, cand, args.init)
     n = mesh.axis_size(axis)
     if framework == "torch":

@@ -95,6 +95,7 @@ def model_target(cand: Candidate | None, module: ModuleType, label: str, init: s
                            "flax.linen Module",
                            hint="flax.nnx modules: write a step and example_inputs() in the "
                                 "file and name the step")
+    label += "" if not label.endswith(":") else type(model).__name__
     fnames, required, takes = _call_names(model)
     sig = f"{type(model).__name__}({', '.join(fnames)})"
     if len(specs) < required:
@@ -140,6 +141,8 @@ def model_target(cand: Candidate | None, module: ModuleType, label: str, init: s
     context = {"model": f"{label} (flax.linen, shapes from jax.eval_shape)",
                "inputs": describe_inputs(specs, n), "loss": choice.describe(),
                "optimizer": opt_text}
+    if init is not None:
+        context["init"] = init
     return Target("jax", train_step, (params, opt_state, dict(zip(names, glob))), context)
 
 
@@ -155,10 +158,10 @@ def step_target(cand: Candidate, label: str, n: int, axis: str) -> Target:
     shapes = []
     if len(args) > 2:
         for path, x in jax.tree_util.tree_flatten_with_path(args[2])[0]:
-            key = jax.tree_util.keystr(path) or "batch"
-            local_shape(tuple(getattr(x, "shape", ())), n, axis,
-                        f"{cand.name} batch leaf {key}")
-            shapes.append(f"{key}: {x.dtype}{list(x.shape)}")
+            key = "/".join(["batch", jax.tree_util.keystr(path, simple=True, separator="/")]
+                           ).rstrip("/")
+            local_shape(tuple(getattr(x, "shape", ())), n, axis, key)
+            shapes.append(f"{key}={x.dtype}{list(x.shape)}")
     context = {"model": f"{label} (jax step)",
                "inputs": ", ".join(shapes) + (" (global batch)" if n > 1 else "")}
     return Target("jax", cand.obj, args, context)

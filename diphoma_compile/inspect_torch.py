@@ -156,6 +156,7 @@ def model_target(cand: Candidate | None, module: ModuleType, label: str, init: s
     if not isinstance(model, torch.nn.Module):
         raise InspectError(f"{init or cand.name + '()'} gave a {type(model).__name__}, "
                            "not an nn.Module")
+    label += "" if not label.endswith(":") else type(model).__name__
     fnames, required, takes = _forward_names(model)
     sig = f"{type(model).__name__}.forward({', '.join(fnames)})"
     if len(specs) < required:
@@ -184,6 +185,8 @@ def model_target(cand: Candidate | None, module: ModuleType, label: str, init: s
         "loss": choice.describe(),
         "optimizer": opt_text,
     }
+    if init is not None:
+        context["init"] = init
     return Target("torch", step, (model, opt, *xs), context)
 
 
@@ -195,12 +198,18 @@ def step_target(cand: Candidate, label: str, n: int, axis: str) -> Target:
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     state = (torch.nn.Module, torch.optim.Optimizer)
     leaves, spec = pytree.tree_flatten_with_path(args, is_leaf=lambda x: isinstance(x, state))
+    try:
+        arg_names = list(inspect.signature(cand.obj).parameters)
+    except (TypeError, ValueError):
+        arg_names = []
     out, shapes = [], []
     for path, x in leaves:
         if isinstance(x, torch.Tensor):
-            what = f"{cand.name} argument {pytree.keystr(path)}"
-            shapes.append(f"{pytree.keystr(path)}: {str(x.dtype).removeprefix('torch.')}"
-                          f"{list(x.shape)}")
+            i = getattr(path[0], "idx", -1) if path else -1
+            head = arg_names[i] if 0 <= i < len(arg_names) else f"arg{i}"
+            rest = pytree.keystr(path[1:]).replace("['", ".").replace("']", "")
+            what = head + rest
+            shapes.append(f"{what}={str(x.dtype).removeprefix('torch.')}{list(x.shape)}")
             x = x[: local_shape(tuple(x.shape), n, axis, what)[0]]
         out.append(x)
     context = {"model": f"{label} (torch step{', built on the meta device' if meta else ''})",

@@ -88,6 +88,11 @@ class Plan:
         """The plan as JSON."""
         return json.dumps(self.to_dict(), indent=indent, default=str)
 
+    def summary(self) -> str:
+        """The report's head: model size, mesh, passes, memory per device, communication."""
+        from .plan_text import summary
+        return summary(self)
+
     def to_text(self, max_rows: int = 60) -> str:
         """The plan as a report: summary, tensors, collectives, decisions."""
         from .plan_text import render

@@ -55,7 +55,7 @@ def _summary(plan: Plan) -> list[str]:
     model = ctx.get("model", "")
     lines.append(f"model: {model + ', ' if model else ''}{_count(plan.param_count)} parameters "
                  f"({human(m.single_device_params)})")
-    lines += [f"{k}: {ctx[k]}" for k in ("inputs", "loss", "optimizer") if ctx.get(k)]
+    lines += [f"{k}: {ctx[k]}" for k in ("init", "inputs", "loss", "optimizer") if ctx.get(k)]
     lines += [
         f"passes: {', '.join(plan.passes) or 'none'}",
         "",
@@ -74,6 +74,11 @@ def _summary(plan: Plan) -> list[str]:
            if kinds else ""),
     ]
     return lines
+
+
+def summary(plan: Plan) -> str:
+    """The summary lines of the report, without the tables."""
+    return "\n".join(_summary(plan)) + "\n"
 
 
 def render(plan: Plan, max_rows: int = 60) -> str:

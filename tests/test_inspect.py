@@ -1,0 +1,206 @@
+"""``diphoma inspect`` on model files written without it in mind (tests/inspect_models: a
+nanoGPT-style model.py, a ResNet CNN, a flax MLP, a torch and a JAX step with example
+inputs): per-device optimizer state falls as 1/N for dp=1, 8 and 1024; goldens of the text
+and JSON reports; bad use fails with a message and exit status 2."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from diphoma_compile.cli import main
+
+MODELS = Path(__file__).parent / "inspect_models"
+GPT = str(MODELS / "gpt" / "model.py")
+TINY_GPT = "GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32))"
+ONE_LAYER = "GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32))"
+
+
+def inspect(capsys, *argv: str) -> tuple[int, str, str]:
+    """Run ``diphoma inspect`` in this process: (exit status, stdout, stderr)."""
+    rc = main(["inspect", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def plan_json(capsys, *argv: str) -> dict:
+    rc, out, err = inspect(capsys, *argv, "--format", "json")
+    assert rc == 0, err
+    return json.loads(out)
+
+
+def check_one_over_n(plans: dict[int, dict]) -> None:
+    """Optimizer state per device is the whole state / N, up to one element of padding per
+    sharded tensor and the state kept whole (step counts, tensors no dimension divides)."""
+    whole = plans[1]["memory"]["opt_state"]
+    assert whole == plans[1]["memory"]["single_device_opt_state"]
+    for n, p in plans.items():
+        states = [t for t in p["tensors"] if t["role"] == "opt_state"]
+        kept = sum(t["bytes_per_device"] for t in states if t["placement"] == "R")
+        slack = sum(4 for t in states if t["placement"] != "R")
+        per = p["memory"]["opt_state"]
+        assert p["memory"]["single_device_opt_state"] == whole
+        assert per <= (whole - kept) / n + slack + kept, (n, per)
+        if n > 1:
+            assert kept <= 0.02 * whole      # nearly everything is sharded
+            assert per * n >= whole - kept   # and the pieces cover the state
+        assert p["param_count"] == plans[1]["param_count"]
+
+
+# ------------------------------------------------------------------ models as written
+
+def test_gpt_model_file_state_falls_as_one_over_n(capsys):
+    inputs = ["--input", "int64[1024,16]<64", "--input", "int64[1024,16]<64"]
+    plans = {n: plan_json(capsys, GPT, "--init", ONE_LAYER, *inputs, "--mesh", f"dp={n}")
+             for n in (1, 8, 1024)}
+    check_one_over_n(plans)
+    p = plans[8]
+    assert p["context"]["loss"] == "the model's own loss (output[1])"
+    assert p["context"]["inputs"].startswith("idx=int64[1024,16]<64, targets=int64[1024,16]<64")
+    assert "128 per device" in p["context"]["inputs"]
+    batch = {t["name"]: t for t in p["tensors"] if t["role"] == "batch"}
+    assert batch["idx"]["shape"] == [128, 16] and batch["idx"]["placement"] == "dp: V"
+    # the embedding and the head are one tied parameter
+    assert not any(t["name"].startswith("lm_head") for t in p["tensors"])
+    assert p["memory"]["activations"] * 8 == pytest.approx(
+        plans[1]["memory"]["activations"], rel=0.01)
+
+
+def test_cnn_file_defaults_to_cross_entropy(capsys):
+    plans = {n: plan_json(capsys, str(MODELS / "cnn.py"), "--input", "f32[1024,3,8,8]",
+                          "--optimizer", "momentum", "--mesh", f"dp={n}")
+             for n in (1, 8, 1024)}
+    check_one_over_n(plans)
+    ctx = plans[8]["context"]
+    assert ctx["model"] == "cnn.py:ResNet (torch, built on the meta device)"
+    assert ctx["loss"].startswith("cross-entropy over the last dimension of output (10 classes)")
+    assert "labels=int64[1024]<10" in ctx["inputs"]
+    assert ctx["optimizer"] == "SGD(lr=0.01, momentum=0.9)"
+    assert any(t["role"] == "buffer" and "running_mean" in t["name"]
+               for t in plans[8]["tensors"])
+
+
+def test_flax_file_state_falls_as_one_over_n(capsys):
+    pytest.importorskip("flax")
+    plans = {n: plan_json(capsys, str(MODELS / "flax_mlp.py"), "--input", "f32[1024,28,28,1]",
+                          "--mesh", f"dp={n}") for n in (1, 8, 1024)}
+    check_one_over_n(plans)
+    ctx = plans[8]["context"]
+    assert ctx["model"].startswith("flax_mlp.py:Classifier (flax.linen")
+    assert ctx["optimizer"] == "optax.adamw(1e-3)" and "labels=int32[1024]<10" in ctx["inputs"]
+    assert plans[8]["param_count"] == 784 * 1024 + 1024 * 1024 + 1024 * 10 + 10 + 6 * 1024
+
+
+def test_steps_with_example_inputs(capsys):
+    rc, out, err = inspect(capsys, str(MODELS / "torch_step.py"), "--mesh", "dp=4")
+    assert rc == 0, err
+    assert "model: torch_step.py:train_step (torch step" in out
+    assert "inputs: batch.x=float32[64, 32], batch.y=float32[64] (global batch)" in out
+    assert "momentum_buffer" in out and "batch.x" in out and "f32[16, 32]" in out
+    pytest.importorskip("optax")
+    p = plan_json(capsys, str(MODELS / "jax_step.py"), "--mesh", "dp=4")
+    assert p["context"]["model"] == "jax_step.py:step (jax step)"
+    shapes = {t["name"]: t["shape"] for t in p["tensors"]}
+    assert shapes["batch/x"] == [32, 64] and p["memory"]["opt_state"] * 4 == \
+        p["memory"]["single_device_opt_state"]
+
+
+def test_a_model_too_big_for_this_machine_is_planned_on_meta(capsys):
+    """40 billion parameters (160 GB in float32, 480 GB with AdamW's moments)."""
+    p = plan_json(capsys, str(MODELS / "several.py"), "--init", "nn.Linear(200_000, 200_000)",
+                  "--input", "f32[64,200000]", "--mesh", "dp=64")
+    assert p["param_count"] == 200_000 * 200_001
+    assert p["memory"]["single_device_opt_state"] > 300e9
+    assert p["memory"]["opt_state"] < p["memory"]["single_device_opt_state"] / 63
+
+
+# ------------------------------------------------------------------ the reports
+
+def test_golden_text_and_json_reports(capsys, golden):
+    argv = [GPT, "--init", TINY_GPT, "--input", "int64[8,16]<64", "--input", "int64[8,16]<64",
+            "--mesh", "dp=4"]
+    rc, text, err = inspect(capsys, *argv)
+    assert rc == 0, err
+    golden("inspect_gpt.txt", text)
+    rc, js, err = inspect(capsys, *argv, "--format", "json")
+    assert rc == 0, err
+    golden("inspect_gpt.json", js)
+    data = json.loads(js)
+    assert data["schema"] == 1
+    # the text groups the two layers; the JSON lists every tensor
+    assert "transformer.h.#.attn.c_attn.weight (x2)" in text
+    assert {"transformer.h.0.attn.c_attn.weight", "transformer.h.1.attn.c_attn.weight"} <= \
+        {t["name"] for t in data["tensors"]}
+    total = sum(c["bytes_per_device"] for c in data["collectives"])
+    assert data["comm_bytes_per_step"] == total
+    m = data["memory"]
+    assert 0 < m["activations"] < m["single_device_activations"]
+
+
+def test_passes_dump_and_out(capsys, tmp_path):
+    out_file = tmp_path / "plan.txt"
+    rc, out, err = inspect(capsys, str(MODELS / "several.py:Small"), "--input", "f32[8,16]",
+                           "--mesh", "dp=2", "--passes", "dce,data-parallel",
+                           "--dump-ir-after", "trace,data-parallel", "--out", str(out_file))
+    assert rc == 0, err
+    assert out.startswith("# IR after trace\n# diphoma-ir v1\n")
+    assert "# IR after data-parallel\n" in out and "all_reduce" in out
+    report = out_file.read_text()
+    assert "passes: dce, data-parallel{axis=dp}" in report
+    assert "reduce_scatter" not in report        # no weight-update sharding asked for
+
+
+# ------------------------------------------------------------------ bad use
+
+@pytest.mark.parametrize("argv, words", [
+    ([str(MODELS / "missing.py")], ["no such file: ", "missing.py"]),
+    ([GPT + ":GTP"], ["model.py has no 'GTP'", "GPT ", "did you mean GPT?"]),
+    ([GPT], ["GPT(config) needs arguments", "--init 'GPT(GPTConfig())'"]),
+    ([GPT, "--init", "GPT(GPTConfig(n_head=5))", "--input", "int64[8,16]<64"],
+     ["--init 'GPT(GPTConfig(n_head=5))' raised AssertionError",
+      "at model.py:", "assert config.n_embd % config.n_head == 0"]),
+    ([GPT, "--init", "GPT(GPTConfig(", "--input", "int64[8,16]<64"], ["does not parse"]),
+    ([GPT, "--init", TINY_GPT, "--input", "int64[8,16<64"],
+     ["--input 'int64[8,16<64' does not parse", "DTYPE[D0,D1,...]"]),
+    ([GPT, "--init", TINY_GPT, "--input", "q8[8,16]"], ["unknown dtype 'q8'"]),
+    ([GPT, "--init", TINY_GPT, "--input", "f32[8,16]<3"], ["bounds integer inputs only"]),
+    ([GPT, "--init", TINY_GPT], ["GPT.forward(idx, targets) takes 1 input(s)"]),
+    ([GPT, "--init", TINY_GPT, "--input", "int64[12,16]<64"],
+     ["idx has a global batch of 12, which does not divide among the 8 devices"]),
+    ([GPT, "--init", TINY_GPT, "--input", "int64[8,16]<64", "--mesh", "dp"],
+     ["--mesh 'dp': 'dp' is not AXIS=SIZE"]),
+    ([str(MODELS / "several.py"), "--input", "f32[8,16]"],
+     ["defines several things to plan", "Small", "Gated", "NeedsArgs(width, depth)"]),
+    ([str(MODELS / "several.py:Gated"), "--input", "f32[8,16]"],
+     ["depends on tensor data", "several.py:23: if y.sum() > 0:"]),
+    ([str(MODELS / "several.py:Small"), "--input", "f32[8,16]", "--optimizer", "3"],
+     ["--optimizer '3' gave a int, not a torch.optim.Optimizer"]),
+    ([str(MODELS / "several.py:Small"), "--input", "f32[8,16]", "--loss", "out"],
+     ["the loss is (1, 16), not a scalar tensor"]),
+])
+def test_bad_use_fails_with_a_message(capsys, argv, words):
+    rc, out, err = inspect(capsys, *argv)
+    assert rc == 2 and not out
+    assert "Traceback" not in err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_exit_status_of_the_command():
+    r = subprocess.run([sys.executable, "-m", "diphoma_compile", "inspect",
+                        str(MODELS / "missing.py")], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("error: no such file")
+
+
+def test_nothing_needs_memory_or_devices_for_a_wide_mesh(capsys):
+    """A mesh far larger than the machine: planning reads only shapes."""
+    p = plan_json(capsys, str(MODELS / "several.py:Small"), "--input", "f32[65536,16]",
+                  "--mesh", "dp=65536", "--optimizer", "momentum")
+    assert p["mesh"] == {"dp": 65536} and p["context"]["optimizer"].startswith("SGD")
+    assert math.isclose(p["memory"]["activations"] * 65536,
+                        p["memory"]["single_device_activations"], rel_tol=0.01)
