@@ -18,11 +18,17 @@ import copy
 import os
 import subprocess
 import sys
+import warnings
 
-import torch
-import torch.distributed as dist
+# torch warns at import when numpy is absent (a fresh `pip install torch`); nothing here
+# needs numpy
+_QUIET = "ignore:Failed to initialize NumPy"
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
-from gpt import GPT, GPTConfig, make_batch, train_step   # examples/gpt.py
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from gpt import GPT, GPTConfig, make_batch, train_step  # noqa: E402  (examples/gpt.py)
 
 LOSS_RTOL = 1e-4      # the mean over ranks vs the mean over the whole batch: summation order
 PARAM_ATOL = 1e-4     # AdamW magnifies that noise where gradients are tiny; it stays small
@@ -32,7 +38,8 @@ def launch(nproc: int) -> int:
     """Re-run this script under torchrun with ``nproc`` local ranks; their exit status."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", os.path.abspath(__file__), *sys.argv[1:]]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONWARNINGS=",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), _QUIET])))
     return subprocess.run(cmd, env=env).returncode
 
 
