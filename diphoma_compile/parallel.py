@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import DiphomaError, MeshError
-from .ir.core import Graph
+from .ir.core import Graph, InputKind
 from .mesh import Mesh
 from .passes.base import PassContext, Pipeline
 from .plan import Plan, build_plan
@@ -43,12 +43,22 @@ def data_axis(mesh: Mesh, axis: str | None) -> str:
                     "the data axis", hint="pass axis='...' to parallelize")
 
 
-def default_passes(framework: str, axis: str) -> str:
-    """The default pipeline: data parallelism plus weight-update sharding over ``axis``.
-    JAX shardings need even splits, so there the update is split by dimensions."""
+def default_passes(framework: str, axis: str, grad_bytes: int | None = None) -> str:
+    """The default pipeline: data parallelism plus weight-update sharding over ``axis``,
+    then communication fusion and scheduling. JAX shardings need even splits, so there the
+    update is split by dimensions. Given the gradient bytes, buckets are a quarter of them
+    (so the first can overlap the rest of backward), between 1 and 25 MB."""
     layout = "flat" if framework == "torch" else "dims"
-    return (f"dce,data-parallel{{axis={axis}}},"
+    spec = (f"dce,data-parallel{{axis={axis}}},"
             f"weight-update-sharding{{axis={axis}, layout={layout}}},dce")
+    if grad_bytes is None:
+        return spec
+    return spec + f",comm-fusion{{bucket-mb={bucket_mb(grad_bytes):g}}},schedule-comm"
+
+
+def bucket_mb(grad_bytes: int) -> float:
+    """The default bucket size for a model with this many bytes of gradients."""
+    return round(min(25.0, max(1.0, grad_bytes / 4 / 1e6)), 1)
 
 
 class ParallelStep:
@@ -79,8 +89,10 @@ class ParallelStep:
             from .frontends.jax_trace import trace_jax_with_tree
             local = _local_jax_args(example_args, self.mesh.axis_size(self.axis), self.axis)
             graph, self._extra = trace_jax_with_tree(self.step_fn, *local)
+        grad_bytes = sum(i.value.type.nbytes for i in graph.inputs
+                         if i.role.kind is InputKind.param)
         spec = self.passes if self.passes is not None else \
-            default_passes(self.framework, self.axis)
+            default_passes(self.framework, self.axis, grad_bytes)
         ctx = PassContext()
         self._graph = Pipeline.from_spec(spec).run(graph.replace(mesh=self.mesh), ctx) \
             if spec else graph.replace(mesh=self.mesh)
@@ -116,7 +128,11 @@ class ParallelStep:
     def _make_runner(self) -> Any:
         if self.framework == "torch":
             from .backends.torch_dist import TorchDistStep
-            return TorchDistStep(self._graph, self._extra, self.mesh, axis=self.axis)
+            group = None
+            if hasattr(self.user_mesh, "get_group"):   # a torch DeviceMesh: its axis's group
+                group = self.user_mesh.get_group(self.axis)
+            return TorchDistStep(self._graph, self._extra, self.mesh, group=group,
+                                 axis=self.axis)
         from .backends.jax_parallel import JaxParallelStep
         return JaxParallelStep(self._graph, self._extra, mesh=self.user_mesh, axis=self.axis)
 
@@ -126,6 +142,16 @@ class ParallelStep:
         if self._runner is None:
             raise DiphomaError("the step has not run yet", hint="call it once first")
         return self._runner
+
+    def profile(self, *args: Any, steps: int = 5) -> Any:
+        """PyTorch: per step, the time in computation, in communication, and the part of
+        communication hidden behind computation (runs ``steps`` real steps twice)."""
+        if self._runner is None:
+            self(*args)
+        if not hasattr(self._runner, "profile"):
+            raise DiphomaError(f"profile() is not available for {self.framework} steps",
+                               hint="under jax.jit, use jax.profiler")
+        return self._runner.profile(*args, steps=steps)
 
     def memory_report(self) -> Any:
         """Bytes of parameters and optimizer state this process holds, measured from the

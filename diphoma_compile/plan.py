@@ -126,7 +126,11 @@ def gradient_sources(graph: Graph) -> dict[str, str]:
             seen.add(n)
             if op_def(op.name).category is Category.collective and op.inputs and \
                     op.name in ("all_reduce", "reduce_scatter"):
-                found.setdefault(op.results[0].name, target.name)
+                found.setdefault(n, target.name)     # in a bucket: this member's result
+                continue
+            if op.name == "wait":
+                k = [v.name for v in op.results].index(n)
+                stack.append(op.inputs[k])
                 continue
             stack.extend(i for i in op.inputs if types[i].numel == numel)
     return found
@@ -149,8 +153,11 @@ def build_plan(graph: Graph, notes: dict[str, Any] | None = None) -> Plan:
                                   _placement(t), t.local_nbytes(sizes), total))
     grads = gradient_sources(graph)
     loss = {o.name for o in graph.outputs if o.role.kind is OutputKind.loss}
-    grads.update((o.name, o.role.target) for o in graph.outputs
+    waited = {v.name: i for op in graph.walk() if op.name == "wait"
+              for v, i in zip(op.results, op.inputs)}
+    grads.update((waited.get(o.name, o.name), o.role.target) for o in graph.outputs
                  if o.role.kind is OutputKind.replaces)
+    loss |= {waited[n] for n in loss if n in waited}
     collectives = []
     for op in graph.walk():
         d = op_def(op.name)

@@ -55,6 +55,7 @@ class _Builder:
         self.sizes = dict(graph.mesh.axes)
         self.comms = dict(comms or {})
         self.comm_nodes: dict[str, fx.Node] = {}
+        self.pending: dict[str, tuple[fx.Node, int, int]] = {}   # in-flight results
         self.uses: dict[str, int] = {}      # how often each value is read (outputs count)
         self.fresh: set[str] = set()        # values in storage of their own (not views)
         for op in graph.ops:
@@ -213,10 +214,13 @@ class _Builder:
                             {"dtype": DTYPE_TO_TORCH[t.dtype]})
         elif n in _COLLECTIVES:
             out = self.collective(op)
+            if a.get("async", False):
+                # in flight: the results exist only after their wait
+                for k, v in enumerate(op.results):
+                    self.pending[v.name] = (out, k, len(op.results))
+                return
         elif n == "wait":
-            # collectives run synchronously for now: their results are ready already
-            for v, i in zip(op.results, ins):
-                self.env[v.name] = self.node(i)
+            self.wait(op)
             return
         else:
             raise UnsupportedOpError(f"the torch backend cannot run IR op {n!r}",
@@ -256,33 +260,49 @@ class _Builder:
         comm = self.comm_nodes[axis]
         if len(op.inputs) > 1:
             return self.bucket(op, comm)
+        asy = {"async_op": True} if a.get("async", False) else {}
         x = self.node(op.inputs[0])
         name, src, dst = op.name, op.inputs[0], op.result.type
         if name == "all_reduce":
             # reduce in place when nothing else reads the value (not a graph input)
             owned = self.uses.get(src, 0) == 1 and src in self.fresh
-            return self.call(torch_comm.all_reduce, [comm, x, str(a["op"]), owned])
+            return self.call(torch_comm.all_reduce, [comm, x, str(a["op"]), owned], asy)
         if name == "reduce_scatter":
             return self.call(torch_comm.reduce_scatter,
-                             [comm, x, str(a["op"]), a["dim"], self.local(dst)])
+                             [comm, x, str(a["op"]), a["dim"], self.local(dst)], asy)
         if name == "all_gather":
-            return self.call(torch_comm.all_gather, [comm, x, a["dim"], list(dst.shape)])
+            return self.call(torch_comm.all_gather, [comm, x, a["dim"], list(dst.shape)], asy)
         if name == "take_shard":
             return self.call(torch_comm.take_shard, [comm, x, a["dim"], self.local(dst)])
         return self.call(torch_comm.broadcast, [comm, x, int(a["root"])])
 
+    def wait(self, op: Op) -> None:
+        """Finish the in-flight collectives whose results this wait hands on."""
+        done: dict[fx.Node, Any] = {}
+        for v, i in zip(op.results, op.inputs):
+            if i not in self.pending:      # already finished (a synchronous collective)
+                self.env[v.name] = self.node(i)
+                continue
+            node, k, count = self.pending[i]
+            if node not in done:
+                done[node] = self.call(torch_comm.wait, [node])
+            self.env[v.name] = done[node] if count == 1 else self.call(_getitem,
+                                                                     [done[node], k])
+
     def bucket(self, op: Op, comm: fx.Node) -> fx.Node:
         """k values moved as one packed buffer; the call returns a tuple (bound by getitem)."""
         a, xs = op.attrs, [self.node(i) for i in op.inputs]
+        asy = {"async_op": True} if a.get("async", False) else {}
         if op.name == "all_reduce":
-            return self.call(torch_comm.all_reduce_bucket, [comm, xs, str(a["op"])])
+            return self.call(torch_comm.all_reduce_bucket, [comm, xs, str(a["op"])], asy)
         if op.name == "reduce_scatter":
             return self.call(torch_comm.reduce_scatter_bucket,
                              [comm, xs, str(a["op"]), a["dim"],
-                              [self.local(v.type) for v in op.results]])
+                              [self.local(v.type) for v in op.results]], asy)
         if op.name == "all_gather":
             return self.call(torch_comm.all_gather_bucket,
-                             [comm, xs, a["dim"], [list(v.type.shape) for v in op.results]])
+                             [comm, xs, a["dim"], [list(v.type.shape) for v in op.results]],
+                             asy)
         raise UnsupportedOpError(f"the torch backend has no bucketed {op.name}")
 
     def dot(self, op: Op) -> fx.Node:

@@ -4,12 +4,20 @@ Each helper is a plain function of (comm, tensor, attributes) so that the fx pro
 Python: ``all_reduce(comm_dp, grad, 'avg')``. Each adds the bytes this rank sends under the
 ring model to ``comm.bytes_sent``, by the formulas of ``OpDef.comm_bytes`` applied to the
 tensors actually passed (flat shards count their zero padding: it is sent), so a test can
-compare what ran with what the plan predicted. They are synchronous for now."""
+compare what ran with what the plan predicted.
+
+With ``async_op=True`` (a collective that ``schedule-comm`` issues early) a helper starts the
+collective and returns a ``Pending``; ``wait`` finishes it where the program first needs the
+result, so the communication overlaps the computation in between. The Comm records the time
+spent blocked in collectives (``blocked_s``); with ``force_sync`` every collective is waited
+for at once, which is how ``profile`` measures the whole communication time."""
 
 from __future__ import annotations
 
 from collections import Counter
 from typing import Any
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -33,6 +41,8 @@ class Comm(torch.nn.Module):
         self.group = group
         self.bytes_sent = 0
         self.calls: Counter[str] = Counter()   # collective kind -> how many ran
+        self.blocked_s = 0.0                   # time spent waiting for collectives
+        self.force_sync = False                # wait for every collective at once
 
     def global_rank(self, group_rank: int) -> int:
         """The world rank of the group's ``group_rank``-th member (for src/dst arguments)."""
@@ -45,6 +55,37 @@ class Comm(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"axis={self.axis}, size={self.size}, rank={self.rank}"
+
+
+class Pending:
+    """A collective in flight: its work handle and what turns the buffer into the result."""
+
+    def __init__(self, comm: Comm, work: Any, finish: Any) -> None:
+        self.comm, self.work, self.finish = comm, work, finish
+
+    def wait(self) -> Any:
+        """Block until the collective is done; its result (a tensor or a tuple)."""
+        t0 = time.perf_counter()
+        if self.work is not None:
+            self.work.wait()
+        self.comm.blocked_s += time.perf_counter() - t0
+        return self.finish()
+
+
+def _start(comm: Comm, launch: Any, finish: Any, async_op: bool) -> Any:
+    """Run ``launch(async_op)`` (which returns a work handle or None) and finish now, or
+    hand back a Pending to finish at the wait."""
+    go_async = async_op and not comm.force_sync and comm.size > 1
+    t0 = time.perf_counter()
+    work = launch(go_async)
+    comm.blocked_s += time.perf_counter() - t0
+    p = Pending(comm, work, finish)
+    return p if go_async else p.wait()
+
+
+def wait(p: Any) -> Any:
+    """The result of a collective started with ``async_op=True``."""
+    return p.wait() if isinstance(p, Pending) else p
 
 
 def _frac(comm: Comm) -> float:
@@ -66,23 +107,28 @@ def _padded_flat(x: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
     return flat.contiguous(), k
 
 
-def all_reduce(comm: Comm, x: torch.Tensor, op: str, owned: bool = False) -> torch.Tensor:
+def all_reduce(comm: Comm, x: torch.Tensor, op: str, owned: bool = False,
+               async_op: bool = False) -> Any:
     """The reduction of every rank's ``x``; ``avg`` sums, then divides by N in x's dtype.
     ``owned``: the program does not read ``x`` again, so it may be reduced in place."""
     if owned and x._base is None and x.is_contiguous():
         t = x
     else:
         t = x.clone(memory_format=torch.contiguous_format)
-    if comm.size > 1:
-        dist.all_reduce(t, op=_reduce_op(op), group=comm.group)
-    if op == "avg":
-        t.div_(comm.size)
     comm._count("all_reduce", int(2 * _frac(comm) * (t.numel() * t.element_size())))
-    return t
+
+    def launch(a: bool) -> Any:
+        if comm.size > 1:
+            return dist.all_reduce(t, op=_reduce_op(op), group=comm.group, async_op=a)
+        return None
+
+    def finish() -> torch.Tensor:
+        return t.div_(comm.size) if op == "avg" else t
+    return _start(comm, launch, finish, async_op)
 
 
 def reduce_scatter(comm: Comm, x: torch.Tensor, op: str, dim: Any,
-                   local_shape: list[int]) -> torch.Tensor:
+                   local_shape: list[int], async_op: bool = False) -> Any:
     """This rank's chunk of the reduction: of the zero-padded flattened tensor (``flat``), or
     along dimension ``dim``."""
     n = comm.size
@@ -92,19 +138,36 @@ def reduce_scatter(comm: Comm, x: torch.Tensor, op: str, dim: Any,
     else:
         src = x.movedim(dim, 0).contiguous()
         out = src.new_empty((src.shape[0] // n, *src.shape[1:]))
-    if n > 1:
-        _reduce_scatter(out, src, op=_reduce_op(op), group=comm.group)
-    else:
-        out.copy_(src)
-    if op == "avg":
-        out.div_(n)
     comm._count("reduce_scatter", int(_frac(comm) * n * (out.numel() * out.element_size())))
-    if dim != "flat":
-        out = out.movedim(0, dim)
-    return out.reshape(local_shape)
+
+    def finish() -> torch.Tensor:
+        res = out.div_(n) if op == "avg" else out
+        if dim != "flat":
+            res = res.movedim(0, dim)
+        return res.reshape(local_shape)
+    return _start(comm, _scatter_launch(comm, out, src, op), finish, async_op)
 
 
-def all_gather(comm: Comm, x: torch.Tensor, dim: Any, shape: list[int]) -> torch.Tensor:
+def _scatter_launch(comm: Comm, out: torch.Tensor, src: torch.Tensor, op: str) -> Any:
+    def launch(a: bool) -> Any:
+        if comm.size > 1:
+            return _reduce_scatter(out, src, op=_reduce_op(op), group=comm.group, async_op=a)
+        out.copy_(src)
+        return None
+    return launch
+
+
+def _gather_launch(comm: Comm, out: torch.Tensor, src: torch.Tensor) -> Any:
+    def launch(a: bool) -> Any:
+        if comm.size > 1:
+            return _all_gather(out, src, group=comm.group, async_op=a)
+        out.copy_(src)
+        return None
+    return launch
+
+
+def all_gather(comm: Comm, x: torch.Tensor, dim: Any, shape: list[int],
+               async_op: bool = False) -> Any:
     """The whole tensor of global ``shape`` from every rank's chunk (padding dropped)."""
     n = comm.size
     if dim == "flat":
@@ -113,17 +176,16 @@ def all_gather(comm: Comm, x: torch.Tensor, dim: Any, shape: list[int]) -> torch
     else:
         src = x.movedim(dim, 0).contiguous()
         out = src.new_empty((n * src.shape[0], *src.shape[1:]))
-    if n > 1:
-        _all_gather(out, src, group=comm.group)
-    else:
-        out.copy_(src)
     comm._count("all_gather", int(_frac(comm) * n * (src.numel() * src.element_size())))
-    if dim == "flat":
-        numel = 1
-        for s in shape:
-            numel *= s
-        return out[:numel].view(shape)
-    return out.movedim(0, dim)
+
+    def finish() -> torch.Tensor:
+        if dim == "flat":
+            numel = 1
+            for s in shape:
+                numel *= s
+            return out[:numel].view(shape)
+        return out.movedim(0, dim)
+    return _start(comm, _gather_launch(comm, out, src), finish, async_op)
 
 
 def take_shard(comm: Comm, x: torch.Tensor, dim: Any, local_shape: list[int]) -> torch.Tensor:
@@ -142,7 +204,8 @@ def broadcast(comm: Comm, x: torch.Tensor, root: int) -> torch.Tensor:
     t = x.clone(memory_format=torch.contiguous_format)
     if comm.size > 1:
         dist.broadcast(t, src=comm.global_rank(root), group=comm.group)
-    comm._count("broadcast", t.numel() * t.element_size() if comm.rank == root else 0)
+    # a pipelined ring broadcast: every rank but the last forwards the message
+    comm._count("broadcast", int(_frac(comm) * t.numel() * t.element_size()))
     return t
 
 
@@ -160,55 +223,63 @@ def _rows(x: torch.Tensor, n: int, dim: Any) -> torch.Tensor:
     return x.movedim(dim, 0).reshape(n, -1)
 
 
-def all_reduce_bucket(comm: Comm, xs: list[torch.Tensor], op: str) -> tuple[torch.Tensor, ...]:
+def all_reduce_bucket(comm: Comm, xs: list[torch.Tensor], op: str,
+                      async_op: bool = False) -> Any:
     """all_reduce of k values in one call on their concatenation."""
     buf = torch.cat([x.reshape(-1) for x in xs])
-    buf = all_reduce(comm, buf, op, owned=True)
-    return tuple(p.view(x.shape) for p, x in zip(buf.split([x.numel() for x in xs]), xs))
+    comm._count("all_reduce", int(2 * _frac(comm) * (buf.numel() * buf.element_size())))
+
+    def launch(a: bool) -> Any:
+        if comm.size > 1:
+            return dist.all_reduce(buf, op=_reduce_op(op), group=comm.group, async_op=a)
+        return None
+
+    def finish() -> tuple[torch.Tensor, ...]:
+        res = buf.div_(comm.size) if op == "avg" else buf
+        return tuple(p.view(x.shape) for p, x in zip(res.split([x.numel() for x in xs]), xs))
+    return _start(comm, launch, finish, async_op)
 
 
 def reduce_scatter_bucket(comm: Comm, xs: list[torch.Tensor], op: str, dim: Any,
-                          local_shapes: list[list[int]]) -> tuple[torch.Tensor, ...]:
+                          local_shapes: list[list[int]], async_op: bool = False) -> Any:
     """reduce_scatter of k values in one call: this rank's piece of each."""
     n = comm.size
     rows = [_rows(x, n, dim) for x in xs]
     src = torch.cat(rows, dim=1).reshape(-1)
     out = src.new_empty(src.numel() // n)
-    if n > 1:
-        _reduce_scatter(out, src, op=_reduce_op(op), group=comm.group)
-    else:
-        out.copy_(src)
-    if op == "avg":
-        out.div_(n)
     comm._count("reduce_scatter", int(_frac(comm) * n * (out.numel() * out.element_size())))
-    pieces = out.split([r.shape[1] for r in rows])
-    if dim == "flat":
-        return tuple(p.view(s) for p, s in zip(pieces, local_shapes))
-    return tuple(p.view([x.shape[dim] // n] + [s for i, s in enumerate(x.shape) if i != dim])
-                 .movedim(0, dim) for p, x in zip(pieces, xs))
+
+    def finish() -> tuple[torch.Tensor, ...]:
+        res = out.div_(n) if op == "avg" else out
+        pieces = res.split([r.shape[1] for r in rows])
+        if dim == "flat":
+            return tuple(p.view(s) for p, s in zip(pieces, local_shapes))
+        return tuple(p.view([x.shape[dim] // n] + [s for i, s in enumerate(x.shape)
+                                                   if i != dim]).movedim(0, dim)
+                     for p, x in zip(pieces, xs))
+    return _start(comm, _scatter_launch(comm, out, src, op), finish, async_op)
 
 
 def all_gather_bucket(comm: Comm, xs: list[torch.Tensor], dim: Any,
-                      shapes: list[list[int]]) -> tuple[torch.Tensor, ...]:
+                      shapes: list[list[int]], async_op: bool = False) -> Any:
     """all_gather of k values in one call: each whole value, padding dropped."""
     n = comm.size
     flats = [(x.movedim(dim, 0) if dim != "flat" else x).reshape(-1) for x in xs]
     src = torch.cat(flats)
     out = src.new_empty(n * src.numel())
-    if n > 1:
-        _all_gather(out, src, group=comm.group)
-    else:
-        out.copy_(src)
     comm._count("all_gather", int(_frac(comm) * n * (src.numel() * src.element_size())))
-    rows = out.view(n, -1).split([f.numel() for f in flats], dim=1)
-    res = []
-    for r, x, shape in zip(rows, xs, shapes):
-        if dim == "flat":
-            numel = 1
-            for s in shape:
-                numel *= s
-            res.append(r.reshape(-1)[:numel].view(shape))
-        else:
-            piece = list(x.movedim(dim, 0).shape)
-            res.append(r.reshape([n * piece[0]] + piece[1:]).movedim(0, dim))
-    return tuple(res)
+
+    def finish() -> tuple[torch.Tensor, ...]:
+        rows = out.view(n, -1).split([f.numel() for f in flats], dim=1)
+        res = []
+        for r, x, shape in zip(rows, xs, shapes):
+            if dim == "flat":
+                numel = 1
+                for s in shape:
+                    numel *= s
+                res.append(r.reshape(-1)[:numel].view(shape))
+            else:
+                piece = list(x.movedim(dim, 0).shape)
+                res.append(r.reshape([n * piece[0]] + piece[1:]).movedim(0, dim))
+        return tuple(res)
+    return _start(comm, _gather_launch(comm, out, src), finish, async_op)

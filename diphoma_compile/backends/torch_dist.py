@@ -39,6 +39,35 @@ class MemoryReport:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class StepProfile:
+    """Seconds per step (medians): the step as scheduled, computation, communication, and
+    the part of communication hidden behind computation."""
+
+    step_s: float
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    hidden_comm_s: float
+    steps: int
+
+    def to_dict(self) -> dict[str, float]:
+        """The profile as a plain dict (for JSON)."""
+        return asdict(self)
+
+    def __str__(self) -> str:
+        share = self.hidden_comm_s / self.comm_s if self.comm_s else 0.0
+        return (f"step {self.step_s * 1e3:.1f} ms: compute {self.compute_s * 1e3:.1f} ms, "
+                f"communication {self.comm_s * 1e3:.1f} ms of which hidden "
+                f"{self.hidden_comm_s * 1e3:.1f} ms ({share:.0%}), exposed "
+                f"{self.exposed_comm_s * 1e3:.1f} ms (median of {self.steps})")
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
 class TorchDistStep(TorchStep):
     """A callable with the user's step signature that runs this rank's part of a
     data-parallel program and keeps this rank's optimizer-state shards in the optimizer."""
@@ -163,6 +192,35 @@ class TorchDistStep(TorchStep):
                                        group=self.comm.group)
 
     # ------------------------------------------------------------------ reports
+    def profile(self, *args: Any, steps: int = 5) -> StepProfile:
+        """Time ``steps`` real training steps twice (they update the model): once with every
+        collective waited for at once, giving the time in communication and, the rest, in
+        computation; once as scheduled (asynchronous collectives waited for late), giving the
+        communication still exposed. Hidden = communication - exposed. Medians per step;
+        every rank must call it."""
+        import time
+
+        def timed(force: bool) -> tuple[float, float]:
+            walls, blocked = [], []
+            self.comm.force_sync = force
+            try:
+                for _ in range(steps):
+                    dist.barrier(group=self.comm.group)
+                    b0, t0 = self.comm.blocked_s, time.perf_counter()
+                    self(*args)
+                    walls.append(time.perf_counter() - t0)
+                    blocked.append(self.comm.blocked_s - b0)
+            finally:
+                self.comm.force_sync = False
+            return _median(walls), _median(blocked)
+        if steps < 1:
+            raise ValueError("profile needs at least one step")
+        sync_wall, comm_s = timed(True)
+        step_s, exposed = timed(False)
+        return StepProfile(step_s=step_s, compute_s=max(sync_wall - comm_s, 0.0),
+                           comm_s=comm_s, exposed_comm_s=exposed,
+                           hidden_comm_s=max(comm_s - exposed, 0.0), steps=steps)
+
     def memory_report(self) -> MemoryReport:
         """Bytes of parameters, optimizer state and gradients this process holds now."""
         cap = self.captured

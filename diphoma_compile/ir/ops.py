@@ -95,7 +95,9 @@ class OpDef:
             return int(frac * ins[0].nbytes)
         if self.name == "all_gather":
             return int(frac * n * sum(t.local_nbytes(axis) for t in ins))
-        if self.name in ("broadcast", "send"):
+        if self.name == "broadcast":   # a pipelined ring: all but the last rank forward
+            return int(frac * ins[0].nbytes)
+        if self.name == "send":
             return ins[0].nbytes
         return 0
 

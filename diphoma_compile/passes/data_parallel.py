@@ -18,6 +18,7 @@ from ..ir.ops import op_def
 from ..ir.sharding import propagate
 from ..ir.types import VARYING, TensorType, Varying
 from .base import Pass, PassContext, PassFailure, register_pass
+from .dce import dce_graph
 
 
 def require_axis(graph: Graph, axis: str, pass_name: str) -> int:
@@ -52,6 +53,8 @@ class DataParallel(Pass):
 
     def __call__(self, graph: Graph, ctx: PassContext) -> Graph:
         require_axis(graph, self.axis, self.name)
+        # dead reads must not sync anything (traced views leave dead update ops behind)
+        graph = dce_graph(graph)
         ax = self.axis
         batch = [i.name for i in graph.inputs if i.role.kind is InputKind.batch]
         if not batch:
