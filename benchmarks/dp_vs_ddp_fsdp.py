@@ -4,6 +4,7 @@ with AdamW on N gloo ranks on the CPU.
 
     python benchmarks/dp_vs_ddp_fsdp.py [--steps 10] [--warmup 3] [--nproc 4]
         [--layers 4 --embd 256 --vocab 8192 --seq 128 --batch 16] [--variants ddp,fsdp2,diphoma]
+        [--buckets 1,5,25] [--profile]
 
 The script spawns the ranks itself. Every variant starts from identical weights (same seed)
 and sees the same batches; each rank trains on its own slice (global batch / N). Rank 0
@@ -17,6 +18,12 @@ prints one row per variant:
   param MB    parameter bytes held by one rank, counted the same way;
   vs DDP      the ratio to the DDP row (below 1 is better);
   loss        the last step's loss, averaged over ranks (variants should agree closely).
+Variants: ddp, fsdp2, diphoma (the default pipeline: data parallelism, weight-update
+sharding, comm-fusion with a bucket a quarter of the gradient bytes, schedule-comm),
+diphoma-unfused (one collective per tensor, synchronous), and diphoma-bX for each X in
+--buckets (fusion with X MB buckets: the sweep). --profile adds, per diphoma variant, the
+time in computation and communication and the part of communication hidden (after the
+timed steps; it runs 2 x --steps more steps).
 The goal for diphoma: DDP's s/step or better with FSDP2's 1/N optimizer memory.
 No asserts: the machine is noisy; read the ratios.
 """
@@ -40,7 +47,17 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT, GPTConfig, make_batch, train_step  # noqa: E402
 
-VARIANTS = ("ddp", "fsdp2", "diphoma")
+VARIANTS = ("ddp", "fsdp2", "diphoma", "diphoma-unfused")
+BASE = "dce,data-parallel,weight-update-sharding,dce"
+
+
+def _passes(variant: str) -> str | None:
+    """The pass pipeline of a diphoma variant (None: parallelize's default)."""
+    if variant == "diphoma-unfused":
+        return BASE
+    if variant.startswith("diphoma-b"):
+        return BASE + f",comm-fusion{{bucket-mb={variant[len('diphoma-b'):]}}},schedule-comm"
+    return None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -71,10 +88,11 @@ def _build(variant: str, cfg: GPTConfig, world: int, lr: float):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    if variant != "diphoma":
+    if not variant.startswith("diphoma"):
         return train_step, model, opt, lambda: (_state_bytes(opt), _param_bytes(model))
     import diphoma_compile
-    pstep = diphoma_compile.parallelize(train_step, diphoma_compile.Mesh({"dp": world}))
+    pstep = diphoma_compile.parallelize(train_step, diphoma_compile.Mesh({"dp": world}),
+                                        passes=_passes(variant))
 
     def memory() -> tuple[int, int]:
         rep = pstep.memory_report()
@@ -100,8 +118,11 @@ def _run(variant: str, a: argparse.Namespace, cfg: GPTConfig, batches: list) -> 
     opt_b, par_b = memory()
     mem = torch.tensor([opt_b, par_b], dtype=torch.int64)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-    return {"median": statistics.median(t[a.warmup:].tolist()), "first": t[0].item(),
-            "opt": mem[0].item(), "param": mem[1].item(), "loss": lv.item() / world}
+    out = {"median": statistics.median(t[a.warmup:].tolist()), "first": t[0].item(),
+           "opt": mem[0].item(), "param": mem[1].item(), "loss": lv.item() / world}
+    if a.profile and variant.startswith("diphoma"):
+        out["profile"] = str(step.profile(model, opt, *batches[-1], steps=a.steps))
+    return out
 
 
 def _worker(rank: int, world: int, a: argparse.Namespace) -> None:
@@ -142,18 +163,28 @@ def _report(a: argparse.Namespace, cfg: GPTConfig, results: dict) -> None:
 
     def ratio(r: dict, key: str) -> str:
         return f"{r[key] / base[key]:.2f}x" if base and base[key] else "-"
-    print(f"{'variant':<8} {'s/step':>8} {'vs DDP':>7} {'first s':>8} {'opt MB':>8} "
+    print(f"{'variant':<16} {'s/step':>8} {'vs DDP':>7} {'first s':>8} {'opt MB':>8} "
           f"{'vs DDP':>7} {'param MB':>9} {'vs DDP':>7} {'loss':>10}")
     for v, r in results.items():
         if isinstance(r, str):
             print(f"{v}: unavailable ({r})")
             continue
-        print(f"{v:<8} {r['median']:>8.3f} {ratio(r, 'median'):>7} {r['first']:>8.2f} "
+        print(f"{v:<16} {r['median']:>8.3f} {ratio(r, 'median'):>7} {r['first']:>8.2f} "
               f"{r['opt'] / 1e6:>8.2f} {ratio(r, 'opt'):>7} {r['param'] / 1e6:>9.2f} "
               f"{ratio(r, 'param'):>7} {r['loss']:>10.5f}")
+    for v, r in results.items():
+        if isinstance(r, dict) and "profile" in r:
+            print(f"{v} profile (rank 0): {r['profile']}")
     losses = [r["loss"] for r in results.values() if isinstance(r, dict)]
     if len(losses) > 1:
         print(f"largest difference of final losses: {max(losses) - min(losses):.2e}")
+
+
+def _is_bucket(v: str) -> bool:
+    try:
+        return v.startswith("diphoma-b") and float(v[len("diphoma-b"):]) > 0
+    except ValueError:
+        return False
 
 
 def _free_port() -> int:
@@ -174,12 +205,16 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=16, help="global batch, split over ranks")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default="ddp,fsdp2,diphoma")
+    p.add_argument("--buckets", default="", help="bucket sizes (MB) to sweep, e.g. 1,5,25")
+    p.add_argument("--profile", action="store_true",
+                   help="profile each diphoma variant (compute / communication / hidden)")
     p.add_argument("--timeout", type=int, default=300, help="seconds a collective may wait")
     p.add_argument("--verbose", action="store_true", help="print a failing variant's traceback")
     a = p.parse_args()
     a.variants = [v.strip() for v in a.variants.split(",") if v.strip()]
-    bad = [v for v in a.variants if v not in VARIANTS]
+    a.variants += [f"diphoma-b{b.strip()}" for b in a.buckets.split(",") if b.strip()]
+    bad = [v for v in a.variants if v not in VARIANTS and not _is_bucket(v)]
     if bad or a.batch % a.nproc or a.warmup < 1 or a.steps < 1:
         p.error(f"variants from {VARIANTS}; --batch divisible by --nproc; warmup, steps >= 1"
                 + (f" (unknown: {bad})" if bad else ""))
