@@ -6,7 +6,6 @@ Or the file's own step with its example inputs, also evaluated as shapes."""
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -19,7 +18,7 @@ import optax
 from .inspect_load import Candidate, construct, evaluate, user_error
 from .inspect_loss import LossChoice, choose, expr_loss, get
 from .inspect_spec import InputSpec, InspectError, Target, describe_inputs, local_shape, \
-    unique_names
+    plan_call
 
 OPTIMIZERS: dict[str, tuple[str, Callable[[], Any]]] = {
     "adamw": ("optax.adamw(1e-3)", lambda: optax.adamw(1e-3)),
@@ -37,16 +36,6 @@ def _struct(spec: InputSpec) -> jax.ShapeDtypeStruct:
 def _is_float(x: Any) -> bool:
     dt = getattr(x, "dtype", None)
     return dt is not None and hasattr(x, "shape") and jnp.issubdtype(dt, jnp.floating)
-
-
-def _call_names(model: Any) -> tuple[list[str], int, int]:
-    try:
-        params = list(inspect.signature(model.__call__).parameters.values())
-    except (TypeError, ValueError):
-        return [], 0, 1 << 30
-    pos = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    takes = 1 << 30 if any(p.kind is p.VAR_POSITIONAL for p in params) else len(pos)
-    return [p.name for p in pos], sum(p.default is p.empty for p in pos), takes
 
 
 def _loss_fn(choice: LossChoice, module: ModuleType) -> Callable:
@@ -96,19 +85,16 @@ def model_target(cand: Candidate | None, module: ModuleType, label: str, init: s
                            hint="flax.nnx modules: write a step and example_inputs() in the "
                                 "file and name the step")
     label += "" if not label.endswith(":") else type(model).__name__
-    fnames, required, takes = _call_names(model)
-    sig = f"{type(model).__name__}({', '.join(fnames)})"
-    if len(specs) < required:
-        raise InspectError(f"{sig} takes {required} input(s) but --input describes "
-                           f"{len(specs)}", hint="describe each with --input, e.g. "
-                           "--input 'f32[64,784]'")
-    names = unique_names(specs, fnames)
+    call = plan_call(specs, model.__call__, type(model).__name__)
+    names = list(call.names)
     specs = [InputSpec(nm, s.dtype, s.shape, s.high) for nm, s in zip(names, specs)]
-    n_model = min(len(specs), takes)
     glob = [_struct(s) for s in specs]
-    local = [_struct(s.local(n, axis)) for s in specs]
-    variables = _shapes(lambda *xs: model.init(jax.random.key(0), *xs), local[:n_model],
-                        module, f"{type(model).__name__}.init")
+    local = dict(zip(names, (_struct(s.local(n, axis)) for s in specs)))
+
+    def init(xs: dict) -> Any:
+        args, kwargs = call.args(xs)
+        return model.init(jax.random.key(0), *args, **kwargs)
+    variables = _shapes(init, [local], module, f"{type(model).__name__}.init")
     params = variables.get("params", {})
     others = sorted(k for k in variables if k != "params")
     if others:
@@ -117,9 +103,10 @@ def model_target(cand: Candidate | None, module: ModuleType, label: str, init: s
                            hint="write a step that returns it in opt_state, with "
                                 "example_inputs(), and name the step")
 
-    def apply(p: Any, *xs: Any) -> Any:
-        return model.apply({"params": p}, *xs)
-    out = _shapes(apply, [params, *local[:n_model]], module, f"{type(model).__name__}.apply")
+    def apply(p: Any, xs: dict) -> Any:
+        args, kwargs = call.args(xs)
+        return model.apply({"params": p}, *args, **kwargs)
+    out = _shapes(apply, [params, local], module, f"{type(model).__name__}.apply")
     choice = choose(out, loss, _is_float)
     if choice.kind == "ce":
         if "labels" in names:
@@ -133,7 +120,7 @@ def model_target(cand: Candidate | None, module: ModuleType, label: str, init: s
 
     def train_step(params, opt_state, batch):
         def loss_of(p):
-            return loss_fn(apply(p, *[batch[k] for k in names[:n_model]]), batch)
+            return loss_fn(apply(p, batch), batch)
         loss, grads = jax.value_and_grad(loss_of)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss

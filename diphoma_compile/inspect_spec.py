@@ -114,17 +114,64 @@ class Target:
     context: dict[str, str]
 
 
-def unique_names(specs: list[InputSpec], defaults: list[str]) -> list[str]:
-    """A distinct identifier per input: its own name, else the model's parameter name at
-    that position, else ``input<i>``."""
+@dataclass(frozen=True)
+class CallPlan:
+    """How the inputs reach the model: their names, which go in by position and which by
+    keyword (a named input the call accepts); the rest only the loss sees."""
+
+    names: tuple[str, ...]
+    positional: tuple[str, ...]
+    keyword: tuple[str, ...]
+
+    def args(self, batch: dict) -> tuple[list, dict]:
+        """The call's positional and keyword arguments from inputs by name."""
+        return [batch[k] for k in self.positional], {k: batch[k] for k in self.keyword}
+
+
+def plan_call(specs: list[InputSpec], fn: object, what: str) -> CallPlan:
+    """Match the inputs to ``fn``'s parameters: an unnamed input takes the next positional
+    parameter (and its name), a named one goes by keyword when ``fn`` accepts it; an
+    InspectError when a required parameter is left out or given twice."""
+    import inspect
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    P = inspect.Parameter
+    pos = [p.name for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    var_pos = any(p.kind is P.VAR_POSITIONAL for p in params) or not params
+    by_name = {p.name for p in params if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)}
+    var_kw = any(p.kind is P.VAR_KEYWORD for p in params)
+    sig = f"{what}({', '.join(p.name for p in params)})"
     names: list[str] = []
+    positional: list[str] = []
+    keyword: list[str] = []
     for i, s in enumerate(specs):
-        n = s.name or (defaults[i] if i < len(defaults) else f"input{i}")
-        if n in names or n in ("model", "opt", "params", "opt_state"):
-            raise InspectError(f"two inputs (or an input and the step) are both called {n!r}",
+        if s.name is None:
+            k = len(positional)
+            name = pos[k] if k < len(pos) else f"input{i}"
+            if k < len(pos) or var_pos:
+                positional.append(name)
+        else:
+            name = s.name
+            if name in by_name or var_kw:
+                keyword.append(name)
+        if name in names or name in ("model", "opt", "params", "opt_state"):
+            raise InspectError(f"two inputs (or an input and the step) are both called {name!r}",
                                hint="name the inputs: --input NAME=DTYPE[...]")
-        names.append(n)
-    return names
+        names.append(name)
+    covered = set(keyword) | set(pos[:len(positional)])
+    twice = [k for k in keyword if k in pos[:len(positional)]]
+    if twice:
+        raise InspectError(f"{sig}: {twice[0]} is given by position and by name",
+                           hint="name every input, or put the unnamed ones first")
+    missing = [p.name for p in params if p.default is P.empty and p.name not in covered
+               and p.kind not in (P.VAR_POSITIONAL, P.VAR_KEYWORD)]
+    if missing:
+        raise InspectError(f"{sig} needs {', '.join(missing)}, which --input does not "
+                           "describe", hint="describe each input with --input, e.g. "
+                           "--input 'int64[8,128]<50257' or --input 'x=f32[32,3,32,32]'")
+    return CallPlan(tuple(names), tuple(positional), tuple(keyword))
 
 
 def describe_inputs(specs: list[InputSpec], n: int) -> str:

@@ -20,8 +20,8 @@ from torch.utils import _pytree as pytree
 from .errors import DiphomaError
 from .inspect_load import Candidate, construct, evaluate
 from .inspect_loss import LossChoice, choose, expr_loss, get
-from .inspect_spec import (InputSpec, InspectError, Target, describe_inputs, local_shape,
-                           unique_names)
+from .inspect_spec import (CallPlan, InputSpec, InspectError, Target, describe_inputs,
+                           local_shape, plan_call)
 
 # the multi-tensor (foreach) kernels: what these optimizers run by default on GPUs, and a
 # shorter trace than the per-tensor loop; the math and the plan are the same
@@ -49,19 +49,6 @@ def on_meta(make: Callable[[], Any], what: str) -> tuple[Any, bool]:
         return out, False
 
 
-def _forward_names(model: torch.nn.Module) -> tuple[list[str], int, int]:
-    """The forward's positional parameter names, how many are required, how many it takes
-    (a large number for ``*args``)."""
-    try:
-        params = list(inspect.signature(model.forward).parameters.values())
-    except (TypeError, ValueError):
-        return [], 0, 1 << 30
-    pos = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    takes = 1 << 30 if any(p.kind is p.VAR_POSITIONAL for p in params) else len(pos)
-    required = sum(1 for p in pos if p.default is p.empty)
-    return [p.name for p in pos], required, takes
-
-
 def _meta(spec: InputSpec) -> torch.Tensor:
     return torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device="meta")
 
@@ -73,7 +60,7 @@ def _fake(fake: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     return fake.from_tensor(t)
 
 
-def probe(model: torch.nn.Module, xs: list[torch.Tensor]) -> Any:
+def probe(model: torch.nn.Module, xs: list[torch.Tensor], kw: dict[str, torch.Tensor]) -> Any:
     """The model's output for these inputs, computed on fake tensors (shapes only); a
     FrontendError naming the construct when the forward cannot run that way."""
     from .frontends.torch_trace import _explain
@@ -82,7 +69,8 @@ def probe(model: torch.nn.Module, xs: list[torch.Tensor]) -> Any:
                [*model.named_parameters(), *model.named_buffers()]}
     try:
         with _reparametrize_module(model, tensors, tie_weights=True), fake, torch.no_grad():
-            return model(*[_fake(fake, x) for x in xs])
+            return model(*[_fake(fake, x) for x in xs],
+                         **{k: _fake(fake, x) for k, x in kw.items()})
     except DiphomaError:
         raise
     except Exception as e:
@@ -106,13 +94,15 @@ def _loss_fn(choice: LossChoice, module: ModuleType) -> Callable:
     return lambda out, inputs: get(out, choice.path)
 
 
-def make_step(n_model: int, names: list[str], loss_fn: Callable) -> Callable:
-    """``train_step(model, opt, *inputs)``: forward on the first ``n_model`` inputs, the
-    loss, backward, the optimizer step, zero_grad; its signature names the inputs (the IR
-    names batch inputs after them)."""
+def make_step(call: CallPlan, names: list[str], loss_fn: Callable) -> Callable:
+    """``train_step(model, opt, *inputs)``: forward as ``call`` says, the loss, backward,
+    the optimizer step, zero_grad; its signature names the inputs (the IR names batch
+    inputs after them)."""
     def train_step(model, opt, *batch):
-        out = model(*batch[:n_model])
-        loss = loss_fn(out, dict(zip(names, batch)))
+        inputs = dict(zip(names, batch))
+        args, kwargs = call.args(inputs)
+        out = model(*args, **kwargs)
+        loss = loss_fn(out, inputs)
         if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise InspectError(f"the loss is {shape}, not a scalar tensor",
@@ -157,18 +147,12 @@ def model_target(cand: Candidate | None, module: ModuleType, label: str, init: s
         raise InspectError(f"{init or cand.name + '()'} gave a {type(model).__name__}, "
                            "not an nn.Module")
     label += "" if not label.endswith(":") else type(model).__name__
-    fnames, required, takes = _forward_names(model)
-    sig = f"{type(model).__name__}.forward({', '.join(fnames)})"
-    if len(specs) < required:
-        raise InspectError(f"{sig} takes {required} input(s) but --input describes "
-                           f"{len(specs)}", hint="describe each with --input, e.g. "
-                           "--input 'int64[8,128]<50257' or --input 'f32[32,3,32,32]'")
-    names = unique_names(specs, fnames)
+    call = plan_call(specs, model.forward, f"{type(model).__name__}.forward")
+    names = list(call.names)
     specs = [InputSpec(nm, s.dtype, s.shape, s.high) for nm, s in zip(names, specs)]
-    local = [s.local(n, axis) for s in specs]
-    xs = [_meta(s) for s in local]
-    n_model = min(len(specs), takes)
-    choice = choose(probe(model, xs[:n_model]), loss, _is_float)
+    xs = [_meta(s.local(n, axis)) for s in specs]
+    args, kwargs = call.args(dict(zip(names, xs)))
+    choice = choose(probe(model, args, kwargs), loss, _is_float)
     if choice.kind == "ce":
         if "labels" in names:
             raise InspectError("an input is called 'labels', which cross-entropy's labels "
@@ -178,7 +162,7 @@ def model_target(cand: Candidate | None, module: ModuleType, label: str, init: s
         specs, names = [*specs, lab], [*names, "labels"]
         xs.append(_meta(lab.local(n, axis)))
     opt, opt_text = _optimizer(optimizer, model, module)
-    step = make_step(n_model, names, _loss_fn(choice, module))
+    step = make_step(call, names, _loss_fn(choice, module))
     context = {
         "model": f"{label} (torch{', built on the meta device' if meta else ''})",
         "inputs": describe_inputs(specs, n),

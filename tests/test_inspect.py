@@ -169,7 +169,7 @@ def test_passes_dump_and_out(capsys, tmp_path):
      ["--input 'int64[8,16<64' does not parse", "DTYPE[D0,D1,...]"]),
     ([GPT, "--init", TINY_GPT, "--input", "q8[8,16]"], ["unknown dtype 'q8'"]),
     ([GPT, "--init", TINY_GPT, "--input", "f32[8,16]<3"], ["bounds integer inputs only"]),
-    ([GPT, "--init", TINY_GPT], ["GPT.forward(idx, targets) takes 1 input(s)"]),
+    ([GPT, "--init", TINY_GPT], ["GPT.forward(idx, targets) needs idx, which --input does not describe"]),
     ([GPT, "--init", TINY_GPT, "--input", "int64[12,16]<64"],
      ["idx has a global batch of 12, which does not divide among the 8 devices"]),
     ([GPT, "--init", TINY_GPT, "--input", "int64[8,16]<64", "--mesh", "dp"],
