@@ -22,6 +22,12 @@ from .passes.base import PassContext, Pipeline
 from .plan import Plan, build_plan
 
 DATA_AXIS_NAMES = ("dp", "data", "batch")
+BACKENDS = {
+    "torch": "torch.distributed per-rank program; collectives run as planned (buckets packed, "
+             "async ones waited where first needed)",
+    "jax": "jax.jit over jax.shard_map with NamedSharding in/out; the collectives are explicit, "
+           "so buckets run as planned (XLA's combiner thresholds are not used)",
+}
 
 
 def data_axis(mesh: Mesh, axis: str | None) -> str:
@@ -96,6 +102,7 @@ class ParallelStep:
         ctx = PassContext()
         self._graph = Pipeline.from_spec(spec).run(graph.replace(mesh=self.mesh), ctx) \
             if spec else graph.replace(mesh=self.mesh)
+        ctx.notes["backend"] = BACKENDS[self.framework]
         self._plan = build_plan(self._graph, ctx.notes)
         return self
 

@@ -110,7 +110,28 @@ def render(plan: Plan, max_rows: int = 60) -> str:
     if wus.get("grads_left_sharded"):
         lines += ["", "gradient outputs left sharded (no full .grad): "
                   + ", ".join(wus["grads_left_sharded"])]
+    lines += _comm_lines(plan.notes)
     return "\n".join(lines) + "\n"
+
+
+def _comm_lines(notes: dict) -> list[str]:
+    """What comm-fusion and schedule-comm did, and how the backend carries it out."""
+    out = []
+    fusion = notes.get("comm-fusion")
+    if fusion:
+        out += ["", f"comm-fusion (buckets of {fusion['bucket_mb']:g} MB): "
+                    f"{fusion['collectives_before']} collectives, "
+                    f"{human(fusion['bytes_before'])} -> {fusion['collectives_after']} "
+                    f"collectives, {human(fusion['bytes_after'])} "
+                    f"({len(fusion['buckets'])} buckets)"]
+    sched = notes.get("schedule-comm")
+    if sched:
+        out += [f"schedule-comm: {sched['async']} collectives issued as soon as their inputs "
+                "are ready and awaited where first needed"]
+    backend = notes.get("backend")
+    if backend:
+        out += [f"backend: {backend}"]
+    return out
 
 
 def _fold_collectives(rows: list[list[str]], max_rows: int) -> list[list[str]]:
