@@ -118,9 +118,12 @@ def build_target(args: argparse.Namespace, mesh: Mesh, axis: str) -> Target:
     else:
         from . import inspect_jax as fw  # type: ignore[no-redef]
     if cand is not None and cand.kind == "step" and args.init is None:
-        if specs:
-            raise InspectError(f"{cand.name} makes its own inputs with "
-                               f"{cand.inputs_fn.__name__}(); --input is for model classes")
+        own = [o for o, given in (("--input", specs), ("--loss", args.loss != "auto"),
+                                  ("--optimizer", args.optimizer != "adamw")) if given]
+        if own:
+            raise InspectError(f"{cand.name} is a whole step: it makes its own inputs with "
+                               f"{cand.inputs_fn.__name__}() and has its own loss and "
+                               f"optimizer; {', '.join(own)} is for model classes")
         return fw.step_target(cand, label, n, axis)
     return fw.model_target(cand, module, label, args.init, specs, args.loss, args.optimizer,
                            n, axis)
