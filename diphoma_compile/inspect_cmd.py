@@ -132,10 +132,12 @@ def build_target(args: argparse.Namespace, mesh: Mesh, axis: str) -> Target:
 def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump: Any,
                 stream: Any, clock: list | None = None) -> tuple[Any, Any, list]:
     """Trace the step, run the pipeline for ``mesh`` (dumping as asked), and build the
-    plan; what ``parallelize(...).trace()`` does, with the dumps. ``clock`` collects
-    (stage, time) pairs."""
+    plan: what ``ParallelStep.trace()`` does (same default pipeline, same notes), plus the
+    dumps, which ``trace()`` has no way to ask for. ``clock`` collects (stage, time)
+    pairs."""
     clock = clock if clock is not None else []
-    from .parallel import _local_jax_args, default_passes
+    from .ir.core import InputKind
+    from .parallel import BACKENDS, _local_jax_args, default_passes
     from .passes import PassContext, Pipeline
     from .plan import build_plan
     if target.framework == "torch":
@@ -150,11 +152,15 @@ def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump:
     if dump == "all" or "trace" in dump:
         from .ir import print_graph
         stream(f"# IR after trace\n{print_graph(graph)}")
-    spec = passes if passes is not None else default_passes(target.framework, axis)
+    grad_bytes = sum(i.value.type.nbytes for i in graph.inputs
+                     if i.role.kind is InputKind.param)
+    spec = passes if passes is not None else \
+        default_passes(target.framework, axis, grad_bytes)
     ctx = PassContext(dump_after=dump, dump_stream=stream)
     if spec:
         graph = Pipeline.from_spec(spec).run(graph, ctx)
     clock.append(("passes", time.perf_counter()))
+    ctx.notes["backend"] = BACKENDS[target.framework]
     plan = build_plan(graph, ctx.notes)
     clock.append(("plan", time.perf_counter()))
     return graph, plan, ctx.records
