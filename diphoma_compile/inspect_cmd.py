@@ -132,36 +132,18 @@ def build_target(args: argparse.Namespace, mesh: Mesh, axis: str) -> Target:
 def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump: Any,
                 stream: Any, clock: list | None = None) -> tuple[Any, Any, list]:
     """Trace the step, run the pipeline for ``mesh`` (dumping as asked), and build the
-    plan: what ``ParallelStep.trace()`` does (same default pipeline, same notes), plus the
-    dumps, which ``trace()`` has no way to ask for. ``clock`` collects (stage, time)
-    pairs."""
+    plan, as ``ParallelStep.trace()`` does; ``clock`` collects (stage, time) pairs."""
     clock = clock if clock is not None else []
-    from .ir.core import InputKind
-    from .parallel import BACKENDS, _local_jax_args, default_passes
-    from .passes import PassContext, Pipeline
-    from .plan import build_plan
-    if target.framework == "torch":
-        from .frontends.torch_trace import trace_torch
-        graph, _ = trace_torch(target.step, *target.args)
-    else:
-        from .frontends.jax_trace import trace_jax_with_tree
-        local = _local_jax_args(target.args, mesh.axis_size(axis), axis)
-        graph, _ = trace_jax_with_tree(target.step, *local)
-    graph = graph.replace(mesh=mesh)
+    from .parallel import run_passes, trace_step
+    from .passes import PassContext
+    _, graph, _ = trace_step(target.step, target.args, mesh, axis)
     clock.append(("trace", time.perf_counter()))
     if dump == "all" or "trace" in dump:
         from .ir import print_graph
-        stream(f"# IR after trace\n{print_graph(graph)}")
-    grad_bytes = sum(i.value.type.nbytes for i in graph.inputs
-                     if i.role.kind is InputKind.param)
-    spec = passes if passes is not None else \
-        default_passes(target.framework, axis, grad_bytes)
+        stream(f"# IR after trace\n{print_graph(graph.replace(mesh=mesh))}")
     ctx = PassContext(dump_after=dump, dump_stream=stream)
-    if spec:
-        graph = Pipeline.from_spec(spec).run(graph, ctx)
+    graph, plan = run_passes(graph, target.framework, mesh, axis, passes, ctx)
     clock.append(("passes", time.perf_counter()))
-    ctx.notes["backend"] = BACKENDS[target.framework]
-    plan = build_plan(graph, ctx.notes)
     clock.append(("plan", time.perf_counter()))
     return graph, plan, ctx.records
 

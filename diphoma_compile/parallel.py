@@ -84,26 +84,13 @@ class ParallelStep:
         self._runner: Any = None
 
     # ---------------------------------------------------------------- planning
-    def trace(self, *example_args: Any) -> ParallelStep:
-        """Trace and plan for these arguments without running anything; returns self."""
-        from .api import _framework
-        self.framework = _framework(example_args)
-        if self.framework == "torch":
-            from .frontends.torch_trace import trace_torch
-            graph, self._extra = trace_torch(self.step_fn, *example_args)
-        else:
-            from .frontends.jax_trace import trace_jax_with_tree
-            local = _local_jax_args(example_args, self.mesh.axis_size(self.axis), self.axis)
-            graph, self._extra = trace_jax_with_tree(self.step_fn, *local)
-        grad_bytes = sum(i.value.type.nbytes for i in graph.inputs
-                         if i.role.kind is InputKind.param)
-        spec = self.passes if self.passes is not None else \
-            default_passes(self.framework, self.axis, grad_bytes)
-        ctx = PassContext()
-        self._graph = Pipeline.from_spec(spec).run(graph.replace(mesh=self.mesh), ctx) \
-            if spec else graph.replace(mesh=self.mesh)
-        ctx.notes["backend"] = BACKENDS[self.framework]
-        self._plan = build_plan(self._graph, ctx.notes)
+    def trace(self, *example_args: Any, ctx: PassContext | None = None) -> ParallelStep:
+        """Trace and plan for these arguments without running anything; returns self.
+        ``ctx`` (a PassContext) asks for IR dumps and collects pass timings."""
+        self.framework, graph, self._extra = trace_step(self.step_fn, example_args,
+                                                        self.mesh, self.axis)
+        self._graph, self._plan = run_passes(graph, self.framework, self.mesh, self.axis,
+                                             self.passes, ctx or PassContext())
         return self
 
     @property
@@ -164,6 +151,36 @@ class ParallelStep:
         """Bytes of parameters and optimizer state this process holds, measured from the
         live tensors (after the first call)."""
         return self.runner.memory_report()
+
+
+def trace_step(step_fn: Callable, args: tuple, mesh: Mesh, axis: str
+               ) -> tuple[str, Graph, Any]:
+    """(framework, the step's IR traced per device, what the backend needs besides it):
+    PyTorch at the local batch each rank passes; JAX at the global batch / N."""
+    from .api import _framework
+    framework = _framework(args)
+    if framework == "torch":
+        from .frontends.torch_trace import trace_torch
+        graph, extra = trace_torch(step_fn, *args)
+    else:
+        from .frontends.jax_trace import trace_jax_with_tree
+        local = _local_jax_args(args, mesh.axis_size(axis), axis)
+        graph, extra = trace_jax_with_tree(step_fn, *local)
+    return framework, graph, extra
+
+
+def run_passes(graph: Graph, framework: str, mesh: Mesh, axis: str, passes: str | None,
+               ctx: PassContext) -> tuple[Graph, Plan]:
+    """The graph placed on ``mesh`` after the pipeline (``passes``, or the default one for
+    the framework and the model's gradient bytes), and its plan."""
+    graph = graph.replace(mesh=mesh)
+    grad_bytes = sum(i.value.type.nbytes for i in graph.inputs
+                     if i.role.kind is InputKind.param)
+    spec = passes if passes is not None else default_passes(framework, axis, grad_bytes)
+    if spec:
+        graph = Pipeline.from_spec(spec).run(graph, ctx)
+    ctx.notes["backend"] = BACKENDS[framework]
+    return graph, build_plan(graph, ctx.notes)
 
 
 def _local_jax_args(args: tuple, n: int, axis: str, batch_argnum: int = 2) -> tuple:
