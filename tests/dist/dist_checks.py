@@ -353,7 +353,8 @@ def run_errors(rank: int, world: int, kept: tuple) -> dict:
 # schedule-comm); two GPT ones (a GPT trace costs 5-20 s per rank here, 4 ranks sharing 2
 # cores): SGD without clipping, bucketed, and the usual AdamW with clipping.
 CASES = [("mlp", o, c, False) for o in ("sgdm", "adamw") for c in (False, True)] + \
-    [("mlp", "adamw", True, True), ("gpt", "sgdm", False, True), ("gpt", "adamw", True, False)]
+    [("mlp", "sgdm", True, True), ("mlp", "adamw", True, True), ("gpt", "sgdm", False, True),
+     ("gpt", "adamw", True, False)]
 
 
 def case_id(model: str, opt: str, clip: bool, fused: bool) -> str:
