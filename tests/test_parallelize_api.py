@@ -34,7 +34,7 @@ def test_default_passes_per_framework():
 def test_graph_and_plan_need_a_trace_first():
     step = parallelize(lambda p, s, b: (p, s, 0.0), {"dp": 2})
     with pytest.raises(DiphomaError, match="has not been traced yet"):
-        step.graph
+        _ = step.graph
     with pytest.raises(DiphomaError, match="has not run yet"):
         step.memory_report()
 

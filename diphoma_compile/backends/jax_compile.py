@@ -171,8 +171,8 @@ class JaxStep:
         self.fn = graph_function(graph)
         self.jitted = jax.jit(self.fn)
 
-    def flatten(self, args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-        """(input leaves, the treedef of each argument), checked against the graph."""
+    def leaves(self, args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        """(input leaves, the treedef of each argument); as many leaves as graph inputs."""
         treedefs, leaves = [], []
         for a in args:
             ls, td = jax.tree.flatten(a)
@@ -182,6 +182,11 @@ class JaxStep:
             raise BackendError(f"the step was called with {len(leaves)} array leaves; the "
                                f"graph takes {len(self.graph.inputs)} inputs",
                                hint="pass the same pytrees the step was traced with")
+        return leaves, treedefs
+
+    def flatten(self, args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        """(input leaves, the treedef of each argument), checked against the graph."""
+        leaves, treedefs = self.leaves(args)
         for i, leaf in zip(self.graph.inputs, leaves):
             _check_leaf(i.name, i.value.type, leaf)
         return leaves, treedefs

@@ -341,15 +341,7 @@ class JaxParallelStep(JaxStep):
     def flatten(self, args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         """(input leaves laid out over the mesh, the treedef of each argument), checked
         against the graph: global shapes, dtypes, and a batch that splits evenly."""
-        treedefs, leaves = [], []
-        for a in args:
-            ls, td = jax.tree.flatten(a)
-            treedefs.append(td)
-            leaves.extend(ls)
-        if len(leaves) != len(self.graph.inputs):
-            raise BackendError(f"the step was called with {len(leaves)} array leaves; the "
-                               f"graph takes {len(self.graph.inputs)} inputs",
-                               hint="pass the same pytrees the step was traced with")
+        leaves, treedefs = self.leaves(args)
         placed = []
         for i, want, sharding, leaf in zip(self.graph.inputs, self.global_shapes,
                                            self.in_shardings, leaves):
