@@ -3,16 +3,17 @@
 The step is ordinary PyTorch: it calls the model, ``loss.backward()``, maybe
 ``clip_grad_norm_``, ``opt.step()`` and ``opt.zero_grad()``. We swap the modules' parameters
 and buffers, the optimizers' state and learning rates for fake tensors that are graph inputs,
-trace the call with make_fx in fake mode (no real tensor is touched), and functionalize the
-result so that no in-place op survives. ``Captured`` holds the fx graph, where each flat input
+trace the call once with make_fx in fake mode (no real tensor is touched), functionalizing as
+it goes so that no in-place op survives. ``Captured`` holds the fx graph, where each flat input
 comes from and each flat output goes to, and the phase and source line of every node."""
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 import os
-import re
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from unittest import mock
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.functional_tensor import FunctionalTensorMode, dispatch_functionalize
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.utils.stateless import _reparametrize_module
@@ -136,55 +138,92 @@ def _path_name(path: tuple) -> str:
 
 # ------------------------------------------------------------------ phases and locations
 
-class _Marks:
-    """Node counts of the graph being traced when the step enters and leaves backward."""
+_INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)),
+             os.path.dirname(contextlib.__file__))
 
-    def __init__(self) -> None:
-        self.marks: list[tuple[int, Phase]] = [(0, Phase.forward)]
 
-    def mark(self, phase: Phase) -> None:
-        mode = get_proxy_mode()
-        if mode is not None:
-            self.marks.append((len(mode.tracer.graph.nodes), phase))
+class _Recorder:
+    """The phase and the user's source line of every node, noted as the tracer makes it.
 
-    def phase_of(self, index: int) -> Phase:
-        cur = Phase.forward
-        for start, ph in self.marks:
-            if index >= start:
-                cur = ph
-        return cur
+    Phases: ops before ``backward()`` (or ``autograd.grad``) are forward, ops inside it
+    backward, ops after it update (clipping, the optimizer). The line is that of the
+    innermost frame on the Python stack that is a ``forward`` method or the step itself,
+    outside torch and this package: found by walking the live frames, which costs far less
+    than the formatted stack trace make_fx would record for every node."""
+
+    def __init__(self, step_fn: Callable) -> None:
+        code = getattr(step_fn, "__code__", None)
+        self.anchors = {(code.co_filename, code.co_name)} if code is not None else set()
+        self.current = Phase.forward
+        self.phase: dict[str, Phase] = {}   # fx node name -> phase
+        self.loc: dict[str, str] = {}       # fx node name -> "file:line"
+        # code object -> its file's name if it is the user's, None if not, "" for the
+        # function the trace starts in (the walk stops there)
+        self._file: dict[Any, str | None] = {}
+
+    def stop_at(self, fn: Callable) -> None:
+        """Frames below ``fn``'s (the tracer's, the caller's) are not the step's."""
+        self._file[fn.__code__] = ""
+
+    def _user_file(self, code: Any) -> str | None:
+        path = code.co_filename
+        if code.co_name != "forward" and (path, code.co_name) not in self.anchors:
+            return None
+        if path.startswith(_INTERNAL) or path.startswith("<"):
+            return None
+        return os.path.basename(path)
+
+    def user_line(self) -> str | None:
+        """``file:line`` of the innermost frame of the user's model or step now running."""
+        files = self._file
+        frame = sys._getframe(1)
+        while frame is not None:
+            code = frame.f_code
+            try:
+                name = files[code]
+            except KeyError:
+                name = files[code] = self._user_file(code)
+            if name is not None:
+                return f"{name}:{frame.f_lineno}" if name else None
+            frame = frame.f_back
+        return None
+
+    @contextlib.contextmanager
+    def recording(self, tracer: Any) -> Iterator[None]:
+        """Note phase and line of each op node ``tracer`` creates."""
+        create = tracer.create_node
+
+        def create_node(kind, target, *args, **kwargs):
+            node = create(kind, target, *args, **kwargs)
+            if kind in ("call_function", "get_attr"):
+                self.phase[node.name] = self.current
+                # an element of a list result (a foreach op's) has its op's line
+                where = self.user_line() if target is not operator.getitem else None
+                if where is not None:
+                    self.loc[node.name] = where
+            return node
+        tracer.create_node = create_node
+        try:
+            yield
+        finally:
+            del tracer.create_node
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
+        """Follow the step into and out of backward."""
         orig_backward, orig_grad = torch.autograd.backward, torch.autograd.grad
 
         def wrap(orig):
             def inner(*a, **k):
-                self.mark(Phase.backward)
+                self.current = Phase.backward
                 try:
                     return orig(*a, **k)
                 finally:
-                    self.mark(Phase.update)  # gradient clipping and the optimizer follow
+                    self.current = Phase.update  # gradient clipping and the optimizer follow
             return inner
         with mock.patch("torch.autograd.backward", wrap(orig_backward)), \
                 mock.patch("torch.autograd.grad", wrap(orig_grad)):
             yield
-
-
-_INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)),
-             os.path.dirname(contextlib.__file__))
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
-
-
-def user_location(stack_trace: str | None) -> str | None:
-    """The innermost frame of a node's stack trace that is the user's code: ``file:line``."""
-    if not stack_trace:
-        return None
-    best = None
-    for path, line, _ in _FRAME.findall(stack_trace):
-        if not path.startswith(_INTERNAL) and not path.startswith("<"):
-            best = f"{os.path.basename(path)}:{line}"
-    return best
 
 
 # ------------------------------------------------------------------ tracing
@@ -303,7 +342,7 @@ class _Step:
         n_s = sum(len(k) for k in self.state_keys)
         n_lr = len(self.lr_slots)
         # frozen parameters stay frozen: no gradient is computed for them
-        ps = [t.detach().requires_grad_(p.requires_grad) for t, p in zip(flat[:n_p], self.params)]
+        ps = [t.requires_grad_(p.requires_grad) for t, p in zip(flat[:n_p], self.params)]
         bs = list(flat[n_p:n_p + n_b])
         ss = flat[n_p + n_b:n_p + n_b + n_s]
         lrs = list(flat[n_p + n_b + n_s:n_p + n_b + n_s + n_lr])
@@ -344,7 +383,7 @@ class _Step:
                      for k, _, _ in keys]
         # gradients the step leaves in .grad (zero_grad before backward) are outputs too
         self.grads_left = [pi for pi, p in enumerate(ps) if p.grad is not None]
-        return (*[t.detach() for t in out_leaves], *[p.detach() for p in ps],
+        return (*[t.detach() for t in out_leaves], *ps,
                 *new_buffers, *new_state, *[ps[pi].grad.detach() for pi in self.grads_left])
 
     @contextlib.contextmanager
@@ -386,11 +425,22 @@ class _Step:
 
 def _discover_state(step: _Step) -> list[list[tuple[str, torch.Size, torch.dtype]]]:
     """The state layout a fresh optimizer creates in its first step(), learned by running
-    only the optimizers, on fake parameters with zero gradients."""
-    fake = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
-    ps = [_fake_of(fake, p).requires_grad_(p.requires_grad) for p in step.params]
+    only the optimizers on parameters with zero gradients: meta tensors first (no memory,
+    and no dispatch through Python), fake tensors when the optimizer cannot run on meta
+    tensors (it reads a value, or mixes them with CPU tensors it makes)."""
+    try:
+        return _run_optimizers(step, lambda p: torch.empty_strided(
+            p.shape, p.stride(), dtype=p.dtype, device="meta"), contextlib.nullcontext())
+    except Exception:
+        fake = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
+        return _run_optimizers(step, lambda p: _fake_of(fake, p), fake)
+
+
+def _run_optimizers(step: _Step, make: Callable[[torch.Tensor], torch.Tensor],
+                    mode: Any) -> list[list[tuple[str, torch.Size, torch.dtype]]]:
+    ps = [make(p).requires_grad_(p.requires_grad) for p in step.params]
     state: dict = defaultdict(dict)
-    with fake, contextlib.ExitStack() as stack:
+    with mode, contextlib.ExitStack() as stack:
         for fp in ps:
             if fp.requires_grad:
                 fp.grad = torch.zeros_like(fp)
@@ -431,39 +481,53 @@ def _fake_inputs(step: _Step) -> list[torch.Tensor]:
             + [f(t) for t in step.arg_leaves if isinstance(t, torch.Tensor)])
 
 
-def _trace(step: _Step, inputs: list[torch.Tensor], marks: _Marks | None,
-           stack_traces: bool) -> fx.GraphModule:
-    if stack_traces:
-        # make_fx keeps only frames of forward() methods and registered anchors: anchor
-        # the step itself so that its own lines (loss.backward(), opt.step()) show too.
-        anchor = getattr(fx.proxy, "_register_stack_trace_anchor", None)
-        if anchor is not None:
-            anchor(step.fn)
-    ctx = marks.watching() if marks is not None else contextlib.nullcontext()
-    with ctx:
-        return make_fx(step, tracing_mode="fake", record_stack_traces=stack_traces)(*inputs)
+def _trace(step: _Step, inputs: list[torch.Tensor], rec: _Recorder) -> fx.GraphModule:
+    """One make_fx trace of the step on fake tensors, functionalized as it goes.
+
+    Functionalization runs under the tracer, as in AOTAutograd: the step's tensors are
+    FunctionalTensors, so autograd and the optimizer run on them as usual and every in-place
+    op reaches the graph as its functional form. Views stay views (a transposed weight must
+    reach addmm as a view, as in eager code, or the matrix kernel takes another path and
+    rounds differently). The new values of mutated inputs are the step's outputs, so no
+    copy back into the inputs is traced."""
+    fn = dispatch_functionalize(step, FunctionalTensorMode())
+
+    def traced(*flat: torch.Tensor):
+        # the views functionalization makes again for the outputs, at the end, are noted
+        # too: they belong to the phase the step ended in
+        with rec.recording(get_proxy_mode().tracer):
+            return fn(*flat)
+    rec.stop_at(traced)
+    with rec.watching(), _unchecked_float_pow():
+        return make_fx(traced, tracing_mode="fake")(*inputs)
 
 
-class _Replay(fx.Interpreter):
-    """Runs a traced graph node by node, noting which new nodes each one made."""
-
-    def __init__(self, gm: fx.GraphModule) -> None:
-        super().__init__(gm)
-        self.made: list[tuple[int, fx.Node]] = []
-
-    def run_node(self, n: fx.Node) -> Any:
-        mode = get_proxy_mode()
-        if mode is not None:
-            self.made.append((len(mode.tracer.graph.nodes), n))
-        return super().run_node(n)
+def _float_pow(self: torch.SymFloat, other: Any) -> Any:
+    if not isinstance(other, (int, float, torch.SymInt, torch.SymFloat)):
+        return NotImplemented
+    return self.__float_pow__(other)
 
 
-def _functionalize(gm: fx.GraphModule, inputs: list[torch.Tensor]):
-    replay = _Replay(gm)
-    # Views stay views: a transposed weight must reach addmm as a view, as in eager code,
-    # or the matrix kernel takes another path and rounds differently.
-    fn = torch.func.functionalize(lambda *a: replay.run(*a), remove="mutations")
-    return make_fx(fn, tracing_mode="fake")(*inputs), replay.made
+def _float_rpow(self: torch.SymFloat, other: Any) -> Any:
+    if not isinstance(other, (int, float, torch.SymInt, torch.SymFloat)):
+        return NotImplemented
+    return self.__rfloat_pow__(other)
+
+
+@contextlib.contextmanager
+def _unchecked_float_pow() -> Iterator[None]:
+    """``x ** y`` of symbolic floats without torch's check that the base is not negative.
+    Deciding that check for the optimizer's bias corrections (``(1 - beta2 ** step) **
+    0.5``) puts each through sympy's assumption system, a good part of tracing Adam, and
+    all it would leave is a runtime assert in the shape environment, which the graph does
+    not carry: the backend computes the power with Python floats, as eager does."""
+    if not (hasattr(torch.SymFloat, "__float_pow__") and
+            hasattr(torch.SymFloat, "__rfloat_pow__")):
+        yield
+        return
+    with mock.patch.object(torch.SymFloat, "__pow__", _float_pow), \
+            mock.patch.object(torch.SymFloat, "__rpow__", _float_rpow):
+        yield
 
 
 def capture(step_fn: Callable, *args: Any) -> Captured:
@@ -476,11 +540,8 @@ def capture(step_fn: Callable, *args: Any) -> Captured:
     step = _Step(step_fn, args, modules, opts)
     live = step.live_state_keys()
     step.state_keys = live if live is not None else _discover_state(step)
-    marks = _Marks()
-    gm1 = _trace(step, _fake_inputs(step), marks, True)
-    gm1_nodes = list(gm1.graph.nodes)
-    gm2, made = _functionalize(gm1, _fake_inputs(step))
-    phase, loc = _attribute(gm1_nodes, marks, gm2, made)
+    rec = _Recorder(step_fn)
+    gm = _trace(step, _fake_inputs(step), rec)
     if step.grads_left and not step.cleared_first:
         raise FrontendError(
             "the step leaves gradients in .grad without clearing them before backward(), so "
@@ -492,26 +553,6 @@ def capture(step_fn: Callable, *args: Any) -> Captured:
                 for pi in step.grads_left]
     slots = step.param_slots + step.buffer_slots + step.state_slots() + step.lr_slots + \
         step.arg_slots
-    return Captured(gm2, slots, outputs, step.user_spec, modules, opts, step.params,
-                    step.state_keys, phase, loc, getattr(step_fn, "__name__", "step"),
+    return Captured(gm, slots, outputs, step.user_spec, modules, opts, step.params,
+                    step.state_keys, rec.phase, rec.loc, getattr(step_fn, "__name__", "step"),
                     settings_of(modules, opts), step.cleared_first)
-
-
-def _attribute(gm1_nodes: list[fx.Node], marks: _Marks, gm2: fx.GraphModule,
-               made: list[tuple[int, fx.Node]]):
-    """Phase and source location of every node of the functional graph, from its origin."""
-    index1 = {n: i for i, n in enumerate(gm1_nodes)}
-    phase: dict[str, Phase] = {}
-    loc: dict[str, str] = {}
-    k = -1
-    for i, n in enumerate(gm2.graph.nodes):
-        while k + 1 < len(made) and made[k + 1][0] <= i:
-            k += 1
-        if n.op not in ("call_function", "get_attr") or k < 0:
-            continue
-        origin = made[k][1]
-        phase[n.name] = marks.phase_of(index1.get(origin, 0))
-        where = user_location(origin.meta.get("stack_trace"))
-        if where:
-            loc[n.name] = where
-    return phase, loc
