@@ -498,8 +498,24 @@ def _trace(step: _Step, inputs: list[torch.Tensor], rec: _Recorder) -> fx.GraphM
         with rec.recording(get_proxy_mode().tracer):
             return fn(*flat)
     rec.stop_at(traced)
-    with rec.watching(), _unchecked_float_pow():
-        return make_fx(traced, tracing_mode="fake")(*inputs)
+    with rec.watching(), _unchecked_symbolic_floats(), _lazy_graph_module():
+        return make_fx(traced, tracing_mode="fake", **_MAKE_FX_OPTIONS)(*inputs)
+
+
+def _lazy_graph_module() -> Any:
+    """The traced GraphModule writes and compiles its Python code only when first called
+    or asked for it: the IR is read from its graph, and the code of a graph of 5,000 nodes
+    takes a few tenths of a second to generate and compile."""
+    lazy = getattr(getattr(fx, "_lazy_graph_module", None), "_use_lazy_graph_module", None)
+    return lazy(True) if lazy is not None else contextlib.nullcontext()
+
+
+# make_fx's torch-function mode notes which torch function made each node (meta["torch_fn"]),
+# which nothing here reads, at the cost of a Python call for every torch function the step
+# calls (about 0.3 s of tracing GPT-2 small): off where this torch has the switch
+_MAKE_FX_OPTIONS = ({"_disable_torch_fn_metadata_mode": True}
+                    if "_disable_torch_fn_metadata_mode" in inspect.signature(make_fx).parameters
+                    else {})
 
 
 def _float_pow(self: torch.SymFloat, other: Any) -> Any:
@@ -515,18 +531,40 @@ def _float_rpow(self: torch.SymFloat, other: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _unchecked_float_pow() -> Iterator[None]:
-    """``x ** y`` of symbolic floats without torch's check that the base is not negative.
-    Deciding that check for the optimizer's bias corrections (``(1 - beta2 ** step) **
-    0.5``) puts each through sympy's assumption system, a good part of tracing Adam, and
-    all it would leave is a runtime assert in the shape environment, which the graph does
-    not carry: the backend computes the power with Python floats, as eager does."""
-    if not (hasattr(torch.SymFloat, "__float_pow__") and
-            hasattr(torch.SymFloat, "__rfloat_pow__")):
-        yield
-        return
-    with mock.patch.object(torch.SymFloat, "__pow__", _float_pow), \
-            mock.patch.object(torch.SymFloat, "__rpow__", _float_rpow):
+def _unchecked_symbolic_floats() -> Iterator[None]:
+    """Arithmetic on symbolic floats without two checks torch makes with sympy.
+
+    The optimizer's Python-double arithmetic on the learning rate and the step count is
+    traced as scalar ops; for Adam that is several per parameter (``1 - beta1 ** step``,
+    ``lr / bias_correction1``, ``bias_correction2 ** 0.5``). Two checks on them go through
+    sympy's assumption system, a few milliseconds each, a good part of tracing Adam:
+
+    - ``x ** y`` checks that the base is not negative. All the check would leave is a
+      runtime assert in the shape environment, which the graph does not carry.
+    - ``x / y`` raises ZeroDivisionError when the divisor is provably zero, which a
+      divisor made of unknown values (the step count) never is.
+
+    Both are checked where it matters, at run time: the backend computes these scalars
+    with Python floats, as eager does, and so raises where eager raises."""
+    patches = []
+    if hasattr(torch.SymFloat, "__float_pow__") and hasattr(torch.SymFloat, "__rfloat_pow__"):
+        patches += [mock.patch.object(torch.SymFloat, "__pow__", _float_pow),
+                    mock.patch.object(torch.SymFloat, "__rpow__", _float_rpow)]
+    try:
+        from torch.utils._sympy.functions import FloatTrueDiv
+    except ImportError:    # pragma: no cover - another torch
+        FloatTrueDiv = None
+    checked = getattr(FloatTrueDiv, "eval", None)
+    if checked is not None:
+        def unchecked(cls, base, divisor):
+            if base.is_Number and divisor.is_Number:
+                return checked(base, divisor)   # numbers: as torch does
+            return None                         # symbols: left as a division
+
+        patches.append(mock.patch.object(FloatTrueDiv, "eval", classmethod(unchecked)))
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
         yield
 
 
