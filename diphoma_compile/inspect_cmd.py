@@ -61,6 +61,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--out", metavar="FILE", help="write the report here instead of stdout")
     p.add_argument("--timings", action="store_true",
                    help="print how long each stage took (to stderr)")
+    p.add_argument("--verify-passes", action="store_true",
+                   help="check the IR after every pass, which names the pass that broke it "
+                        "(slower; by default the traced and the final graphs are checked)")
     p.set_defaults(func=cmd_inspect)
 
 
@@ -130,10 +133,18 @@ def build_target(args: argparse.Namespace, mesh: Mesh, axis: str) -> Target:
 
 
 def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump: Any,
-                stream: Any, clock: list | None = None) -> tuple[Any, Any, list]:
+                stream: Any, clock: list | None = None,
+                verify_passes: bool = True) -> tuple[Any, Any, list]:
     """Trace the step, run the pipeline for ``mesh`` (dumping as asked), and build the
-    plan, as ``ParallelStep.trace()`` does; ``clock`` collects (stage, time) pairs."""
+    plan, as ``ParallelStep.trace()`` does; ``clock`` collects (stage, time) pairs.
+
+    The traced graph is checked by the frontend; ``verify_passes`` checks the graph after
+    every pass too, which names the pass that broke it, and is what ``trace()`` does.
+    Without it only the final graph is checked: for GPT-2 small the checks after each of
+    the six passes cost more than a second, and a broken graph is still caught."""
     clock = clock if clock is not None else []
+    from .errors import IRVerifyError, PassError
+    from .ir.verify import verify
     from .parallel import run_passes, trace_step
     from .passes import PassContext
     _, graph, _ = trace_step(target.step, target.args, mesh, axis)
@@ -141,9 +152,19 @@ def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump:
     if dump == "all" or "trace" in dump:
         from .ir import print_graph
         stream(f"# IR after trace\n{print_graph(graph.replace(mesh=mesh))}")
-    ctx = PassContext(dump_after=dump, dump_stream=stream)
+    ctx = PassContext(dump_after=dump, dump_stream=stream, verify=verify_passes)
     graph, plan = run_passes(graph, target.framework, mesh, axis, passes, ctx)
     clock.append(("passes", time.perf_counter()))
+    if not verify_passes and ctx.records:
+        try:
+            verify(graph)
+        except IRVerifyError as e:
+            raise PassError(f"the graph after the passes does not verify:\n{e}",
+                            pass_name="<pipeline>",
+                            before=tuple(r.spec for r in ctx.records),
+                            hint="--verify-passes checks after every pass and names the "
+                                 "one that broke it") from e
+        clock.append(("verify (final graph)", time.perf_counter()))
     clock.append(("plan", time.perf_counter()))
     return graph, plan, ctx.records
 
@@ -164,7 +185,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         target = build_target(args, mesh, axis)
         clock.append(("load and build", time.perf_counter()))
         graph, plan, records = plan_target(target, mesh, axis, args.passes, dump, stream,
-                                           clock)
+                                           clock, args.verify_passes)
     plan = replace(plan, context=dict(target.context))
     report = plan.to_json() + "\n" if args.format == "json" else plan.to_text(args.rows)
     if args.out:
@@ -178,6 +199,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         for (_, t0), (what, t1) in zip(clock, clock[1:]):
             print(f"# {what}: {t1 - t0:.2f} s", file=sys.stderr)
         for r in records:
-            print(f"#   pass {r.spec}: {r.seconds:.2f} s (+{r.verify_seconds:.2f} s verify)",
-                  file=sys.stderr)
+            checked = f" (+{r.verify_seconds:.2f} s verify)" if args.verify_passes else ""
+            print(f"#   pass {r.spec}: {r.seconds:.2f} s{checked}", file=sys.stderr)
     return 0

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from diphoma_compile.cli import main
+from diphoma_compile.errors import IRVerifyError
 
 MODELS = Path(__file__).parent / "inspect_models"
 GPT = str(MODELS / "gpt" / "model.py")
@@ -22,8 +23,9 @@ ONE_LAYER = "GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_
 
 
 def inspect(capsys, *argv: str) -> tuple[int, str, str]:
-    """Run ``diphoma inspect`` in this process: (exit status, stdout, stderr)."""
-    rc = main(["inspect", *argv])
+    """Run ``diphoma inspect`` in this process: (exit status, stdout, stderr). The tests
+    check the IR after every pass (the command checks only the final graph by default)."""
+    rc = main(["inspect", *argv, "--verify-passes"])
     out, err = capsys.readouterr()
     return rc, out, err
 
@@ -153,6 +155,26 @@ def test_passes_dump_and_out(capsys, tmp_path):
     report = out_file.read_text()
     assert "passes: dce, data-parallel{axis=dp}" in report
     assert "reduce_scatter" not in report        # no weight-update sharding asked for
+
+
+def test_by_default_only_the_final_graph_is_checked(capsys, monkeypatch):
+    argv = ["inspect", str(MODELS / "several.py:Small"), "--input", "f32[8,16]",
+            "--mesh", "dp=2", "--timings"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "# verify (final graph): " in err
+    assert "#   pass dce: " in err and "s verify)" not in err
+    assert main([*argv, "--verify-passes"]) == 0
+    err = capsys.readouterr().err
+    assert "# verify (final graph)" not in err and "s verify)" in err
+    # a final graph that does not verify is an error that says how to find the pass
+
+    def broken(graph):
+        raise IRVerifyError("%9 is used before it is defined")
+    monkeypatch.setattr(sys.modules["diphoma_compile.ir.verify"], "verify", broken)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "the graph after the passes does not verify" in err and "--verify-passes" in err
 
 
 # ------------------------------------------------------------------ bad use
