@@ -49,27 +49,34 @@ class CommFusion(Pass):
         limit = self.bucket_mb * 1e6
         types = graph.value_types()
         ops = list(graph.ops)
-        made = {v.name: k for k, op in enumerate(ops) for v in op.results}
 
         open_buckets: dict[tuple, list[int]] = {}
+        # per open bucket: the values computed from its members (program order is a
+        # topological order, so this is complete for every op read so far)
+        downstream: dict[tuple, set[str]] = {}
+        size: dict[tuple, int] = {}
         buckets: list[list[int]] = []
 
         def close(key: tuple) -> None:
             b = open_buckets.pop(key, None)
+            downstream.pop(key, None)
+            size.pop(key, None)
             if b:
                 buckets.append(b)
 
         for k, op in enumerate(ops):
-            if op.name not in FUSABLE or len(op.inputs) != 1:
-                continue
-            key = _key(op, types)
-            b = open_buckets.get(key)
-            if b:
-                members = {v.name for j in b for v in ops[j].results}
-                if _depends(op, members, ops, made) or \
-                        sum(_bytes(ops[j], types) for j in b) >= limit:
+            reads = free_inputs(op)
+            if op.name in FUSABLE and len(op.inputs) == 1:
+                key = _key(op, types)
+                if key in open_buckets and (size[key] >= limit
+                                            or not downstream[key].isdisjoint(reads)):
                     close(key)
-            open_buckets.setdefault(key, []).append(k)
+                open_buckets.setdefault(key, []).append(k)
+                downstream.setdefault(key, set()).update(v.name for v in op.results)
+                size[key] = size.get(key, 0) + _bytes(op, types)
+            for after in downstream.values():
+                if not after.isdisjoint(reads):
+                    after.update(v.name for v in op.results)
         for key in list(open_buckets):
             close(key)
 
@@ -135,20 +142,6 @@ def _stable_topo(ops: list[Op], graph: Graph) -> tuple[Op, ...]:
                 missing[j] -= 1
                 if missing[j] == 0:
                     heapq.heappush(heap, j)
-    if len(out) != len(ops):   # pragma: no cover - _depends keeps buckets acyclic
+    if len(out) != len(ops):   # pragma: no cover - a bucket closes before a dependent member
         raise PassFailure("comm-fusion: a bucket made a dependency cycle")
     return tuple(out)
-
-
-def _depends(op: Op, members: set[str], ops: list[Op], made: dict[str, int]) -> bool:
-    """True when ``op``'s input is computed from a bucket member's result."""
-    stack, seen = list(op.inputs), set()
-    while stack:
-        n = stack.pop()
-        if n in members:
-            return True
-        if n in seen or n not in made:
-            continue
-        seen.add(n)
-        stack.extend(free_inputs(ops[made[n]]))
-    return False

@@ -103,3 +103,32 @@ def test_schedule_issues_after_the_last_input_and_waits_before_the_first_reader(
     first_rs = next(k for k in asyncs if ops[k].name == "reduce_scatter")
     assert any(op.phase.value == "backward" for op in ops[first_rs + 1:]
                if op.phase is not None), "the first bucket overlaps the rest of backward"
+
+
+def test_a_bucket_closes_before_a_member_computed_from_an_earlier_one():
+    from diphoma_compile.ir import parse, verify
+    g = parse("""# diphoma-ir v1
+graph @chain mesh[dp=4] (
+  %a: f32[4] {dp: V} batch,
+  %b: f32[4] {dp: V} batch,
+  %c: f32[4] {dp: V} batch,
+) {
+  %a.avg: f32[4] = all_reduce(%a) {axis=dp, op=avg}
+  %b.avg: f32[4] = all_reduce(%b) {axis=dp, op=avg}
+  %t: f32[4] = mul(%a.avg, %a.avg)
+  %u: f32[4] {dp: V} = add(%t, %c)
+  %u.avg: f32[4] = all_reduce(%u) {axis=dp, op=avg}
+  %c.avg: f32[4] = all_reduce(%c) {axis=dp, op=avg}
+  return (
+    %b.avg other,
+    %u.avg other,
+    %c.avg other,
+  )
+}
+""")
+    out = Pipeline.from_spec("comm-fusion").run(g, PassContext())
+    verify(out)
+    buckets = [[v.name for v in op.results] for op in out.ops if op.name == "all_reduce"]
+    # %u is computed from %a.avg: fusing it with %a and %b would need %a.avg before it is
+    # made; the first bucket closes there and %u starts the next, which %c joins
+    assert buckets == [["a.avg", "b.avg"], ["u.avg", "c.avg"]]
