@@ -175,8 +175,21 @@ def build_plan(graph: Graph, notes: dict[str, Any] | None = None) -> Plan:
             op.phase.value if op.phase else None))
     memory = _memory(graph, sizes, gradient_sources(graph), types)
     params = sum(i.value.type.numel for i in graph.inputs if i.role.kind is InputKind.param)
+    notes = dict(notes or {})
+    idle = idle_axes(graph)
+    if idle:
+        notes["idle_axes"] = idle
     return Plan(graph.name, sizes, graph.passes, tuple(tensors), tuple(collectives), memory,
-                sum(c.bytes_per_device for c in collectives), dict(notes or {}), params)
+                sum(c.bytes_per_device for c in collectives), notes, params)
+
+
+def idle_axes(graph: Graph) -> dict[str, int]:
+    """Mesh axes of more than one device that no value is placed on and no collective runs
+    over: every device along such an axis repeats the same work on the same tensors."""
+    used = {a for v in graph.value_types().values() for a, _ in v.placements}
+    used |= {str(op.attrs.get("axis")) for op in graph.walk()
+             if op_def(op.name).category is Category.collective}
+    return {a: n for a, n in graph.mesh.axes if n > 1 and a not in used}
 
 
 def _serves(op: Op, grads: dict[str, str], loss: set[str]) -> str:

@@ -73,6 +73,12 @@ def _summary(plan: Plan) -> list[str]:
         + (" (" + ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) + ")"
            if kinds else ""),
     ]
+    idle = plan.notes.get("idle_axes")
+    if idle:
+        axes = ", ".join(f"{a}={n}" for a, n in idle.items())
+        lines.append(f"unused mesh axes: {axes}: no pass in this pipeline partitions over "
+                     "them, so every device along them repeats the same step on the same "
+                     "tensors (the figures above hold for each)")
     return lines
 
 

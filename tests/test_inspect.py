@@ -227,3 +227,16 @@ def test_nothing_needs_memory_or_devices_for_a_wide_mesh(capsys):
     assert p["mesh"] == {"dp": 65536} and p["context"]["optimizer"].startswith("SGD")
     assert math.isclose(p["memory"]["activations"] * 65536,
                         p["memory"]["single_device_activations"], rel_tol=0.01)
+
+
+def test_a_mesh_axis_no_pass_uses_is_reported_as_idle(capsys):
+    """tp=2 before any pass partitions over it: the plan says so instead of staying silent."""
+    argv = [GPT, "--init", ONE_LAYER, "--input", "int64[8,16]<64", "--input", "int64[8,16]<64"]
+    rc, out, _ = inspect(capsys, *argv, "--mesh", "dp=4,tp=2")
+    assert rc == 0
+    assert "unused mesh axes: tp=2: no pass in this pipeline partitions over them" in out
+    p = plan_json(capsys, *argv, "--mesh", "dp=4,tp=2")
+    assert p["notes"]["idle_axes"] == {"tp": 2}
+    single = plan_json(capsys, *argv, "--mesh", "dp=4")
+    assert "idle_axes" not in single["notes"]
+    assert p["memory"] == single["memory"]       # the same work on each tp device
