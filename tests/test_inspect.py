@@ -73,6 +73,19 @@ def test_gpt_model_file_state_falls_as_one_over_n(capsys):
         plans[1]["memory"]["activations"], rel=0.01)
 
 
+def test_hugging_face_model_uses_its_own_loss(capsys):
+    pytest.importorskip("transformers")
+    plans = {n: plan_json(capsys, str(MODELS / "hf_gpt2.py"), "--init",
+                          "GPT2LMHeadModel(config)", "--input", "input_ids=int64[16,32]<1000",
+                          "--input", "labels=int64[16,32]<1000", "--mesh", f"dp={n}")
+             for n in (1, 8)}
+    check_one_over_n(plans)
+    ctx = plans[8]["context"]
+    assert ctx["loss"] == "the model's own loss (output.loss)"
+    assert ctx["model"].startswith("hf_gpt2.py:GPT2LMHeadModel (torch, built on the meta")
+    assert plans[8]["param_count"] == 1000 * 64 + 64 * 64 + 2 * (12 * 64 * 64 + 13 * 64) + 128
+
+
 def test_cnn_file_defaults_to_cross_entropy(capsys):
     plans = {n: plan_json(capsys, str(MODELS / "cnn.py"), "--input", "f32[1024,3,8,8]",
                           "--optimizer", "momentum", "--mesh", f"dp={n}")
