@@ -91,10 +91,10 @@ def model_target(cand: Candidate | None, module: ModuleType, label: str, init: s
     glob = [_struct(s) for s in specs]
     local = dict(zip(names, (_struct(s.local(n, axis)) for s in specs)))
 
-    def init(xs: dict) -> Any:
+    def init_vars(xs: dict) -> Any:
         args, kwargs = call.args(xs)
         return model.init(jax.random.key(0), *args, **kwargs)
-    variables = _shapes(init, [local], module, f"{type(model).__name__}.init")
+    variables = _shapes(init_vars, [local], module, f"{type(model).__name__}.init")
     params = variables.get("params", {})
     others = sorted(k for k in variables if k != "params")
     if others:

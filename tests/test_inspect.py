@@ -96,6 +96,7 @@ def test_cnn_file_defaults_to_cross_entropy(capsys):
     assert ctx["loss"].startswith("cross-entropy over the last dimension of output (10 classes)")
     assert "labels=int64[1024]<10" in ctx["inputs"]
     assert ctx["optimizer"] == "SGD(lr=0.01, momentum=0.9)"
+    assert "init" not in ctx
     assert any(t["role"] == "buffer" and "running_mean" in t["name"]
                for t in plans[8]["tensors"])
 
@@ -108,6 +109,7 @@ def test_flax_file_state_falls_as_one_over_n(capsys):
     ctx = plans[8]["context"]
     assert ctx["model"].startswith("flax_mlp.py:Classifier (flax.linen")
     assert ctx["optimizer"] == "optax.adamw(1e-3)" and "labels=int32[1024]<10" in ctx["inputs"]
+    assert "init" not in ctx      # built as Classifier(): no --init to report
     assert plans[8]["param_count"] == 784 * 1024 + 1024 * 1024 + 1024 * 10 + 10 + 6 * 1024
 
 
