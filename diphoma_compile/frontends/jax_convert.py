@@ -48,12 +48,24 @@ def _literal_value(v: Any) -> Any:
     return arr.item() if arr.size == 1 else None
 
 
+def _is_transposed(eqn) -> bool:
+    """True when JAX's autodiff made ``eqn`` by transposing (the backward pass of grad,
+    value_and_grad or vjp): its name stack reads ``transpose(jvp(...))``. Nested equations
+    (of an inlined jit, a cond's branches) carry their stack relative to their parent's."""
+    stack = getattr(eqn.source_info, "name_stack", None)
+    return stack is not None and "transpose(" in str(stack)
+
+
 class JaxprConverter:
     """Converts (closed) jaxprs into IR ops, drawing value names from one supply."""
 
     def __init__(self, names: NameSupply, locations: bool = True) -> None:
         self.names = names
         self.locations = locations
+        # results of ops that JAX's autodiff made by transposing the forward pass (their
+        # name stack says transpose(jvp(...))): the backward pass, as JAX itself knows it
+        self.transposed: set[str] = set()
+        self._in_transpose = False
 
     # ------------------------------------------------------------------ entry
     def convert(self, closed: ClosedJaxpr, inputs: list[str]) -> tuple[list[Op], list[str]]:
@@ -77,6 +89,8 @@ class JaxprConverter:
               regions: tuple[Region, ...] = ()) -> list[str]:
         results = tuple(Value(self.names(hint), t) for t in types)
         block.ops.append(Op(name, tuple(inputs), results, Attrs(attrs), regions, loc=loc))
+        if self._in_transpose:
+            self.transposed.update(v.name for v in results)
         return [v.name for v in results]
 
     def _constant(self, value: Any, aval: Any, block: _Block, where: str) -> str:
@@ -135,6 +149,14 @@ class JaxprConverter:
 
     # ------------------------------------------------------------------ equations
     def _eqn(self, eqn, env: dict, block: _Block) -> None:
+        outer = self._in_transpose
+        self._in_transpose = outer or _is_transposed(eqn)
+        try:
+            self._eqn_in_scope(eqn, env, block)
+        finally:
+            self._in_transpose = outer
+
+    def _eqn_in_scope(self, eqn, env: dict, block: _Block) -> None:
         prim = eqn.primitive.name
         if prim in INLINE:
             inner = eqn.params[INLINE[prim]]

@@ -1,7 +1,21 @@
-"""Phases for a traced step whose jaxpr does not mark them: forward, backward, update.
+"""Phases of a traced JAX step: forward, backward, update.
 
-A jaxpr of ``value_and_grad`` + optimizer is one flat list of equations, so the phases are
-told from data flow and roles:
+A jaxpr of ``value_and_grad`` + optimizer is one flat list of equations. JAX's autodiff
+names the equations it makes by transposing the forward pass (their name stack reads
+``transpose(jvp(...))``); when the converter found such equations, they are the backward
+pass exactly, and:
+
+- forward: every op the loss output depends on, and the other untransposed ops the backward
+  pass reads (residuals of the linearization, such as tanh's 1 - y**2);
+- backward: the transposed ops (the gradients and everything computed to make them);
+- update: the other ops that read a backward or update value, or feed a new parameter or
+  optimizer state (the optimizer: clipping, per-row statistics such as Adafactor's, the
+  moments, the new parameters, and metrics of gradients or new parameters);
+- forward: the rest (metrics computed from the forward pass alone).
+
+So the backward/update boundary is where autodiff's gradients leave it, whatever the
+optimizer then computes from them. Without such marks (gradients written by hand), the
+phases are told from data flow and roles alone:
 
 1. forward: every op the loss output depends on.
 2. update: reading the top-level ops backwards, an op not in the forward set that feeds a
@@ -49,8 +63,9 @@ def _with_phase(op: Op, phase: Phase) -> Op:
     return op.replace(phase=phase, regions=regions)
 
 
-def assign_phases(graph: Graph) -> Graph:
-    """``graph`` with a phase on every op, by the rules in this module's docstring."""
+def assign_phases(graph: Graph, transposed: set[str] | frozenset[str] = frozenset()) -> Graph:
+    """``graph`` with a phase on every op, by the rules in this module's docstring;
+    ``transposed`` names the results of ops autodiff made by transposition."""
     loss = [o.name for o in graph.outputs if o.role.kind is OutputKind.loss]
     if not loss:
         return graph
@@ -84,6 +99,10 @@ def assign_phases(graph: Graph) -> Graph:
 
     forward = ancestors(set(loss))
     feeds_state = ancestors(state_outputs)
+    if transposed:
+        residuals = {k for k in ancestors(set(transposed))
+                     if not any(v.name in transposed for v in ops[k].results)}
+        return _with_marks(graph, forward | residuals, feeds_state, transposed, reads, made)
     reads_state = [False] * len(ops)
     for k in range(len(ops)):
         reads_state[k] = any(n in opt_inputs or (n in made and reads_state[made[n]])
@@ -113,6 +132,25 @@ def assign_phases(graph: Graph) -> Graph:
             phases.append(Phase.update)
         elif k in feeds_state or Phase.backward in src:
             phases.append(Phase.backward)
+        else:
+            phases.append(Phase.forward)
+    return graph.replace(ops=tuple(_with_phase(op, p) for op, p in zip(ops, phases)))
+
+
+def _with_marks(graph: Graph, forward: set[int], feeds_state: set[int], transposed,
+                reads: list[set[str]], made: dict[str, int]) -> Graph:
+    """Phases from autodiff's marks; ``forward`` holds the loss's ancestors and the
+    residuals backward reads."""
+    ops = graph.ops
+    phases: list[Phase] = []
+    for k, op in enumerate(ops):
+        src = {phases[made[n]] for n in reads[k] if n in made}
+        if k in forward:
+            phases.append(Phase.forward)
+        elif any(v.name in transposed for v in op.results):
+            phases.append(Phase.backward)
+        elif src & {Phase.backward, Phase.update} or k in feeds_state:
+            phases.append(Phase.update)
         else:
             phases.append(Phase.forward)
     return graph.replace(ops=tuple(_with_phase(op, p) for op, p in zip(ops, phases)))

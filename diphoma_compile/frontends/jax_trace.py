@@ -90,7 +90,8 @@ def trace_jax_with_tree(step_fn: Callable, *example_args: Any, params_argnum: in
     roles = step_outputs(out_shape, example_args, sig, inputs)
 
     names = NameSupply({i.name for i in inputs})
-    ops, outs = JaxprConverter(names, locations).convert(closed, [i.name for i in inputs])
+    converter = JaxprConverter(names, locations)
+    ops, outs = converter.convert(closed, [i.name for i in inputs])
     if len(outs) != len(roles):
         raise FrontendError(f"the jaxpr has {len(outs)} outputs but the step's result has "
                             f"{len(roles)} leaves")
@@ -103,7 +104,8 @@ def trace_jax_with_tree(step_fn: Callable, *example_args: Any, params_argnum: in
             mapping[value] = names(preferred)
     outputs = tuple(Output(mapping.get(v, v), role) for v, (_, role) in zip(outs, roles))
     graph = Graph(_graph_name(step_fn), tuple(inputs), _rename_results(ops, mapping), outputs)
-    graph = verify(assign_phases(graph))
+    backward = {mapping.get(n, n) for n in converter.transposed}
+    graph = verify(assign_phases(graph, backward))
     tree = jax.tree.structure(out_shape)
     _remember_tree(graph, tree)
     return graph, tree
