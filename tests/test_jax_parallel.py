@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from diphoma_compile.backends.jax_parallel import compile_jax_parallel  # noqa: E402
-from diphoma_compile.errors import BackendError, MeshError  # noqa: E402
+from diphoma_compile.errors import BackendError, DiphomaError, MeshError  # noqa: E402
 from diphoma_compile.ir import parse, verify  # noqa: E402
 from diphoma_compile.parallel import parallelize  # noqa: E402
 
@@ -320,3 +320,63 @@ def test_memory_is_planned_before_the_first_call_and_measured_after():
     measured = step.memory_report()
     assert measured.measured
     assert (measured.param_bytes, measured.opt_state_bytes) == (32, 4)
+
+
+# ------------------------------------------------------------------ returned values
+
+def _metric_step(loss_kind: str):
+    """An MLP step returning its loss and three metrics of the batch: a maximum, a minimum
+    and a sum (each combined across devices by its own reduction, not averaged)."""
+    module = MLP()
+    tx = optax.sgd(0.05, momentum=0.9)
+
+    def loss_of(p, b):
+        err = module.apply({"params": p}, b[0]) - b[1]
+        per = jnp.sum(err ** 2, axis=1)
+        return (jnp.sum(per) if loss_kind == "sum" else jnp.mean(per)), err
+
+    def step(params, opt_state, batch):
+        (loss, err), grads = jax.value_and_grad(loss_of, has_aux=True)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        metrics = {"max": jnp.max(jnp.abs(err)), "min": jnp.min(err), "sum": jnp.sum(err),
+                   "gnorm": optax.global_norm(grads)}
+        return optax.apply_updates(params, updates), opt_state, loss, metrics
+    return step, tx
+
+
+@pytest.mark.parametrize("loss_kind", ["mean", "sum"])
+def test_returned_metrics_and_a_summed_loss_match_the_single_device_step(loss_kind):
+    step, tx = _metric_step(loss_kind)
+    _, params, _, batch = make("mlp", "momentum")
+    opt_state = jax.jit(tx.init)(params)
+    pstep = parallelize(step, jax_mesh((8,)), axis="data")
+    ref, ours = jax.jit(step), pstep
+    rp, rs, op, os_ = params, opt_state, params, opt_state
+    for _ in range(3):
+        rp, rs, rl, rm = ref(rp, rs, batch)
+        op, os_, ol, om = ours(op, os_, batch)
+        np.testing.assert_allclose(float(ol), float(rl), rtol=1e-5)
+        for k in rm:
+            np.testing.assert_allclose(float(om[k]), float(rm[k]), rtol=1e-5, err_msg=k)
+    assert max_rel_dev((rp, rs), (op, os_)) <= 1e-5
+    combined = pstep.plan.notes["data-parallel"]["combined"]
+    assert sorted(combined.values()).count("max") == 1 and "min" in combined.values()
+    if loss_kind == "sum":       # the gradients of a sum are summed, not averaged
+        assert list(combined.values()).count("sum") > 2
+
+
+def test_a_returned_per_example_value_is_refused():
+    module = MLP()
+    tx = optax.sgd(0.05)
+
+    def step(params, opt_state, batch):
+        def loss_of(p):
+            out = module.apply({"params": p}, batch[0])
+            return jnp.mean((out - batch[1]) ** 2), out
+        (loss, out), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, out
+    _, params, _, batch = make("mlp", "momentum")
+    pstep = parallelize(step, jax_mesh((8,)), axis="data")
+    with pytest.raises(DiphomaError, match=r"returns %.*a \[4, 5\] value computed per device"):
+        pstep.trace(params, jax.jit(tx.init)(params), batch)

@@ -35,7 +35,7 @@ _COMPARE = {"eq", "ne", "lt", "le", "gt", "ge"}
 _HOST_OPS = {"mul": operator.mul, "add": operator.add, "sub": operator.sub,
              "div": operator.truediv, "pow": operator.pow}
 _HOST_DTYPES = {DType.f64, DType.i64, DType.bool}
-_REDUCE = {"reduce_sum", "reduce_mean", "reduce_max"}
+_REDUCE = {"reduce_sum", "reduce_mean", "reduce_max", "reduce_min"}
 _COLLECTIVES = {"all_reduce", "reduce_scatter", "all_gather", "take_shard", "broadcast"}
 
 

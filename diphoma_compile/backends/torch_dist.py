@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..errors import BackendError, MeshError
 from ..frontends.torch_capture import Captured, Slot
-from ..ir.core import Graph, OutputKind
+from ..ir.core import Graph, InputKind, OutputKind
 from ..ir.types import FlatShard, Placement, Replicate, Shard, TensorType, Varying
 from ..mesh import Mesh
 from . import torch_comm
@@ -91,10 +91,31 @@ class TorchDistStep(TorchStep):
         self._check_outputs()
         # gradients the graph leaves sharded are not written back: p.grad stays None
         self._with_grad -= self._sharded_grads
+        self._check_equal_shares(graph)
         if sync_module_states:
             self._broadcast_module_states()
 
     # ------------------------------------------------------------------ checks
+    def _check_equal_shares(self, graph: Graph) -> None:
+        """Every rank traced the step at its own batch: the shapes must agree, or the mean
+        of the ranks' gradients is not the global batch's gradient (one small collective,
+        once, when the step is built)."""
+        if self.comm.size == 1:
+            return
+        mine = [(i.name, tuple(i.value.type.shape)) for i in graph.inputs
+                if i.role.kind is InputKind.batch]
+        every: list[Any] = [None] * self.comm.size
+        dist.all_gather_object(every, mine, group=self.comm.group)
+        for rank, theirs in enumerate(every):
+            for (name, first), (_, other) in zip(every[0], theirs):
+                if first != other:
+                    raise MeshError(
+                        f"the ranks pass batches of different shapes: %{name} is {first} on "
+                        f"rank 0 and {other} on rank {rank}; averaging their gradients "
+                        "would weigh the examples unequally",
+                        hint="give every rank an equal share of the global batch (drop or "
+                             "pad the last, uneven batch)")
+
     @staticmethod
     def _check_binding(graph: Graph, cap: Captured) -> None:
         names = [i.name for i in graph.inputs]

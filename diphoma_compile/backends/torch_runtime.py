@@ -30,6 +30,11 @@ class TorchStep:
         self._n_user = captured.outputs.count(None)   # the step's own results come first
         self._with_grad = {s.key[0] for s in captured.outputs
                            if s is not None and s.kind == "grad"}
+        read = {n for op in graph.walk() for n in op.inputs}
+        # parameters whose optimizer state the step reads before writing it: a fresh
+        # optimizer's starting values matter for these
+        self._state_read = {s.key[0] for i, s in zip(graph.inputs, captured.inputs)
+                            if s.kind == "opt_state" and i.name in read}
 
     @property
     def code(self) -> str:
@@ -43,7 +48,15 @@ class TorchStep:
         opt = cap.optimizers[slot.owner]
         st = opt.state[p]
         if not st:
-            # a fresh optimizer: start from the zero state the graph was traced with
+            # a fresh optimizer: start from the zero state the graph was traced with, where
+            # that is what the optimizer's own first step starts from
+            why = _not_zero_start(opt) if pi in self._state_read else None
+            if why is not None:
+                raise DiphomaError(
+                    f"{type(opt).__name__} has no state yet, and {why}: the traced step (an "
+                    "ordinary later step) would start from zeros and drift from eager",
+                    hint="run one eager step (or load a checkpoint) so the optimizer has its "
+                         "state, then call the compiled step")
             for k, shape, dtype in cap.state_keys[pi]:
                 st[k] = torch.zeros(self._state_shape(pi, k, shape), dtype=dtype,
                                     device=p.device)
@@ -128,3 +141,27 @@ def _get_attr(mod: torch.nn.Module, qualname: str) -> torch.Tensor:
     for p in path:
         mod = getattr(mod, p)
     return getattr(mod, leaf)
+
+
+# Optimizers whose first step() starts from zero state and then does what every later step
+# does, so that a fresh one can run the traced (later-step) program from zeros: the
+# moments, buffers and step counts of these are zeros before their first update.
+_ZERO_START = {"Adam", "AdamW", "Adamax", "RMSprop", "Adadelta", "Adagrad"}
+
+
+def _not_zero_start(opt: torch.optim.Optimizer) -> str | None:
+    """None when ``opt``'s first step starts from zero state; else why not. (Only asked when
+    the step reads the state: state it only writes, as a custom optimizer keeping the
+    previous parameter does, may start from anything.)"""
+    name = type(opt).__name__
+    if type(opt).__module__.startswith("torch.optim") and name == "SGD":
+        for g in opt.param_groups:
+            if g.get("momentum", 0) and g.get("dampening", 0):
+                return ("SGD with momentum and dampening copies the first gradient into its "
+                        "momentum buffer instead of damping it")
+        return None
+    if type(opt).__module__.startswith("torch.optim") and name in _ZERO_START:
+        return None
+    return (f"its first step may initialize its state to values other than zero "
+            f"(only {', '.join(sorted(_ZERO_START | {'SGD'}))} are known to start from "
+            "zeros)")

@@ -153,6 +153,7 @@ NEUTRAL: list[Neutral] = [
     Neutral(aten.mean.dim, "reduce_mean", (0,), make_attrs=_dims_of),
     Neutral(aten.mean.default, "reduce_mean", (0,), make_attrs=_dims_of),
     Neutral(aten.amax.default, "reduce_max", (0,), make_attrs=_dims_of),
+    Neutral(aten.amin.default, "reduce_min", (0,), make_attrs=_dims_of),
     Neutral(aten.linalg_vector_norm.default, "norm", (0,), make_attrs=_norm_attrs,
             accepts=_plain_norm),
 ]

@@ -43,6 +43,28 @@ def _sums_contributions(op: Op, ins: list[TensorType], axis: str) -> bool:
     return op.name in ("add", "sub") and len(ins) == 2 and all(_varying(t, axis) for t in ins)
 
 
+def _combine(name: str, t: TensorType, made_by: dict[str, Op]) -> str:
+    """How the devices' values of a returned per-device scalar make the single-device value:
+    the maximum or minimum of maxima or minima, the sum of sums, else the mean (of means:
+    each device holds an equal share of the batch). A per-device value that is not a
+    scalar (per-example outputs, per-class statistics) has no such rule."""
+    if t.numel != 1:
+        raise PassFailure(
+            f"data-parallel: the step returns %{name}, a {list(t.shape)} value computed per "
+            "device from the batch; only scalars (a mean, sum, maximum or minimum over the "
+            "batch) can be combined into the value the single-device step returns",
+            hint="return scalars, or compute per-example outputs outside the step")
+    op = made_by.get(name)
+    negated = False
+    while op is not None and op.name == "neg":      # -sum is a sum, -max a min
+        negated = not negated
+        op = made_by.get(op.inputs[0])
+    if op is not None and op.name in ("reduce_max", "reduce_min", "reduce_sum"):
+        how = op.name.removeprefix("reduce_")
+        return {"max": "min", "min": "max"}.get(how, how) if negated else how
+    return "avg"
+
+
 @register_pass
 @dataclass(frozen=True)
 class DataParallel(Pass):
@@ -75,10 +97,22 @@ class DataParallel(Pass):
         #    the update reads averaged values instead (step 2)
         need: dict[str, str] = {}        # varying name -> how it is synchronized
         ops: list[Op] = []
+        made_in: dict[str, Phase] = {n: Phase.forward for n in batch}   # varying values
         for op in graph.ops:
             ins = [types[n] for n in op.inputs]
             if op.phase is Phase.update and _sums_contributions(op, ins, ax):
                 op = op.replace(phase=Phase.backward)
+            if op.phase is Phase.update:
+                kinds = {made_in.get(n) for n, t in zip(op.inputs, ins) if _varying(t, ax)}
+                if Phase.forward in kinds and Phase.backward in kinds:
+                    raise PassFailure("data-parallel: an op after backward reads both a "
+                                      "per-device forward value and a gradient", op=op,
+                                      hint="compute metrics of the batch and the update "
+                                           "apart")
+                if Phase.forward in kinds:
+                    # a metric of the batch computed after backward (accuracy, the largest
+                    # logit): it is per-device work, combined where it is returned
+                    op = op.replace(phase=Phase.forward)
             if op.phase is Phase.update:
                 for n, t in zip(op.inputs, ins):
                     if n in batch:
@@ -101,21 +135,41 @@ class DataParallel(Pass):
                                       "values", op=op)
                 op = op.replace(results=tuple(Value(v.name, v.type.with_placement(ax, p))
                                               for v, p in zip(op.results, got)))
+                made_in.update((v.name, Phase.forward if op.phase is Phase.forward
+                                else Phase.backward) for v in op.results)
             types.update((v.name, v.type) for v in op.results)
             ops.append(op)
 
-        # 2. where a per-device value leaves per-device code, average it across devices
+        # 2. where a per-device value leaves per-device code, combine it across devices:
+        #    the loss and metrics as their last reduction over the batch says
         roles = {i.name: i.role for i in inputs}
+        made_by = {v.name: op for op in ops for v in op.results}
+        grads = "avg"
         for o in graph.outputs:
             if not _varying(types[o.name], ax):
                 continue
             if o.role.kind is OutputKind.replaces and \
                     roles[o.role.target].kind is InputKind.buffer:
                 need[o.name] = "root0"
+            elif o.role.kind is OutputKind.replaces and o.name not in need and \
+                    roles[o.role.target].kind in (InputKind.param, InputKind.opt_state):
+                raise PassFailure(f"data-parallel: the new value of %{o.role.target} is "
+                                  "computed from the batch outside backward (the optimizer "
+                                  "reads a forward value or the batch itself)",
+                                  hint="the update may read gradients, parameters and "
+                                       "optimizer state, not the batch")
+            elif o.role.kind in (OutputKind.loss, OutputKind.metric):
+                how = _combine(o.name, types[o.name], made_by)
+                need[o.name] = how
+                if o.role.kind is OutputKind.loss and how == "sum":
+                    grads = "sum"       # the gradient of a sum over the batch is a sum too
             else:
                 need.setdefault(o.name, "avg")
+        if grads == "sum":
+            need.update((n, "sum") for n, how in need.items() if how == "avg" and
+                        n not in {o.name for o in graph.outputs})
         for n, how in need.items():
-            if how == "avg" and not types[n].dtype.is_float:
+            if how in ("avg", "sum") and not types[n].dtype.is_float:
                 raise PassFailure(f"data-parallel: the {types[n].dtype} value %{n} is computed "
                                   "from the batch and leaves the per-device part of the step; "
                                   "only floating-point values can be averaged across devices",
@@ -127,9 +181,10 @@ class DataParallel(Pass):
 
         def sync(n: str, at: Op | None) -> None:
             t = types[n]
-            new = names(f"{n}.{'avg' if need[n] == 'avg' else 'bcast'}")
-            attrs = Attrs(axis=ax, op="avg") if need[n] == "avg" else Attrs(axis=ax, root=0)
-            kind = "all_reduce" if need[n] == "avg" else "broadcast"
+            reduce = need[n] != "root0"
+            new = names(f"{n}.{need[n] if reduce else 'bcast'}")
+            attrs = Attrs(axis=ax, op=need[n]) if reduce else Attrs(axis=ax, root=0)
+            kind = "all_reduce" if reduce else "broadcast"
             phase = at.phase if at is not None else Phase.backward
             out_ops.append(Op(kind, (n,), (Value(new, t.replicated()),), attrs,
                               phase=phase, loc=at.loc if at is not None else None))
@@ -151,6 +206,7 @@ class DataParallel(Pass):
         ctx.notes[self.name] = {
             "axis": ax, "batch": batch,
             "averaged": [n for n, how in need.items() if how == "avg"],
-            "broadcast": [n for n, how in need.items() if how != "avg"],
+            "broadcast": [n for n, how in need.items() if how == "root0"],
+            "combined": {n: how for n, how in need.items() if how in ("sum", "max", "min")},
         }
         return graph.replace(inputs=tuple(inputs), ops=tuple(out_ops), outputs=outputs)

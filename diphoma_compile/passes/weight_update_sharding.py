@@ -116,6 +116,9 @@ class _Rewrite:
                 users.setdefault(i, []).append(op)
         self.users = users
         self.output_names = {o.name for o in graph.outputs}
+        # what the step returns to the user: whole on every device, never a piece
+        self.returned = {o.name for o in graph.outputs
+                         if o.role.kind in (OutputKind.loss, OutputKind.metric)}
 
     # -------------------------------------------------------------- helpers
     def place(self, t: TensorType) -> tuple[Placement, str]:
@@ -184,7 +187,10 @@ class _Rewrite:
         v = op.result
         p, why = self.place(v.type)
         users = self.users.get(v.name, [])
-        if isinstance(p, Replicate) or not all(u.phase is Phase.update for u in users):
+        # a gradient is read by the update and only by it; a synced value nothing reads (a
+        # returned metric) or that the step returns stays an all-reduce
+        if isinstance(p, Replicate) or not users or v.name in self.returned or \
+                not all(u.phase is Phase.update for u in users):
             if why and v.type.numel > 1:
                 self.plan.replicated.append((v.name, why))
             self.keep(op)

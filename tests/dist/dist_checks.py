@@ -305,6 +305,47 @@ def run_parallelize(rank: int, world: int) -> dict:
     return out
 
 
+def summed_step(model, opt, batch):
+    """A loss summed over the batch (its gradients are summed across ranks, not averaged)
+    and two metrics combined by their own reductions."""
+    out = model(batch["x"])
+    picked = out.log_softmax(-1).gather(1, batch["y"][:, None])
+    loss = -picked.sum()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss, out.detach().abs().amax(), out.detach().amin()
+
+
+def run_summed(rank: int, world: int) -> dict:
+    """parallelize on a summed loss with max/min metrics, against the global batch; then a
+    step built where the ranks hold batches of different sizes is refused."""
+    import diphoma_compile
+    torch.manual_seed(0)
+    model = OddMLP()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
+    step = diphoma_compile.parallelize(summed_step, diphoma_compile.Mesh({"dp": world}))
+    got, want = [], []
+    for b in mlp_batches(world, seed=3)[:4]:
+        got.append([t.item() for t in step(model, opt, *local(b, rank, world))])
+        if rank == 0:
+            want.append([t.item() for t in summed_step(ref, ref_opt, *b)])
+    out = {"got": got, "combined": step.plan.notes["data-parallel"]["combined"]}
+    if rank == 0:
+        out.update(want=want, param=compare_params(model, ref))
+    uneven = {"x": torch.randn(3 + rank, 8), "y": torch.zeros(3 + rank, dtype=torch.long)}
+    other = copy.deepcopy(model)
+    try:
+        diphoma_compile.parallelize(mlp_step, diphoma_compile.Mesh({"dp": world}))(
+            other, torch.optim.SGD(other.parameters(), lr=0.1), uneven)
+        out["uneven"] = None
+    except DiphomaError as e:
+        out["uneven"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 @contextlib.contextmanager
 def no_collectives(calls: list[str]):
     """Records (and refuses) any collective while building a step that must fail."""
@@ -376,5 +417,6 @@ def run_all(rank: int, world: int) -> dict:
     out["subgroups"] = run_subgroups(rank, world)
     out["errors"] = run_errors(rank, world, kept)
     out["parallelize"] = run_parallelize(rank, world)
+    out["summed"] = run_summed(rank, world)
     out["seconds"] = time.perf_counter() - t0
     return out

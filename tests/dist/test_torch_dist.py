@@ -133,6 +133,25 @@ def test_parallelize_runs_on_this_runtime(runs):
     assert r0["param"]["abs"] <= 1e-6 and r0["state"]["abs"] <= 1e-6, r0
 
 
+def test_summed_loss_and_max_min_metrics_match_the_global_batch(runs):
+    r0 = runs[0]["summed"]
+    assert sorted(r0["combined"].values()).count("max") == 1
+    assert "min" in r0["combined"].values() and "sum" in r0["combined"].values()
+    for got, want in zip(r0["got"], r0["want"]):
+        for a, b in zip(got, want):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (got, want)
+    assert r0["param"]["abs"] <= 1e-6, r0["param"]
+    for r in runs:
+        assert r["summed"]["got"] == r0["got"]     # every rank returns the same values
+
+
+def test_uneven_batches_across_ranks_are_refused(runs):
+    for rank, r in enumerate(runs):
+        msg = r["summed"]["uneven"]
+        assert msg is not None and msg.startswith("MeshError"), msg
+        assert "different shapes: %batch.x is (3, 8) on rank 0 and (4, 8) on rank" in msg, msg
+
+
 ERRORS = {
     "world_size": ("MeshError", ["mesh axis 'dp' has 2 devices but the process group has 4",
                                  "torchrun --nproc_per_node=2"]),

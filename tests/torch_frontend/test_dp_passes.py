@@ -150,3 +150,30 @@ def test_errors_name_the_problem():
         run(g, "data-parallel{axis=tp}")
     with pytest.raises(PassError, match="layout='rows' is not one of flat, dims"):
         run(g, "data-parallel,weight-update-sharding{layout=rows}")
+
+
+def _returns(extra):
+    """A step returning its loss and ``extra(logits, batch)``."""
+    def step(model, opt, batch):
+        out = model(batch["x"])
+        loss = torch.nn.functional.cross_entropy(out, batch["y"])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss, extra(out.detach(), batch)
+    return step
+
+
+def test_returned_values_are_combined_by_their_reduction_or_refused():
+    """A metric of the batch computed after opt.step() is per-device work, combined where it
+    is returned: a maximum by max, a count by sum, a mean by avg; never reduce-scattered as
+    if it were a gradient, and a per-example value is refused rather than averaged."""
+    cases = {"max": lambda o, b: o.amax(), "sum": lambda o, b: (o.argmax(1) == b["y"]).float()
+             .sum(), "avg": lambda o, b: (o.argmax(1) == b["y"]).float().mean()}
+    for how, extra in cases.items():
+        g, ctx = run(traced("sgd", _returns(extra), OddMLP), "data-parallel,weight-update-sharding")
+        metric = [o for o in g.outputs if o.role.kind is OutputKind.metric][0]
+        (sync,) = [op for op in g.ops if op.results[0].name == metric.name]
+        assert (sync.name, sync.attrs["op"]) == ("all_reduce", how), how
+    with pytest.raises(PassError, match=r"returns %.*a \[16\] value computed per device"):
+        run(traced("sgd", _returns(lambda o, b: o.mean(1)), OddMLP), "data-parallel")

@@ -181,3 +181,30 @@ def test_leftover_grad_with_a_step_that_clears_late_is_refused():
     model.fc1.weight.grad = torch.ones_like(model.fc1.weight)
     with pytest.raises(DiphomaError, match="holds a .grad"):
         compiled(model, opt, data[0])
+
+
+@pytest.mark.parametrize("make_opt, words", [
+    (lambda ps: torch.optim.NAdam(ps, lr=1e-2), "NAdam has no state yet"),
+    (lambda ps: torch.optim.Rprop(ps, lr=1e-2), "Rprop has no state yet"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5),
+     "copies the first gradient into its momentum buffer"),
+], ids=["nadam", "rprop", "sgd-dampening"])
+def test_fresh_optimizer_that_does_not_start_from_zeros_is_refused(make_opt, words):
+    """Their first step initializes state to non-zero values (NAdam's mu_product, Rprop's
+    step sizes) or differs from later steps: the traced later-step program would drift.
+    After one eager step the same optimizer runs exactly as eager."""
+    data = mlp_batches(3)
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = make_opt(model.parameters()), make_opt(ref.parameters())
+    compiled = diphoma_compile.compile(clipped_step, model, opt, data[0])
+    with pytest.raises(DiphomaError, match=words):
+        compiled(model, opt, data[0])
+    for m, o in ((model, opt), (ref, ref_opt)):
+        clipped_step(m, o, data[0])          # one eager step: the optimizer has its state
+    for batch in data[1:]:
+        compiled(model, opt, batch)
+        clipped_step(ref, ref_opt, batch)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
