@@ -213,13 +213,22 @@ class _Recorder:
         """Follow the step into and out of backward."""
         orig_backward, orig_grad = torch.autograd.backward, torch.autograd.grad
 
+        since = [None]      # how many nodes were noted when the last backward ended
+
         def wrap(orig):
             def inner(*a, **k):
+                if since[0] is not None:
+                    # another backward (gradient accumulation over micro-batches): what ran
+                    # since the last one was the next micro-batch's forward, not the update
+                    for name in list(self.phase)[since[0]:]:
+                        if self.phase[name] is Phase.update:
+                            self.phase[name] = Phase.forward
                 self.current = Phase.backward
                 try:
                     return orig(*a, **k)
                 finally:
                     self.current = Phase.update  # gradient clipping and the optimizer follow
+                    since[0] = len(self.phase)
             return inner
         with mock.patch("torch.autograd.backward", wrap(orig_backward)), \
                 mock.patch("torch.autograd.grad", wrap(orig_grad)):
@@ -582,9 +591,12 @@ def capture(step_fn: Callable, *args: Any) -> Captured:
     gm = _trace(step, _fake_inputs(step), rec)
     if step.grads_left and not step.cleared_first:
         raise FrontendError(
-            "the step leaves gradients in .grad without clearing them before backward(), so "
-            "eager PyTorch would add each call's gradients to the previous ones",
-            hint="call opt.zero_grad() in the step (before backward or after opt.step())")
+            "the step leaves tensors in .grad when it ends and does not clear them before "
+            "backward(), so each call's gradients would be added to what the last call left "
+            "(zero_grad(set_to_none=False) leaves zero tensors, which this check cannot "
+            "tell from gradients)",
+            hint="call opt.zero_grad() (set_to_none=True, the default) after opt.step(), "
+                 "or before backward()")
     outputs: list[Slot | None] = [None] * step.n_user
     outputs += step.param_slots + step.buffer_slots + step.state_slots()
     outputs += [Slot("grad", 0, (pi,), f"{step.param_slots[pi].name}.grad")

@@ -168,7 +168,7 @@ def test_accumulating_step_is_refused():
         return loss
     model = MLP()
     opt = OPTIMIZERS["sgd"](model.parameters(), True)
-    with pytest.raises(DiphomaError, match="add each call's gradients"):
+    with pytest.raises(DiphomaError, match="each call's gradients would be added to what the last"):
         diphoma_compile.trace(step, model, opt, mlp_batches(1)[0])
 
 
@@ -208,3 +208,32 @@ def test_fresh_optimizer_that_does_not_start_from_zeros_is_refused(make_opt, wor
         clipped_step(ref, ref_opt, batch)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
+
+
+def accumulating_step(model, opt, batch):
+    """Gradient accumulation over two micro-batches: two backward() calls, one update."""
+    x, y = batch["x"], batch["y"]
+    n = x.shape[0] // 2
+    for xs, ys in ((x[:n], y[:n]), (x[n:], y[n:])):
+        loss = F.cross_entropy(model(xs), ys) / 2
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def test_gradient_accumulation_over_micro_batches():
+    """The second micro-batch's forward runs after the first backward: it is forward, not
+    update, so the step traces, runs as eager does, and syncs each gradient once."""
+    run_both(MLP, lambda m: OPTIMIZERS["adamw"](m.parameters(), True), accumulating_step,
+             mlp_batches(3))
+    torch.manual_seed(0)
+    model = MLP()
+    opt = OPTIMIZERS["sgd_momentum"](model.parameters(), True)
+    pstep = diphoma_compile.parallelize(accumulating_step, {"dp": 4})
+    pstep.trace(model, opt, mlp_batches(1)[0])
+    g = pstep.graph
+    dots = [op for op in g.ops if op.name == "opaque" and "addmm" in str(op.attrs["target"])]
+    assert [op.phase.value for op in dots] == ["forward"] * 4   # two layers, two micro-batches
+    synced = [n for op in g.ops if op.name == "reduce_scatter" for n in op.inputs]
+    assert len(synced) == len(set(synced)) == len(list(model.parameters()))
