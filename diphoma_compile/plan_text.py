@@ -116,6 +116,11 @@ def render(plan: Plan, max_rows: int = 60) -> str:
     if wus.get("grads_left_sharded"):
         lines += ["", "gradient outputs left sharded (no full .grad): "
                   + ", ".join(wus["grads_left_sharded"])]
+    drawn = plan.notes.get("data-parallel", {}).get("random_per_device")
+    if drawn:
+        lines += ["", f"random draws per device ({', '.join(drawn)}): each process draws from "
+                      "its own generator, as under DDP, so dropout matches the single-device "
+                      "step in distribution, not bit for bit"]
     lines += _comm_lines(plan.notes)
     return "\n".join(lines) + "\n"
 

@@ -84,6 +84,8 @@ def test_hugging_face_model_uses_its_own_loss(capsys):
     assert ctx["loss"] == "the model's own loss (output.loss)"
     assert ctx["model"].startswith("hf_gpt2.py:GPT2LMHeadModel (torch, built on the meta")
     assert plans[8]["param_count"] == 1000 * 64 + 64 * 64 + 2 * (12 * 64 * 64 + 13 * 64) + 128
+    # GPT-2's dropout (0.1) draws per process, as under DDP: the plan says where
+    assert plans[8]["notes"]["data-parallel"]["random_per_device"]
 
 
 def test_cnn_file_defaults_to_cross_entropy(capsys):

@@ -380,3 +380,21 @@ def test_a_returned_per_example_value_is_refused():
     pstep = parallelize(step, jax_mesh((8,)), axis="data")
     with pytest.raises(DiphomaError, match=r"returns %.*a \[4, 5\] value computed per device"):
         pstep.trace(params, jax.jit(tx.init)(params), batch)
+
+
+def test_dropout_from_one_key_is_refused():
+    """Every device would draw its share's mask from the same key: the masks would repeat
+    across devices instead of being the global batch's. Refused, with what to do."""
+    tx = optax.sgd(0.1)
+
+    def step(params, opt_state, batch, key):
+        def loss_of(p):
+            mask = jax.random.bernoulli(key, 0.5, batch.shape)
+            return jnp.mean(jnp.where(mask, batch, 0.0) @ p["w"])
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    params = {"w": jnp.ones((4,), jnp.float32)}
+    pstep = parallelize(step, jax_mesh((8,)), axis="data")
+    with pytest.raises(DiphomaError, match="random numbers drawn from a JAX key meet per-device"):
+        pstep.trace(params, tx.init(params), jnp.ones((16, 4)), jax.random.key(0))

@@ -43,6 +43,25 @@ def _sums_contributions(op: Op, ins: list[TensorType], axis: str) -> bool:
     return op.name in ("add", "sub") and len(ins) == 2 and all(_varying(t, axis) for t in ins)
 
 
+# opaque ops that draw random numbers (JAX's and torch's), by the target they record
+_RANDOM_TARGETS = ("jax:random_bits", "jax:threefry2x32", "jax:rng_bit_generator",
+                   "jax:rng_uniform")
+_RANDOM_ATEN = ("native_dropout", "bernoulli", "rand", "randn", "randint", "randperm",
+                "normal", "uniform", "multinomial", "exponential", "geometric", "log_normal",
+                "cauchy", "rand_like", "randn_like", "randint_like")
+
+
+def _is_random(op: Op) -> str | None:
+    """"jax" or "torch" when ``op`` draws random numbers, else None."""
+    if op.name != "opaque":
+        return None
+    target = str(op.attrs.get("target", ""))
+    if target in _RANDOM_TARGETS:
+        return "jax"
+    name = target.removeprefix("aten.").split(".")[0].rstrip("_")
+    return "torch" if target.startswith("aten.") and name in _RANDOM_ATEN else None
+
+
 def _combine(name: str, t: TensorType, made_by: dict[str, Op]) -> str:
     """How the devices' values of a returned per-device scalar make the single-device value:
     the maximum or minimum of maxima or minima, the sum of sums, else the mean (of means:
@@ -98,6 +117,8 @@ class DataParallel(Pass):
         need: dict[str, str] = {}        # varying name -> how it is synchronized
         ops: list[Op] = []
         made_in: dict[str, Phase] = {n: Phase.forward for n in batch}   # varying values
+        drawn: dict[str, str] = {}        # values computed from random draws -> framework
+        random_ops: list[str] = []        # torch draws that meet per-device values
         for op in graph.ops:
             ins = [types[n] for n in op.inputs]
             if op.phase is Phase.update and _sums_contributions(op, ins, ax):
@@ -123,6 +144,24 @@ class DataParallel(Pass):
                     if _varying(t, ax):
                         need.setdefault(n, "avg")
             elif any(_varying(t, ax) for t in ins):
+                source = _is_random(op) or next((drawn[n] for n in op.inputs if n in drawn),
+                                                None)
+                if source == "torch":
+                    # torch draws from each process's own generator, as under DDP: the
+                    # masks are per device, right in distribution but not the global
+                    # batch's; the plan says so
+                    random_ops.append(op.loc or op.name)
+                elif source == "jax":
+                    raise PassFailure(
+                        "data-parallel: random numbers drawn from a JAX key meet per-device "
+                        "values here (dropout, noise on activations): every device would "
+                        "draw them from the same key at its own share's shape, so the "
+                        "devices would repeat one another's masks instead of drawing the "
+                        "global batch's; per-device random draws are not supported yet",
+                        op=op,
+                        hint="turn dropout off (rate 0, or deterministic=True) for data "
+                             "parallelism, or draw the random numbers outside the step and "
+                             "pass them in with the batch")
                 if op.regions:
                     raise PassFailure(f"data-parallel: {op.name} with nested regions reads the "
                                       "batch; per-device control flow is not supported yet",
@@ -137,6 +176,9 @@ class DataParallel(Pass):
                                               for v, p in zip(op.results, got)))
                 made_in.update((v.name, Phase.forward if op.phase is Phase.forward
                                 else Phase.backward) for v in op.results)
+            source = _is_random(op) or next((drawn[n] for n in op.inputs if n in drawn), None)
+            if source:
+                drawn.update((v.name, source) for v in op.results)
             types.update((v.name, v.type) for v in op.results)
             ops.append(op)
 
@@ -208,5 +250,6 @@ class DataParallel(Pass):
             "averaged": [n for n, how in need.items() if how == "avg"],
             "broadcast": [n for n, how in need.items() if how == "root0"],
             "combined": {n: how for n, how in need.items() if how in ("sum", "max", "min")},
+            "random_per_device": sorted(set(random_ops)),
         }
         return graph.replace(inputs=tuple(inputs), ops=tuple(out_ops), outputs=outputs)

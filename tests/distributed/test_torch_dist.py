@@ -146,7 +146,7 @@ def test_summed_loss_and_max_min_metrics_match_the_global_batch(runs):
 
 
 def test_uneven_batches_across_ranks_are_refused(runs):
-    for rank, r in enumerate(runs):
+    for r in runs:
         msg = r["summed"]["uneven"]
         assert msg is not None and msg.startswith("MeshError"), msg
         assert "different shapes: %batch.x is (3, 8) on rank 0 and (4, 8) on rank" in msg, msg
