@@ -398,3 +398,37 @@ def test_dropout_from_one_key_is_refused():
     pstep = parallelize(step, jax_mesh((8,)), axis="data")
     with pytest.raises(DiphomaError, match="random numbers drawn from a JAX key meet per-device"):
         pstep.trace(params, tx.init(params), jnp.ones((16, 4)), jax.random.key(0))
+
+
+class Narrow(nn.Module):
+    """8 -> 16 -> 4: the (4,) bias is the one tensor 8 does not divide."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(nn.relu(nn.Dense(16)(x)))
+
+
+def test_multisteps_gradient_accumulation_matches_the_single_device_step():
+    """optax.MultiSteps updates inside a lax.cond, which must run on whole values: it was
+    handed a (4,) operand cut in 8 (an unverifiable graph)."""
+    rng = np.random.default_rng(0)
+    module = Narrow()
+    batch = (_normal(rng, (16, 8)), _normal(rng, (16, 4)))
+    abstract = jax.eval_shape(module.init, jax.random.key(0), batch[0])["params"]
+    params = jax.tree.map(lambda a: _normal(rng, a.shape, 0.3), abstract)
+    tx = optax.MultiSteps(optax.sgd(0.05, momentum=0.9), every_k_schedule=2)
+
+    def ms_step(params, opt_state, batch):
+        def loss_of(p):
+            return jnp.mean((module.apply({"params": p}, batch[0]) - batch[1]) ** 2)
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    opt_state = jax.jit(tx.init)(params)
+    pstep = parallelize(ms_step, jax_mesh((8,)), axis="data")
+    rp, rs, op, os_ = params, opt_state, params, opt_state
+    for _ in range(4):
+        rp, rs, rl = jax.jit(ms_step)(rp, rs, batch)
+        op, os_, ol = pstep(op, os_, batch)
+        np.testing.assert_allclose(float(ol), float(rl), rtol=1e-5)
+    assert max_rel_dev((rp, rs), (op, os_)) <= 1e-5

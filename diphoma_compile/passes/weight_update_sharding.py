@@ -246,9 +246,11 @@ class _Rewrite:
                                        {"axis": self.ax, "op": red}, op, f"{ins[k]}.sum")
                     self.plan.scalar_reductions.append(ins[k])
                 continue
-            if not tried_slice:
+            if not tried_slice and not op.regions:
                 # a whole operand beside pieces: take its piece locally (a slice, no
-                # communication), e.g. a scalar broadcast to the tensor's shape
+                # communication), e.g. a scalar broadcast to the tensor's shape. Not for
+                # an op with regions (cond, while): its operands are unrelated tensors, and
+                # it runs on whole values anyway
                 tried_slice = True
                 pieces = {t.placement(self.ax) for t in types
                           if not isinstance(t.placement(self.ax), Replicate)}
