@@ -158,6 +158,8 @@ def build_plan(graph: Graph, notes: dict[str, Any] | None = None) -> Plan:
     grads.update((waited.get(o.name, o.name), o.role.target) for o in graph.outputs
                  if o.role.kind is OutputKind.replaces)
     loss |= {waited[n] for n in loss if n in waited}
+    metrics = {o.name for o in graph.outputs if o.role.kind is OutputKind.metric}
+    metrics |= {waited[n] for n in metrics if n in waited}
     collectives = []
     for op in graph.walk():
         d = op_def(op.name)
@@ -170,7 +172,7 @@ def build_plan(graph: Graph, notes: dict[str, Any] | None = None) -> Plan:
         if len(op.inputs) > 1:
             value += f" (+{len(op.inputs) - 1})"
         collectives.append(CollectivePlan(
-            op.name, axis, value, _serves(op, grads, loss),
+            op.name, axis, value, _serves(op, grads, loss, metrics),
             op.attrs.get("op"), d.comm_bytes(op, ins, outs, sizes.get(axis, 1)),
             op.phase.value if op.phase else None))
     memory = _memory(graph, sizes, gradient_sources(graph), types)
@@ -192,18 +194,22 @@ def idle_axes(graph: Graph) -> dict[str, int]:
     return {a: n for a, n in graph.mesh.axes if n > 1 and a not in used}
 
 
-def _serves(op: Op, grads: dict[str, str], loss: set[str]) -> str:
+def _serves(op: Op, grads: dict[str, str], loss: set[str], metrics: set[str]) -> str:
     if len(op.results) > 1:
-        parts = [_serves(op.replace(inputs=(i,), results=(v,)), grads, loss)
+        parts = [_serves(op.replace(inputs=(i,), results=(v,)), grads, loss, metrics)
                  for i, v in zip(op.inputs, op.results)]
         kinds = sorted({p.split(" of ")[0] for p in parts if p})
         return f"bucket of {len(parts)}: " + ", ".join(kinds)
     out = op.results[0].name if op.results else ""
     if out in grads:
+        if op.name == "broadcast":
+            return f"device 0's value of {grads[out]}"
         return (f"new value of {grads[out]}" if op.name == "all_gather"
                 else f"gradient of {grads[out]}")
     if out in loss:
         return "loss"
+    if out in metrics:
+        return "metric"
     if op.name == "all_reduce" and op.attrs.get("op") == "sum" and op.results[0].type.numel == 1:
         return "partial sum (e.g. a gradient norm)"
     if op.name == "take_shard":
