@@ -584,6 +584,12 @@ def capture(step_fn: Callable, *args: Any) -> Captured:
         raise FrontendError("the step uses no torch.optim optimizer (none among its "
                             "arguments or in its closure)",
                             hint="pass the optimizer to the step, e.g. step(model, opt, batch)")
+    for opt in opts:
+        if any(g.get("fused") for g in opt.param_groups):
+            raise FrontendError(
+                f"{type(opt).__name__}(fused=True) runs one fused kernel over all its tensors, "
+                "which the tracer cannot break into the IR's per-tensor ops",
+                hint="build the optimizer without fused=True (the default or foreach=True)")
     step = _Step(step_fn, args, modules, opts)
     live = step.live_state_keys()
     step.state_keys = live if live is not None else _discover_state(step)

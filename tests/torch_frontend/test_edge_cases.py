@@ -237,3 +237,10 @@ def test_gradient_accumulation_over_micro_batches():
     assert [op.phase.value for op in dots] == ["forward"] * 4   # two layers, two micro-batches
     synced = [n for op in g.ops if op.name == "reduce_scatter" for n in op.inputs]
     assert len(synced) == len(set(synced)) == len(list(model.parameters()))
+
+
+def test_fused_optimizer_is_refused_by_name():
+    model = MLP()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    with pytest.raises(DiphomaError, match=r"Adam\(fused=True\) runs one fused kernel"):
+        diphoma_compile.trace(clipped_step, model, opt, mlp_batches(1)[0])
