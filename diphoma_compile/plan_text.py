@@ -116,6 +116,12 @@ def render(plan: Plan, max_rows: int = 60) -> str:
     if wus.get("grads_left_sharded"):
         lines += ["", "gradient outputs left sharded (no full .grad): "
                   + ", ".join(wus["grads_left_sharded"])]
+    norm = plan.notes.get("data-parallel", {}).get("loss_normalized_per_device")
+    if norm:
+        lines += ["", f"the loss divides by a count computed from the batch ({norm}): each "
+                      "device divides by its own count and the devices' losses and gradients "
+                      "are averaged, as under DDP, which differs from the single-device step "
+                      "when the count differs between devices (masked or padded examples)"]
     drawn = plan.notes.get("data-parallel", {}).get("random_per_device")
     if drawn:
         lines += ["", f"random draws per device ({', '.join(drawn)}): each process draws from "

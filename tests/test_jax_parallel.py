@@ -432,3 +432,27 @@ def test_multisteps_gradient_accumulation_matches_the_single_device_step():
         op, os_, ol = pstep(op, os_, batch)
         np.testing.assert_allclose(float(ol), float(rl), rtol=1e-5)
     assert max_rel_dev((rp, rs), (op, os_)) <= 1e-5
+
+
+def test_a_loss_divided_by_a_count_of_the_batch_is_noted():
+    """sum(err * mask) / sum(mask): each device divides by its own count (as under DDP); the
+    plan says so, since it differs from the single-device step when counts differ."""
+    tx = optax.sgd(0.1)
+
+    def step(params, opt_state, batch):
+        def loss_of(p):
+            err = jnp.mean((batch[0] @ p["w"] - batch[1]) ** 2, axis=-1)
+            return jnp.sum(err * batch[2]) / jnp.maximum(jnp.sum(batch[2]), 1.0)
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    params = {"w": jnp.ones((8, 16))}
+    batch = (jnp.ones((16, 8)), jnp.ones((16, 16)), jnp.ones((16,)))
+    pstep = parallelize(step, jax_mesh((8,)), axis="data")
+    pstep.trace(params, tx.init(params), batch)
+    assert pstep.plan.notes["data-parallel"]["loss_normalized_per_device"]
+    assert "the loss divides by a count computed from the batch" in pstep.plan.to_text()
+    plain = parallelize(make("mlp", "momentum")[0], jax_mesh((8,)), axis="data")
+    _, p2, s2, b2 = make("mlp", "momentum")
+    plain.trace(p2, s2, b2)
+    assert plain.plan.notes["data-parallel"]["loss_normalized_per_device"] is None

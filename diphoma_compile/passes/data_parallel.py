@@ -187,6 +187,7 @@ class DataParallel(Pass):
         roles = {i.name: i.role for i in inputs}
         made_by = {v.name: op for op in ops for v in op.results}
         grads = "avg"
+        per_device_norm = None
         for o in graph.outputs:
             if not _varying(types[o.name], ax):
                 continue
@@ -205,6 +206,11 @@ class DataParallel(Pass):
                 need[o.name] = how
                 if o.role.kind is OutputKind.loss and how == "sum":
                     grads = "sum"       # the gradient of a sum over the batch is a sum too
+                last = made_by.get(o.name)
+                if o.role.kind is OutputKind.loss and last is not None and \
+                        last.name == "div" and _varying(types[last.inputs[1]], ax):
+                    # sum(l * mask) / sum(mask): each device divides by its own count
+                    per_device_norm = last.loc or last.name
             else:
                 need.setdefault(o.name, "avg")
         if grads == "sum":
@@ -251,5 +257,6 @@ class DataParallel(Pass):
             "broadcast": [n for n, how in need.items() if how == "root0"],
             "combined": {n: how for n, how in need.items() if how in ("sum", "max", "min")},
             "random_per_device": sorted(set(random_ops)),
+            "loss_normalized_per_device": per_device_norm,
         }
         return graph.replace(inputs=tuple(inputs), ops=tuple(out_ops), outputs=outputs)
