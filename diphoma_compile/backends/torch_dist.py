@@ -102,19 +102,31 @@ class TorchDistStep(TorchStep):
         once, when the step is built)."""
         if self.comm.size == 1:
             return
-        mine = [(i.name, tuple(i.value.type.shape)) for i in graph.inputs
-                if i.role.kind is InputKind.batch]
-        every: list[Any] = [None] * self.comm.size
-        dist.all_gather_object(every, mine, group=self.comm.group)
-        for rank, theirs in enumerate(every):
-            for (name, first), (_, other) in zip(every[0], theirs):
-                if first != other:
+        batch = [i for i in graph.inputs if i.role.kind is InputKind.batch]
+        dims = [d for i in batch for d in i.value.type.shape]
+        if not dims:
+            return
+        # a tensor on the device the step computes on (NCCL needs one on this rank's GPU)
+        params = self.captured.params
+        device = params[0].device if params else torch.device("cpu")
+        mine = torch.tensor(dims, dtype=torch.int64, device=device)
+        every = [torch.empty_like(mine) for _ in range(self.comm.size)]
+        dist.all_gather(every, mine, group=self.comm.group)
+        first = every[0].tolist()
+        for rank, theirs in enumerate(t.tolist() for t in every):
+            if theirs == first:
+                continue
+            at = 0
+            for i in batch:
+                k = i.value.type.rank
+                if theirs[at:at + k] != first[at:at + k]:
                     raise MeshError(
-                        f"the ranks pass batches of different shapes: %{name} is {first} on "
-                        f"rank 0 and {other} on rank {rank}; averaging their gradients "
-                        "would weigh the examples unequally",
-                        hint="give every rank an equal share of the global batch (drop or "
-                             "pad the last, uneven batch)")
+                        f"the ranks pass batches of different shapes: %{i.name} is "
+                        f"{tuple(first[at:at + k])} on rank 0 and {tuple(theirs[at:at + k])} "
+                        f"on rank {rank}; averaging their gradients would weigh the examples "
+                        "unequally", hint="give every rank an equal share of the global batch "
+                                          "(drop or pad the last, uneven batch)")
+                at += k
 
     @staticmethod
     def _check_binding(graph: Graph, cap: Captured) -> None:

@@ -62,23 +62,33 @@ def _is_random(op: Op) -> str | None:
     return "torch" if target.startswith("aten.") and name in _RANDOM_ATEN else None
 
 
-def _combine(name: str, t: TensorType, made_by: dict[str, Op]) -> str:
-    """How the devices' values of a returned per-device scalar make the single-device value:
-    the maximum or minimum of maxima or minima, the sum of sums, else the mean (of means:
-    each device holds an equal share of the batch). A per-device value that is not a
-    scalar (per-example outputs, per-class statistics) has no such rule."""
+def _combine(name: str, t: TensorType, made_by: dict[str, Op], types: dict[str, TensorType],
+             made_in: Phase | None) -> str:
+    """How the devices' values of a returned per-device value make the single-device value.
+
+    A gradient (made in backward) is averaged, as the update's are. A scalar made by a
+    maximum or minimum over more than one element is combined by max or min (through
+    negations, which swap them); any other scalar is averaged: a mean over the batch, each
+    device holding an equal share, which is the convention the loss follows too (a loss
+    or metric that is a *sum* over the batch would need a sum, but a sum cannot be told from
+    a mean written as a sum, ``(x / n).sum()``, without knowing which dimension is the
+    batch, so it is averaged, as DDP does). A forward value that is not a scalar
+    (per-example outputs, per-class statistics) has no such rule and is refused."""
+    if made_in is Phase.backward:
+        return "avg"
     if t.numel != 1:
         raise PassFailure(
             f"data-parallel: the step returns %{name}, a {list(t.shape)} value computed per "
-            "device from the batch; only scalars (a mean, sum, maximum or minimum over the "
-            "batch) can be combined into the value the single-device step returns",
+            "device from the batch; only scalars (a mean, maximum or minimum over the batch) "
+            "can be combined into the value the single-device step returns",
             hint="return scalars, or compute per-example outputs outside the step")
     op = made_by.get(name)
     negated = False
-    while op is not None and op.name == "neg":      # -sum is a sum, -max a min
+    while op is not None and op.name == "neg":      # -max is a min
         negated = not negated
         op = made_by.get(op.inputs[0])
-    if op is not None and op.name in ("reduce_max", "reduce_min", "reduce_sum"):
+    if op is not None and op.name in ("reduce_max", "reduce_min") and \
+            types[op.inputs[0]].numel > 1:
         how = op.name.removeprefix("reduce_")
         return {"max": "min", "min": "max"}.get(how, how) if negated else how
     return "avg"
@@ -117,6 +127,8 @@ class DataParallel(Pass):
         need: dict[str, str] = {}        # varying name -> how it is synchronized
         ops: list[Op] = []
         made_in: dict[str, Phase] = {n: Phase.forward for n in batch}   # varying values
+        returned = {o.name for o in graph.outputs
+                    if o.role.kind in (OutputKind.loss, OutputKind.metric)}
         drawn: dict[str, str] = {}        # values computed from random draws -> framework
         random_ops: list[str] = []        # torch draws that meet per-device values
         for op in graph.ops:
@@ -124,7 +136,10 @@ class DataParallel(Pass):
             if op.phase is Phase.update and _sums_contributions(op, ins, ax):
                 op = op.replace(phase=Phase.backward)
             if op.phase is Phase.update:
-                kinds = {made_in.get(n) for n, t in zip(op.inputs, ins) if _varying(t, ax)}
+                # the loss or a metric the update reads (Polyak step sizes, plateau
+                # schedules, scaling by the loss) is read synced, as the step returns it
+                kinds = {made_in.get(n) for n, t in zip(op.inputs, ins)
+                         if _varying(t, ax) and n not in returned}
                 if Phase.forward in kinds and Phase.backward in kinds:
                     raise PassFailure("data-parallel: an op after backward reads both a "
                                       "per-device forward value and a gradient", op=op,
@@ -144,8 +159,13 @@ class DataParallel(Pass):
                     if _varying(t, ax):
                         need.setdefault(n, "avg")
             elif any(_varying(t, ax) for t in ins):
-                source = _is_random(op) or next((drawn[n] for n in op.inputs if n in drawn),
-                                                None)
+                # randomness per element of a per-device value (a dropout mask: a draw of
+                # the value's own shape); weights with noise drawn at their own shape are
+                # the same on every device, as on one
+                shape = op.results[0].type.shape if op.results else None
+                source = _is_random(op) or next(
+                    (drawn[n] for n in op.inputs if n in drawn and types[n].numel > 1
+                     and types[n].shape == shape), None)
                 if source == "torch":
                     # torch draws from each process's own generator, as under DDP: the
                     # masks are per device, right in distribution but not the global
@@ -186,7 +206,6 @@ class DataParallel(Pass):
         #    the loss and metrics as their last reduction over the batch says
         roles = {i.name: i.role for i in inputs}
         made_by = {v.name: op for op in ops for v in op.results}
-        grads = "avg"
         per_device_norm = None
         for o in graph.outputs:
             if not _varying(types[o.name], ax):
@@ -202,10 +221,8 @@ class DataParallel(Pass):
                                   hint="the update may read gradients, parameters and "
                                        "optimizer state, not the batch")
             elif o.role.kind in (OutputKind.loss, OutputKind.metric):
-                how = _combine(o.name, types[o.name], made_by)
-                need[o.name] = how
-                if o.role.kind is OutputKind.loss and how == "sum":
-                    grads = "sum"       # the gradient of a sum over the batch is a sum too
+                need[o.name] = _combine(o.name, types[o.name], made_by, types,
+                                        made_in.get(o.name))
                 last = made_by.get(o.name)
                 if o.role.kind is OutputKind.loss and last is not None and \
                         last.name == "div" and _varying(types[last.inputs[1]], ax):
@@ -213,11 +230,8 @@ class DataParallel(Pass):
                     per_device_norm = last.loc or last.name
             else:
                 need.setdefault(o.name, "avg")
-        if grads == "sum":
-            need.update((n, "sum") for n, how in need.items() if how == "avg" and
-                        n not in {o.name for o in graph.outputs})
         for n, how in need.items():
-            if how in ("avg", "sum") and not types[n].dtype.is_float:
+            if how == "avg" and not types[n].dtype.is_float:
                 raise PassFailure(f"data-parallel: the {types[n].dtype} value %{n} is computed "
                                   "from the batch and leaves the per-device part of the step; "
                                   "only floating-point values can be averaged across devices",
@@ -255,7 +269,7 @@ class DataParallel(Pass):
             "axis": ax, "batch": batch,
             "averaged": [n for n, how in need.items() if how == "avg"],
             "broadcast": [n for n, how in need.items() if how == "root0"],
-            "combined": {n: how for n, how in need.items() if how in ("sum", "max", "min")},
+            "combined": {n: how for n, how in need.items() if how in ("max", "min")},
             "random_per_device": sorted(set(random_ops)),
             "loss_normalized_per_device": per_device_norm,
         }

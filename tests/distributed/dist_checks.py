@@ -306,11 +306,11 @@ def run_parallelize(rank: int, world: int) -> dict:
 
 
 def summed_step(model, opt, batch):
-    """A loss summed over the batch (its gradients are summed across ranks, not averaged)
-    and two metrics combined by their own reductions."""
+    """Two metrics of the batch combined by their own reductions (max, min), computed after
+    opt.step() from the forward's output."""
     out = model(batch["x"])
     picked = out.log_softmax(-1).gather(1, batch["y"][:, None])
-    loss = -picked.sum()
+    loss = -picked.mean()
     loss.backward()
     opt.step()
     opt.zero_grad()
@@ -318,7 +318,7 @@ def summed_step(model, opt, batch):
 
 
 def run_summed(rank: int, world: int) -> dict:
-    """parallelize on a summed loss with max/min metrics, against the global batch; then a
+    """parallelize on a step with max/min metrics, against the global batch; then a
     step built where the ranks hold batches of different sizes is refused."""
     import diphoma_compile
     torch.manual_seed(0)

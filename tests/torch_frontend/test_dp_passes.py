@@ -166,10 +166,10 @@ def _returns(extra):
 
 def test_returned_values_are_combined_by_their_reduction_or_refused():
     """A metric of the batch computed after opt.step() is per-device work, combined where it
-    is returned: a maximum by max, a count by sum, a mean by avg; never reduce-scattered as
+    is returned: a maximum by max, a minimum by min, a mean by avg; never reduce-scattered as
     if it were a gradient, and a per-example value is refused rather than averaged."""
-    cases = {"max": lambda o, b: o.amax(), "sum": lambda o, b: (o.argmax(1) == b["y"]).float()
-             .sum(), "avg": lambda o, b: (o.argmax(1) == b["y"]).float().mean()}
+    cases = {"max": lambda o, b: o.amax(), "min": lambda o, b: -(-o).amax(),
+             "avg": lambda o, b: (o.argmax(1) == b["y"]).float().mean()}
     for how, extra in cases.items():
         g, ctx = run(traced("sgd", _returns(extra), OddMLP), "data-parallel,weight-update-sharding")
         metric = [o for o in g.outputs if o.role.kind is OutputKind.metric][0]
@@ -177,3 +177,21 @@ def test_returned_values_are_combined_by_their_reduction_or_refused():
         assert (sync.name, sync.attrs["op"]) == ("all_reduce", how), how
     with pytest.raises(PassError, match=r"returns %.*a \[16\] value computed per device"):
         run(traced("sgd", _returns(lambda o, b: o.mean(1)), OddMLP), "data-parallel")
+
+
+def test_the_update_may_read_the_loss():
+    """Scaling the gradients by the loss after backward(): the update reads the loss synced
+    (averaged), as the step returns it, not each device's own."""
+    def step(model, opt, batch):
+        loss = torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.grad.mul_(loss.detach())
+        opt.step()
+        opt.zero_grad()
+        return loss
+    g, _ = run(traced("sgd", step, OddMLP), "data-parallel")
+    (loss_sync,) = [op for op in g.ops if op.name == "all_reduce" and op.results[0].type.numel == 1]
+    readers = [op for op in g.ops if loss_sync.results[0].name in op.inputs]
+    assert readers and all(op.phase is Phase.update for op in readers)
