@@ -401,10 +401,11 @@ def test_dropout_from_one_key_is_refused():
         pstep.trace(params, tx.init(params), jnp.ones((16, 4)), jax.random.key(0))
 
     def noisy_weights(params, opt_state, batch, key):
-        """Noise drawn at the weight's shape is the same on every device, as on one."""
+        """Noise drawn at the weight's shape is the same on every device, as on one; what
+        it computes with the batch is per-device data, not a draw (tanh after the dot)."""
         def loss_of(p):
             w = p["w"] + 0.1 * jax.random.normal(key, p["w"].shape)
-            return jnp.mean(batch @ w)
+            return jnp.mean(jnp.tanh(batch @ w))
         loss, grads = jax.value_and_grad(loss_of)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss

@@ -196,8 +196,10 @@ class DataParallel(Pass):
                                               for v, p in zip(op.results, got)))
                 made_in.update((v.name, Phase.forward if op.phase is Phase.forward
                                 else Phase.backward) for v in op.results)
+            # a draw stays a draw through ops on whole values (scaling, adding to weights);
+            # what it computes with per-device values is per-device data
             source = _is_random(op) or next((drawn[n] for n in op.inputs if n in drawn), None)
-            if source:
+            if source and not any(_varying(types[n], ax) for n in op.inputs):
                 drawn.update((v.name, source) for v in op.results)
             types.update((v.name, v.type) for v in op.results)
             ops.append(op)
