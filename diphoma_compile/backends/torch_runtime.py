@@ -154,13 +154,14 @@ def _not_zero_start(opt: torch.optim.Optimizer) -> str | None:
     the step reads the state: state it only writes, as a custom optimizer keeping the
     previous parameter does, may start from anything.)"""
     name = type(opt).__name__
-    if type(opt).__module__.startswith("torch.optim") and name == "SGD":
+    builtin = type(opt).__module__.startswith("torch.optim")
+    if builtin and name == "SGD":
         for g in opt.param_groups:
             if g.get("momentum", 0) and g.get("dampening", 0):
                 return ("SGD with momentum and dampening copies the first gradient into its "
                         "momentum buffer instead of damping it")
         return None
-    if type(opt).__module__.startswith("torch.optim") and name in _ZERO_START:
+    if builtin and name in _ZERO_START:
         return None
     return (f"its first step may initialize its state to values other than zero "
             f"(only {', '.join(sorted(_ZERO_START | {'SGD'}))} are known to start from "

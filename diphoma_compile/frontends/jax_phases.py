@@ -100,9 +100,10 @@ def assign_phases(graph: Graph, transposed: set[str] | frozenset[str] = frozense
     forward = ancestors(set(loss))
     feeds_state = ancestors(state_outputs)
     if transposed:
-        residuals = {k for k in ancestors(set(transposed))
-                     if not any(v.name in transposed for v in ops[k].results)}
-        return _with_marks(graph, forward | residuals, feeds_state, transposed, reads, made)
+        backward = {k for k, op in enumerate(ops) if any(v.name in transposed
+                                                         for v in op.results)}
+        residuals = ancestors(set(transposed)) - backward
+        return _with_marks(graph, forward | residuals, backward, feeds_state, reads, made)
     reads_state = [False] * len(ops)
     for k in range(len(ops)):
         reads_state[k] = any(n in opt_inputs or (n in made and reads_state[made[n]])
@@ -137,17 +138,17 @@ def assign_phases(graph: Graph, transposed: set[str] | frozenset[str] = frozense
     return graph.replace(ops=tuple(_with_phase(op, p) for op, p in zip(ops, phases)))
 
 
-def _with_marks(graph: Graph, forward: set[int], feeds_state: set[int], transposed,
+def _with_marks(graph: Graph, forward: set[int], backward: set[int], feeds_state: set[int],
                 reads: list[set[str]], made: dict[str, int]) -> Graph:
     """Phases from autodiff's marks; ``forward`` holds the loss's ancestors and the
-    residuals backward reads."""
+    residuals backward reads, ``backward`` the transposed ops."""
     ops = graph.ops
     phases: list[Phase] = []
-    for k, op in enumerate(ops):
+    for k in range(len(ops)):
         src = {phases[made[n]] for n in reads[k] if n in made}
         if k in forward:
             phases.append(Phase.forward)
-        elif any(v.name in transposed for v in op.results):
+        elif k in backward:
             phases.append(Phase.backward)
         elif src & {Phase.backward, Phase.update} or k in feeds_state:
             phases.append(Phase.update)

@@ -133,6 +133,7 @@ class DataParallel(Pass):
         random_ops: list[str] = []        # torch draws that meet per-device values
         for op in graph.ops:
             ins = [types[n] for n in op.inputs]
+            draws = _is_random(op)
             if op.phase is Phase.update and _sums_contributions(op, ins, ax):
                 op = op.replace(phase=Phase.backward)
             if op.phase is Phase.update:
@@ -163,9 +164,9 @@ class DataParallel(Pass):
                 # the value's own shape); weights with noise drawn at their own shape are
                 # the same on every device, as on one
                 shape = op.results[0].type.shape if op.results else None
-                source = _is_random(op) or next(
-                    (drawn[n] for n in op.inputs if n in drawn and types[n].numel > 1
-                     and types[n].shape == shape), None)
+                source = draws or next(
+                    (drawn[n] for n, t in zip(op.inputs, ins) if n in drawn and t.numel > 1
+                     and t.shape == shape), None)
                 if source == "torch":
                     # torch draws from each process's own generator, as under DDP: the
                     # masks are per device, right in distribution but not the global
@@ -198,9 +199,10 @@ class DataParallel(Pass):
                                 else Phase.backward) for v in op.results)
             # a draw stays a draw through ops on whole values (scaling, adding to weights);
             # what it computes with per-device values is per-device data
-            source = _is_random(op) or next((drawn[n] for n in op.inputs if n in drawn), None)
-            if source and not any(_varying(types[n], ax) for n in op.inputs):
-                drawn.update((v.name, source) for v in op.results)
+            if not any(_varying(t, ax) for t in ins):
+                source = draws or next((drawn[n] for n in op.inputs if n in drawn), None)
+                if source:
+                    drawn.update((v.name, source) for v in op.results)
             types.update((v.name, v.type) for v in op.results)
             ops.append(op)
 

@@ -21,8 +21,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gpt as gpt_example  # noqa: E402  (examples/gpt.py)
+from torch_frontend.models import classify_step as mlp_step  # noqa: E402
 
 from diphoma_compile.backends import torch_comm  # noqa: E402
 from diphoma_compile.backends.torch_dist import TorchDistStep  # noqa: E402
@@ -53,14 +55,6 @@ class OddMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
-
-
-def mlp_step(model, opt, batch):
-    loss = F.cross_entropy(model(batch["x"]), batch["y"])
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
 
 
 def mlp_clipped_step(model, opt, batch):
