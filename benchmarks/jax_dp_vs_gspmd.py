@@ -44,8 +44,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from diphoma_compile.backends.jax_parallel import per_device_bytes  # noqa: E402
-from diphoma_compile.parallel import parallelize  # noqa: E402
+from diphoma_compile.jax.parallel import per_device_bytes  # noqa: E402
+from diphoma_compile import parallelize  # noqa: E402
 
 
 FUSED = ("dce,data-parallel{axis=data},weight-update-sharding{axis=data, layout=dims},"

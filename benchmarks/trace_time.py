@@ -16,8 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from diphoma_compile.frontends.torch_capture import _fake_inputs, _Step, capture, find_state
-from diphoma_compile.frontends.torch_import import import_captured
+from diphoma_compile.torch.capture import _fake_inputs, _Step, capture, find_state
+from diphoma_compile.torch.importer import import_captured
 from diphoma_compile.ir import print_graph, verify
 
 

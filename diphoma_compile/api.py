@@ -1,25 +1,30 @@
-"""The public entry points: trace a training step into the IR, or compile it to run."""
+"""The public entry points: ``trace`` a training step into the IR, ``compile`` it to run on
+one device, or ``parallelize`` it over a mesh.
+
+``parallelize`` returns a ParallelStep, which traces the step on its first call (or on
+``.trace(*args)``, which plans without running), runs the pass pipeline — by default data
+parallelism plus weight-update sharding over the mesh's data axis — and hands the final IR
+to the framework's backend.
+
+Conventions, as each framework's users expect them:
+- PyTorch follows DDP: each rank (a torchrun process) passes its own local batch; the step
+  is traced at that shape and the loss it returns is the mean over all ranks.
+- JAX takes the global batch, which the step shards over the data axis; the step is traced
+  at the per-device shape (global / N)."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
-from .errors import FrontendError
-from .ir.core import Graph
+from . import framework as frameworks
+from .errors import DiphomaError
+from .framework import Framework
+from .ir.core import Graph, InputKind
+from .mesh import Mesh, data_axis
 from .passes.base import PassContext, Pipeline
-
-
-def _framework(args: tuple) -> str:
-    if "torch" in sys.modules:
-        from .frontends.torch_trace import is_torch_step
-        if is_torch_step(args):
-            return "torch"
-    if "jax" in sys.modules:
-        return "jax"
-    raise FrontendError("no PyTorch module/optimizer/tensor and no JAX array among the "
-                        "example arguments", hint="pass the step's real example arguments")
+from .passes.defaults import default_passes
+from .report.plan import Plan, build_plan
 
 
 def trace(step_fn: Callable, *example_args: Any, **options: Any) -> Graph:
@@ -27,27 +32,127 @@ def trace(step_fn: Callable, *example_args: Any, **options: Any) -> Graph:
 
     PyTorch steps take their modules and optimizers as arguments (or in their closure);
     JAX steps follow ``step(params, opt_state, batch, *rest)``."""
-    if _framework(example_args) == "torch":
-        from .frontends.torch_trace import trace_torch
-        return trace_torch(step_fn, *example_args)[0]
-    from .frontends.jax_trace import trace_jax
-    return trace_jax(step_fn, *example_args, **options)
+    return frameworks.of_args(example_args).trace(step_fn, example_args, **options)[0]
 
 
 def compile(step_fn: Callable, *example_args: Any, passes: str = "") -> Any:
     """A callable with ``step_fn``'s signature that runs the traced (and transformed) step.
 
     For PyTorch it updates the live module and optimizer exactly as the eager step would."""
-    if _framework(example_args) != "torch":
-        from .backends.jax_compile import compile_jax
-        from .frontends.jax_trace import trace_jax_with_tree
-        # this step's own output structure, whatever passes do to the graph
-        graph, tree = trace_jax_with_tree(step_fn, *example_args)
-        graph = Pipeline.from_spec(passes).run(graph, PassContext()) if passes else graph
-        return compile_jax(graph, out_tree=tree)
-    from .backends.torch_runtime import TorchStep
-    from .frontends.torch_trace import trace_torch
-    graph, cap = trace_torch(step_fn, *example_args)
+    fw = frameworks.of_args(example_args)
+    # the runner keeps this step's own argument and output structure, whatever passes do
+    graph, extra = fw.trace(step_fn, example_args)
     if passes:
         graph = Pipeline.from_spec(passes).run(graph, PassContext())
-    return TorchStep(graph, cap)
+    return fw.compile(graph, extra)
+
+
+class ParallelStep:
+    """A callable with the step's signature that runs it distributed over a mesh."""
+
+    def __init__(self, step_fn: Callable, mesh: Any, *, passes: str | None = None,
+                 axis: str | None = None) -> None:
+        self.step_fn = step_fn
+        self.user_mesh = mesh
+        self.mesh = Mesh.of(mesh)
+        self.axis = data_axis(self.mesh, axis)
+        self.passes = passes
+        self.framework: str | None = None
+        self._fw: Framework | None = None
+        self._graph: Graph | None = None
+        self._plan: Plan | None = None
+        self._extra: Any = None       # what the backend needs besides the graph
+        self._runner: Any = None
+
+    # ---------------------------------------------------------------- planning
+    def trace(self, *example_args: Any, ctx: PassContext | None = None) -> ParallelStep:
+        """Trace and plan for these arguments without running anything; returns self.
+        ``ctx`` (a PassContext) asks for IR dumps and collects pass timings."""
+        self._fw, graph, self._extra = trace_step(self.step_fn, example_args,
+                                                  self.mesh, self.axis)
+        self.framework = self._fw.name
+        self._graph, self._plan = run_passes(graph, self._fw, self.mesh, self.axis,
+                                             self.passes, ctx or PassContext())
+        return self
+
+    @property
+    def graph(self) -> Graph:
+        """The final IR (after every pass)."""
+        self._need_trace()
+        return self._graph
+
+    @property
+    def plan(self) -> Plan:
+        """What the passes decided: placements, bytes per device, collectives."""
+        self._need_trace()
+        return self._plan
+
+    def _need_trace(self) -> None:
+        if self._graph is None:
+            raise DiphomaError("the step has not been traced yet",
+                               hint="call it once, or call .trace(*example_args) to plan "
+                                    "without running")
+
+    # ---------------------------------------------------------------- running
+    def __call__(self, *args: Any) -> Any:
+        if self._runner is None:
+            if self._graph is None:
+                self.trace(*args)
+            self._runner = self._fw.parallel_runner(self._graph, self._extra, self.user_mesh,
+                                                    self.mesh, self.axis)
+        return self._runner(*args)
+
+    @property
+    def runner(self) -> Any:
+        """The backend's runner (after the first call)."""
+        if self._runner is None:
+            raise DiphomaError("the step has not run yet", hint="call it once first")
+        return self._runner
+
+    def profile(self, *args: Any, steps: int = 5) -> Any:
+        """PyTorch: per step, the time in computation, in communication, and the part of
+        communication hidden behind computation (runs ``steps`` real steps twice)."""
+        if self._runner is None:
+            self(*args)
+        if not hasattr(self._runner, "profile"):
+            raise DiphomaError(f"profile() is not available for {self.framework} steps",
+                               hint="under jax.jit, use jax.profiler")
+        return self._runner.profile(*args, steps=steps)
+
+    def memory_report(self) -> Any:
+        """Bytes of parameters and optimizer state this process holds, measured from the
+        live tensors (after the first call)."""
+        return self.runner.memory_report()
+
+
+def trace_step(step_fn: Callable, args: tuple, mesh: Mesh, axis: str
+               ) -> tuple[Framework, Graph, Any]:
+    """(framework, the step's IR traced per device, what the backend needs besides it):
+    PyTorch at the local batch each rank passes; JAX at the global batch / N."""
+    fw = frameworks.of_args(args)
+    graph, extra = fw.trace_local(step_fn, args, mesh, axis)
+    return fw, graph, extra
+
+
+def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str | None,
+               ctx: PassContext) -> tuple[Graph, Plan]:
+    """The graph placed on ``mesh`` after the pipeline (``passes``, or the default one for
+    the framework and the model's gradient bytes), and its plan."""
+    graph = graph.replace(mesh=mesh)
+    grad_bytes = sum(i.value.type.nbytes for i in graph.inputs
+                     if i.role.kind is InputKind.param)
+    spec = passes if passes is not None else default_passes(axis, grad_bytes,
+                                                            layout=fw.update_layout)
+    if spec:
+        graph = Pipeline.from_spec(spec).run(graph, ctx)
+    ctx.notes["backend"] = fw.backend
+    return graph, build_plan(graph, ctx.notes)
+
+
+def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
+                axis: str | None = None) -> ParallelStep:
+    """``step_fn`` as a distributed step over ``mesh`` (a diphoma Mesh, a dict of axis
+    sizes, a torch DeviceMesh or a jax.sharding.Mesh). By default: data parallelism over
+    the data axis with cross-replica weight-update sharding; ``passes`` overrides the
+    pipeline, ``axis`` names the data axis when the mesh has several."""
+    return ParallelStep(step_fn, mesh, passes=passes, axis=axis)

@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``diphoma`` command."""
     p = argparse.ArgumentParser(prog="diphoma", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
-    from .inspect_cmd import add_parser
+    from .inspect.command import add_parser
     add_parser(sub)
     ir = sub.add_parser("ir", help="verify IR text, run passes on it, print it with analyses")
     ir.add_argument("file", help="a .ir file, or - for standard input")

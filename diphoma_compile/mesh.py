@@ -90,3 +90,25 @@ class Mesh:
 
     def __str__(self) -> str:
         return "mesh[" + ", ".join(f"{n}={s}" for n, s in self.axes) + "]"
+
+
+DATA_AXIS_NAMES = ("dp", "data", "batch")
+
+
+def data_axis(mesh: Mesh, axis: str | None) -> str:
+    """The mesh axis the batch is split over: ``axis``, the only axis, or one named like
+    dp/data/batch; MeshError naming the axes otherwise."""
+    names = mesh.names
+    if axis is not None:
+        if axis not in names:
+            raise MeshError(f"the mesh has no axis {axis!r} (it has "
+                            f"{', '.join(names) or 'no axes'})",
+                            hint="name one of the mesh's axes, or build the mesh with it")
+        return axis
+    if len(names) == 1:
+        return names[0]
+    for n in DATA_AXIS_NAMES:
+        if n in names:
+            return n
+    raise MeshError(f"cannot tell which of the mesh axes {', '.join(names) or '(none)'} is "
+                    "the data axis", hint="pass axis='...' to parallelize")

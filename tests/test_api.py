@@ -15,7 +15,7 @@ def test_jax_step_through_public_api():
     import numpy as np
     from jax_steps import make_case
 
-    from diphoma_compile.frontends.jax_trace import trace_jax
+    from diphoma_compile.jax.trace import trace_jax
     step, (params, opt_state, batch) = make_case("mlp", "linen", "adamw")
     g = diphoma_compile.trace(step, params, opt_state, batch)
     assert g == trace_jax(step, params, opt_state, batch)

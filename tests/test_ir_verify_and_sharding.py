@@ -19,7 +19,7 @@ from diphoma_compile.ir import (
     parse,
     verify,
 )
-from diphoma_compile.ir.sharding import expected_collective, propagate
+from diphoma_compile.ir.sharding_rules import expected_collective, propagate
 from diphoma_compile.mesh import Mesh
 
 

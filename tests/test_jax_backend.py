@@ -15,9 +15,9 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 from jax_steps import mlp_batch  # noqa: E402
 
-from diphoma_compile.backends.jax_compile import compile_jax  # noqa: E402
+from diphoma_compile.jax.compile import compile_jax  # noqa: E402
 from diphoma_compile.errors import BackendError  # noqa: E402
-from diphoma_compile.frontends.jax_trace import trace_jax  # noqa: E402
+from diphoma_compile.jax.trace import trace_jax  # noqa: E402
 from diphoma_compile.ir import parse, print_graph  # noqa: E402
 
 

@@ -13,10 +13,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import diphoma_compile  # noqa: E402
-from diphoma_compile.backends.jax_compile import compile_jax  # noqa: E402
+from diphoma_compile.jax.compile import compile_jax  # noqa: E402
 from diphoma_compile.errors import UnsupportedOpError  # noqa: E402
-from diphoma_compile.frontends import jax_trace  # noqa: E402
-from diphoma_compile.frontends.jax_trace import trace_jax  # noqa: E402
+from diphoma_compile.jax import trace as jax_trace  # noqa: E402
+from diphoma_compile.jax.trace import trace_jax  # noqa: E402
 from diphoma_compile.ir import Phase, parse, print_graph  # noqa: E402
 
 P = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}

@@ -22,10 +22,10 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from diphoma_compile.backends.jax_parallel import compile_jax_parallel  # noqa: E402
+from diphoma_compile.jax.parallel import compile_jax_parallel  # noqa: E402
 from diphoma_compile.errors import BackendError, DiphomaError, MeshError  # noqa: E402
 from diphoma_compile.ir import parse, verify  # noqa: E402
-from diphoma_compile.parallel import parallelize  # noqa: E402
+from diphoma_compile import parallelize  # noqa: E402
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8,
                                 reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")

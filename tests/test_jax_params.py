@@ -9,7 +9,7 @@ jax = pytest.importorskip("jax")
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
-from diphoma_compile.frontends.jax_params import EncodingError, decode, encode  # noqa: E402
+from diphoma_compile.jax.params import EncodingError, decode, encode  # noqa: E402
 from diphoma_compile.ir import Attrs, Graph, Op, Value, parse, print_graph  # noqa: E402
 from diphoma_compile.ir.types import DType, TensorType  # noqa: E402
 

@@ -11,8 +11,8 @@ pytest.importorskip("optax")
 import numpy as np  # noqa: E402
 from jax_steps import make_case  # noqa: E402
 
-from diphoma_compile.backends.jax_compile import compile_jax  # noqa: E402
-from diphoma_compile.frontends.jax_trace import trace_jax  # noqa: E402
+from diphoma_compile.jax.compile import compile_jax  # noqa: E402
+from diphoma_compile.jax.trace import trace_jax  # noqa: E402
 
 STEPS = 10
 CASES = [(m, f, o) for m in ("mlp", "lm") for f in ("linen", "nnx")

@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 from jax_steps import make_case  # noqa: E402
 
 from diphoma_compile.errors import DiphomaError, FrontendError, UnsupportedOpError  # noqa: E402
-from diphoma_compile.frontends.jax_trace import trace_jax  # noqa: E402
+from diphoma_compile.jax.trace import trace_jax  # noqa: E402
 from diphoma_compile.ir import (InputKind, OutputKind, Phase, parse, print_graph,  # noqa: E402
                                 verify)
 from diphoma_compile.ir.analysis import producers  # noqa: E402

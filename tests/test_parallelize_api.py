@@ -10,7 +10,8 @@ import pytest
 import diphoma_compile
 from diphoma_compile import DiphomaError, Mesh, parallelize
 from diphoma_compile.errors import MeshError
-from diphoma_compile.parallel import data_axis, default_passes
+from diphoma_compile.mesh import data_axis
+from diphoma_compile.passes.defaults import default_passes
 
 import jax_steps as J
 
@@ -27,8 +28,9 @@ def test_data_axis_choice():
 
 
 def test_default_passes_per_framework():
-    assert "layout=flat" in default_passes("torch", "dp")
-    assert "layout=dims" in default_passes("jax", "data")
+    from diphoma_compile import framework
+    assert "layout=flat" in default_passes("dp", layout=framework.get("torch").update_layout)
+    assert "layout=dims" in default_passes("data", layout=framework.get("jax").update_layout)
 
 
 def test_graph_and_plan_need_a_trace_first():
@@ -65,11 +67,11 @@ def test_jax_batch_that_does_not_divide_is_refused_before_running():
 def test_jax_fused_and_scheduled_step_is_bit_identical_to_unfused():
     """Buckets pack each device's pieces side by side and XLA reduces them element by
     element in the same order: the fused step gives the very same bits."""
-    from diphoma_compile.parallel import default_passes
+    from diphoma_compile.passes.defaults import default_passes
     step, (params, state, batch) = J.make_case("mlp", "linen", "clip_adamw")
     batch = jax.tree_util.tree_map(lambda x: jnp.concatenate([x] * 4), batch)
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(8), ("dp",))
-    base = default_passes("jax", "dp")
+    base = default_passes("dp", layout="dims")
     plain = parallelize(step, mesh, passes=base)
     fused = parallelize(step, mesh, passes=base + ",comm-fusion{bucket-mb=0.0001},"
                                                   "schedule-comm")

@@ -9,8 +9,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import UnknownOpError
-from . import rules as R
-from . import sharding as S
+from . import shape_rules as R
+from . import sharding_rules as S
 from .core import Attrs, Op, Value
 from .types import REDUCE_OPS, DType, TensorType
 

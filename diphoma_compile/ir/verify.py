@@ -12,8 +12,8 @@ from ..errors import DiphomaError, IRVerifyError
 from .core import Graph, InputKind, Op, OutputKind, Phase
 from .ops import Category, check_attr, op_def
 from .printer import format_name, format_op_head
-from .rules import TypeRuleError, region_types
-from .sharding import expected_collective, propagate
+from .shape_rules import TypeRuleError, region_types
+from .sharding_rules import expected_collective, propagate
 from .types import FLAT_DIRTY, Shard, TensorType, fits
 
 _PHASE_RANK = {Phase.forward: 0, Phase.backward: 1, Phase.update: 2}

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..ir.core import Attrs, Graph, InputKind, Op, OutputKind, Phase, Value
 from ..ir.ops import op_def
-from ..ir.sharding import propagate
+from ..ir.sharding_rules import propagate
 from ..ir.types import VARYING, TensorType, Varying
 from .base import Pass, PassContext, PassFailure, register_pass
 from .dce import dce_graph

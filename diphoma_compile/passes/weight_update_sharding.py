@@ -24,7 +24,7 @@ from typing import Any
 
 from ..ir.core import Attrs, Graph, Input, InputKind, Op, OutputKind, Phase, Value
 from ..ir.ops import op_def
-from ..ir.sharding import propagate
+from ..ir.sharding_rules import propagate
 from ..ir.types import (FLAT, FLAT_DIRTY, REPLICATE, FlatShard, Partial, Placement, Replicate,
                         Shard, TensorType, Varying, fits)
 from .base import Pass, PassContext, PassFailure, register_pass

@@ -26,14 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gpt as gpt_example  # noqa: E402  (examples/gpt.py)
 from torch_frontend.models import classify_step as mlp_step  # noqa: E402
 
-from diphoma_compile.backends import torch_comm  # noqa: E402
-from diphoma_compile.backends.torch_dist import TorchDistStep  # noqa: E402
+from diphoma_compile.torch import collectives as torch_comm  # noqa: E402
+from diphoma_compile.torch.dist import TorchDistStep  # noqa: E402
 from diphoma_compile.errors import DiphomaError  # noqa: E402
-from diphoma_compile.frontends.torch_trace import trace_torch  # noqa: E402
+from diphoma_compile.torch.trace import trace_torch  # noqa: E402
 from diphoma_compile.ir.ops import Category, op_def  # noqa: E402
 from diphoma_compile.mesh import Mesh  # noqa: E402
 from diphoma_compile.passes import PassContext, Pipeline  # noqa: E402
-from diphoma_compile.plan import build_plan  # noqa: E402
+from diphoma_compile.report.plan import build_plan  # noqa: E402
 
 STEPS = 10
 SPEC = "data-parallel{axis=dp},weight-update-sharding{axis=dp}"

@@ -11,10 +11,10 @@ import diphoma_compile  # noqa: E402
 from diphoma_compile.ir import InputKind, OutputKind, Phase, parse, print_graph  # noqa: E402
 from diphoma_compile.ir.types import FlatShard, Replicate, Varying  # noqa: E402
 from diphoma_compile.mesh import Mesh  # noqa: E402
-from diphoma_compile.parallel import default_passes  # noqa: E402
+from diphoma_compile.passes.defaults import default_passes  # noqa: E402
 from diphoma_compile.errors import PassError  # noqa: E402
 from diphoma_compile.passes import PassContext, Pipeline  # noqa: E402
-from diphoma_compile.plan import build_plan  # noqa: E402
+from diphoma_compile.report.plan import build_plan  # noqa: E402
 
 from .models import MLP, OPTIMIZERS, classify_step, clipped_step, mlp_batches  # noqa: E402
 
@@ -52,7 +52,7 @@ def run(graph, spec: str):
 def test_golden_data_parallel_and_weight_update_sharding(opt_name, golden):
     g = traced(opt_name)
     dp, _ = run(g, "dce,data-parallel,dce")
-    wus, _ = run(g, default_passes("torch", "dp"))
+    wus, _ = run(g, default_passes("dp", layout="flat"))
     for name, out in (("dp", dp), ("wus", wus)):
         text = print_graph(out)
         assert parse(text) == out
@@ -76,7 +76,7 @@ def test_data_parallel_averages_each_gradient_once_where_backward_ends():
 
 
 def test_weight_update_sharding_structure_and_memory():
-    g, ctx = run(traced("adamw"), default_passes("torch", "dp"))
+    g, ctx = run(traced("adamw"), default_passes("dp", layout="flat"))
     kinds = [op.name for op in g.ops]
     params = [i.name for i in g.inputs if i.role.kind is InputKind.param]
     assert kinds.count("reduce_scatter") == kinds.count("all_gather") == len(params)
@@ -101,7 +101,7 @@ def test_weight_update_sharding_structure_and_memory():
 
 @pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw"])
 def test_plan_bytes_equal_the_all_reduce_bound(opt_name):
-    g, ctx = run(traced(opt_name, model_cls=OddMLP), default_passes("torch", "dp"))
+    g, ctx = run(traced(opt_name, model_cls=OddMLP), default_passes("dp", layout="flat"))
     plan = build_plan(g, ctx.notes)
     grad_bytes = 0
     for i in g.inputs:
@@ -120,10 +120,10 @@ def test_plan_bytes_equal_the_all_reduce_bound(opt_name):
 
 def test_uneven_tensors_flat_or_replicated_with_reason():
     g = traced("adamw", model_cls=OddMLP)
-    flat, _ = run(g, default_passes("torch", "dp"))
+    flat, _ = run(g, default_passes("dp", layout="flat"))
     placed = {i.name: i.value.type.placement("dp") for i in flat.inputs}
     assert isinstance(placed["fc2.weight.exp_avg"], FlatShard)     # 21 elements over 4
-    dims, ctx = run(g, default_passes("jax", "dp"))
+    dims, ctx = run(g, default_passes("dp", layout="dims"))
     placed = {i.name: i.value.type.placement("dp") for i in dims.inputs}
     assert isinstance(placed["fc2.weight.exp_avg"], Replicate)
     reasons = dict(ctx.notes["weight-update-sharding"]["replicated"])
@@ -133,7 +133,7 @@ def test_uneven_tensors_flat_or_replicated_with_reason():
 
 
 def test_plan_text_and_json_agree():
-    g, ctx = run(traced("adamw"), default_passes("torch", "dp"))
+    g, ctx = run(traced("adamw"), default_passes("dp", layout="flat"))
     plan = build_plan(g, ctx.notes)
     text, data = plan.to_text(), plan.to_dict()
     assert data["schema"] == 1 and data["mesh"] == {"dp": N}

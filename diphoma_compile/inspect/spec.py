@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .errors import DiphomaError, MeshError
-from .mesh import Mesh
+from ..errors import DiphomaError, MeshError
+from ..mesh import Mesh
 
 # accepted spellings -> canonical numpy-style name (torch and jax both know these)
 DTYPES = {

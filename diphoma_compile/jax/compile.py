@@ -12,12 +12,12 @@ import numpy as np
 from jax import lax
 
 from ..errors import BackendError
-from ..frontends.jax_params import decode
-from ..frontends.jax_trace import output_tree
-from ..frontends.jax_types import numpy_dtype
+from .params import decode
+from .trace import output_tree
+from .dtypes import numpy_dtype
 from ..ir.core import Graph, InputKind, Op, OutputKind, Region
 from ..ir.types import DType, TensorType
-from .jax_lower import emitter
+from .lower import emitter
 
 Env = MutableMapping[str, Any]
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .inspect_spec import InspectError
+from .spec import InspectError
 
 KEYWORDS = ("auto", "output", "ce", "mean")
 

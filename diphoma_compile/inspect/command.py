@@ -17,13 +17,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from .inspect_load import Candidate, load_file, resolve, split_target
-from .inspect_spec import InspectError, Target, parse_input, parse_mesh
-from .mesh import Mesh
-
-_TORCH = ("torch",)
-_JAX = ("jax", "jaxlib", "flax", "optax")
-
+from .load import Candidate, load_file, resolve, split_target
+from .spec import InspectError, Target, parse_input, parse_mesh
+from .. import framework as frameworks
+from ..framework import Framework, kind_of
+from ..mesh import Mesh, data_axis
 
 def add_parser(sub: Any) -> None:
     """The ``inspect`` subcommand and its options."""
@@ -75,9 +73,13 @@ def _uses(module: ModuleType, packages: tuple[str, ...]) -> bool:
     return False
 
 
-def _framework(module: ModuleType, cand: Candidate | None, init: str | None) -> str:
-    """torch or jax: from the candidate's kind, the class --init calls, or what the file
-    imports."""
+# the kind of model class a framework's inspect target builds a step for
+_PLANNED_KINDS = {"torch-module": "torch", "flax-module": "jax"}
+
+
+def _framework(module: ModuleType, cand: Candidate | None, init: str | None) -> Framework:
+    """The framework of the file: from the candidate's kind, the class --init calls, or
+    what the file imports."""
     kind = cand.kind if cand is not None else None
     if init is not None:
         try:
@@ -85,21 +87,19 @@ def _framework(module: ModuleType, cand: Candidate | None, init: str | None) -> 
         except SyntaxError:
             call = None
         if isinstance(call, ast.Call) and isinstance(call.func, ast.Name):
-            from .inspect_load import _base_classes, _kind_of
-            kind = _kind_of(getattr(module, call.func.id, None), _base_classes()) or kind
-    if kind == "torch-module":
-        return "torch"
-    if kind == "flax-module":
-        return "jax"
+            kind = kind_of(getattr(module, call.func.id, None)) or kind
+    if kind in _PLANNED_KINDS:
+        return frameworks.get(_PLANNED_KINDS[kind])
     if kind == "nnx-module":
         raise InspectError("flax.nnx modules are planned through a step: write "
                            "step(params, opt_state, batch) and example_inputs() in the file "
                            "and name the step (see docs/guide.md)")
-    torch_, jax_ = _uses(module, _TORCH), _uses(module, _JAX)
+    torch_, jax_ = (_uses(module, frameworks.get(n).packages) if n in sys.modules else False
+                    for n in ("torch", "jax"))
     if torch_ == jax_:
         raise InspectError("cannot tell whether the file is PyTorch or JAX" if torch_ else
                            "the file imports neither torch nor jax/flax")
-    return "torch" if torch_ else "jax"
+    return frameworks.get("torch" if torch_ else "jax")
 
 
 def build_target(args: argparse.Namespace, mesh: Mesh, axis: str) -> Target:
@@ -114,12 +114,8 @@ def build_target(args: argparse.Namespace, mesh: Mesh, axis: str) -> Target:
                                                        "--init EXPR")
     # "model.py:" when --init alone says what to build: the model's class completes it
     label = f"{Path(path).name}:{name or (cand.name if cand else '')}"
-    framework = _framework(module, cand, args.init)
+    fw = _framework(module, cand, args.init).inspect_target()
     n = mesh.axis_size(axis)
-    if framework == "torch":
-        from . import inspect_torch as fw
-    else:
-        from . import inspect_jax as fw  # type: ignore[no-redef]
     if cand is not None and cand.kind == "step" and args.init is None:
         own = [o for o, given in (("--input", specs), ("--loss", args.loss != "auto"),
                                   ("--optimizer", args.optimizer != "adamw")) if given]
@@ -143,17 +139,17 @@ def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump:
     Without it only the final graph is checked: for GPT-2 small the checks after each of
     the six passes cost more than a second, and a broken graph is still caught."""
     clock = clock if clock is not None else []
-    from .errors import IRVerifyError, PassError
-    from .ir.verify import verify
-    from .parallel import run_passes, trace_step
-    from .passes import PassContext
-    _, graph, _ = trace_step(target.step, target.args, mesh, axis)
+    from ..errors import IRVerifyError, PassError
+    from ..ir.verify import verify
+    from ..api import run_passes, trace_step
+    from ..passes import PassContext
+    fw, graph, _ = trace_step(target.step, target.args, mesh, axis)
     clock.append(("trace", time.perf_counter()))
     if dump == "all" or "trace" in dump:
-        from .ir import print_graph
+        from ..ir import print_graph
         stream(f"# IR after trace\n{print_graph(graph.replace(mesh=mesh))}")
     ctx = PassContext(dump_after=dump, dump_stream=stream, verify=verify_passes)
-    graph, plan = run_passes(graph, target.framework, mesh, axis, passes, ctx)
+    graph, plan = run_passes(graph, fw, mesh, axis, passes, ctx)
     clock.append(("passes", time.perf_counter()))
     if not verify_passes and ctx.records:
         try:
@@ -171,7 +167,6 @@ def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Run ``diphoma inspect``; the report goes to stdout or ``--out``."""
-    from .parallel import data_axis
     clock = [("start", time.perf_counter())]
     mesh = parse_mesh(args.mesh)
     axis = data_axis(mesh, args.axis)

@@ -10,10 +10,10 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .ir.analysis import free_inputs, producers
-from .ir.core import Graph, InputKind, Op, OutputKind, Phase
-from .ir.ops import Category, op_def
-from .ir.types import TensorType, Varying
+from ..ir.analysis import free_inputs, producers
+from ..ir.core import Graph, InputKind, Op, OutputKind, Phase
+from ..ir.ops import Category, op_def
+from ..ir.types import TensorType, Varying
 
 SCHEMA_VERSION = 1
 _ROLES = (InputKind.param, InputKind.opt_state, InputKind.batch, InputKind.buffer)
@@ -90,12 +90,12 @@ class Plan:
 
     def summary(self) -> str:
         """The report's head: model size, mesh, passes, memory per device, communication."""
-        from .plan_text import summary
+        from .text import summary
         return summary(self)
 
     def to_text(self, max_rows: int = 60) -> str:
         """The plan as a report: summary, tensors, collectives, decisions."""
-        from .plan_text import render
+        from .text import render
         return render(self, max_rows)
 
 

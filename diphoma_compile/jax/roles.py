@@ -15,7 +15,7 @@ from jax.tree_util import keystr, tree_flatten_with_path, tree_structure
 
 from ..errors import FrontendError
 from ..ir.core import Input, InputKind, InputRole, NameSupply, OutputKind, OutputRole, Value
-from .jax_types import ir_type, is_key_dtype
+from .dtypes import ir_type, is_key_dtype
 
 
 @dataclass(frozen=True)

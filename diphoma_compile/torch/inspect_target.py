@@ -17,10 +17,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
-from .errors import DiphomaError
-from .inspect_load import Candidate, construct, evaluate
-from .inspect_loss import LossChoice, choose, expr_loss, get
-from .inspect_spec import (CallPlan, InputSpec, InspectError, Target, describe_inputs,
+from ..errors import DiphomaError
+from ..inspect.load import Candidate, construct, evaluate
+from ..inspect.loss import LossChoice, choose, expr_loss, get
+from ..inspect.spec import (CallPlan, InputSpec, InspectError, Target, describe_inputs,
                            local_shape, plan_call)
 
 # the multi-tensor (foreach) kernels: what these optimizers run by default on GPUs, and a
@@ -65,7 +65,7 @@ def probe(model: torch.nn.Module, xs: list[torch.Tensor], kw: dict[str, torch.Te
     inputs are all on the meta device and its forward runs there, else on fake tensors
     (shapes only); a FrontendError naming the construct when the forward cannot run that
     way."""
-    from .frontends.torch_trace import _explain
+    from .trace import _explain
     state = [*model.named_parameters(), *model.named_buffers()]
     if all(t.is_meta for t in [*(t for _, t in state), *xs, *kw.values()]):
         # meta kernels are called straight from C++, with no Python dispatch in between:

@@ -12,9 +12,9 @@ from ..errors import FrontendError
 from ..ir.core import Graph, NameSupply, Op, Output, Value
 from ..ir.rewrite import rename_uses
 from ..ir.verify import verify
-from .jax_convert import JaxprConverter
-from .jax_phases import assign_phases
-from .jax_roles import StepSignature, step_inputs, step_outputs
+from .convert import JaxprConverter
+from .phases import assign_phases
+from .roles import StepSignature, step_inputs, step_outputs
 
 # The IR has no place for pytree structures, so the frontend remembers the output structure
 # of each traced step here, keyed by the graph's signature (input names, shapes and dtypes;

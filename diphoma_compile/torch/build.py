@@ -8,7 +8,7 @@ expand, reshape), as eager code makes them. So the program makes the eager step'
 
 A graph placed over a mesh becomes one rank's program: every shape it builds (reshape
 targets, constants, broadcasts) is the value's *local* shape (``TensorType.local_shape``; a
-flat shard is a 1-D chunk), and collectives call the helpers of ``torch_comm`` on the
+flat shard is a 1-D chunk), and collectives call the helpers of ``collectives`` on the
 ``Comm`` of their axis, which the program reads as an attribute (``self.comm_dp``)."""
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import torch
 import torch.fx as fx
 
 from ..errors import BackendError, UnsupportedOpError
-from ..frontends.torch_ops import DTYPE_TO_TORCH, decode_arg, emit_target, resolve_target
+from .ops import DTYPE_TO_TORCH, decode_arg, emit_target, resolve_target
 from ..ir.core import Graph, InputKind, Op
 from ..ir.types import DType, TensorType
-from . import torch_comm
+from . import collectives
 
 aten = torch.ops.aten
 
@@ -45,7 +45,7 @@ def _py_name(name: str) -> str:
 
 
 class _Builder:
-    def __init__(self, graph: Graph, comms: dict[str, torch_comm.Comm] | None = None) -> None:
+    def __init__(self, graph: Graph, comms: dict[str, collectives.Comm] | None = None) -> None:
         self.g = graph
         self.fx = fx.Graph()
         self.env: dict[str, Any] = {}       # IR name -> fx node or Python scalar
@@ -254,7 +254,7 @@ class _Builder:
             raise BackendError(f"the program has a {op.name} over mesh axis {axis!r} but no "
                                "process group was given for that axis",
                                hint="run a distributed graph through "
-                                    "diphoma_compile.backends.torch_dist.TorchDistStep")
+                                    "diphoma_compile.torch.dist.TorchDistStep")
         if axis not in self.comm_nodes:
             self.comm_nodes[axis] = self.fx.get_attr(f"comm_{axis}")
         comm = self.comm_nodes[axis]
@@ -266,15 +266,15 @@ class _Builder:
         if name == "all_reduce":
             # reduce in place when nothing else reads the value (not a graph input)
             owned = self.uses.get(src, 0) == 1 and src in self.fresh
-            return self.call(torch_comm.all_reduce, [comm, x, str(a["op"]), owned], asy)
+            return self.call(collectives.all_reduce, [comm, x, str(a["op"]), owned], asy)
         if name == "reduce_scatter":
-            return self.call(torch_comm.reduce_scatter,
+            return self.call(collectives.reduce_scatter,
                              [comm, x, str(a["op"]), a["dim"], self.local(dst)], asy)
         if name == "all_gather":
-            return self.call(torch_comm.all_gather, [comm, x, a["dim"], list(dst.shape)], asy)
+            return self.call(collectives.all_gather, [comm, x, a["dim"], list(dst.shape)], asy)
         if name == "take_shard":
-            return self.call(torch_comm.take_shard, [comm, x, a["dim"], self.local(dst)])
-        return self.call(torch_comm.broadcast, [comm, x, int(a["root"])])
+            return self.call(collectives.take_shard, [comm, x, a["dim"], self.local(dst)])
+        return self.call(collectives.broadcast, [comm, x, int(a["root"])])
 
     def wait(self, op: Op) -> None:
         """Finish the in-flight collectives whose results this wait hands on."""
@@ -285,7 +285,7 @@ class _Builder:
                 continue
             node, k, count = self.pending[i]
             if node not in done:
-                done[node] = self.call(torch_comm.wait, [node])
+                done[node] = self.call(collectives.wait, [node])
             self.env[v.name] = done[node] if count == 1 else self.call(_getitem,
                                                                      [done[node], k])
 
@@ -294,13 +294,13 @@ class _Builder:
         a, xs = op.attrs, [self.node(i) for i in op.inputs]
         asy = {"async_op": True} if a.get("async", False) else {}
         if op.name == "all_reduce":
-            return self.call(torch_comm.all_reduce_bucket, [comm, xs, str(a["op"])], asy)
+            return self.call(collectives.all_reduce_bucket, [comm, xs, str(a["op"])], asy)
         if op.name == "reduce_scatter":
-            return self.call(torch_comm.reduce_scatter_bucket,
+            return self.call(collectives.reduce_scatter_bucket,
                              [comm, xs, str(a["op"]), a["dim"],
                               [self.local(v.type) for v in op.results]], asy)
         if op.name == "all_gather":
-            return self.call(torch_comm.all_gather_bucket,
+            return self.call(collectives.all_gather_bucket,
                              [comm, xs, a["dim"], [list(v.type.shape) for v in op.results]],
                              asy)
         raise UnsupportedOpError(f"the torch backend has no bucketed {op.name}")
@@ -364,7 +364,7 @@ def _getitem(x, i):
 
 
 def build_module(graph: Graph,
-                 comms: dict[str, torch_comm.Comm] | None = None) -> fx.GraphModule:
+                 comms: dict[str, collectives.Comm] | None = None) -> fx.GraphModule:
     """A GraphModule taking the graph's inputs in order and returning its outputs.
 
     ``comms`` gives the process group of each mesh axis the graph's collectives run on; the

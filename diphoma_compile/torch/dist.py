@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 
 from ..errors import BackendError, MeshError
-from ..frontends.torch_capture import Captured, Slot
+from .capture import Captured, Slot
 from ..ir.core import Graph, InputKind, OutputKind
 from ..ir.types import FlatShard, Placement, Replicate, Shard, TensorType, Varying
 from ..mesh import Mesh
-from . import torch_comm
-from .torch_build import build_module
-from .torch_runtime import TorchStep
+from . import collectives
+from .build import build_module
+from .runtime import TorchStep
 
 
 @dataclass(frozen=True)
@@ -77,10 +77,10 @@ class TorchDistStep(TorchStep):
         self.mesh = Mesh.of(mesh) if mesh is not None else graph.mesh
         self.axis = axis
         size, rank = _check_world(graph, self.mesh, group, axis)
-        self.comm = torch_comm.Comm(axis, size, rank, group)
+        self.comm = collectives.Comm(axis, size, rank, group)
         # for collectives outside the step (resharding, gathering state): not counted in
         # the step's bytes
-        self._side = torch_comm.Comm(axis, size, rank, group)
+        self._side = collectives.Comm(axis, size, rank, group)
         self.calls = 0
         self._check_binding(graph, captured)
         super().__init__(graph, captured, build_module(graph, {axis: self.comm}))
@@ -191,7 +191,7 @@ class TorchDistStep(TorchStep):
         p = self._placement(typ)
         local = list(typ.local_shape(dict(self.mesh.axes)))
         dim = "flat" if isinstance(p, FlatShard) else p.dim
-        return torch_comm.take_shard(self._side, t.detach(), dim, local)
+        return collectives.take_shard(self._side, t.detach(), dim, local)
 
     def _write(self, slot: Slot, new: torch.Tensor) -> None:
         if slot.kind == "grad" and slot.key[0] in self._sharded_grads:
@@ -276,9 +276,9 @@ class TorchDistStep(TorchStep):
             typ = self._state_type[slot.key]
             p = self._placement(typ)
             if isinstance(p, FlatShard):
-                t = torch_comm.all_gather(self._side, t, "flat", list(typ.shape))
+                t = collectives.all_gather(self._side, t, "flat", list(typ.shape))
             elif isinstance(p, Shard):
-                t = torch_comm.all_gather(self._side, t, p.dim, list(typ.shape))
+                t = collectives.all_gather(self._side, t, p.dim, list(typ.shape))
             else:
                 t = t.clone()
             out.setdefault(self._param_names[pi], {})[key] = t

@@ -22,12 +22,12 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import BackendError, MeshError
-from ..frontends.jax_trace import output_tree
+from .trace import output_tree
 from ..ir.core import Graph, InputKind, Op, OutputKind
 from ..ir.types import FlatShard, Placement, Replicate, Shard, TensorType, Varying
 from ..mesh import Mesh
-from .jax_compile import JaxStep, Lowering, _dtype_matches, graph_function
-from .jax_lower import emitter
+from .compile import JaxStep, Lowering, _dtype_matches, graph_function
+from .lower import emitter
 
 _PSUM = {"sum": lax.psum, "avg": lax.pmean, "max": lax.pmax, "min": lax.pmin}
 

@@ -13,9 +13,9 @@ from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal
 from ..errors import FrontendError, UnsupportedOpError
 from ..ir.core import Attrs, NameSupply, Op, Region, Value
 from ..ir.types import DType, TensorType
-from .jax_ops import DERIVED_PARAMS, INLINE, PRIMITIVES, EqnView
-from .jax_params import EncodingError, encode
-from .jax_types import ir_type
+from .ops import DERIVED_PARAMS, INLINE, PRIMITIVES, EqnView
+from .params import EncodingError, encode
+from .dtypes import ir_type
 
 _CONTROL = ("cond", "while", "scan")
 _SCAN_PARAMS = {"reverse", "length", "jaxpr", "num_consts", "num_carry", "unroll", "linear",
@@ -205,7 +205,7 @@ class JaxprConverter:
             if k in ("target", "effectful"):
                 raise UnsupportedOpError(
                     f"primitive {prim!r} has a parameter named {k!r}, which the opaque op "
-                    "reserves", hint="this primitive needs a row in frontends/jax_ops.py")
+                    "reserves", hint="this primitive needs a row in jax/ops.py")
             try:
                 attrs[k] = encode(v)
             except EncodingError as e:

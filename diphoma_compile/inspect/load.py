@@ -22,7 +22,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from .inspect_spec import InspectError
+from ..framework import kind_of, module_kinds
+from .spec import InspectError
 
 # the names an example-inputs function may have (``<step>_inputs`` is tried first)
 INPUT_FUNCS = ("example_inputs", "example_args", "make_example_inputs", "get_example_inputs")
@@ -103,34 +104,6 @@ def load_file(path_text: str) -> ModuleType:
     return module
 
 
-def _base_classes() -> dict[str, tuple[type, ...]]:
-    """The module base classes of the frameworks the file imported (none imported here)."""
-    out: dict[str, tuple[type, ...]] = {}
-    if "torch" in sys.modules:
-        import torch
-        out["torch-module"] = (torch.nn.Module,)
-    if "flax" in sys.modules:
-        try:
-            import flax.linen as linen
-            out["flax-module"] = (linen.Module,)
-        except ImportError:     # pragma: no cover - a broken flax install
-            pass
-        try:
-            from flax import nnx
-            out["nnx-module"] = (nnx.Module,)
-        except ImportError:     # pragma: no cover
-            pass
-    return out
-
-
-def _kind_of(obj: Any, bases: dict[str, tuple[type, ...]]) -> str | None:
-    if isinstance(obj, type):
-        for kind, classes in bases.items():
-            if issubclass(obj, classes) and obj not in classes:
-                return kind
-    return None
-
-
 def _inputs_fn(module: ModuleType, step: str) -> Callable | None:
     for n in (f"{step}_inputs", f"{step}_example_inputs", *INPUT_FUNCS):
         fn = getattr(module, n, None)
@@ -162,11 +135,11 @@ def _referenced_classes(module: ModuleType, names: set[str]) -> set[str]:
 def candidates(module: ModuleType) -> list[Candidate]:
     """What the file defines that inspect can plan: steps with example inputs first, then
     the module classes no other module class of the file is built from."""
-    bases = _base_classes()
+    bases = module_kinds()
     here = _defined_here(module)
     steps = [Candidate(n, "step", f, _inputs_fn(module, n)) for n, f in here.items()
              if inspect.isfunction(f) and "step" in n.lower() and _inputs_fn(module, n)]
-    mods = {n: k for n, v in here.items() if (k := _kind_of(v, bases))}
+    mods = {n: k for n, v in here.items() if (k := kind_of(v, bases))}
     blocks = _referenced_classes(module, set(mods))
     roots = [Candidate(n, k, here[n]) for n, k in mods.items() if n not in blocks]
     return steps + roots
@@ -194,7 +167,7 @@ def resolve(module: ModuleType, path: str, name: str | None) -> Candidate | None
         listing = ("\n" + _listing(found)) if found else ""
         raise InspectError(f"{os.path.basename(path)} has no {name!r}" +
                            (f"; it defines:{listing}" if listing else ""), hint=hint)
-    kind = _kind_of(obj, _base_classes())
+    kind = kind_of(obj)
     if kind is not None:
         return Candidate(name, kind, obj)
     if inspect.isfunction(obj) and "step" in name.lower():

@@ -12,8 +12,8 @@ from ..errors import UnsupportedOpError
 from ..ir.core import (Attrs, Graph, Input, InputKind, InputRole, NameSupply, Op, Output,
                        OutputKind, OutputRole, Value)
 from ..ir.types import DType, TensorType
-from .torch_capture import Captured, Slot
-from .torch_ops import (BY_ATEN, DROPPED_TARGETS, IDENTITY, Neutral, draws_random, encode_arg,
+from .capture import Captured, Slot
+from .ops import (BY_ATEN, DROPPED_TARGETS, IDENTITY, Neutral, draws_random, encode_arg,
                         ir_dtype, target_name)
 
 aten = torch.ops.aten

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from ..ir.types import DType, TensorType
-from .jax_params import is_trivial_sharding
-from .jax_types import ir_dtype
+from .params import is_trivial_sharding
+from .dtypes import ir_dtype
 
 
 @dataclass

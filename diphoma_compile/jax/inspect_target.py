@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .inspect_load import Candidate, construct, evaluate, user_error
-from .inspect_loss import LossChoice, choose, expr_loss, get
-from .inspect_spec import InputSpec, InspectError, Target, describe_inputs, local_shape, \
+from ..inspect.load import Candidate, construct, evaluate, user_error
+from ..inspect.loss import LossChoice, choose, expr_loss, get
+from ..inspect.spec import InputSpec, InspectError, Target, describe_inputs, local_shape, \
     plan_call
 
 OPTIMIZERS: dict[str, tuple[str, Callable[[], Any]]] = {

@@ -10,10 +10,10 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..errors import DiphomaError
-from ..frontends.torch_capture import LR_DTYPE, Captured, Slot, _is_state, settings_of
-from ..frontends.torch_ops import DTYPE_TO_TORCH
+from .capture import LR_DTYPE, Captured, Slot, _is_state, settings_of
+from .ops import DTYPE_TO_TORCH
 from ..ir.core import Graph
-from .torch_build import build_module
+from .build import build_module
 
 
 class TorchStep:

@@ -15,8 +15,8 @@ import torch
 from ..errors import DiphomaError, FrontendError
 from ..ir.core import Graph
 from ..ir.verify import verify
-from .torch_capture import _INTERNAL, Captured, capture
-from .torch_import import import_captured
+from .capture import _INTERNAL, Captured, capture
+from .importer import import_captured
 
 
 def _user_frame(exc: BaseException) -> str | None:

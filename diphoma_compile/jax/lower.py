@@ -1,4 +1,4 @@
-"""Neutral IR ops as jax.lax calls: the backend's table, the inverse of frontends/jax_ops.
+"""Neutral IR ops as jax.lax calls: the backend's table, the inverse of jax/ops.py.
 
 Each emitter takes the op, its input arrays (tracers under jit) and its declared result
 types, and returns the result arrays. For ops the JAX frontend produces, the emitter binds
@@ -13,7 +13,7 @@ import numpy as np
 from jax import lax
 
 from ..errors import BackendError
-from ..frontends.jax_types import numpy_dtype
+from .dtypes import numpy_dtype
 from ..ir.core import Op
 from ..ir.types import TensorType
 
@@ -226,6 +226,6 @@ def emitter(op: Op) -> Emitter:
     except KeyError:
         raise BackendError(f"the JAX backend has no lowering for op {op.name!r}",
                            hint="collectives run in per-device programs only "
-                                "(backends.jax_parallel); quantization, send/recv and the "
+                                "(jax/parallel.py); quantization, send/recv and the "
                                 "neutral random ops have no JAX lowering yet") from None
 

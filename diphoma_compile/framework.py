@@ -1,0 +1,91 @@
+"""The Framework protocol: everything the framework-neutral code asks of a framework package.
+
+Each framework lives in its own subpackage (``diphoma_compile.torch``, ``diphoma_compile.jax``),
+the only place that imports it, and exposes one object, ``FRAMEWORK``, in its ``framework``
+module. The neutral code (the API, ``inspect``) finds that object here, by the step's example
+arguments or by name, and calls it; it never imports a framework itself."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from .errors import FrontendError
+from .ir.core import Graph
+from .mesh import Mesh
+
+# name -> the module holding its FRAMEWORK object; the order is the order of detection
+_MODULES = {"torch": "diphoma_compile.torch.framework", "jax": "diphoma_compile.jax.framework"}
+
+
+class Framework(Protocol):
+    """What one framework package provides."""
+
+    name: str                       # "torch", "jax": as the plan and errors name it
+    packages: tuple[str, ...]       # top-level modules whose use marks a user file as ours
+    update_layout: str              # weight-update sharding layout its backend runs (flat|dims)
+    backend: str                    # one line for the plan: how the program runs
+
+    def owns(self, args: tuple) -> bool:
+        """True when a step's example arguments are this framework's."""
+
+    def trace(self, step_fn: Callable, args: tuple, **options: Any) -> tuple[Graph, Any]:
+        """The step's IR, and what a runner needs besides it (traced at these arguments)."""
+
+    def trace_local(self, step_fn: Callable, args: tuple, mesh: Mesh, axis: str
+                    ) -> tuple[Graph, Any]:
+        """The step traced per device of ``axis``, for ``parallelize``."""
+
+    def compile(self, graph: Graph, extra: Any) -> Callable:
+        """A single-device callable running ``graph`` with the step's signature."""
+
+    def parallel_runner(self, graph: Graph, extra: Any, user_mesh: Any, mesh: Mesh,
+                        axis: str) -> Callable:
+        """A callable running the per-device ``graph`` over ``mesh``."""
+
+    def module_kinds(self) -> dict[str, tuple[type, ...]]:
+        """``diphoma inspect``: the model base classes of this framework, by kind name."""
+
+    def inspect_target(self) -> Any:
+        """``diphoma inspect``: the module that builds a plannable step from a user's file."""
+
+
+def get(name: str) -> Framework:
+    """The framework called ``name`` (its package is imported now)."""
+    if name not in _MODULES:
+        raise FrontendError(f"unknown framework {name!r}",
+                            hint=f"one of {', '.join(_MODULES)}")
+    return importlib.import_module(_MODULES[name]).FRAMEWORK
+
+
+def imported() -> list[Framework]:
+    """The frameworks whose own packages this process has imported, in detection order."""
+    return [get(n) for n in _MODULES if n in sys.modules]
+
+
+def of_args(args: tuple) -> Framework:
+    """The framework a step's example arguments belong to; FrontendError when none does."""
+    for fw in imported():
+        if fw.owns(args):
+            return fw
+    raise FrontendError("no PyTorch module/optimizer/tensor and no JAX array among the "
+                        "example arguments", hint="pass the step's real example arguments")
+
+
+def module_kinds() -> dict[str, tuple[type, ...]]:
+    """The model base classes of every imported framework, by kind name."""
+    out: dict[str, tuple[type, ...]] = {}
+    for fw in imported():
+        out.update(fw.module_kinds())
+    return out
+
+
+def kind_of(obj: Any, kinds: dict[str, tuple[type, ...]] | None = None) -> str | None:
+    """The kind of a model class (a subclass of a framework's base class), else None."""
+    if isinstance(obj, type):
+        for kind, classes in (module_kinds() if kinds is None else kinds).items():
+            if issubclass(obj, classes) and obj not in classes:
+                return kind
+    return None

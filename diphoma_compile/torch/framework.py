@@ -1,0 +1,67 @@
+"""PyTorch behind the Framework protocol (``diphoma_compile.framework``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from ..errors import FrontendError
+from ..ir.core import Graph
+from ..mesh import Mesh
+
+
+class TorchFramework:
+    """Steps over torch modules and optimizers; per-rank programs on torch.distributed."""
+
+    name = "torch"
+    packages = ("torch",)
+    update_layout = "flat"
+    backend = ("torch.distributed per-rank program; collectives run as planned (buckets "
+               "packed, async ones waited where first needed)")
+
+    def owns(self, args: tuple) -> bool:
+        """True when the example arguments hold torch modules, optimizers or tensors."""
+        from .trace import is_torch_step
+        return is_torch_step(args)
+
+    def trace(self, step_fn: Callable, args: tuple, **options: Any) -> tuple[Graph, Any]:
+        """The step's IR and its capture (which the runtime binds to the live state)."""
+        from .trace import trace_torch
+        if options:
+            raise FrontendError(f"trace options {sorted(options)} are for JAX steps",
+                                hint="a PyTorch step is traced from its arguments alone")
+        return trace_torch(step_fn, *args)
+
+    def trace_local(self, step_fn: Callable, args: tuple, mesh: Mesh, axis: str
+                    ) -> tuple[Graph, Any]:
+        """As ``trace``: each rank passes its own local batch, as under DDP."""
+        return self.trace(step_fn, args)
+
+    def compile(self, graph: Graph, extra: Any) -> Callable:
+        """A step that updates the live module and optimizer as the eager step would."""
+        from .runtime import TorchStep
+        return TorchStep(graph, extra)
+
+    def parallel_runner(self, graph: Graph, extra: Any, user_mesh: Any, mesh: Mesh,
+                        axis: str) -> Callable:
+        """The per-rank program on the axis's process group (a DeviceMesh's, or WORLD)."""
+        from .dist import TorchDistStep
+        group = None
+        if hasattr(user_mesh, "get_group"):     # a torch DeviceMesh: its axis's group
+            group = user_mesh.get_group(axis)
+        return TorchDistStep(graph, extra, mesh, group=group, axis=axis)
+
+    def module_kinds(self) -> dict[str, tuple[type, ...]]:
+        """``torch-module``: subclasses of nn.Module."""
+        return {"torch-module": (torch.nn.Module,)}
+
+    def inspect_target(self) -> ModuleType:
+        """The module building inspect's step from a torch model file."""
+        from . import inspect_target
+        return inspect_target
+
+
+FRAMEWORK = TorchFramework()
