@@ -21,10 +21,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch"))
 
 import gpt as gpt_example  # noqa: E402  (examples/gpt.py)
-from torch_frontend.models import classify_step as mlp_step  # noqa: E402
+from models import classify_step as mlp_step  # noqa: E402
 
 from diphoma_compile.torch import collectives as torch_comm  # noqa: E402
 from diphoma_compile.torch.dist import TorchDistStep  # noqa: E402

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-TESTS = str(Path(__file__).resolve().parents[1])
-if TESTS not in sys.path:        # the workers import tests/torch_frontend/models.py
+TESTS = str(Path(__file__).resolve().parents[1] / "torch")
+if TESTS not in sys.path:        # the workers import tests/torch/models.py
     sys.path.insert(0, TESTS)
 
 

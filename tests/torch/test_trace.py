@@ -15,7 +15,7 @@ from diphoma_compile.errors import FrontendError  # noqa: E402
 from diphoma_compile.ir import (InputKind, OutputKind, Phase, parse, print_graph,  # noqa: E402
                                 verify)
 
-from .models import (GPT, MLP, OPTIMIZERS, classify_step, clipped_step, lm_batches,  # noqa: E402
+from models import (GPT, MLP, OPTIMIZERS, classify_step, clipped_step, lm_batches,  # noqa: E402
                      lm_step, mlp_batches)
 
 

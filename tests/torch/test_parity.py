@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 import diphoma_compile  # noqa: E402
 
-from .models import (CNN, GPT, MLP, OPTIMIZERS, classify_step, clipped_step,  # noqa: E402
+from models import (CNN, GPT, MLP, OPTIMIZERS, classify_step, clipped_step,  # noqa: E402
                      cnn_batches, lm_batches, lm_step, mlp_batches)
 
 STEPS = 10

@@ -15,7 +15,7 @@ from diphoma_compile.passes import (Pass, PassContext, PassFailure, Pipeline, av
                                     get_pass, parse_spec, register_pass, unregister_pass)
 from diphoma_compile.passes import base as pass_base
 
-EXAMPLE = Path(__file__).parent.parent / "examples" / "mlp_sgd_step.ir"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "mlp_sgd_step.ir"
 
 
 def run(spec: str, text: str, ctx: PassContext | None = None) -> Graph:
@@ -315,7 +315,7 @@ def test_golden_mismatch_prints_diff(tmp_path):
 def test_update_golden_flag_rewrites(tmp_path):
     """Runs pytest on a throwaway test with --update-golden, then without it."""
     import subprocess
-    conftest = Path(__file__).parent / "conftest.py"
+    conftest = Path(__file__).parents[1] / "conftest.py"
     (tmp_path / "conftest.py").write_text(conftest.read_text().replace(
         'Path(__file__).parent / "golden"', f'Path({str(tmp_path / "g")!r})'))
     (tmp_path / "test_x.py").write_text(textwrap.dedent('''

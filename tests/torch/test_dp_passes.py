@@ -16,7 +16,7 @@ from diphoma_compile.errors import PassError  # noqa: E402
 from diphoma_compile.passes import PassContext, Pipeline  # noqa: E402
 from diphoma_compile.report.plan import build_plan  # noqa: E402
 
-from .models import MLP, OPTIMIZERS, classify_step, clipped_step, mlp_batches  # noqa: E402
+from models import MLP, OPTIMIZERS, classify_step, clipped_step, mlp_batches  # noqa: E402
 
 N = 4
 

@@ -23,7 +23,7 @@ from diphoma_compile.ir import (FLAT, REPLICATE, Attrs, DType, FlatShard, Graph,
 from diphoma_compile.ir.types import REDUCE_OPS
 from diphoma_compile.mesh import Mesh
 
-EXAMPLE = Path(__file__).parent.parent / "examples" / "mlp_sgd_step.ir"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "mlp_sgd_step.ir"
 
 # ---------------------------------------------------------------- leaf strategies
 

@@ -16,7 +16,7 @@ import pytest
 from diphoma_compile.cli import main
 from diphoma_compile.errors import IRVerifyError
 
-MODELS = Path(__file__).parent / "inspect_models"
+MODELS = Path(__file__).parents[1] / "inspect_models"
 GPT = str(MODELS / "gpt" / "model.py")
 TINY_GPT = "GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32))"
 ONE_LAYER = "GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32))"

@@ -15,7 +15,7 @@ import torch.nn.functional as F  # noqa: E402
 import diphoma_compile  # noqa: E402
 from diphoma_compile.errors import DiphomaError  # noqa: E402
 
-from .models import MLP, OPTIMIZERS, clipped_step, mlp_batches  # noqa: E402
+from models import MLP, OPTIMIZERS, clipped_step, mlp_batches  # noqa: E402
 
 
 def run_both(make_model, make_opt, step, data, passes=""):
