@@ -10,23 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from .core import Op
+from .opdef import Category, op_def
 from .shape_rules import dot_dims
 from .types import (FLAT, FLAT_DIRTY, REPLICATE, VARYING, FlatShard, Partial, Placement,
                     Replicate, Shard, TensorType, Varying)
 
 ShardingRule = Callable[[Op, Sequence[TensorType], Sequence[TensorType], str],
                         "tuple[Placement, ...] | None"]
-
-LINEAR_UNARY = {"neg", "copy"}
-
-# Ops that map zeros to zeros, so a flat shard's zero padding stays zero through them.
-ZERO_UNARY = {"neg", "abs", "sqrt", "square", "relu", "copy", "tanh", "sin", "sign", "floor",
-              "ceil", "round", "expm1", "log1p", "erf", "convert", "bitcast", "integer_pow"}
-# Binary and ternary ops whose result is zero when the listed operands are zero and the
-# others are finite: mul by anything, div of zero by a replicated (nonzero) scale, ...
-ZERO_WHEN = {"add": (0, 1), "sub": (0, 1), "max": (0, 1), "min": (0, 1), "lerp": (0, 1),
-             "select": (1, 2), "addcmul": (0, 1, 2)}
-
 
 def propagate(op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType], axis: str,
               rule: ShardingRule) -> tuple[Placement, ...] | None:
@@ -94,14 +84,15 @@ def _flat_elementwise(op: Op, ins, pls: list[Placement], outs):
         elif t.numel != 1:
             return None
     zero = [isinstance(q, FlatShard) and not q.dirty for q in pls]
-    if op.name in ZERO_UNARY:
-        clean = zero[0]
-    elif op.name == "mul":
+    # mul by anything and div of zero by a replicated (nonzero) scale keep zeros; other ops
+    # say in their table row which operands' zeros make a zero result
+    zero_when = op_def(op.name).zero_when
+    if op.name == "mul":
         clean = any(zero) and all(z or not isinstance(q, FlatShard) for z, q in zip(zero, pls))
     elif op.name == "div":
         clean = zero[0] and isinstance(pls[1], Replicate)
-    elif op.name in ZERO_WHEN:
-        clean = all(zero[i] for i in ZERO_WHEN[op.name] if i < len(pls))
+    elif zero_when:
+        clean = all(zero[i] for i in zero_when if i < len(pls))
     else:
         clean = False
     return tuple(FLAT if clean else FLAT_DIRTY for _ in outs)
@@ -112,9 +103,10 @@ def _partial_elementwise(op: Op, pls: list[Placement]):
     if any(p.op != "sum" for p in part):
         return None
     whole = [p for p in pls if isinstance(p, Replicate)]
-    if op.name in LINEAR_UNARY:
+    d = op_def(op.name)
+    if d.linear and d.category is Category.unary:
         return (Partial("sum"),)
-    if op.name in ("add", "sub"):
+    if d.linear:      # add, sub
         # linear in the two summands; a run-time alpha must be the same on every device
         two = all(isinstance(p, Partial) for p in pls[:2])
         return (Partial("sum"),) if two and all(isinstance(p, Replicate) for p in pls[2:]) \
@@ -126,10 +118,6 @@ def _partial_elementwise(op: Op, pls: list[Placement]):
     return None
 
 
-_REDUCE_PARTIAL = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min",
-                   "reduce_mean": "avg"}
-
-
 def reduce(op: Op, ins, outs, axis: str):
     """Reducing a split dimension leaves a partial result; other splits move with the dims."""
     (p,) = _pls(ins, axis)
@@ -139,7 +127,7 @@ def reduce(op: Op, ins, outs, axis: str):
         return _all_r(outs)
     if isinstance(p, Shard):
         if p.dim in dims:
-            kind = _REDUCE_PARTIAL.get(op.name)
+            kind = op_def(op.name).partial
             return (Partial(kind),) if kind else None
         return (Shard(p.dim if keep else p.dim - sum(d < p.dim for d in dims)),)
     if isinstance(p, FlatShard):

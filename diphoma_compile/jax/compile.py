@@ -12,7 +12,7 @@ import numpy as np
 from jax import lax
 
 from ..errors import BackendError
-from .params import decode
+from .params import OPAQUE_RESERVED, decode
 from .trace import output_tree
 from .dtypes import numpy_dtype
 from ..ir.core import Graph, InputKind, Op, OutputKind, Region
@@ -57,7 +57,7 @@ def _opaque(op: Op, ins: list) -> list:
         raise BackendError(f"opaque op with target {target!r} is not a JAX primitive",
                            hint="the JAX backend runs opaque ops traced from JAX only")
     name = target[4:]
-    params = {k: decode(v) for k, v in op.attrs.items() if k not in ("target", "effectful")}
+    params = {k: decode(v) for k, v in op.attrs.items() if k not in OPAQUE_RESERVED}
     if name in _SCATTERS:
         operand, indices, updates = ins
         return [_SCATTERS[name](operand, indices, updates, **params)]

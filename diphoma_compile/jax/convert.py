@@ -14,7 +14,7 @@ from ..errors import FrontendError, UnsupportedOpError
 from ..ir.core import Attrs, NameSupply, Op, Region, Value
 from ..ir.types import DType, TensorType
 from .ops import DERIVED_PARAMS, INLINE, PRIMITIVES, EqnView
-from .params import EncodingError, encode
+from .params import OPAQUE_RESERVED, EncodingError, encode
 from .dtypes import ir_type
 
 _CONTROL = ("cond", "while", "scan")
@@ -54,6 +54,11 @@ def _is_transposed(eqn) -> bool:
     (of an inlined jit, a cond's branches) carry their stack relative to their parent's."""
     stack = getattr(eqn.source_info, "name_stack", None)
     return stack is not None and "transpose(" in str(stack)
+
+
+# primitives that draw random numbers from a key the step holds (every device that holds the
+# same key draws the same numbers); passes read the op's rng attribute, not these names
+KEYED_RANDOM = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"})
 
 
 class JaxprConverter:
@@ -193,6 +198,8 @@ class JaxprConverter:
         attrs: dict[str, Any] = {"target": f"jax:{prim}"}
         if eqn.effects:
             attrs["effectful"] = True
+        if prim in KEYED_RANDOM:
+            attrs["rng"] = "key"
         if prim == "scatter" and eqn.params.get("update_jaxpr") is not None:
             # x.at[i].apply(f): the backend rebuilds scatters from their kind and would
             # replace instead of applying f
@@ -202,7 +209,7 @@ class JaxprConverter:
         for k, v in eqn.params.items():
             if k in DERIVED_PARAMS.get(prim, ()):
                 continue
-            if k in ("target", "effectful"):
+            if k in OPAQUE_RESERVED:
                 raise UnsupportedOpError(
                     f"primitive {prim!r} has a parameter named {k!r}, which the opaque op "
                     "reserves", hint="this primitive needs a row in jax/ops.py")

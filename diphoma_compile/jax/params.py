@@ -29,6 +29,9 @@ from ..ir.core import AttrValue
 
 _SAFE_MODULES = ("jax", "jaxlib", "numpy", "ml_dtypes")
 
+# attributes of an opaque op that are the IR's own, not the primitive's parameters
+OPAQUE_RESERVED = ("target", "effectful", "rng")
+
 
 class EncodingError(ValueError):
     """A parameter value that has no attribute encoding; the message says what it is."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ir.core import Attrs, Graph, InputKind, Op, OutputKind, Phase, Value
-from ..ir.ops import op_def
+from ..ir.ops import op_def, random_draw
 from ..ir.sharding_rules import propagate
 from ..ir.types import VARYING, TensorType, Varying
 from .base import Pass, PassContext, PassFailure, register_pass
@@ -41,25 +41,6 @@ def _sums_contributions(op: Op, ins: list[TensorType], axis: str) -> bool:
     tied embedding). Averaging commutes with it, so it stays per device and the gradient is
     averaged once, after it."""
     return op.name in ("add", "sub") and len(ins) == 2 and all(_varying(t, axis) for t in ins)
-
-
-# opaque ops that draw random numbers (JAX's and torch's), by the target they record
-_RANDOM_TARGETS = ("jax:random_bits", "jax:threefry2x32", "jax:rng_bit_generator",
-                   "jax:rng_uniform")
-_RANDOM_ATEN = ("native_dropout", "bernoulli", "rand", "randn", "randint", "randperm",
-                "normal", "uniform", "multinomial", "exponential", "geometric", "log_normal",
-                "cauchy", "rand_like", "randn_like", "randint_like")
-
-
-def _is_random(op: Op) -> str | None:
-    """"jax" or "torch" when ``op`` draws random numbers, else None."""
-    if op.name != "opaque":
-        return None
-    target = str(op.attrs.get("target", ""))
-    if target in _RANDOM_TARGETS:
-        return "jax"
-    name = target.removeprefix("aten.").split(".")[0].rstrip("_")
-    return "torch" if target.startswith("aten.") and name in _RANDOM_ATEN else None
 
 
 def _combine(name: str, t: TensorType, made_by: dict[str, Op], types: dict[str, TensorType],
@@ -129,11 +110,11 @@ class DataParallel(Pass):
         made_in: dict[str, Phase] = {n: Phase.forward for n in batch}   # varying values
         returned = {o.name for o in graph.outputs
                     if o.role.kind in (OutputKind.loss, OutputKind.metric)}
-        drawn: dict[str, str] = {}        # values computed from random draws -> framework
-        random_ops: list[str] = []        # torch draws that meet per-device values
+        drawn: dict[str, str] = {}        # values computed from random draws -> how drawn
+        random_ops: list[str] = []        # per-process draws that meet per-device values
         for op in graph.ops:
             ins = [types[n] for n in op.inputs]
-            draws = _is_random(op)
+            draws = random_draw(op)
             if op.phase is Phase.update and _sums_contributions(op, ins, ax):
                 op = op.replace(phase=Phase.backward)
             if op.phase is Phase.update:
@@ -167,12 +148,12 @@ class DataParallel(Pass):
                 source = draws or next(
                     (drawn[n] for n, t in zip(op.inputs, ins) if n in drawn and t.numel > 1
                      and t.shape == shape), None)
-                if source == "torch":
-                    # torch draws from each process's own generator, as under DDP: the
-                    # masks are per device, right in distribution but not the global
-                    # batch's; the plan says so
+                if source == "global":
+                    # drawn from each process's own generator, as under DDP: the masks
+                    # are per device, right in distribution but not the global batch's;
+                    # the plan says so
                     random_ops.append(op.loc or op.name)
-                elif source == "jax":
+                elif source == "key":
                     raise PassFailure(
                         "data-parallel: random numbers drawn from a JAX key meet per-device "
                         "values here (dropout, noise on activations): every device would "

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..ir.analysis import free_inputs, producers
 from ..ir.core import Graph, InputKind, Op, OutputKind, Phase
-from ..ir.ops import Category, op_def
+from ..ir.ops import Category, is_view, op_def
 from ..ir.types import TensorType, Varying
 
 SCHEMA_VERSION = 1
@@ -235,22 +235,6 @@ def _memory(graph: Graph, sizes: dict[str, int], grads: dict[str, str],
                   whole["opt_state"], act_local, act_whole)
 
 
-# aten ops whose results alias their first input (a view costs no memory of its own)
-_VIEWS = frozenset("""view _unsafe_view reshape _reshape_alias t transpose permute expand
-    split split_with_sizes unbind select slice squeeze unsqueeze alias detach as_strided
-    diagonal narrow unfold chunk view_as_real view_as_complex movedim""".split())
-_LAYOUT_VIEWS = frozenset({"reshape", "transpose", "slice", "broadcast_in_dim"})
-
-
-def _is_view(op: Op) -> bool:
-    if op.name in _LAYOUT_VIEWS:
-        return True
-    target = op.attrs.get("target") if op.name == "opaque" else None
-    if isinstance(target, str) and target.startswith("aten."):
-        return target.split(".")[1] in _VIEWS
-    return False
-
-
 def saved_activations(graph: Graph, sizes: dict[str, int],
                       types: dict[str, TensorType]) -> tuple[int, int]:
     """Bytes of forward-phase values that backward-phase ops read (the activations kept
@@ -260,7 +244,7 @@ def saved_activations(graph: Graph, sizes: dict[str, int],
     base: dict[str, str] = {}
     made = producers(graph)
     for op in graph.ops:
-        view = _is_view(op) and bool(op.inputs)
+        view = is_view(op) and bool(op.inputs)
         for v in op.results:
             base[v.name] = base.get(op.inputs[0], op.inputs[0]) if view else v.name
     saved: set[str] = set()

@@ -14,7 +14,7 @@ from ..ir.core import (Attrs, Graph, Input, InputKind, InputRole, NameSupply, Op
 from ..ir.types import DType, TensorType
 from .capture import Captured, Slot
 from .ops import (BY_ATEN, DROPPED_TARGETS, IDENTITY, Neutral, draws_random, encode_arg,
-                        ir_dtype, target_name)
+                  ir_dtype, is_view_target, target_name)
 
 aten = torch.ops.aten
 _COMPARE = {"eq", "ne", "lt", "le", "gt", "ge"}
@@ -236,6 +236,8 @@ class _Importer:
         attrs = {"target": tname, "args": encode_arg(tuple(node.args), index)}
         if draws_random(node.target):
             attrs.update(rng="global", effectful=True)
+        if is_view_target(tname):
+            attrs["view"] = True
         for k, v in node.kwargs.items():
             attrs[f"kw_{k}"] = encode_arg(v, index)
         for t in tensors:

@@ -181,6 +181,18 @@ def draws_random(target: Any) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
 
 
+# aten ops whose results alias their first input (a view costs no memory of its own); the
+# importer marks them view=true, which is what the plan's memory estimate reads
+VIEW_OPS = frozenset("""view _unsafe_view reshape _reshape_alias t transpose permute expand
+    split split_with_sizes unbind select slice squeeze unsqueeze alias detach as_strided
+    diagonal narrow unfold chunk view_as_real view_as_complex movedim""".split())
+
+
+def is_view_target(name: str) -> bool:
+    """True for the name of an aten op (``aten.select.int``) whose result is a view."""
+    return name.startswith("aten.") and name.split(".")[1] in VIEW_OPS
+
+
 DROPPED_TARGETS = {"profiler._record_function_enter_new.default",
                    "profiler._record_function_exit._RecordFunction",
                    "profiler._record_function_enter.default"}
