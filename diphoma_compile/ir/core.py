@@ -11,6 +11,11 @@ from typing import Any, Union
 
 from ..errors import IRError
 from ..mesh import Mesh
+from .printer import print_graph
+# the roles are part of the IR's vocabulary: importable from here too
+from .roles import InputKind as InputKind
+from .roles import InputRole, OutputRole, Phase
+from .roles import OutputKind as OutputKind
 from .types import TensorType
 
 AttrValue = Union[None, bool, int, float, str, tuple["AttrValue", ...]]  # noqa: UP007 (recursive alias)
@@ -91,64 +96,6 @@ class Attrs(Mapping[str, AttrValue]):
     def set(self, **kw: Any) -> Attrs:
         """A copy with some attributes replaced or added."""
         return Attrs(dict(self._items), **kw)
-
-
-class Phase(enum.Enum):
-    """Which part of the training step an op belongs to."""
-
-    forward = "forward"
-    backward = "backward"
-    update = "update"
-
-
-class InputKind(enum.Enum):
-    """Role of a graph input."""
-
-    param = "param"
-    opt_state = "opt_state"
-    batch = "batch"
-    buffer = "buffer"
-    rng = "rng"
-    hyper = "hyper"
-    other = "other"
-
-
-class OutputKind(enum.Enum):
-    """Role of a graph output."""
-
-    loss = "loss"
-    metric = "metric"
-    replaces = "replaces"  # the new value of an input (parameter, state, buffer, rng)
-    other = "other"
-
-
-@dataclass(frozen=True)
-class InputRole:
-    """An input's role; optimizer state names its parameter (``of``) and its slot."""
-
-    kind: InputKind = InputKind.other
-    of: str | None = None
-    slot: str | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.kind, InputKind):
-            object.__setattr__(self, "kind", InputKind(self.kind))
-        if self.of is not None and self.kind is not InputKind.opt_state:
-            raise IRError(f"only optimizer state links to a parameter, not {self.kind.value}")
-
-
-@dataclass(frozen=True)
-class OutputRole:
-    """An output's role; ``replaces`` names the input whose new value this is."""
-
-    kind: OutputKind = OutputKind.other
-    target: str | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.kind, OutputKind):
-            object.__setattr__(self, "kind", OutputKind(self.kind))
-        if (self.kind is OutputKind.replaces) != (self.target is not None):
-            raise IRError("an output replaces an input exactly when it names that input")
 
 
 @dataclass(frozen=True)
@@ -264,7 +211,6 @@ class Graph:
         return _replace(self, kw)
 
     def __str__(self) -> str:
-        from .printer import print_graph
         return print_graph(self)
 
     # ------------------------------------------------------------ lookups

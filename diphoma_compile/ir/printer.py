@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+from typing import TYPE_CHECKING
 
-from .core import AttrValue, Graph, Input, InputKind, Op, Output, OutputKind, Region, Value
-from .types import TensorType
+from .roles import InputKind, OutputKind
+
+if TYPE_CHECKING:   # the IR's classes, for annotations only: core imports this module
+    from .core import AttrValue, Graph, Input, Op, Output, Region, Value
+    from .types import TensorType
 
 FORMAT_LINE = "# diphoma-ir v1"
 BARE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-/]*\Z")
