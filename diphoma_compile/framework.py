@@ -74,6 +74,14 @@ def of_args(args: tuple) -> Framework:
                         "example arguments", hint="pass the step's real example arguments")
 
 
+def of_kind(kind: str | None) -> Framework | None:
+    """The imported framework whose model base classes have this kind name, if any."""
+    for fw in imported():
+        if kind in fw.module_kinds():
+            return fw
+    return None
+
+
 def module_kinds() -> dict[str, tuple[type, ...]]:
     """The model base classes of every imported framework, by kind name."""
     out: dict[str, tuple[type, ...]] = {}

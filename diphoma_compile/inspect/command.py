@@ -73,10 +73,6 @@ def _uses(module: ModuleType, packages: tuple[str, ...]) -> bool:
     return False
 
 
-# the kind of model class a framework's inspect target builds a step for
-_PLANNED_KINDS = {"torch-module": "torch", "flax-module": "jax"}
-
-
 def _framework(module: ModuleType, cand: Candidate | None, init: str | None) -> Framework:
     """The framework of the file: from the candidate's kind, the class --init calls, or
     what the file imports."""
@@ -88,18 +84,18 @@ def _framework(module: ModuleType, cand: Candidate | None, init: str | None) -> 
             call = None
         if isinstance(call, ast.Call) and isinstance(call.func, ast.Name):
             kind = kind_of(getattr(module, call.func.id, None)) or kind
-    if kind in _PLANNED_KINDS:
-        return frameworks.get(_PLANNED_KINDS[kind])
     if kind == "nnx-module":
         raise InspectError("flax.nnx modules are planned through a step: write "
                            "step(params, opt_state, batch) and example_inputs() in the file "
                            "and name the step (see docs/guide.md)")
-    torch_, jax_ = (_uses(module, frameworks.get(n).packages) if n in sys.modules else False
-                    for n in ("torch", "jax"))
-    if torch_ == jax_:
-        raise InspectError("cannot tell whether the file is PyTorch or JAX" if torch_ else
+    fw = frameworks.of_kind(kind)
+    if fw is not None:
+        return fw
+    users = [fw for fw in frameworks.imported() if _uses(module, fw.packages)]
+    if len(users) != 1:
+        raise InspectError("cannot tell whether the file is PyTorch or JAX" if users else
                            "the file imports neither torch nor jax/flax")
-    return frameworks.get("torch" if torch_ else "jax")
+    return users[0]
 
 
 def build_target(args: argparse.Namespace, mesh: Mesh, axis: str) -> Target:
