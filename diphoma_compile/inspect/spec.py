@@ -33,7 +33,7 @@ class InspectError(DiphomaError):
 
 
 @dataclass(frozen=True)
-class InputSpec:
+class InputDescription:
     """One model input: its name (or None: taken from the model), dtype, global shape and,
     for integers, the exclusive upper bound of its values (token ids, class labels)."""
 
@@ -42,9 +42,9 @@ class InputSpec:
     shape: tuple[int, ...]
     high: int | None = None
 
-    def local(self, n: int, axis: str) -> InputSpec:
+    def local(self, n: int, axis: str) -> InputDescription:
         """This input as one of ``n`` devices sees it: dim 0 divided by ``n``."""
-        return InputSpec(self.name, self.dtype, local_shape(self.shape, n, axis,
+        return InputDescription(self.name, self.dtype, local_shape(self.shape, n, axis,
                                                             self.name or "input"), self.high)
 
     def __str__(self) -> str:
@@ -53,7 +53,7 @@ class InputSpec:
         return f"{self.name + '=' if self.name else ''}{self.dtype}[{shape}]{high}"
 
 
-def parse_input(text: str) -> InputSpec:
+def parse_input(text: str) -> InputDescription:
     """``[name=]dtype[d0,d1,...][<high]``; InspectError saying what is wrong otherwise."""
     form = "write it as DTYPE[D0,D1,...], e.g. 'int64[8,128]<50257' or 'x=f32[32,3,32,32]'"
     m = _SPEC.match(text)
@@ -73,7 +73,7 @@ def parse_input(text: str) -> InputSpec:
                            f"(this one is {dtype})")
     if high is not None and high < 1:
         raise InspectError(f"--input {text!r}: the bound must be at least 1")
-    return InputSpec(m["name"], dtype, tuple(int(d) for d in dims), high)
+    return InputDescription(m["name"], dtype, tuple(int(d) for d in dims), high)
 
 
 def parse_mesh(text: str) -> Mesh:
@@ -115,7 +115,7 @@ class Target:
 
 
 @dataclass(frozen=True)
-class CallPlan:
+class InputBinding:
     """How the inputs reach the model: their names, which go in by position and which by
     keyword (a named input the call accepts); the rest only the loss sees."""
 
@@ -128,7 +128,7 @@ class CallPlan:
         return [batch[k] for k in self.positional], {k: batch[k] for k in self.keyword}
 
 
-def plan_call(specs: list[InputSpec], fn: object, what: str) -> CallPlan:
+def bind_inputs(specs: list[InputDescription], fn: object, what: str) -> InputBinding:
     """Match the inputs to ``fn``'s parameters: an unnamed input takes the next positional
     parameter (and its name), a named one goes by keyword when ``fn`` accepts it; an
     InspectError when a required parameter is left out or given twice."""
@@ -171,10 +171,10 @@ def plan_call(specs: list[InputSpec], fn: object, what: str) -> CallPlan:
         raise InspectError(f"{sig} needs {', '.join(missing)}, which --input does not "
                            "describe", hint="describe each input with --input, e.g. "
                            "--input 'int64[8,128]<50257' or --input 'x=f32[32,3,32,32]'")
-    return CallPlan(tuple(names), tuple(positional), tuple(keyword))
+    return InputBinding(tuple(names), tuple(positional), tuple(keyword))
 
 
-def describe_inputs(specs: list[InputSpec], n: int) -> str:
+def describe_inputs(specs: list[InputDescription], n: int) -> str:
     """``idx=int64[64,128]<50257 (global batch; 8 per device)``."""
     parts = [str(s) for s in specs]
     per = specs[0].shape[0] // n if specs and specs[0].shape else None

@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import optax
 
 from ..inspect.load import Candidate, construct, evaluate, user_error
+from ..inspect.optimizer import choose_optimizer
 from ..inspect.loss import LossChoice, choose, expr_loss, get
-from ..inspect.spec import InputSpec, InspectError, Target, describe_inputs, local_shape, \
-    plan_call
+from ..inspect.spec import InputDescription, InspectError, Target, describe_inputs, local_shape, \
+    bind_inputs
 
 OPTIMIZERS: dict[str, tuple[str, Callable[[], Any]]] = {
     "adamw": ("optax.adamw(1e-3)", lambda: optax.adamw(1e-3)),
@@ -28,7 +29,7 @@ OPTIMIZERS: dict[str, tuple[str, Callable[[], Any]]] = {
 }
 
 
-def _struct(spec: InputSpec) -> jax.ShapeDtypeStruct:
+def _struct(spec: InputDescription) -> jax.ShapeDtypeStruct:
     # without jax_enable_x64 an int64 input is an int32 one, as jnp.asarray would make it
     return jax.ShapeDtypeStruct(spec.shape, jax.dtypes.canonicalize_dtype(spec.dtype))
 
@@ -61,20 +62,13 @@ def _shapes(fn: Callable, args: list, module: ModuleType, what: str) -> Any:
 
 
 def _optimizer(how: str, module: ModuleType) -> tuple[Any, str]:
-    if how.lower() in OPTIMIZERS:
-        text, make = OPTIMIZERS[how.lower()]
-        return make(), text
-    tx = evaluate(how, module, "--optimizer", {"optax": optax})
-    if not isinstance(tx, optax.GradientTransformation):
-        raise InspectError(f"--optimizer {how!r} gave a {type(tx).__name__}, not an optax "
-                           "GradientTransformation",
-                           hint="one of " + ", ".join(OPTIMIZERS) + ", or an expression such "
-                                "as 'optax.sgd(0.1)'")
-    return tx, how
+    return choose_optimizer(how, OPTIMIZERS, (), module, {"optax": optax},
+                            optax.GradientTransformation, "an optax GradientTransformation",
+                            "such as 'optax.sgd(0.1)'")
 
 
 def model_target(cand: Candidate | None, module: ModuleType, label: str, init: str | None,
-                 specs: list[InputSpec], loss: str, optimizer: str, n: int,
+                 specs: list[InputDescription], loss: str, optimizer: str, n: int,
                  axis: str) -> Target:
     """The training step of a flax.linen module (a class, a factory or ``--init``)."""
     import flax.linen as linen
@@ -85,9 +79,9 @@ def model_target(cand: Candidate | None, module: ModuleType, label: str, init: s
                            hint="flax.nnx modules: write a step and example_inputs() in the "
                                 "file and name the step")
     label += "" if not label.endswith(":") else type(model).__name__
-    call = plan_call(specs, model.__call__, type(model).__name__)
+    call = bind_inputs(specs, model.__call__, type(model).__name__)
     names = list(call.names)
-    specs = [InputSpec(nm, s.dtype, s.shape, s.high) for nm, s in zip(names, specs)]
+    specs = [InputDescription(nm, s.dtype, s.shape, s.high) for nm, s in zip(names, specs)]
     glob = [_struct(s) for s in specs]
     local = dict(zip(names, (_struct(s.local(n, axis)) for s in specs)))
 
@@ -112,7 +106,7 @@ def model_target(cand: Candidate | None, module: ModuleType, label: str, init: s
         if "labels" in names:
             raise InspectError("an input is called 'labels', which cross-entropy's labels "
                                "are called too", hint="rename the input or pass --loss")
-        lab = InputSpec("labels", "int32", (choice.label_shape[0] * n,
+        lab = InputDescription("labels", "int32", (choice.label_shape[0] * n,
                                             *choice.label_shape[1:]), choice.classes)
         specs, names, glob = [*specs, lab], [*names, "labels"], [*glob, _struct(lab)]
     tx, opt_text = _optimizer(optimizer, module)

@@ -19,9 +19,10 @@ from torch.utils import _pytree as pytree
 
 from ..errors import DiphomaError
 from ..inspect.load import Candidate, construct, evaluate
+from ..inspect.optimizer import choose_optimizer
 from ..inspect.loss import LossChoice, choose, expr_loss, get
-from ..inspect.spec import (CallPlan, InputSpec, InspectError, Target, describe_inputs,
-                           local_shape, plan_call)
+from ..inspect.spec import (InputBinding, InputDescription, InspectError, Target, describe_inputs,
+                           local_shape, bind_inputs)
 
 # the multi-tensor (foreach) kernels: what these optimizers run by default on GPUs, and a
 # shorter trace than the per-tensor loop; the math and the plan are the same
@@ -49,7 +50,7 @@ def on_meta(make: Callable[[], Any], what: str) -> tuple[Any, bool]:
         return out, False
 
 
-def _meta(spec: InputSpec) -> torch.Tensor:
+def _meta(spec: InputDescription) -> torch.Tensor:
     return torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device="meta")
 
 
@@ -107,7 +108,7 @@ def _loss_fn(choice: LossChoice, module: ModuleType) -> Callable:
     return lambda out, inputs: get(out, choice.path)
 
 
-def make_step(call: CallPlan, names: list[str], loss_fn: Callable) -> Callable:
+def make_step(call: InputBinding, names: list[str], loss_fn: Callable) -> Callable:
     """``train_step(model, opt, *inputs)``: forward as ``call`` says, the loss, backward,
     the optimizer step, zero_grad; its signature names the inputs (the IR names batch
     inputs after them)."""
@@ -134,21 +135,14 @@ def _optimizer(how: str, model: torch.nn.Module, module: ModuleType) -> tuple[An
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise InspectError("the model has no trainable parameters")
-    if how.lower() in OPTIMIZERS:
-        text, make = OPTIMIZERS[how.lower()]
-        return make(params), text
-    opt = evaluate(how, module, "--optimizer", {"params": params, "model": model,
-                                                "torch": torch})
-    if not isinstance(opt, torch.optim.Optimizer):
-        raise InspectError(f"--optimizer {how!r} gave a {type(opt).__name__}, not a "
-                           "torch.optim.Optimizer",
-                           hint="one of " + ", ".join(OPTIMIZERS) + ", or an expression of "
-                                "params, e.g. 'torch.optim.SGD(params, lr=0.1)'")
-    return opt, how
+    return choose_optimizer(how, OPTIMIZERS, (params,), module,
+                            {"params": params, "model": model, "torch": torch},
+                            torch.optim.Optimizer, "a torch.optim.Optimizer",
+                            "of params, e.g. 'torch.optim.SGD(params, lr=0.1)'")
 
 
 def model_target(cand: Candidate | None, module: ModuleType, label: str, init: str | None,
-                 specs: list[InputSpec], loss: str, optimizer: str, n: int,
+                 specs: list[InputDescription], loss: str, optimizer: str, n: int,
                  axis: str) -> Target:
     """The training step of a model class (or factory, or ``--init`` expression)."""
     if init is not None:
@@ -160,9 +154,9 @@ def model_target(cand: Candidate | None, module: ModuleType, label: str, init: s
         raise InspectError(f"{init or cand.name + '()'} gave a {type(model).__name__}, "
                            "not an nn.Module")
     label += "" if not label.endswith(":") else type(model).__name__
-    call = plan_call(specs, model.forward, f"{type(model).__name__}.forward")
+    call = bind_inputs(specs, model.forward, f"{type(model).__name__}.forward")
     names = list(call.names)
-    specs = [InputSpec(nm, s.dtype, s.shape, s.high) for nm, s in zip(names, specs)]
+    specs = [InputDescription(nm, s.dtype, s.shape, s.high) for nm, s in zip(names, specs)]
     xs = [_meta(s.local(n, axis)) for s in specs]
     args, kwargs = call.args(dict(zip(names, xs)))
     choice = choose(probe(model, args, kwargs), loss, _is_float)
@@ -170,7 +164,7 @@ def model_target(cand: Candidate | None, module: ModuleType, label: str, init: s
         if "labels" in names:
             raise InspectError("an input is called 'labels', which cross-entropy's labels "
                                "are called too", hint="rename the input or pass --loss")
-        lab = InputSpec("labels", "int64", (choice.label_shape[0] * n,
+        lab = InputDescription("labels", "int64", (choice.label_shape[0] * n,
                                             *choice.label_shape[1:]), choice.classes)
         specs, names = [*specs, lab], [*names, "labels"]
         xs.append(_meta(lab.local(n, axis)))

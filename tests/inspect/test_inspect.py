@@ -220,6 +220,9 @@ def test_by_default_only_the_final_graph_is_checked(capsys, monkeypatch):
      ["depends on tensor data", "several.py:23: if y.sum() > 0:"]),
     ([str(MODELS / "several.py:Small"), "--input", "f32[8,16]", "--optimizer", "3"],
      ["--optimizer '3' gave a int, not a torch.optim.Optimizer"]),
+    ([str(MODELS / "flax_mlp.py"), "--input", "f32[16,28,28,1]", "--optimizer", "3"],
+     ["--optimizer '3' gave a int, not an optax GradientTransformation",
+      "one of adamw, adam, sgd, momentum, or an expression such as 'optax.sgd(0.1)'"]),
     ([str(MODELS / "several.py:Small"), "--input", "f32[8,16]", "--loss", "out"],
      ["the loss is (1, 16), not a scalar tensor"]),
 ])
