@@ -77,8 +77,7 @@ _BOOL_RESULT = {"eq", "ne", "lt", "le", "gt", "ge", "isfinite", "isnan", "logica
 
 
 def same(e: EqnView, op: str) -> list[str] | None:
-    """The converter of a primitive that is the neutral op ``op`` when its parameters are
-    defaults."""
+    """Converter of a primitive that is the neutral op ``op`` when its parameters are defaults."""
     if not _defaults_only(e.params):
         return None
     if op not in _BOOL_RESULT and e.in_types and \
@@ -89,8 +88,7 @@ def same(e: EqnView, op: str) -> list[str] | None:
 
 @dataclass(frozen=True)
 class Row:
-    """One neutral op both ways: the primitives that become it, and the lax calls it
-    becomes."""
+    """One neutral op both ways: the primitives that become it and the lax calls it becomes."""
 
     op: str                      # the neutral IR op
     primitives: tuple[str, ...]  # jaxpr primitives converted to it (none: other frontends')
