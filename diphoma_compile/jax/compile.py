@@ -12,23 +12,14 @@ import numpy as np
 from jax import lax
 
 from ..errors import BackendError
-from .params import OPAQUE_RESERVED, decode
-from .trace import output_tree
-from .dtypes import numpy_dtype
 from ..ir.core import Graph, InputKind, Op, OutputKind, Region
 from ..ir.types import DType, TensorType
-from .lower import emitter
+from .dtypes import numpy_dtype
+from .ops import SCATTERS, emitter
+from .params import OPAQUE_RESERVED, decode
+from .trace import output_tree
 
 Env = MutableMapping[str, Any]
-
-# Scatter primitives carry their combining computation as a jaxpr; the lax functions
-# rebuild it exactly as the user's call did.
-_SCATTERS: dict[str, Callable] = {
-    "scatter": lax.scatter, "scatter-add": lax.scatter_add, "scatter-mul": lax.scatter_mul,
-    "scatter-min": lax.scatter_min, "scatter-max": lax.scatter_max,
-}
-if hasattr(lax, "scatter_sub"):
-    _SCATTERS["scatter-sub"] = lax.scatter_sub
 
 _PRIMITIVES: dict[str, Any] = {}
 
@@ -58,9 +49,9 @@ def _opaque(op: Op, ins: list) -> list:
                            hint="the JAX backend runs opaque ops traced from JAX only")
     name = target[4:]
     params = {k: decode(v) for k, v in op.attrs.items() if k not in OPAQUE_RESERVED}
-    if name in _SCATTERS:
+    if name in SCATTERS:   # the frontend left out their update jaxpr: lax rebuilds it
         operand, indices, updates = ins
-        return [_SCATTERS[name](operand, indices, updates, **params)]
+        return [SCATTERS[name](operand, indices, updates, **params)]
     prim = primitive(name)
     out = prim.bind(*ins, **params)
     return list(out) if prim.multiple_results else [out]
@@ -70,7 +61,7 @@ def _opaque(op: Op, ins: list) -> list:
 
 class Lowering:
     """How one op without regions becomes JAX calls. This one runs the whole program on one
-    device; the per-device lowering of distributed graphs (jax_parallel) refines it."""
+    device; the per-device lowering of distributed graphs (jax/parallel.py) refines it."""
 
     def emit(self, op: Op, ins: list) -> list:
         """The op's result arrays, given its input arrays."""
@@ -143,7 +134,8 @@ def graph_function(graph: Graph, lowering: Lowering = SINGLE_DEVICE) -> Callable
 
 # ---------------------------------------------------------------- pytrees in and out
 
-def _dtype_matches(dtype: Any, want: DType) -> bool:
+def dtype_matches(dtype: Any, want: DType) -> bool:
+    """True when an argument leaf's dtype is the IR dtype ``want`` (as JAX computes with it)."""
     if dtype is None:
         return False
     is_key = jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
@@ -155,7 +147,7 @@ def _dtype_matches(dtype: Any, want: DType) -> bool:
 def _check_leaf(name: str, want: TensorType, leaf: Any) -> None:
     shape = tuple(np.shape(leaf))
     dtype = getattr(leaf, "dtype", None)
-    if shape != want.shape or not _dtype_matches(dtype, want.dtype):
+    if shape != want.shape or not dtype_matches(dtype, want.dtype):
         raise BackendError(f"input {name} is {dtype}{list(shape)}; the graph expects "
                            f"{want.dtype}{list(want.shape)}",
                            hint="call the compiled step with arguments shaped like the "

@@ -1,5 +1,5 @@
-"""Jaxpr -> IR ops: walks equations, maps primitives through the table in jax_ops, inlines
-nested calls, turns cond/while/scan into ops with regions, keeps the rest opaque."""
+"""Jaxpr -> IR ops: walks equations, maps primitives through the table in jax/ops.py,
+inlines nested calls, turns cond/while/scan into ops with regions, keeps the rest opaque."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal
 from ..errors import FrontendError, UnsupportedOpError
 from ..ir.core import Attrs, NameSupply, Op, Region, Value
 from ..ir.types import DType, TensorType
-from .ops import DERIVED_PARAMS, INLINE, PRIMITIVES, EqnView
-from .params import OPAQUE_RESERVED, EncodingError, encode
 from .dtypes import ir_type
+from .ops import BY_PRIMITIVE, DERIVED_PARAMS, INLINE, KEYED_RANDOM, EqnView
+from .params import OPAQUE_RESERVED, EncodingError, encode
 
 _CONTROL = ("cond", "while", "scan")
 _SCAN_PARAMS = {"reverse", "length", "jaxpr", "num_consts", "num_carry", "unroll", "linear",
@@ -54,11 +54,6 @@ def _is_transposed(eqn) -> bool:
     (of an inlined jit, a cond's branches) carry their stack relative to their parent's."""
     stack = getattr(eqn.source_info, "name_stack", None)
     return stack is not None and "transpose(" in str(stack)
-
-
-# primitives that draw random numbers from a key the step holds (every device that holds the
-# same key draws the same numbers); passes read the op's rng attribute, not these names
-KEYED_RANDOM = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"})
 
 
 class JaxprConverter:
@@ -181,13 +176,13 @@ class JaxprConverter:
                      for i, v in enumerate(eqn.outvars)]
         loc = self._loc(eqn)
         outs = None
-        conv = PRIMITIVES.get(prim)
-        if conv is not None:
+        row = BY_PRIMITIVE.get(prim)
+        if row is not None:
             view = EqnView(
                 prim, eqn.params, ins, in_types, out_types,
                 [_literal_value(v) for v in eqn.invars],
                 lambda name, i, a, t: self._emit(block, name, i, a, t, name, loc))
-            outs = conv(view)
+            outs = row.convert(view)
         if outs is None:
             outs = self._opaque(eqn, ins, out_types, block, loc)
         self._bind_outs(eqn.outvars, outs, env)

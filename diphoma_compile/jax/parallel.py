@@ -22,12 +22,12 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import BackendError, MeshError
-from .trace import output_tree
 from ..ir.core import Graph, InputKind, Op, OutputKind
 from ..ir.types import FlatShard, Placement, Replicate, Shard, TensorType, Varying
 from ..mesh import Mesh
-from .compile import JaxStep, Lowering, _dtype_matches, graph_function
-from .lower import emitter
+from .compile import JaxStep, Lowering, dtype_matches, graph_function
+from .ops import emitter
+from .trace import output_tree
 
 _PSUM = {"sum": lax.psum, "avg": lax.pmean, "max": lax.pmax, "min": lax.pmin}
 
@@ -368,7 +368,7 @@ class JaxParallelStep(JaxStep):
                     f"batch leaf {name} has {shape[0]} rows, but the step was parallelized "
                     f"for a global batch of {want[0]} ({t.shape[0]} per device x {n})",
                     hint="parallelize again for this batch size")
-        if shape != want or not _dtype_matches(dtype, t.dtype):
+        if shape != want or not dtype_matches(dtype, t.dtype):
             raise BackendError(f"input {name} is {dtype}{list(shape)}; the parallel step "
                                f"expects {t.dtype}{list(want)}",
                                hint="call it with the global arrays of the shapes it was "

@@ -38,6 +38,8 @@ sharding it like the update is still correct.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..ir.analysis import free_inputs
 from ..ir.core import Graph, InputKind, Op, OutputKind, Phase, Region
 from ..ir.ops import Category, op_def
@@ -63,54 +65,71 @@ def _with_phase(op: Op, phase: Phase) -> Op:
     return op.replace(phase=phase, regions=regions)
 
 
-def assign_phases(graph: Graph, transposed: set[str] | frozenset[str] = frozenset()) -> Graph:
-    """``graph`` with a phase on every op, by the rules in this module's docstring;
-    ``transposed`` names the results of ops autodiff made by transposition."""
-    loss = [o.name for o in graph.outputs if o.role.kind is OutputKind.loss]
-    if not loss:
-        return graph
-    inputs = {i.name: i for i in graph.inputs}
-    state_targets = {n for n, i in inputs.items()
-                     if i.role.kind in (InputKind.param, InputKind.opt_state)}
-    state_outputs = {o.name for o in graph.outputs if o.role.kind is OutputKind.replaces
-                     and o.role.target in state_targets}
-    opt_inputs = {n for n, i in inputs.items() if i.role.kind is InputKind.opt_state}
+@dataclass(frozen=True)
+class _Flow:
+    """Who makes and who reads each value among the top-level ops (by op index)."""
 
-    ops = graph.ops
-    reads = [free_inputs(op) for op in ops]
-    made = {v.name: k for k, op in enumerate(ops) for v in op.results}
-    numel = {i.name: i.value.type.numel for i in graph.inputs}
-    numel.update((v.name, v.type.numel) for op in ops for v in op.results)
-    users: dict[int, list[int]] = {k: [] for k in range(len(ops))}
-    for k, names in enumerate(reads):
-        for n in names:
-            if n in made:
-                users[made[n]].append(k)
+    ops: tuple[Op, ...]
+    reads: list[set[str]]      # the outer values each op reads (its regions' included)
+    made: dict[str, int]       # result name -> index of the op making it
+    numel: dict[str, int]      # element count of every input and result
 
-    def ancestors(names: set[str]) -> set[int]:
+    def ancestors(self, names: set[str]) -> set[int]:
+        """The ops that make ``names`` and everything those read, transitively."""
         seen: set[int] = set()
-        stack = [made[n] for n in names if n in made]
+        stack = [self.made[n] for n in names if n in self.made]
         while stack:
             k = stack.pop()
             if k not in seen:
                 seen.add(k)
-                stack.extend(made[n] for n in reads[k] if n in made)
+                stack.extend(self.made[n] for n in self.reads[k] if n in self.made)
         return seen
 
-    forward = ancestors(set(loss))
-    feeds_state = ancestors(state_outputs)
-    if transposed:
-        backward = {k for k, op in enumerate(ops) if any(v.name in transposed
-                                                         for v in op.results)}
-        residuals = ancestors(set(transposed)) - backward
-        return _with_marks(graph, forward | residuals, backward, feeds_state, reads, made)
-    reads_state = [False] * len(ops)
-    for k in range(len(ops)):
-        reads_state[k] = any(n in opt_inputs or (n in made and reads_state[made[n]])
-                             for n in reads[k])
+    def users(self) -> dict[int, list[int]]:
+        """For each op, the ops reading one of its results."""
+        users: dict[int, list[int]] = {k: [] for k in range(len(self.ops))}
+        for k, names in enumerate(self.reads):
+            for n in names:
+                if n in self.made:
+                    users[self.made[n]].append(k)
+        return users
 
+
+def _data_flow(graph: Graph) -> _Flow:
+    """The data flow of ``graph``'s top-level ops."""
+    ops = graph.ops
+    numel = {i.name: i.value.type.numel for i in graph.inputs}
+    numel.update((v.name, v.type.numel) for op in ops for v in op.results)
+    return _Flow(ops, [free_inputs(op) for op in ops],
+                 {v.name: k for k, op in enumerate(ops) for v in op.results}, numel)
+
+
+def _state_outputs(graph: Graph) -> set[str]:
+    """The outputs that replace a parameter or an optimizer-state input."""
+    targets = {i.name for i in graph.inputs
+               if i.role.kind in (InputKind.param, InputKind.opt_state)}
+    return {o.name for o in graph.outputs if o.role.kind is OutputKind.replaces
+            and o.role.target in targets}
+
+
+def _reads_opt_state(graph: Graph, flow: _Flow) -> list[bool]:
+    """For each op, whether it reads optimizer state, directly or through other ops."""
+    opt_inputs = {i.name for i in graph.inputs if i.role.kind is InputKind.opt_state}
+    reads_state = [False] * len(flow.ops)
+    for k in range(len(flow.ops)):
+        reads_state[k] = any(n in opt_inputs or (n in flow.made and reads_state[flow.made[n]])
+                             for n in flow.reads[k])
+    return reads_state
+
+
+def _update_ops(graph: Graph, flow: _Flow, forward: set[int], feeds_state: set[int]
+                ) -> set[int]:
+    """The update ops of a step without autodiff's marks (rule 2 of the docstring)."""
+    reads_state = _reads_opt_state(graph, flow)
+    users = flow.users()
+    made, numel = flow.made, flow.numel
     update: set[int] = set()
-    for k in reversed(range(len(ops))):
+    for k in reversed(range(len(flow.ops))):
         if k in forward or k not in feeds_state:
             continue
         # Users that feed no state output (metrics of the new values, dead results) run
@@ -119,14 +138,19 @@ def assign_phases(graph: Graph, transposed: set[str] | frozenset[str] = frozense
         # optimizer math reads parameters, state and scalars, never a forward activation
         # (the gradient of a scalar parameter reduces activations: that is backward)
         reads_activation = any(n in made and made[n] in forward and numel[n] > 1
-                               for n in reads[k])
+                               for n in flow.reads[k])
         if all(u in update for u in deciding) and not reads_activation and \
-                (reads_state[k] or _optimizer_math(ops[k], numel)):
+                (reads_state[k] or _optimizer_math(flow.ops[k], numel)):
             update.add(k)
+    return update
 
+
+def _phases_from_flow(flow: _Flow, forward: set[int], update: set[int],
+                      feeds_state: set[int]) -> list[Phase]:
+    """Each op's phase from data flow and roles (rules 1-4 of the docstring)."""
     phases: list[Phase] = []
-    for k in range(len(ops)):
-        src = [phases[made[n]] for n in reads[k] if n in made]
+    for k in range(len(flow.ops)):
+        src = [phases[flow.made[n]] for n in flow.reads[k] if n in flow.made]
         if k in forward:
             phases.append(Phase.forward)
         elif k in update or Phase.update in src:
@@ -135,17 +159,19 @@ def assign_phases(graph: Graph, transposed: set[str] | frozenset[str] = frozense
             phases.append(Phase.backward)
         else:
             phases.append(Phase.forward)
-    return graph.replace(ops=tuple(_with_phase(op, p) for op, p in zip(ops, phases)))
+    return phases
 
 
-def _with_marks(graph: Graph, forward: set[int], backward: set[int], feeds_state: set[int],
-                reads: list[set[str]], made: dict[str, int]) -> Graph:
-    """Phases from autodiff's marks; ``forward`` holds the loss's ancestors and the
-    residuals backward reads, ``backward`` the transposed ops."""
-    ops = graph.ops
+def _phases_from_marks(flow: _Flow, forward: set[int], transposed: set[str],
+                       feeds_state: set[int]) -> list[Phase]:
+    """Each op's phase from autodiff's marks: the transposed ops are the backward pass."""
+    backward = {k for k, op in enumerate(flow.ops) if any(v.name in transposed
+                                                          for v in op.results)}
+    # the untransposed values the backward pass reads (residuals) run in the forward pass
+    forward = forward | (flow.ancestors(transposed) - backward)
     phases: list[Phase] = []
-    for k in range(len(ops)):
-        src = {phases[made[n]] for n in reads[k] if n in made}
+    for k in range(len(flow.ops)):
+        src = {phases[flow.made[n]] for n in flow.reads[k] if n in flow.made}
         if k in forward:
             phases.append(Phase.forward)
         elif k in backward:
@@ -154,4 +180,21 @@ def _with_marks(graph: Graph, forward: set[int], backward: set[int], feeds_state
             phases.append(Phase.update)
         else:
             phases.append(Phase.forward)
-    return graph.replace(ops=tuple(_with_phase(op, p) for op, p in zip(ops, phases)))
+    return phases
+
+
+def assign_phases(graph: Graph, transposed: set[str] | frozenset[str] = frozenset()) -> Graph:
+    """``graph`` with a phase on every op, by the rules in this module's docstring;
+    ``transposed`` names the results of ops autodiff made by transposition."""
+    loss = {o.name for o in graph.outputs if o.role.kind is OutputKind.loss}
+    if not loss:
+        return graph
+    flow = _data_flow(graph)
+    forward = flow.ancestors(loss)
+    feeds_state = flow.ancestors(_state_outputs(graph))
+    if transposed:
+        phases = _phases_from_marks(flow, forward, set(transposed), feeds_state)
+    else:
+        update = _update_ops(graph, flow, forward, feeds_state)
+        phases = _phases_from_flow(flow, forward, update, feeds_state)
+    return graph.replace(ops=tuple(_with_phase(op, p) for op, p in zip(graph.ops, phases)))
