@@ -145,8 +145,7 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
                                                             layout=fw.update_layout)
     if spec:
         graph = Pipeline.from_spec(spec).run(graph, ctx)
-    ctx.notes["backend"] = fw.backend
-    return graph, build_plan(graph, ctx.notes)
+    return graph, build_plan(graph, ctx.decisions, backend=fw.backend)
 
 
 def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,

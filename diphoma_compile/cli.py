@@ -14,14 +14,7 @@ import sys
 from pathlib import Path
 
 from .errors import DiphomaError
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+from .report.units import human
 
 
 def _stats(graph) -> str:
@@ -36,9 +29,9 @@ def _stats(graph) -> str:
     lines = [
         f"# ops: {sum(cats.values())} (" + ", ".join(f"{k} {v}" for k, v in sorted(cats.items()))
         + ")",
-        f"# flops: {total.flops:,}   bytes touched: {_human(total.bytes)}   "
-        f"sent per device: {_human(total.comm_bytes)}",
-        f"# peak live memory per device: {_human(live.peak_bytes)} "
+        f"# flops: {total.flops:,}   bytes touched: {human(total.bytes)}   "
+        f"sent per device: {human(total.comm_bytes)}",
+        f"# peak live memory per device: {human(live.peak_bytes)} "
         f"(at op #{live.peak_index})",
     ]
     return "\n".join(lines) + "\n"

@@ -2,8 +2,15 @@
 
 from . import (  # noqa: F401  (registers the built-in passes)
     comm_fusion, cse, data_parallel, dce, schedule_comm, weight_update_sharding)
-from .base import (ENTRY_POINT_GROUP, Pass, PassContext, PassFailure, PassRecord, Pipeline,
-                   available_passes, get_pass, parse_spec, register_pass, unregister_pass)
+from .base import (ENTRY_POINT_GROUP, Decision, Pass, PassContext, PassFailure, PassRecord,
+                   Pipeline, available_passes, get_pass, parse_spec, register_pass,
+                   unregister_pass)
+from .comm_fusion import CommFusionRecord
+from .data_parallel import DataParallelRecord
+from .schedule_comm import ScheduleCommRecord
+from .weight_update_sharding import WeightUpdateShardingRecord
 
-__all__ = ["ENTRY_POINT_GROUP", "Pass", "PassContext", "PassFailure", "PassRecord", "Pipeline",
-           "available_passes", "get_pass", "parse_spec", "register_pass", "unregister_pass"]
+__all__ = ["ENTRY_POINT_GROUP", "CommFusionRecord", "DataParallelRecord", "Decision", "Pass",
+           "PassContext", "PassFailure", "PassRecord", "Pipeline", "ScheduleCommRecord",
+           "WeightUpdateShardingRecord", "available_passes", "get_pass", "parse_spec",
+           "register_pass", "unregister_pass"]

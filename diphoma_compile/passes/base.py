@@ -8,11 +8,11 @@ import re
 import sys
 import time
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from ..errors import DiphomaError, IRVerifyError, PassError, PassSpecError
 from ..ir.core import Graph, Op
@@ -30,20 +30,43 @@ class PassFailure(DiphomaError):
         super().__init__(message, hint=hint)
 
 
+class Decision(Protocol):
+    """What one pass decided, for the plan: a frozen dataclass; ``to_dict`` is its JSON form."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The decision as plain data (lists, dicts, strings, numbers)."""
+        ...
+
+
+_D = TypeVar("_D")
+
+
+def find_decision(decisions: Mapping[str, Any], kind: type[_D]) -> _D | None:
+    """The last decision of type ``kind`` in ``decisions`` (pass name -> decision), or None."""
+    found = [d for d in decisions.values() if isinstance(d, kind)]
+    return found[-1] if found else None
+
+
 @dataclass
 class PassContext:
-    """What a pipeline run shares with its passes: checks, dumps, timings, notes."""
+    """What a pipeline run shares with its passes: checks, dumps, timings, decisions."""
 
     verify: bool = True
     dump_after: frozenset[str] | str = frozenset()   # pass names, or "all"
     dump_dir: Path | None = None                      # files NN-pass.ir; else dump_stream
     dump_stream: Callable[[str], Any] = field(default=lambda s: sys.stderr.write(s))
     records: list[PassRecord] = field(default_factory=list)
-    notes: dict[str, Any] = field(default_factory=dict)  # per-pass decisions, for the plan
+    # pass name -> what it decided (a typed record), for the plan; a pass run twice keeps
+    # its first place and its last record
+    decisions: dict[str, Decision] = field(default_factory=dict)
 
     def wants_dump(self, name: str) -> bool:
         """True when the IR after pass ``name`` should be dumped."""
         return self.dump_after == "all" or name in self.dump_after
+
+    def decision(self, kind: type[_D]) -> _D | None:
+        """The last decision of type ``kind`` a pass recorded (e.g. DataParallelRecord)."""
+        return find_decision(self.decisions, kind)
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import Any
 
 from ..ir.analysis import free_inputs
 from ..ir.core import Graph, Op
 from ..ir.ops import op_def
+from ..ir.types import TensorType
 from .base import Pass, PassContext, PassFailure, register_pass
 
 FUSABLE = ("all_reduce", "reduce_scatter", "all_gather")
@@ -35,6 +37,26 @@ def _bytes(op: Op, types) -> int:
     return sum(types[n].nbytes for n in op.inputs)
 
 
+@dataclass(frozen=True)
+class CommFusionRecord:
+    """What comm-fusion did: collectives and bytes before and after, and the buckets."""
+
+    bucket_mb: float
+    collectives_before: int
+    collectives_after: int
+    bytes_before: int
+    bytes_after: int
+    buckets: tuple[tuple[str, ...], ...]   # the results each bucket packs
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan's ``notes["comm-fusion"]`` (docs/plan.md)."""
+        return {"bucket_mb": self.bucket_mb,
+                "collectives_before": self.collectives_before,
+                "collectives_after": self.collectives_after,
+                "bytes_before": self.bytes_before, "bytes_after": self.bytes_after,
+                "buckets": [list(b) for b in self.buckets]}
+
+
 @register_pass
 @dataclass(frozen=True)
 class CommFusion(Pass):
@@ -46,75 +68,91 @@ class CommFusion(Pass):
     def __call__(self, graph: Graph, ctx: PassContext) -> Graph:
         if self.bucket_mb <= 0:
             raise PassFailure(f"comm-fusion: bucket-mb must be positive, not {self.bucket_mb}")
-        limit = self.bucket_mb * 1e6
         types = graph.value_types()
         ops = list(graph.ops)
-
-        open_buckets: dict[tuple, list[int]] = {}
-        # per open bucket: the values computed from its members (program order is a
-        # topological order, so this is complete for every op read so far)
-        downstream: dict[tuple, set[str]] = {}
-        size: dict[tuple, int] = {}
-        buckets: list[list[int]] = []
-
-        def close(key: tuple) -> None:
-            b = open_buckets.pop(key, None)
-            downstream.pop(key, None)
-            size.pop(key, None)
-            if b:
-                buckets.append(b)
-
-        for k, op in enumerate(ops):
-            reads = free_inputs(op)
-            if op.name in FUSABLE and len(op.inputs) == 1:
-                key = _key(op, types)
-                if key in open_buckets and (size[key] >= limit
-                                            or not downstream[key].isdisjoint(reads)):
-                    close(key)
-                open_buckets.setdefault(key, []).append(k)
-                downstream.setdefault(key, set()).update(v.name for v in op.results)
-                size[key] = size.get(key, 0) + _bytes(op, types)
-            for after in downstream.values():
-                if not after.isdisjoint(reads):
-                    after.update(v.name for v in op.results)
-        for key in list(open_buckets):
-            close(key)
-
-        fused: dict[int, Op] = {}      # position of a bucket's last member -> the bucket
-        dropped: set[int] = set()
-        for b in buckets:
-            if len(b) == 1:
-                continue
-            first = ops[b[0]]
-            fused[b[-1]] = first.replace(
-                inputs=tuple(n for j in b for n in ops[j].inputs),
-                results=tuple(v for j in b for v in ops[j].results),
-                loc=None if len({ops[j].loc for j in b}) > 1 else first.loc,
-                phase=ops[b[-1]].phase)
-            dropped.update(b[:-1])
-        before = [op for op in ops if op.name in FUSABLE]
+        fused, dropped = _fuse(ops, _buckets(ops, types, self.bucket_mb * 1e6))
         new_ops = _stable_topo([fused.get(k, op) for k, op in enumerate(ops)
                                 if k not in dropped], graph)
-        after = [op for op in new_ops if op.name in FUSABLE]
-        sizes = {a: n for a, n in graph.mesh.axes}
-
-        def comm(ops_: list[Op]) -> int:
-            total = 0
-            for op in ops_:
-                ins = [types[n] for n in op.inputs]
-                outs = [v.type for v in op.results]
-                total += op_def(op.name).comm_bytes(op, ins, outs,
-                                                    sizes.get(op.attrs.get("axis"), 1))
-            return total
-        ctx.notes[self.name] = {
-            "bucket_mb": self.bucket_mb,
-            "collectives_before": len(before), "collectives_after": len(after),
-            "bytes_before": comm(before), "bytes_after": comm(after),
-            "buckets": [[v.name for v in op.results] for op in after if len(op.results) > 1],
-        }
+        ctx.decisions[self.name] = _record(self.bucket_mb, graph, types, new_ops)
         if not fused:
             return graph
         return graph.replace(ops=new_ops)
+
+
+def _record(bucket_mb: float, graph: Graph, types: dict[str, TensorType],
+            new_ops: tuple[Op, ...]) -> CommFusionRecord:
+    """Collectives and bytes one device sends, before (``graph``) and after (``new_ops``)."""
+    before = [op for op in graph.ops if op.name in FUSABLE]
+    after = [op for op in new_ops if op.name in FUSABLE]
+    sizes = {a: n for a, n in graph.mesh.axes}
+    return CommFusionRecord(
+        bucket_mb=bucket_mb,
+        collectives_before=len(before), collectives_after=len(after),
+        bytes_before=_comm_bytes(before, types, sizes),
+        bytes_after=_comm_bytes(after, types, sizes),
+        buckets=tuple(tuple(v.name for v in op.results) for op in after
+                      if len(op.results) > 1))
+
+
+def _buckets(ops: list[Op], types: dict[str, TensorType], limit: float) -> list[list[int]]:
+    """Positions of same-key collectives per bucket, closed at ``limit`` bytes or a dependency."""
+    open_buckets: dict[tuple, list[int]] = {}
+    # per open bucket: the values computed from its members (program order is a
+    # topological order, so this is complete for every op read so far)
+    downstream: dict[tuple, set[str]] = {}
+    size: dict[tuple, int] = {}
+    buckets: list[list[int]] = []
+
+    def close(key: tuple) -> None:
+        b = open_buckets.pop(key, None)
+        downstream.pop(key, None)
+        size.pop(key, None)
+        if b:
+            buckets.append(b)
+
+    for k, op in enumerate(ops):
+        reads = free_inputs(op)
+        if op.name in FUSABLE and len(op.inputs) == 1:
+            key = _key(op, types)
+            if key in open_buckets and (size[key] >= limit
+                                        or not downstream[key].isdisjoint(reads)):
+                close(key)
+            open_buckets.setdefault(key, []).append(k)
+            downstream.setdefault(key, set()).update(v.name for v in op.results)
+            size[key] = size.get(key, 0) + _bytes(op, types)
+        for after in downstream.values():
+            if not after.isdisjoint(reads):
+                after.update(v.name for v in op.results)
+    for key in list(open_buckets):
+        close(key)
+    return buckets
+
+
+def _fuse(ops: list[Op], buckets: list[list[int]]) -> tuple[dict[int, Op], set[int]]:
+    """(position of each bucket's last member -> the fused op, positions of the others)."""
+    fused: dict[int, Op] = {}
+    dropped: set[int] = set()
+    for b in buckets:
+        if len(b) == 1:
+            continue
+        first = ops[b[0]]
+        fused[b[-1]] = first.replace(
+            inputs=tuple(n for j in b for n in ops[j].inputs),
+            results=tuple(v for j in b for v in ops[j].results),
+            loc=None if len({ops[j].loc for j in b}) > 1 else first.loc,
+            phase=ops[b[-1]].phase)
+        dropped.update(b[:-1])
+    return fused, dropped
+
+
+def _comm_bytes(ops: list[Op], types: dict[str, TensorType], sizes: dict[str, int]) -> int:
+    """Bytes one device sends for ``ops``, by the op table's ring formulas."""
+    total = 0
+    for op in ops:
+        ins = [types[n] for n in op.inputs]
+        outs = [v.type for v in op.results]
+        total += op_def(op.name).comm_bytes(op, ins, outs, sizes.get(op.attrs.get("axis"), 1))
+    return total
 
 
 def _stable_topo(ops: list[Op], graph: Graph) -> tuple[Op, ...]:

@@ -11,9 +11,12 @@ updates from the batch (BatchNorm statistics) take device 0's new value, as DDP 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from ..ir.core import Attrs, Graph, InputKind, Op, OutputKind, Phase, Value
+from ..ir.core import (Attrs, Graph, Input, InputKind, InputRole, Op, Output, OutputKind, Phase,
+                       Value)
 from ..ir.ops import op_def, random_draw
 from ..ir.sharding_rules import propagate
 from ..ir.types import VARYING, TensorType, Varying
@@ -75,6 +78,26 @@ def _combine(name: str, t: TensorType, made_by: dict[str, Op], types: dict[str, 
     return "avg"
 
 
+@dataclass(frozen=True)
+class DataParallelRecord:
+    """What data-parallel decided: the batch it split and how values leave per-device code."""
+
+    axis: str
+    batch: tuple[str, ...]                # the inputs made per-device
+    averaged: tuple[str, ...]             # all-reduced (avg) where they leave per-device code
+    broadcast: tuple[str, ...]            # buffers that take device 0's value
+    combined: Mapping[str, str]           # returned scalars combined by "max" or "min"
+    random_per_device: tuple[str, ...]    # where per-process draws meet per-device values
+    loss_normalized_per_device: str | None  # where the loss divides by a per-device count
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan's ``notes["data-parallel"]`` (docs/plan.md)."""
+        return {"axis": self.axis, "batch": list(self.batch), "averaged": list(self.averaged),
+                "broadcast": list(self.broadcast), "combined": dict(self.combined),
+                "random_per_device": list(self.random_per_device),
+                "loss_normalized_per_device": self.loss_normalized_per_device}
+
+
 @register_pass
 @dataclass(frozen=True)
 class DataParallel(Pass):
@@ -86,176 +109,234 @@ class DataParallel(Pass):
     def __call__(self, graph: Graph, ctx: PassContext) -> Graph:
         require_axis(graph, self.axis, self.name)
         # dead reads must not sync anything (traced views leave dead update ops behind)
-        graph = dce_graph(graph)
-        ax = self.axis
-        batch = [i.name for i in graph.inputs if i.role.kind is InputKind.batch]
-        if not batch:
+        split = _Split(dce_graph(graph), self.axis)
+        for op in split.graph.ops:
+            split.place(op)
+        split.combine_outputs()
+        out = split.insert_syncs()
+        ctx.decisions[self.name] = split.record()
+        return out
+
+
+class _Split:
+    """One run of data-parallel: the per-device types and sync decisions its steps share."""
+
+    def __init__(self, graph: Graph, axis: str) -> None:
+        self.graph, self.ax = graph, axis
+        self.batch = [i.name for i in graph.inputs if i.role.kind is InputKind.batch]
+        if not self.batch:
             raise PassFailure("data-parallel: the step has no batch input to split",
                               hint="pass the batch as an argument of the step (not a "
                                    "closure or a global)")
-        types: dict[str, TensorType] = {}
-        inputs = []
+        self.types: dict[str, TensorType] = {}
+        self.inputs: list[Input] = []
         for i in graph.inputs:
             t = i.value.type
             if i.role.kind is InputKind.batch:
-                t = t.with_placement(ax, VARYING)
+                t = t.with_placement(axis, VARYING)
                 i = type(i)(Value(i.name, t), i.role)
-            types[i.name] = t
-            inputs.append(i)
+            self.types[i.name] = t
+            self.inputs.append(i)
+        self.need: dict[str, str] = {}        # varying name -> how it is synchronized
+        self.ops: list[Op] = []
+        self.made_in: dict[str, Phase] = {n: Phase.forward for n in self.batch}  # varying
+        self.returned = {o.name for o in graph.outputs
+                         if o.role.kind in (OutputKind.loss, OutputKind.metric)}
+        self.drawn: dict[str, str] = {}       # values computed from random draws -> how drawn
+        self.random_ops: list[str] = []       # per-process draws that meet per-device values
+        self.per_device_norm: str | None = None
 
-        # 1. every op before the update that reads a per-device value computes per device;
-        #    the update reads averaged values instead (step 2)
-        need: dict[str, str] = {}        # varying name -> how it is synchronized
-        ops: list[Op] = []
-        made_in: dict[str, Phase] = {n: Phase.forward for n in batch}   # varying values
-        returned = {o.name for o in graph.outputs
-                    if o.role.kind in (OutputKind.loss, OutputKind.metric)}
-        drawn: dict[str, str] = {}        # values computed from random draws -> how drawn
-        random_ops: list[str] = []        # per-process draws that meet per-device values
-        for op in graph.ops:
-            ins = [types[n] for n in op.inputs]
-            draws = random_draw(op)
-            if op.phase is Phase.update and _sums_contributions(op, ins, ax):
-                op = op.replace(phase=Phase.backward)
-            if op.phase is Phase.update:
-                # the loss or a metric the update reads (Polyak step sizes, plateau
-                # schedules, scaling by the loss) is read synced, as the step returns it
-                kinds = {made_in.get(n) for n, t in zip(op.inputs, ins)
-                         if _varying(t, ax) and n not in returned}
-                if Phase.forward in kinds and Phase.backward in kinds:
-                    raise PassFailure("data-parallel: an op after backward reads both a "
-                                      "per-device forward value and a gradient", op=op,
-                                      hint="compute metrics of the batch and the update "
-                                           "apart")
-                if Phase.forward in kinds:
-                    # a metric of the batch computed after backward (accuracy, the largest
-                    # logit): it is per-device work, combined where it is returned
-                    op = op.replace(phase=Phase.forward)
-            if op.phase is Phase.update:
-                for n, t in zip(op.inputs, ins):
-                    if n in batch:
-                        raise PassFailure(f"data-parallel: the optimizer update reads the "
-                                          f"batch input %{n} directly", op=op,
-                                          hint="the update may read gradients, parameters "
-                                               "and optimizer state, not the batch")
-                    if _varying(t, ax):
-                        need.setdefault(n, "avg")
-            elif any(_varying(t, ax) for t in ins):
-                # randomness per element of a per-device value (a dropout mask: a draw of
-                # the value's own shape); weights with noise drawn at their own shape are
-                # the same on every device, as on one
-                shape = op.results[0].type.shape if op.results else None
-                source = draws or next(
-                    (drawn[n] for n, t in zip(op.inputs, ins) if n in drawn and t.numel > 1
-                     and t.shape == shape), None)
-                if source == "global":
-                    # drawn from each process's own generator, as under DDP: the masks
-                    # are per device, right in distribution but not the global batch's;
-                    # the plan says so
-                    random_ops.append(op.loc or op.name)
-                elif source == "key":
-                    raise PassFailure(
-                        "data-parallel: random numbers drawn from a JAX key meet per-device "
-                        "values here (dropout, noise on activations): every device would "
-                        "draw them from the same key at its own share's shape, so the "
-                        "devices would repeat one another's masks instead of drawing the "
-                        "global batch's; per-device random draws are not supported yet",
-                        op=op,
-                        hint="turn dropout off (rate 0, or deterministic=True) for data "
-                             "parallelism, or draw the random numbers outside the step and "
-                             "pass them in with the batch")
-                if op.regions:
-                    raise PassFailure(f"data-parallel: {op.name} with nested regions reads the "
-                                      "batch; per-device control flow is not supported yet",
-                                      op=op, hint="trace the step without lax.scan/while "
-                                                  "over batch data")
-                outs = [v.type for v in op.results]
-                got = propagate(op, ins, outs, ax, op_def(op.name).sharding_rule)
-                if got is None:
-                    raise PassFailure(f"data-parallel: {op.name} mixes per-device and split "
-                                      "values", op=op)
-                op = op.replace(results=tuple(Value(v.name, v.type.with_placement(ax, p))
-                                              for v, p in zip(op.results, got)))
-                made_in.update((v.name, Phase.forward if op.phase is Phase.forward
-                                else Phase.backward) for v in op.results)
-            # a draw stays a draw through ops on whole values (scaling, adding to weights);
-            # what it computes with per-device values is per-device data
-            if not any(_varying(t, ax) for t in ins):
-                source = draws or next((drawn[n] for n in op.inputs if n in drawn), None)
-                if source:
-                    drawn.update((v.name, source) for v in op.results)
-            types.update((v.name, v.type) for v in op.results)
-            ops.append(op)
+    # 1. every op before the update that reads a per-device value computes per device;
+    #    the update reads averaged values instead (step 2)
+    def place(self, op: Op) -> None:
+        """Place one op of the step: per device, or reading synced values in the update."""
+        ins = [self.types[n] for n in op.inputs]
+        draws = random_draw(op)
+        op = self.phase_of(op, ins)
+        if op.phase is Phase.update:
+            self.read_synced(op, ins)
+        elif any(_varying(t, self.ax) for t in ins):
+            op = self.per_device(op, ins, draws)
+        self.follow_draws(op, ins, draws)
+        self.types.update((v.name, v.type) for v in op.results)
+        self.ops.append(op)
 
-        # 2. where a per-device value leaves per-device code, combine it across devices:
-        #    the loss and metrics as their last reduction over the batch says
-        roles = {i.name: i.role for i in inputs}
-        made_by = {v.name: op for op in ops for v in op.results}
-        per_device_norm = None
-        for o in graph.outputs:
-            if not _varying(types[o.name], ax):
-                continue
-            if o.role.kind is OutputKind.replaces and \
-                    roles[o.role.target].kind is InputKind.buffer:
-                need[o.name] = "root0"
-            elif o.role.kind is OutputKind.replaces and o.name not in need and \
-                    roles[o.role.target].kind in (InputKind.param, InputKind.opt_state):
-                raise PassFailure(f"data-parallel: the new value of %{o.role.target} is "
-                                  "computed from the batch outside backward (the optimizer "
-                                  "reads a forward value or the batch itself)",
-                                  hint="the update may read gradients, parameters and "
-                                       "optimizer state, not the batch")
-            elif o.role.kind in (OutputKind.loss, OutputKind.metric):
-                need[o.name] = _combine(o.name, types[o.name], made_by, types,
-                                        made_in.get(o.name))
-                last = made_by.get(o.name)
-                if o.role.kind is OutputKind.loss and last is not None and \
-                        last.name == "div" and _varying(types[last.inputs[1]], ax):
-                    # sum(l * mask) / sum(mask): each device divides by its own count
-                    per_device_norm = last.loc or last.name
-            else:
-                need.setdefault(o.name, "avg")
-        for n, how in need.items():
-            if how == "avg" and not types[n].dtype.is_float:
-                raise PassFailure(f"data-parallel: the {types[n].dtype} value %{n} is computed "
-                                  "from the batch and leaves the per-device part of the step; "
-                                  "only floating-point values can be averaged across devices",
+    def phase_of(self, op: Op, ins: list[TensorType]) -> Op:
+        """The op in the phase it runs in: gradient-part sums and late metrics are per device."""
+        ax = self.ax
+        if op.phase is Phase.update and _sums_contributions(op, ins, ax):
+            op = op.replace(phase=Phase.backward)
+        if op.phase is Phase.update:
+            # the loss or a metric the update reads (Polyak step sizes, plateau
+            # schedules, scaling by the loss) is read synced, as the step returns it
+            kinds = {self.made_in.get(n) for n, t in zip(op.inputs, ins)
+                     if _varying(t, ax) and n not in self.returned}
+            if Phase.forward in kinds and Phase.backward in kinds:
+                raise PassFailure("data-parallel: an op after backward reads both a "
+                                  "per-device forward value and a gradient", op=op,
+                                  hint="compute metrics of the batch and the update "
+                                       "apart")
+            if Phase.forward in kinds:
+                # a metric of the batch computed after backward (accuracy, the largest
+                # logit): it is per-device work, combined where it is returned
+                op = op.replace(phase=Phase.forward)
+        return op
+
+    def read_synced(self, op: Op, ins: list[TensorType]) -> None:
+        """An update op reads the averaged value of every per-device value it reads."""
+        for n, t in zip(op.inputs, ins):
+            if n in self.batch:
+                raise PassFailure(f"data-parallel: the optimizer update reads the "
+                                  f"batch input %{n} directly", op=op,
+                                  hint="the update may read gradients, parameters "
+                                       "and optimizer state, not the batch")
+            if _varying(t, self.ax):
+                self.need.setdefault(n, "avg")
+
+    def per_device(self, op: Op, ins: list[TensorType], draws: str | None) -> Op:
+        """The op run per device: its results placed by the op's sharding rule."""
+        ax = self.ax
+        self.check_random(op, ins, draws)
+        if op.regions:
+            raise PassFailure(f"data-parallel: {op.name} with nested regions reads the "
+                              "batch; per-device control flow is not supported yet",
+                              op=op, hint="trace the step without lax.scan/while "
+                                          "over batch data")
+        outs = [v.type for v in op.results]
+        got = propagate(op, ins, outs, ax, op_def(op.name).sharding_rule)
+        if got is None:
+            raise PassFailure(f"data-parallel: {op.name} mixes per-device and split "
+                              "values", op=op)
+        op = op.replace(results=tuple(Value(v.name, v.type.with_placement(ax, p))
+                                      for v, p in zip(op.results, got)))
+        self.made_in.update((v.name, Phase.forward if op.phase is Phase.forward
+                             else Phase.backward) for v in op.results)
+        return op
+
+    def check_random(self, op: Op, ins: list[TensorType], draws: str | None) -> None:
+        """Note per-process draws that meet per-device values; refuse draws from a JAX key."""
+        # randomness per element of a per-device value (a dropout mask: a draw of
+        # the value's own shape); weights with noise drawn at their own shape are
+        # the same on every device, as on one
+        shape = op.results[0].type.shape if op.results else None
+        source = draws or next(
+            (self.drawn[n] for n, t in zip(op.inputs, ins) if n in self.drawn
+             and t.numel > 1 and t.shape == shape), None)
+        if source == "global":
+            # drawn from each process's own generator, as under DDP: the masks
+            # are per device, right in distribution but not the global batch's;
+            # the plan says so
+            self.random_ops.append(op.loc or op.name)
+        elif source == "key":
+            raise PassFailure(
+                "data-parallel: random numbers drawn from a JAX key meet per-device "
+                "values here (dropout, noise on activations): every device would "
+                "draw them from the same key at its own share's shape, so the "
+                "devices would repeat one another's masks instead of drawing the "
+                "global batch's; per-device random draws are not supported yet",
+                op=op,
+                hint="turn dropout off (rate 0, or deterministic=True) for data "
+                     "parallelism, or draw the random numbers outside the step and "
+                     "pass them in with the batch")
+
+    def follow_draws(self, op: Op, ins: list[TensorType], draws: str | None) -> None:
+        """Remember which values are random draws, through ops on whole values."""
+        # a draw stays a draw through ops on whole values (scaling, adding to weights);
+        # what it computes with per-device values is per-device data
+        if not any(_varying(t, self.ax) for t in ins):
+            source = draws or next((self.drawn[n] for n in op.inputs if n in self.drawn),
+                                   None)
+            if source:
+                self.drawn.update((v.name, source) for v in op.results)
+
+    # 2. where a per-device value leaves per-device code, combine it across devices:
+    #    the loss and metrics as their last reduction over the batch says
+    def combine_outputs(self) -> None:
+        """Decide how each per-device output is synced; only floats can be averaged."""
+        roles = {i.name: i.role for i in self.inputs}
+        made_by = {v.name: op for op in self.ops for v in op.results}
+        for o in self.graph.outputs:
+            if _varying(self.types[o.name], self.ax):
+                self.combine_output(o, roles, made_by)
+        for n, how in self.need.items():
+            if how == "avg" and not self.types[n].dtype.is_float:
+                raise PassFailure(f"data-parallel: the {self.types[n].dtype} value %{n} is "
+                                  "computed from the batch and leaves the per-device part of "
+                                  "the step; only floating-point values can be averaged "
+                                  "across devices",
                                   hint="return it as a float, or compute it outside the step")
 
-        names = graph.fresh_names()
+    def combine_output(self, o: Output, roles: dict[str, InputRole],
+                       made_by: dict[str, Op]) -> None:
+        """How one per-device output is synced: broadcast, averaged, max or min."""
+        types, need = self.types, self.need
+        if o.role.kind is OutputKind.replaces and \
+                roles[o.role.target].kind is InputKind.buffer:
+            need[o.name] = "root0"
+        elif o.role.kind is OutputKind.replaces and o.name not in need and \
+                roles[o.role.target].kind in (InputKind.param, InputKind.opt_state):
+            raise PassFailure(f"data-parallel: the new value of %{o.role.target} is "
+                              "computed from the batch outside backward (the optimizer "
+                              "reads a forward value or the batch itself)",
+                              hint="the update may read gradients, parameters and "
+                                   "optimizer state, not the batch")
+        elif o.role.kind in (OutputKind.loss, OutputKind.metric):
+            need[o.name] = _combine(o.name, types[o.name], made_by, types,
+                                    self.made_in.get(o.name))
+            last = made_by.get(o.name)
+            if o.role.kind is OutputKind.loss and last is not None and \
+                    last.name == "div" and _varying(types[last.inputs[1]], self.ax):
+                # sum(l * mask) / sum(mask): each device divides by its own count
+                self.per_device_norm = last.loc or last.name
+        else:
+            need.setdefault(o.name, "avg")
+
+    # 3. the collectives, each right where its value is made
+    def insert_syncs(self) -> Graph:
+        """The graph with a collective after each value that leaves per-device code."""
+        names = self.graph.fresh_names()
         made: dict[str, str] = {}
         out_ops: list[Op] = []
-
-        def sync(n: str, at: Op | None) -> None:
-            t = types[n]
-            reduce = need[n] != "root0"
-            new = names(f"{n}.{need[n] if reduce else 'bcast'}")
-            attrs = Attrs(axis=ax, op=need[n]) if reduce else Attrs(axis=ax, root=0)
-            kind = "all_reduce" if reduce else "broadcast"
-            phase = at.phase if at is not None else Phase.backward
-            out_ops.append(Op(kind, (n,), (Value(new, t.replicated()),), attrs,
-                              phase=phase, loc=at.loc if at is not None else None))
-            made[n] = new
-
-        for n in need:
-            if n in types and any(i.name == n for i in inputs):
-                sync(n, None)
-        for op in ops:
+        for n in self.need:
+            if n in self.types and any(i.name == n for i in self.inputs):
+                out_ops.append(self.sync(n, None, names(self.sync_name(n))))
+                made[n] = out_ops[-1].results[0].name
+        for op in self.ops:
             if made:
                 renamed = tuple(made.get(n, n) for n in op.inputs)
                 if renamed != op.inputs and op.phase is Phase.update:
                     op = op.replace(inputs=renamed)
             out_ops.append(op)
             for v in op.results:
-                if v.name in need:
-                    sync(v.name, op)
-        outputs = tuple(type(o)(made.get(o.name, o.name), o.role) for o in graph.outputs)
-        ctx.notes[self.name] = {
-            "axis": ax, "batch": batch,
-            "averaged": [n for n, how in need.items() if how == "avg"],
-            "broadcast": [n for n, how in need.items() if how == "root0"],
-            "combined": {n: how for n, how in need.items() if how in ("max", "min")},
-            "random_per_device": sorted(set(random_ops)),
-            "loss_normalized_per_device": per_device_norm,
-        }
-        return graph.replace(inputs=tuple(inputs), ops=tuple(out_ops), outputs=outputs)
+                if v.name in self.need:
+                    out_ops.append(self.sync(v.name, op, names(self.sync_name(v.name))))
+                    made[v.name] = out_ops[-1].results[0].name
+        outputs = tuple(type(o)(made.get(o.name, o.name), o.role) for o in self.graph.outputs)
+        return self.graph.replace(inputs=tuple(self.inputs), ops=tuple(out_ops),
+                                  outputs=outputs)
+
+    def sync_name(self, n: str) -> str:
+        """The name hint of the synced value of ``n``: ``n.avg``, ``n.max``, ``n.bcast``."""
+        how = self.need[n]
+        return f"{n}.{how if how != 'root0' else 'bcast'}"
+
+    def sync(self, n: str, at: Op | None, new: str) -> Op:
+        """The collective that makes ``new``, the synced ``n``, where ``at`` made ``n``."""
+        how = self.need[n]
+        reduce = how != "root0"
+        attrs = Attrs(axis=self.ax, op=how) if reduce else Attrs(axis=self.ax, root=0)
+        kind = "all_reduce" if reduce else "broadcast"
+        phase = at.phase if at is not None else Phase.backward
+        return Op(kind, (n,), (Value(new, self.types[n].replicated()),), attrs,
+                  phase=phase, loc=at.loc if at is not None else None)
+
+    def record(self) -> DataParallelRecord:
+        """What this run decided, for the plan."""
+        need = self.need
+        return DataParallelRecord(
+            axis=self.ax, batch=tuple(self.batch),
+            averaged=tuple(n for n, how in need.items() if how == "avg"),
+            broadcast=tuple(n for n, how in need.items() if how == "root0"),
+            combined={n: how for n, how in need.items() if how in ("max", "min")},
+            random_per_device=tuple(sorted(set(self.random_ops))),
+            loss_normalized_per_device=self.per_device_norm)

@@ -11,6 +11,7 @@ immediately follows it gets no wait: there is nothing to overlap."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..ir.analysis import free_inputs
 from ..ir.core import Graph, Op, Output, Value
@@ -18,6 +19,17 @@ from ..ir.rewrite import rename_uses
 from .base import Pass, PassContext, register_pass
 
 ASYNC = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+@dataclass(frozen=True)
+class ScheduleCommRecord:
+    """What schedule-comm did: how many collectives it made asynchronous."""
+
+    overlapped: int      # issued as soon as their inputs are ready, awaited where first needed
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan's ``notes["schedule-comm"]`` (docs/plan.md): ``{"async": n}``."""
+        return {"async": self.overlapped}
 
 
 @register_pass
@@ -75,5 +87,5 @@ class ScheduleComm(Pass):
         for op in out:
             final.append(op if op.name == "wait" else rename_uses((op,), rename)[0])
         outputs = tuple(Output(rename.get(o.name, o.name), o.role) for o in graph.outputs)
-        ctx.notes[self.name] = {"async": overlapped}
+        ctx.decisions[self.name] = ScheduleCommRecord(overlapped)
         return graph.replace(ops=tuple(final), outputs=outputs)

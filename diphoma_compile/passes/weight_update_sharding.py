@@ -19,6 +19,7 @@ none replicated (for backends whose shardings need even splits, such as JAX's)."
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,9 +51,31 @@ def _dim_attr(p: Placement) -> Any:
     return "flat" if isinstance(p, FlatShard) else p.dim
 
 
+@dataclass(frozen=True)
+class WeightUpdateShardingRecord:
+    """What weight-update-sharding decided: what it sharded, what stayed whole and why."""
+
+    axis: str
+    layout: str                              # "flat" or "dims"
+    sharded: Mapping[str, str]               # state input -> its placement
+    replicated: tuple[tuple[str, str], ...]  # (value, why it stayed whole)
+    expanded: tuple[str, ...]                # "op -> the ops it became", per expansion
+    scalar_reductions: tuple[str, ...]       # partial sums all-reduced as scalars
+    gathered: tuple[str, ...]                # parameters whose new value is all-gathered
+    grads_left_sharded: tuple[str, ...]      # gradient outputs left as shards
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan's ``notes["weight-update-sharding"]`` (docs/plan.md)."""
+        return {"axis": self.axis, "layout": self.layout, "sharded": dict(self.sharded),
+                "replicated": list(self.replicated), "expanded": list(self.expanded),
+                "scalar_reductions": list(self.scalar_reductions),
+                "gathered": list(self.gathered),
+                "grads_left_sharded": list(self.grads_left_sharded)}
+
+
 @dataclass
 class _Plan:
-    """What the rewrite decided, for the notes and the plan report."""
+    """What the rewrite decided, collected as it goes (frozen into the record at the end)."""
 
     sharded: dict[str, str]
     replicated: list[tuple[str, str]]
@@ -60,6 +83,13 @@ class _Plan:
     scalar_reductions: list[str]
     gathered: list[str]
     grads_left_sharded: list[str]
+
+    def record(self, axis: str, layout: str) -> WeightUpdateShardingRecord:
+        """These decisions, frozen, for the plan."""
+        return WeightUpdateShardingRecord(
+            axis, layout, dict(self.sharded), tuple(self.replicated), tuple(self.expanded),
+            tuple(self.scalar_reductions), tuple(self.gathered),
+            tuple(self.grads_left_sharded))
 
 
 @register_pass
@@ -90,7 +120,7 @@ class WeightUpdateSharding(Pass):
             dirty |= more
         else:  # pragma: no cover - each round only adds names
             raise PassFailure(f"{self.name}: state placements did not settle")
-        ctx.notes[self.name] = {"axis": self.axis, "layout": self.layout, **vars(plan)}
+        ctx.decisions[self.name] = plan.record(self.axis, self.layout)
         return out
 
 

@@ -7,16 +7,21 @@ single-device figures. The JSON schema is documented in docs/plan.md."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ..ir.analysis import free_inputs, producers
 from ..ir.core import Graph, InputKind, Op, OutputKind, Phase
 from ..ir.ops import Category, is_view, op_def
 from ..ir.types import TensorType, Varying
+from ..passes.base import Decision, find_decision
+from .text import render as render_text
+from .text import summary as summary_text
 
 SCHEMA_VERSION = 1
 _ROLES = (InputKind.param, InputKind.opt_state, InputKind.batch, InputKind.buffer)
+_D = TypeVar("_D")
 
 
 @dataclass(frozen=True)
@@ -71,18 +76,38 @@ class Plan:
     collectives: tuple[CollectivePlan, ...]
     memory: Memory
     comm_bytes_per_step: int
-    notes: dict[str, Any] = field(default_factory=dict)
+    # pass name -> what the pass decided (DataParallelRecord, ...), in pipeline order
+    decisions: dict[str, Decision] = field(default_factory=dict)
     param_count: int = 0     # elements of all parameters (tied ones once): the model size
     # what was planned, when a tool knows more than the graph: source, framework, inputs,
     # loss, optimizer (diphoma inspect fills it; plain strings)
     context: dict[str, str] = field(default_factory=dict)
+    backend: str | None = None     # one line: how the framework's backend runs the plan
+    # mesh axes of more than one device that no pass partitions over (see idle_axes())
+    idle_axes: dict[str, int] = field(default_factory=dict)
+
+    def decision(self, kind: type[_D]) -> _D | None:
+        """What the pass whose record type is ``kind`` decided, or None when it did not run."""
+        return find_decision(self.decisions, kind)
+
+    @property
+    def notes(self) -> dict[str, Any]:
+        """The decisions as plain data, keyed by pass name, then ``backend`` and ``idle_axes``."""
+        notes: dict[str, Any] = {name: d.to_dict() for name, d in self.decisions.items()}
+        if self.backend is not None:
+            notes["backend"] = self.backend
+        if self.idle_axes:
+            notes["idle_axes"] = dict(self.idle_axes)
+        return notes
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data with ``schema`` = SCHEMA_VERSION (see docs/plan.md)."""
-        d = asdict(self)
-        d["schema"] = SCHEMA_VERSION
-        d["passes"] = list(self.passes)
-        return d
+        return {"graph": self.graph, "mesh": dict(self.mesh), "passes": list(self.passes),
+                "tensors": tuple(asdict(t) for t in self.tensors),
+                "collectives": tuple(asdict(c) for c in self.collectives),
+                "memory": asdict(self.memory), "comm_bytes_per_step": self.comm_bytes_per_step,
+                "notes": self.notes, "param_count": self.param_count,
+                "context": dict(self.context), "schema": SCHEMA_VERSION}
 
     def to_json(self, indent: int | None = 2) -> str:
         """The plan as JSON."""
@@ -90,13 +115,11 @@ class Plan:
 
     def summary(self) -> str:
         """The report's head: model size, mesh, passes, memory per device, communication."""
-        from .text import summary
-        return summary(self)
+        return summary_text(self)
 
     def to_text(self, max_rows: int = 60) -> str:
         """The plan as a report: summary, tensors, collectives, decisions."""
-        from .text import render
-        return render(self, max_rows)
+        return render_text(self, max_rows)
 
 
 def _placement(t: TensorType) -> str:
@@ -136,8 +159,10 @@ def gradient_sources(graph: Graph) -> dict[str, str]:
     return found
 
 
-def build_plan(graph: Graph, notes: dict[str, Any] | None = None) -> Plan:
-    """The plan of a (transformed) graph; ``notes`` are the passes' decisions."""
+def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
+               backend: str | None = None) -> Plan:
+    """The plan of a (transformed) graph; ``decisions`` are the passes' records
+    (``PassContext.decisions``), ``backend`` how the framework runs it."""
     sizes = dict(graph.mesh.axes)
     types = graph.value_types()
     tensors = []
@@ -177,12 +202,9 @@ def build_plan(graph: Graph, notes: dict[str, Any] | None = None) -> Plan:
             op.phase.value if op.phase else None))
     memory = _memory(graph, sizes, gradient_sources(graph), types)
     params = sum(i.value.type.numel for i in graph.inputs if i.role.kind is InputKind.param)
-    notes = dict(notes or {})
-    idle = idle_axes(graph)
-    if idle:
-        notes["idle_axes"] = idle
     return Plan(graph.name, sizes, graph.passes, tuple(tensors), tuple(collectives), memory,
-                sum(c.bytes_per_device for c in collectives), notes, params)
+                sum(c.bytes_per_device for c in collectives), dict(decisions or {}), params,
+                backend=backend, idle_axes=idle_axes(graph))
 
 
 def idle_axes(graph: Graph) -> dict[str, int]:

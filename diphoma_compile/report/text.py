@@ -7,17 +7,16 @@ import re
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from ..passes.comm_fusion import CommFusionRecord
+from ..passes.data_parallel import DataParallelRecord
+from ..passes.schedule_comm import ScheduleCommRecord
+from ..passes.weight_update_sharding import WeightUpdateShardingRecord
+from .units import human
+
 if TYPE_CHECKING:
     from .plan import Plan
 
-
-def human(n: float) -> str:
-    """Bytes as B / KB / MB / GB (powers of 1000, like the benchmarks)."""
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} GB"
+__all__ = ["human", "render", "summary"]
 
 
 def _ratio(part: int, whole: int) -> str:
@@ -73,9 +72,8 @@ def _summary(plan: Plan) -> list[str]:
         + (" (" + ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) + ")"
            if kinds else ""),
     ]
-    idle = plan.notes.get("idle_axes")
-    if idle:
-        axes = ", ".join(f"{a}={n}" for a, n in idle.items())
+    if plan.idle_axes:
+        axes = ", ".join(f"{a}={n}" for a, n in plan.idle_axes.items())
         lines.append(f"unused mesh axes: {axes}: no pass in this pipeline partitions over "
                      "them, so every device along them repeats the same step on the same "
                      "tensors (the figures above hold for each)")
@@ -106,48 +104,64 @@ def render(plan: Plan, max_rows: int = 60) -> str:
     if local:
         lines += [f"  and {local} take_shard (each device keeps its own piece of a whole "
                   "tensor: no traffic)"]
-    wus = plan.notes.get("weight-update-sharding", {})
-    if wus.get("replicated"):
+    lines += _update_lines(plan.decision(WeightUpdateShardingRecord))
+    lines += _data_parallel_lines(plan.decision(DataParallelRecord))
+    lines += _comm_lines(plan)
+    return "\n".join(lines) + "\n"
+
+
+def _update_lines(wus: WeightUpdateShardingRecord | None) -> list[str]:
+    """What weight-update-sharding kept whole, expanded, or left sharded."""
+    if wus is None:
+        return []
+    lines = []
+    if wus.replicated:
         lines += ["", "kept whole in the update:"]
-        lines += [f"  {what}: {why}" for what, why in wus["replicated"]]
-    if wus.get("expanded"):
-        lines += ["", f"expanded to shard: {len(wus['expanded'])} op(s) "
-                      f"({', '.join(sorted(set(wus['expanded'])))})"]
-    if wus.get("grads_left_sharded"):
+        lines += [f"  {what}: {why}" for what, why in wus.replicated]
+    if wus.expanded:
+        lines += ["", f"expanded to shard: {len(wus.expanded)} op(s) "
+                      f"({', '.join(sorted(set(wus.expanded)))})"]
+    if wus.grads_left_sharded:
         lines += ["", "gradient outputs left sharded (no full .grad): "
-                  + ", ".join(wus["grads_left_sharded"])]
-    norm = plan.notes.get("data-parallel", {}).get("loss_normalized_per_device")
+                  + ", ".join(wus.grads_left_sharded)]
+    return lines
+
+
+def _data_parallel_lines(dp: DataParallelRecord | None) -> list[str]:
+    """Where data-parallel differs from the single-device step: counts and random draws."""
+    if dp is None:
+        return []
+    lines = []
+    norm = dp.loss_normalized_per_device
     if norm:
         lines += ["", f"the loss divides by a count computed from the batch ({norm}): each "
                       "device divides by its own count and the devices' losses and gradients "
                       "are averaged, as under DDP, which differs from the single-device step "
                       "when the count differs between devices (masked or padded examples)"]
-    drawn = plan.notes.get("data-parallel", {}).get("random_per_device")
+    drawn = dp.random_per_device
     if drawn:
         lines += ["", f"random draws per device ({', '.join(drawn)}): each process draws from "
                       "its own generator, as under DDP, so dropout matches the single-device "
                       "step in distribution, not bit for bit"]
-    lines += _comm_lines(plan.notes)
-    return "\n".join(lines) + "\n"
+    return lines
 
 
-def _comm_lines(notes: dict) -> list[str]:
+def _comm_lines(plan: Plan) -> list[str]:
     """What comm-fusion and schedule-comm did, and how the backend carries it out."""
     out = []
-    fusion = notes.get("comm-fusion")
+    fusion = plan.decision(CommFusionRecord)
     if fusion:
-        out += ["", f"comm-fusion (buckets of {fusion['bucket_mb']:g} MB): "
-                    f"{fusion['collectives_before']} collectives, "
-                    f"{human(fusion['bytes_before'])} -> {fusion['collectives_after']} "
-                    f"collectives, {human(fusion['bytes_after'])} "
-                    f"({len(fusion['buckets'])} buckets)"]
-    sched = notes.get("schedule-comm")
+        out += ["", f"comm-fusion (buckets of {fusion.bucket_mb:g} MB): "
+                    f"{fusion.collectives_before} collectives, "
+                    f"{human(fusion.bytes_before)} -> {fusion.collectives_after} "
+                    f"collectives, {human(fusion.bytes_after)} "
+                    f"({len(fusion.buckets)} buckets)"]
+    sched = plan.decision(ScheduleCommRecord)
     if sched:
-        out += [f"schedule-comm: {sched['async']} collectives issued as soon as their inputs "
-                "are ready and awaited where first needed"]
-    backend = notes.get("backend")
-    if backend:
-        out += [f"backend: {backend}"]
+        out += [f"schedule-comm: {sched.overlapped} collectives issued as soon as their "
+                "inputs are ready and awaited where first needed"]
+    if plan.backend:
+        out += [f"backend: {plan.backend}"]
     return out
 
 

@@ -87,7 +87,7 @@ class _Opts(Pass):
     enabled: bool = True
 
     def __call__(self, graph, ctx):
-        ctx.notes[self.name] = self
+        ctx.decisions[self.name] = self
         return graph
 
 
@@ -215,7 +215,7 @@ def test_broken_plugin_is_reported(tmp_path, monkeypatch):
 def test_registry_api_plugin_runs_by_name(opts_pass, ir_case):
     ctx = PassContext()
     run("test-opts{count=7}", ir_case("dce"), ctx)
-    assert ctx.notes["test-opts"].count == 7
+    assert ctx.decisions["test-opts"].count == 7
 
 
 # ------------------------------------------------------------------ pipeline failures and dumps

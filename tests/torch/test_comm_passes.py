@@ -70,9 +70,9 @@ def test_buckets_follow_backward_order_and_size():
     for op in buckets[:-1]:     # a bucket closes once it reaches the size
         assert sum(sizes[n] for n in op.inputs) >= 1000
         assert sum(sizes[n] for n in op.inputs[:-1]) < 1000
-    notes = ctx.notes["comm-fusion"]
-    assert notes["collectives_before"] > notes["collectives_after"]
-    assert notes["bytes_before"] == notes["bytes_after"]   # same bytes, fewer messages
+    fusion = ctx.decision(diphoma_compile.passes.CommFusionRecord)
+    assert fusion.collectives_before > fusion.collectives_after
+    assert fusion.bytes_before == fusion.bytes_after   # same bytes, fewer messages
     one, ctx1 = run(WUS + ",comm-fusion")   # 25 MB: everything of a kind in one bucket
     assert sum(op.name == "reduce_scatter" for op in one.ops) == 1
     assert sum(op.name == "all_gather" for op in one.ops) == 1
@@ -83,7 +83,8 @@ def test_schedule_issues_after_the_last_input_and_waits_before_the_first_reader(
     ops = list(g.ops)
     made = {v.name: k for k, op in enumerate(ops) for v in op.results}
     asyncs = [k for k, op in enumerate(ops) if op.attrs.get("async")]
-    assert asyncs and ctx.notes["schedule-comm"]["async"] == len(asyncs)
+    schedule = ctx.decision(diphoma_compile.passes.ScheduleCommRecord)
+    assert asyncs and schedule.overlapped == len(asyncs)
     for k in asyncs:
         op = ops[k]
         assert k == max(made[n] for n in op.inputs) + 1 or \

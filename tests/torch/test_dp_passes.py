@@ -13,7 +13,8 @@ from diphoma_compile.ir.types import FlatShard, Replicate, Varying  # noqa: E402
 from diphoma_compile.mesh import Mesh  # noqa: E402
 from diphoma_compile.passes.defaults import default_passes  # noqa: E402
 from diphoma_compile.errors import PassError  # noqa: E402
-from diphoma_compile.passes import PassContext, Pipeline  # noqa: E402
+from diphoma_compile.passes import (DataParallelRecord, PassContext, Pipeline,  # noqa: E402
+                                    WeightUpdateShardingRecord)
 from diphoma_compile.report.plan import build_plan  # noqa: E402
 
 from models import MLP, OPTIMIZERS, classify_step, clipped_step, mlp_batches  # noqa: E402
@@ -72,7 +73,7 @@ def test_data_parallel_averages_each_gradient_once_where_backward_ends():
     for op in g.ops:   # the update reads nothing per-device
         if op.phase is Phase.update:
             assert not any(isinstance(v.type.placement("dp"), Varying) for v in op.results)
-    assert ctx.notes["data-parallel"]["batch"] == [i.name for i in batch]
+    assert list(ctx.decision(DataParallelRecord).batch) == [i.name for i in batch]
 
 
 def test_weight_update_sharding_structure_and_memory():
@@ -91,18 +92,19 @@ def test_weight_update_sharding_structure_and_memory():
                   if o.role.kind is OutputKind.replaces and o.role.target in params}
     made = {v.name: op for op in g.ops for v in op.results}
     assert all(made[n].name == "all_gather" for n in new_params.values())
-    plan = build_plan(g, ctx.notes)
+    plan = build_plan(g, ctx.decisions)
     m = plan.memory
     assert m.opt_state < m.single_device_opt_state / N * 1.05 + 64   # + replicated steps
     assert m.params == m.single_device_params
-    assert ctx.notes["weight-update-sharding"]["replicated"] == []
-    assert len(ctx.notes["weight-update-sharding"]["expanded"]) == len(params)
+    wus = ctx.decision(WeightUpdateShardingRecord)
+    assert list(wus.replicated) == []
+    assert len(wus.expanded) == len(params)
 
 
 @pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw"])
 def test_plan_bytes_equal_the_all_reduce_bound(opt_name):
     g, ctx = run(traced(opt_name, model_cls=OddMLP), default_passes("dp", layout="flat"))
-    plan = build_plan(g, ctx.notes)
+    plan = build_plan(g, ctx.decisions)
     grad_bytes = 0
     for i in g.inputs:
         if i.role.kind is InputKind.param:
@@ -126,15 +128,15 @@ def test_uneven_tensors_flat_or_replicated_with_reason():
     dims, ctx = run(g, default_passes("dp", layout="dims"))
     placed = {i.name: i.value.type.placement("dp") for i in dims.inputs}
     assert isinstance(placed["fc2.weight.exp_avg"], Replicate)
-    reasons = dict(ctx.notes["weight-update-sharding"]["replicated"])
+    reasons = dict(ctx.decision(WeightUpdateShardingRecord).replicated)
     assert "no dimension of [3, 7] divides 4" in reasons["fc2.weight.exp_avg"]
-    text = build_plan(dims, ctx.notes).to_text()
+    text = build_plan(dims, ctx.decisions).to_text()
     assert "kept whole in the update" in text and "fc2.weight.exp_avg" in text
 
 
 def test_plan_text_and_json_agree():
     g, ctx = run(traced("adamw"), default_passes("dp", layout="flat"))
-    plan = build_plan(g, ctx.notes)
+    plan = build_plan(g, ctx.decisions)
     text, data = plan.to_text(), plan.to_dict()
     assert data["schema"] == 1 and data["mesh"] == {"dp": N}
     assert len(data["collectives"]) == len(plan.collectives)
