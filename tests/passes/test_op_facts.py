@@ -10,7 +10,7 @@ from diphoma_compile.errors import PassError
 from diphoma_compile.ir import parse, verify
 from diphoma_compile.ir.ops import OPS, Category, is_view, op_def, random_draw
 from diphoma_compile.mesh import Mesh
-from diphoma_compile.passes import PassContext, Pipeline
+from diphoma_compile.passes import DataParallelRecord, PassContext, Pipeline
 from diphoma_compile.report.plan import build_plan
 
 # A one-layer step whose activations meet a random draw of their own shape (dropout) made
@@ -61,8 +61,9 @@ def test_random_draw_reads_the_mark_or_the_category(draw, how):
 @pytest.mark.parametrize("draw", [OPAQUE_GLOBAL, NEUTRAL_FRESH])
 def test_per_process_draws_meeting_the_batch_are_noted(draw):
     g, ctx = _dp(draw)
-    notes = build_plan(g, ctx.notes).notes["data-parallel"]
-    assert notes["random_per_device"] == ["model.py:3"]
+    assert ctx.decision(DataParallelRecord).random_per_device == ("model.py:3",)
+    plan = build_plan(g, ctx.decisions)
+    assert plan.notes["data-parallel"]["random_per_device"] == ["model.py:3"]
 
 
 @pytest.mark.parametrize("draw", [OPAQUE_KEY, NEUTRAL_KEYED, NEUTRAL_SEEDED])
