@@ -21,7 +21,7 @@ from ..errors import DiphomaError
 from ..inspect.load import Candidate, construct, evaluate
 from ..inspect.loss import LossChoice, choose, expr_loss, get
 from ..inspect.spec import (CallPlan, InputSpec, InspectError, Target, describe_inputs,
-                           local_shape, plan_call)
+                            local_shape, plan_call)
 
 # the multi-tensor (foreach) kernels: what these optimizers run by default on GPUs, and a
 # shorter trace than the per-tensor loop; the math and the plan are the same
@@ -65,7 +65,7 @@ def probe(model: torch.nn.Module, xs: list[torch.Tensor], kw: dict[str, torch.Te
     inputs are all on the meta device and its forward runs there, else on fake tensors
     (shapes only); a FrontendError naming the construct when the forward cannot run that
     way."""
-    from .trace import _explain
+    from .trace import explain
     state = [*model.named_parameters(), *model.named_buffers()]
     if all(t.is_meta for t in [*(t for _, t in state), *xs, *kw.values()]):
         # meta kernels are called straight from C++, with no Python dispatch in between:
@@ -87,7 +87,7 @@ def probe(model: torch.nn.Module, xs: list[torch.Tensor], kw: dict[str, torch.Te
     except DiphomaError:
         raise
     except Exception as e:
-        raise _explain(e) from e
+        raise explain(e) from e
 
 
 def _is_float(x: Any) -> bool:
