@@ -264,42 +264,12 @@ class Step:
         self.fn, self.args, self.modules, self.opts = fn, args, modules, opts
         params = _param_names(fn)
         names = {id(a): params[i] for i, a in enumerate(args) if i < len(params)}
-        prefix = len(modules) > 1
         self.param_slots: list[Slot] = []
         self.params: list[torch.Tensor] = []
         self.buffer_slots: list[Slot] = []
         self.buffers: list[torch.Tensor] = []
-        index_of: dict[int, int] = {}
-        seen_buffers: set[int] = set()
-        for mi, m in enumerate(modules):
-            pre = (names.get(id(m), f"module{mi}") + ".") if prefix else ""
-            for q, p in m.named_parameters():
-                if id(p) in index_of:
-                    continue   # shared with a module found earlier: one input, not two
-                index_of[id(p)] = len(self.params)
-                self.param_slots.append(Slot("param", mi, (q,), pre + q))
-                self.params.append(p)
-            for q, b in m.named_buffers():
-                if id(b) in seen_buffers:
-                    continue
-                seen_buffers.add(id(b))
-                self.buffer_slots.append(Slot("buffer", mi, (q,), pre + q))
-                self.buffers.append(b)
-        self.groups: list[list[list[int]]] = []   # optimizer -> group -> param indices
-        for oi, opt in enumerate(opts):
-            gs = []
-            for g in opt.param_groups:
-                idx = []
-                for p in g["params"]:
-                    if id(p) not in index_of:
-                        raise FrontendError(
-                            f"optimizer {oi} ({type(opt).__name__}) updates a tensor of shape "
-                            f"{tuple(p.shape)} that is a parameter of no module the step "
-                            "uses", hint="pass the module(s) owning the optimizer's parameters"
-                                         " to the step")
-                    idx.append(index_of[id(p)])
-                gs.append(idx)
-            self.groups.append(gs)
+        index_of = self._add_module_tensors(names)
+        self.groups = self._param_groups(index_of)   # optimizer -> group -> param indices
         self.lr_slots = [Slot("lr", oi, (gi,), "lr" if len(opts) == 1 and len(gs) == 1
                               else f"opt{oi}.group{gi}.lr")
                          for oi, gs in enumerate(self.groups) for gi in range(len(gs))]
@@ -315,6 +285,48 @@ class Step:
         self.grads_left: list[int] = []    # params whose .grad the step leaves set
         self.cleared_first = False         # zero_grad came before the first backward
         self.backward_seen = False
+
+    def _add_module_tensors(self, names: dict[int, str]) -> dict[int, int]:
+        """Slots for the modules' parameters and buffers (each tensor once, named after the
+        step's argument when there are several modules); id of a parameter -> its index."""
+        prefix = len(self.modules) > 1
+        index_of: dict[int, int] = {}
+        seen_buffers: set[int] = set()
+        for mi, m in enumerate(self.modules):
+            pre = (names.get(id(m), f"module{mi}") + ".") if prefix else ""
+            for q, p in m.named_parameters():
+                if id(p) in index_of:
+                    continue   # shared with a module found earlier: one input, not two
+                index_of[id(p)] = len(self.params)
+                self.param_slots.append(Slot("param", mi, (q,), pre + q))
+                self.params.append(p)
+            for q, b in m.named_buffers():
+                if id(b) in seen_buffers:
+                    continue
+                seen_buffers.add(id(b))
+                self.buffer_slots.append(Slot("buffer", mi, (q,), pre + q))
+                self.buffers.append(b)
+        return index_of
+
+    def _param_groups(self, index_of: dict[int, int]) -> list[list[list[int]]]:
+        """The parameter indices of each optimizer's groups; FrontendError for a tensor that
+        is a parameter of no module found."""
+        groups = []
+        for oi, opt in enumerate(self.opts):
+            gs = []
+            for g in opt.param_groups:
+                idx = []
+                for p in g["params"]:
+                    if id(p) not in index_of:
+                        raise FrontendError(
+                            f"optimizer {oi} ({type(opt).__name__}) updates a tensor of shape "
+                            f"{tuple(p.shape)} that is a parameter of no module the step "
+                            "uses", hint="pass the module(s) owning the optimizer's parameters"
+                                         " to the step")
+                    idx.append(index_of[id(p)])
+                gs.append(idx)
+            groups.append(gs)
+        return groups
 
     # --------------------------------------------------------------- optimizer state
     def live_state_keys(self) -> list[list[tuple[str, torch.Size, torch.dtype]]] | None:
