@@ -16,9 +16,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from diphoma_compile.torch.capture import _fake_inputs, _Step, capture, find_state
-from diphoma_compile.torch.importer import import_captured
 from diphoma_compile.ir import print_graph, verify
+from diphoma_compile.torch.capture import Step, capture, fake_inputs, find_state
+from diphoma_compile.torch.importer import import_captured
 
 
 class Block(nn.Module):
@@ -90,9 +90,9 @@ def main() -> None:
     cap, t_capture = timed(lambda: capture(train_step, model, opt, batch))
     # bare make_fx of the same step: one fake trace, no state discovery, no functionalization
     modules, opts = find_state(train_step, (model, opt, batch))
-    step = _Step(train_step, (model, opt, batch), modules, opts)
+    step = Step(train_step, (model, opt, batch), modules, opts)
     step.state_keys = cap.state_keys
-    inputs = _fake_inputs(step)
+    inputs = fake_inputs(step)
     bare, t_bare = timed(lambda: make_fx(step, tracing_mode="fake")(*inputs))
     graph, t_import = timed(lambda: import_captured(cap))
     _, t_verify = timed(lambda: verify(graph))

@@ -1,42 +1,42 @@
 """IR -> a runnable torch.fx GraphModule calling aten ops (its ``.code`` reads as Python).
 
-Neutral ops go back to the aten overload the frontend table maps them from. 0-d values
+Neutral ops go back to the aten overload the table of ``ops.py`` maps them from. 0-d values
 made only from constants, hyperparameter inputs and ``.item()`` reads are *host scalars*:
 computed with Python floats and passed to aten calls as Python numbers, as the eager
 optimizer does with its learning rate and step count. Layout ops become views (permute,
 expand, reshape), as eager code makes them. So the program makes the eager step's calls.
 
+Each IR op is emitted by a small function of ``_EMIT``, found by the op's name: ops with a
+form of their own (scales, flat shards, collectives) have their own emitter, and every
+other op the aten table maps is emitted by the generic emitter of its IR category.
+
 A graph placed over a mesh becomes one rank's program: every shape it builds (reshape
 targets, constants, broadcasts) is the value's *local* shape (``TensorType.local_shape``; a
-flat shard is a 1-D chunk), and collectives call the helpers of ``collectives`` on the
+flat shard is a 1-D chunk), and collectives call the helpers of ``collectives.py`` on the
 ``Comm`` of their axis, which the program reads as an attribute (``self.comm_dp``)."""
 
 from __future__ import annotations
 
-import operator
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from ..errors import BackendError, UnsupportedOpError
-from .ops import DTYPE_TO_TORCH, decode_arg, emit_target, resolve_target
 from ..ir.core import Graph, InputKind, Op
+from ..ir.ops import Category, op_def
 from ..ir.types import DType, TensorType
 from . import collectives
+from .ops import (DTYPE_TO_TORCH, NEUTRAL, SCALAR_DTYPE, SCALAR_MATH, decode_arg, emit_target,
+                  emit_target_for, resolve_target, takes_number)
 
 aten = torch.ops.aten
 
-_ELEMENTWISE = {"neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu",
-                "reciprocal", "sign", "mul", "div", "max", "min"}
-_TAKES_NUMBER = {"mul", "div"}   # overloads whose second operand may be a Python number
-_COMPARE = {"eq", "ne", "lt", "le", "gt", "ge"}
-_HOST_OPS = {"mul": operator.mul, "add": operator.add, "sub": operator.sub,
-             "div": operator.truediv, "pow": operator.pow}
-_HOST_DTYPES = {DType.f64, DType.i64, DType.bool}
-_REDUCE = {"reduce_sum", "reduce_mean", "reduce_max", "reduce_min"}
-_COLLECTIVES = {"all_reduce", "reduce_scatter", "all_gather", "take_shard", "broadcast"}
+_HOST_MATH = {ir: fn for fn, ir in SCALAR_MATH.items()}   # 0-d IR op -> Python operator
+_HOST_DTYPES = frozenset(SCALAR_DTYPE.values())           # the dtypes of Python numbers
+_DONE = object()   # an emitter's answer when it has bound the op's results itself
 
 
 def _py_name(name: str) -> str:
@@ -98,134 +98,63 @@ class _Builder:
                                            {"dtype": self.dtype_of[name]})
         return v
 
+    def operand(self, target: Any, name: str) -> Any:
+        """``name`` as the last operand of ``target``: a host scalar stays a Python number
+        where the overload takes one, and is made a 0-d tensor where it does not."""
+        return self.arg(name) if takes_number(target) else self.node(name)
+
     def set_host(self, name: str, value: Any, dtype: DType) -> None:
         """Record ``name`` as a host scalar: a Python number or a node producing one."""
         self.scalars[name] = value
         self.dtype_of[name] = DTYPE_TO_TORCH[dtype]
 
     def host(self, op: Op) -> bool:
-        """Compute a 0-d op with Python numbers when its inputs are host scalars."""
-        if len(op.results) != 1 or op.result.type.shape != () or not op.inputs:
+        """Compute a 0-d op with Python numbers when it makes, reads or combines host
+        scalars (a constant, an ``.item()`` read, the optimizer's scalar math)."""
+        if len(op.results) != 1 or op.result.type.shape != () or op.regions:
             return False
-        if not all(i in self.scalars for i in op.inputs) or op.regions:
+        t = op.result.type
+        if op.name == "full":
+            value = op.attrs["value"]   # folded into the ops that use it; made on demand
+        elif not op.inputs:
             return False
-        n, t = op.name, op.result.type
-        vals = [self.scalars[i] for i in op.inputs]
-        if n == "convert":
-            # an .item() read, or a scalar handed to a tensor op (which rounds it itself)
-            value = vals[0]
-        elif n in _HOST_OPS and t.dtype in _HOST_DTYPES and not op.attrs and len(vals) == 2:
-            value = self.call(_HOST_OPS[n], vals)
-        elif n == "neg" and t.dtype in _HOST_DTYPES:
-            value = self.call(operator.neg, vals)
+        elif op.name == "convert" and op.inputs[0] not in self.scalars:
+            if t.dtype not in _HOST_DTYPES:
+                return False
+            # .item(): read a 0-d tensor into a Python number
+            value = self.call(aten._local_scalar_dense.default, [self.node(op.inputs[0])])
+        elif all(i in self.scalars for i in op.inputs):
+            value = self.host_math(op)
+            if value is None:
+                return False
         else:
             return False
         self.set_host(op.result.name, value, t.dtype)
         return True
 
+    def host_math(self, op: Op) -> Any:
+        """The Python value of a 0-d op on host scalars; None when it has no Python form."""
+        vals = [self.scalars[i] for i in op.inputs]
+        if op.name == "convert":
+            # an .item() read, or a scalar handed to a tensor op (which rounds it itself)
+            return vals[0]
+        fn = _HOST_MATH.get(op.name)
+        if fn is None or op.result.type.dtype not in _HOST_DTYPES:
+            return None
+        if op.name != "neg" and (op.attrs or len(vals) != 2):
+            return None    # a scale (add's alpha) has no Python operator
+        return self.call(fn, vals)
+
     def op(self, op: Op) -> None:
-        n, a, ins = op.name, op.attrs, op.inputs
-        out: Any
-        if n == "convert" and op.inputs[0] not in self.scalars and \
-                op.result.type.shape == () and op.result.type.dtype in _HOST_DTYPES:
-            # .item(): read a 0-d tensor into a Python number
-            self.set_host(op.result.name, self.call(aten._local_scalar_dense.default,
-                                                    [self.node(op.inputs[0])]),
-                          op.result.type.dtype)
-            return
         if self.host(op):
             return
-        if n == "full" and op.result.type.shape == ():
-            # folded into the ops that use it; materialized on demand
-            self.set_host(op.result.name, a["value"], op.result.type.dtype)
-            return
-        if n == "opaque":
-            out = self.opaque(op)
-        elif n == "square":    # from an expanded norm: x * x, one rounding as pow(x, 2)
-            out = self.call(aten.mul.Tensor, [self.node(ins[0]), self.node(ins[0])])
-        elif n in _ELEMENTWISE and len(ins) == 1:
-            out = self.call(emit_target(n), [self.node(ins[0])])
-        elif n in ("add", "sub"):
-            target = emit_target(n)
-            kw = {"alpha": a["alpha"]} if "alpha" in a else {}
-            if len(ins) == 3:
-                kw = {"alpha": self.arg(ins[2])}
-            out = self.call(target, [self.node(ins[0]), self.arg(ins[1])], kw)
-        elif n == "pow":
-            if ins[0] in self.scalars:
-                out = self.call(aten.pow.Scalar, [self.arg(ins[0]), self.node(ins[1])])
-            elif ins[1] in self.scalars:
-                out = self.call(aten.pow.Tensor_Scalar, [self.node(ins[0]), self.arg(ins[1])])
-            else:
-                out = self.call(aten.pow.Tensor_Tensor, [self.node(ins[0]), self.node(ins[1])])
-        elif n in _ELEMENTWISE:
-            rhs = self.arg(ins[1]) if n in _TAKES_NUMBER else self.node(ins[1])
-            out = self.call(emit_target(n), [self.node(ins[0]), rhs])
-        elif n in _COMPARE:
-            target = emit_target(n, "Scalar" if ins[1] in self.scalars else "Tensor")
-            out = self.call(target, [self.node(ins[0]), self.arg(ins[1])])
-        elif n == "select":
-            out = self.call(emit_target(n), [self.node(i) for i in ins])
-        elif n == "lerp":
-            target = emit_target(n, "Scalar" if ins[2] in self.scalars else "Tensor")
-            out = self.call(target, [self.node(ins[0]), self.node(ins[1]), self.arg(ins[2])])
-        elif n in ("addcmul", "addcdiv"):
-            kw = {"value": a["value"]} if "value" in a else {}
-            if len(ins) == 4:
-                kw = {"value": self.arg(ins[3])}
-            out = self.call(emit_target(n), [self.node(i) for i in ins[:3]], kw)
-        elif n == "dot":
-            out = self.dot(op)
-        elif n == "transpose":
-            out = self.call(emit_target(n), [self.node(ins[0]), list(a["perm"])])
-        elif n == "reshape":
-            src, dst = self.local(self.g_types[ins[0]]), self.local(op.result.type)
-            if src == dst and len(dst) < op.result.type.rank:
-                out = self.node(ins[0])   # a flat shard: the same 1-D chunk, whatever shape
-            else:
-                out = self.call(emit_target(n), [self.node(ins[0]), dst])
-        elif n == "broadcast_in_dim":
-            out = self.broadcast(op)
-        elif n in _REDUCE:
-            out = self.reduce(op)
-        elif n == "norm":
-            x = self.g_types[ins[0]]
-            dims = list(a["dims"])
-            full = dims == list(range(x.rank)) and not a.get("keepdim", False)
-            if len(self.local(x)) != x.rank:
-                raise BackendError(f"norm of a flat shard ({x}) has no lowering",
-                                   hint="expand norm (square, reduce_sum, sqrt) first")
-            out = self.call(aten.linalg_vector_norm.default,
-                            [self.node(ins[0]), a["ord"], None if full else dims,
-                             bool(a.get("keepdim", False))])
-        elif n == "convert":
-            out = self.call(aten._to_copy.default, [self.node(ins[0])],
-                            {"dtype": DTYPE_TO_TORCH[DType(a["dtype"])]})
-        elif n == "literal":
-            t = op.result.type
-            if self.local(t) != list(t.shape):
-                raise BackendError(f"a sharded literal ({t}) has no lowering",
-                                   hint="make the literal replicated and take_shard it")
-            out = self.call(torch.tensor, [list(a["data"])], {"dtype": DTYPE_TO_TORCH[t.dtype]})
-            out = self.call(aten.reshape.default, [out, list(t.shape)])
-        elif n == "full":
-            t = op.result.type
-            out = self.call(aten.full.default, [self.local(t), a["value"]],
-                            {"dtype": DTYPE_TO_TORCH[t.dtype]})
-        elif n in _COLLECTIVES:
-            out = self.collective(op)
-            if a.get("async", False):
-                # in flight: the results exist only after their wait
-                for k, v in enumerate(op.results):
-                    self.pending[v.name] = (out, k, len(op.results))
-                return
-        elif n == "wait":
-            self.wait(op)
-            return
-        else:
-            raise UnsupportedOpError(f"the torch backend cannot run IR op {n!r}",
+        emit = _EMIT.get(op.name)
+        if emit is None:
+            raise UnsupportedOpError(f"the torch backend cannot run IR op {op.name!r}",
                                      hint="this op has no torch lowering yet")
-        self.bind(op, out)
+        out = emit(self, op)
+        if out is not _DONE:
+            self.bind(op, out)
 
     def bind(self, op: Op, out: Any) -> None:
         if _makes_storage(op):
@@ -237,19 +166,9 @@ class _Builder:
         for v, i in zip(op.results, idx):
             self.env[v.name] = self.call(_getitem, [out, i])
 
-    def reduce(self, op: Op) -> fx.Node:
-        a, x = op.attrs, self.g_types[op.inputs[0]]
-        dims, keep = list(a["dims"]), bool(a.get("keepdim", False))
-        if len(self.local(x)) == x.rank:
-            return self.call(emit_target(op.name), [self.node(op.inputs[0]), dims, keep])
-        # a flat shard (only a sum over every dimension is allowed): sum the 1-D chunk
-        out = self.call(emit_target(op.name), [self.node(op.inputs[0]), [0], False])
-        shape = self.local(op.result.type)
-        return self.call(aten.reshape.default, [out, shape]) if shape else out
-
-    def collective(self, op: Op) -> fx.Node:
-        a = op.attrs
-        axis = str(a["axis"])
+    def comm(self, op: Op) -> fx.Node:
+        """The program's node reading the Comm of the collective's axis."""
+        axis = str(op.attrs["axis"])
         if axis not in self.comms:
             raise BackendError(f"the program has a {op.name} over mesh axis {axis!r} but no "
                                "process group was given for that axis",
@@ -257,90 +176,302 @@ class _Builder:
                                     "diphoma_compile.torch.dist.TorchDistStep")
         if axis not in self.comm_nodes:
             self.comm_nodes[axis] = self.fx.get_attr(f"comm_{axis}")
-        comm = self.comm_nodes[axis]
-        if len(op.inputs) > 1:
-            return self.bucket(op, comm)
-        asy = {"async_op": True} if a.get("async", False) else {}
-        x = self.node(op.inputs[0])
-        name, src, dst = op.name, op.inputs[0], op.result.type
-        if name == "all_reduce":
-            # reduce in place when nothing else reads the value (not a graph input)
-            owned = self.uses.get(src, 0) == 1 and src in self.fresh
-            return self.call(collectives.all_reduce, [comm, x, str(a["op"]), owned], asy)
-        if name == "reduce_scatter":
-            return self.call(collectives.reduce_scatter,
-                             [comm, x, str(a["op"]), a["dim"], self.local(dst)], asy)
-        if name == "all_gather":
-            return self.call(collectives.all_gather, [comm, x, a["dim"], list(dst.shape)], asy)
-        if name == "take_shard":
-            return self.call(collectives.take_shard, [comm, x, a["dim"], self.local(dst)])
-        return self.call(collectives.broadcast, [comm, x, int(a["root"])])
-
-    def wait(self, op: Op) -> None:
-        """Finish the in-flight collectives whose results this wait hands on."""
-        done: dict[fx.Node, Any] = {}
-        for v, i in zip(op.results, op.inputs):
-            if i not in self.pending:      # already finished (a synchronous collective)
-                self.env[v.name] = self.node(i)
-                continue
-            node, k, count = self.pending[i]
-            if node not in done:
-                done[node] = self.call(collectives.wait, [node])
-            self.env[v.name] = done[node] if count == 1 else self.call(_getitem,
-                                                                     [done[node], k])
-
-    def bucket(self, op: Op, comm: fx.Node) -> fx.Node:
-        """k values moved as one packed buffer; the call returns a tuple (bound by getitem)."""
-        a, xs = op.attrs, [self.node(i) for i in op.inputs]
-        asy = {"async_op": True} if a.get("async", False) else {}
-        if op.name == "all_reduce":
-            return self.call(collectives.all_reduce_bucket, [comm, xs, str(a["op"])], asy)
-        if op.name == "reduce_scatter":
-            return self.call(collectives.reduce_scatter_bucket,
-                             [comm, xs, str(a["op"]), a["dim"],
-                              [self.local(v.type) for v in op.results]], asy)
-        if op.name == "all_gather":
-            return self.call(collectives.all_gather_bucket,
-                             [comm, xs, a["dim"], [list(v.type.shape) for v in op.results]],
-                             asy)
-        raise UnsupportedOpError(f"the torch backend has no bucketed {op.name}")
-
-    def dot(self, op: Op) -> fx.Node:
-        a = op.attrs
-        lhs, rhs = (self.node(i) for i in op.inputs)
-        lb, rb = tuple(a.get("lhs_batch", ())), tuple(a.get("rhs_batch", ()))
-        lc, rc = tuple(a["lhs_contract"]), tuple(a["rhs_contract"])
-        if not lb and lc == (1,) and rc == (0,):
-            return self.call(emit_target("dot", "default"), [lhs, rhs])   # mm
-        if lb == rb == (0,) and lc == (2,) and rc == (1,):
-            return self.call(aten.bmm.default, [lhs, rhs])
-        raise UnsupportedOpError(f"the torch backend has no lowering for dot with attributes "
-                                 f"{dict(a)}")
-
-    def broadcast(self, op: Op) -> fx.Node:
-        src = self.g_types[op.inputs[0]]
-        dst = op.result.type
-        dims = tuple(op.attrs["dims"])
-        x = self.node(op.inputs[0])
-        src_shape, dst_shape = self.local(src), self.local(dst)
-        if len(dst_shape) != dst.rank or len(src_shape) != src.rank:
-            raise BackendError(f"broadcast_in_dim of a flat shard ({src} -> {dst}) has no "
-                               "lowering")
-        if dims != tuple(range(dst.rank - src.rank, dst.rank)):
-            shape = [1] * dst.rank
-            for i, d in enumerate(dims):
-                shape[d] = src_shape[i]
-            x = self.call(aten.reshape.default, [x, shape])
-        return self.call(aten.expand.default, [x, dst_shape])
-
-    def opaque(self, op: Op) -> fx.Node:
-        target = resolve_target(str(op.attrs["target"]))
-        ins = [self.node(i) for i in op.inputs]
-        args = decode_arg(op.attrs.get("args", ()), ins)
-        kwargs = {k[3:]: decode_arg(v, ins) for k, v in op.attrs.items() if k.startswith("kw_")}
-        return self.call(target, args, kwargs)
+        return self.comm_nodes[axis]
 
 
+# ------------------------------------------------------------------ elementwise
+
+def _emit_unary(b: _Builder, op: Op) -> fx.Node:
+    """f(x) by the op's aten form."""
+    return b.call(emit_target(op.name), [b.node(op.inputs[0])])
+
+
+def _emit_binary(b: _Builder, op: Op) -> fx.Node:
+    """x op y; a host-scalar y stays a number where the form takes one (mul, eq.Scalar)."""
+    x, y = op.inputs
+    target = emit_target_for(op.name, y in b.scalars)
+    rhs = b.operand(target, y)    # before x: the order names the scalar tensors made
+    return b.call(target, [b.node(x), rhs])
+
+
+def _emit_ternary(b: _Builder, op: Op) -> fx.Node:
+    """f(x, y, z); a host-scalar z stays a number where the form takes one (lerp.Scalar)."""
+    x, y, z = op.inputs
+    target = emit_target_for(op.name, z in b.scalars)
+    return b.call(target, [b.node(x), b.node(y), b.operand(target, z)])
+
+
+def _scale(b: _Builder, op: Op, key: str, position: int) -> dict[str, Any]:
+    """The scale keyword of add/sub (alpha) or addcmul/addcdiv (value): the attribute, or
+    the 0-d operand at ``position`` when it is computed at run time."""
+    if len(op.inputs) == position + 1:
+        return {key: b.arg(op.inputs[position])}
+    return {key: op.attrs[key]} if key in op.attrs else {}
+
+
+def _emit_scaled_binary(b: _Builder, op: Op) -> fx.Node:
+    """x + alpha*y or x - alpha*y in one aten call."""
+    target = emit_target(op.name)
+    kw = _scale(b, op, "alpha", 2)
+    return b.call(target, [b.node(op.inputs[0]), b.operand(target, op.inputs[1])], kw)
+
+
+def _emit_scaled_ternary(b: _Builder, op: Op) -> fx.Node:
+    """addcmul / addcdiv: s + value*(t1 op t2) in one aten call."""
+    kw = _scale(b, op, "value", 3)
+    return b.call(emit_target(op.name), [b.node(i) for i in op.inputs[:3]], kw)
+
+
+def _emit_square(b: _Builder, op: Op) -> fx.Node:
+    """x * x (from an expanded norm): one rounding, as pow(x, 2)."""
+    return b.call(aten.mul.Tensor, [b.node(op.inputs[0]), b.node(op.inputs[0])])
+
+
+def _emit_pow(b: _Builder, op: Op) -> fx.Node:
+    """x ** y by the overload for a number base, a number exponent, or two tensors."""
+    x, y = op.inputs
+    if x in b.scalars:
+        return b.call(aten.pow.Scalar, [b.arg(x), b.node(y)])
+    if y in b.scalars:
+        return b.call(aten.pow.Tensor_Scalar, [b.node(x), b.arg(y)])
+    return b.call(aten.pow.Tensor_Tensor, [b.node(x), b.node(y)])
+
+
+def _emit_convert(b: _Builder, op: Op) -> fx.Node:
+    """A tensor cast to another dtype."""
+    return b.call(aten._to_copy.default, [b.node(op.inputs[0])],
+                  {"dtype": DTYPE_TO_TORCH[DType(op.attrs["dtype"])]})
+
+
+# ------------------------------------------------------------------ reductions and dot
+
+def _emit_reduce(b: _Builder, op: Op) -> fx.Node:
+    """A sum, mean, max or min over dims; over a flat shard, of its whole 1-D chunk."""
+    a, x = op.attrs, b.g_types[op.inputs[0]]
+    dims, keep = list(a["dims"]), bool(a.get("keepdim", False))
+    if len(b.local(x)) == x.rank:
+        return b.call(emit_target(op.name), [b.node(op.inputs[0]), dims, keep])
+    # a flat shard (only a sum over every dimension is allowed): sum the 1-D chunk
+    out = b.call(emit_target(op.name), [b.node(op.inputs[0]), [0], False])
+    shape = b.local(op.result.type)
+    return b.call(aten.reshape.default, [out, shape]) if shape else out
+
+
+def _emit_norm(b: _Builder, op: Op) -> fx.Node:
+    """The vector norm over dims (None for all of them, as eager's clip_grad_norm_ asks)."""
+    a, x = op.attrs, b.g_types[op.inputs[0]]
+    dims = list(a["dims"])
+    full = dims == list(range(x.rank)) and not a.get("keepdim", False)
+    if len(b.local(x)) != x.rank:
+        raise BackendError(f"norm of a flat shard ({x}) has no lowering",
+                           hint="expand norm (square, reduce_sum, sqrt) first")
+    return b.call(aten.linalg_vector_norm.default,
+                  [b.node(op.inputs[0]), a["ord"], None if full else dims,
+                   bool(a.get("keepdim", False))])
+
+
+def _emit_dot(b: _Builder, op: Op) -> fx.Node:
+    """mm or bmm, the two contractions the aten table maps."""
+    a = op.attrs
+    lhs, rhs = (b.node(i) for i in op.inputs)
+    lb, rb = tuple(a.get("lhs_batch", ())), tuple(a.get("rhs_batch", ()))
+    lc, rc = tuple(a["lhs_contract"]), tuple(a["rhs_contract"])
+    if not lb and lc == (1,) and rc == (0,):
+        return b.call(emit_target("dot", "default"), [lhs, rhs])   # mm
+    if lb == rb == (0,) and lc == (2,) and rc == (1,):
+        return b.call(aten.bmm.default, [lhs, rhs])
+    raise UnsupportedOpError(f"the torch backend has no lowering for dot with attributes "
+                             f"{dict(a)}")
+
+
+# ------------------------------------------------------------------ layout and constants
+
+def _emit_transpose(b: _Builder, op: Op) -> fx.Node:
+    """A permuted view."""
+    return b.call(emit_target(op.name), [b.node(op.inputs[0]), list(op.attrs["perm"])])
+
+
+def _emit_reshape(b: _Builder, op: Op) -> Any:
+    """A view of the local shape; a flat shard is the same 1-D chunk, whatever its shape."""
+    src, dst = b.local(b.g_types[op.inputs[0]]), b.local(op.result.type)
+    if src == dst and len(dst) < op.result.type.rank:
+        return b.node(op.inputs[0])
+    return b.call(emit_target(op.name), [b.node(op.inputs[0]), dst])
+
+
+def _emit_broadcast(b: _Builder, op: Op) -> fx.Node:
+    """An expanded view, after a reshape that puts the kept dims where ``dims`` says."""
+    src = b.g_types[op.inputs[0]]
+    dst = op.result.type
+    dims = tuple(op.attrs["dims"])
+    x = b.node(op.inputs[0])
+    src_shape, dst_shape = b.local(src), b.local(dst)
+    if len(dst_shape) != dst.rank or len(src_shape) != src.rank:
+        raise BackendError(f"broadcast_in_dim of a flat shard ({src} -> {dst}) has no "
+                           "lowering")
+    if dims != tuple(range(dst.rank - src.rank, dst.rank)):
+        shape = [1] * dst.rank
+        for i, d in enumerate(dims):
+            shape[d] = src_shape[i]
+        x = b.call(aten.reshape.default, [x, shape])
+    return b.call(aten.expand.default, [x, dst_shape])
+
+
+def _emit_literal(b: _Builder, op: Op) -> fx.Node:
+    """A tensor of the listed values (replicated only)."""
+    t = op.result.type
+    if b.local(t) != list(t.shape):
+        raise BackendError(f"a sharded literal ({t}) has no lowering",
+                           hint="make the literal replicated and take_shard it")
+    out = b.call(torch.tensor, [list(op.attrs["data"])], {"dtype": DTYPE_TO_TORCH[t.dtype]})
+    return b.call(aten.reshape.default, [out, list(t.shape)])
+
+
+def _emit_full(b: _Builder, op: Op) -> fx.Node:
+    """A filled tensor of the local shape (a 0-d one is a host scalar instead)."""
+    t = op.result.type
+    return b.call(aten.full.default, [b.local(t), op.attrs["value"]],
+                  {"dtype": DTYPE_TO_TORCH[t.dtype]})
+
+
+def _emit_opaque(b: _Builder, op: Op) -> fx.Node:
+    """The aten call the op was imported from, with its arguments decoded."""
+    target = resolve_target(str(op.attrs["target"]))
+    ins = [b.node(i) for i in op.inputs]
+    args = decode_arg(op.attrs.get("args", ()), ins)
+    kwargs = {k[3:]: decode_arg(v, ins) for k, v in op.attrs.items() if k.startswith("kw_")}
+    return b.call(target, args, kwargs)
+
+
+# ------------------------------------------------------------------ collectives
+
+def _async(op: Op) -> dict[str, bool]:
+    return {"async_op": True} if op.attrs.get("async", False) else {}
+
+
+def _all_reduce(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
+    """The reduction over the axis, in place when nothing else reads the value."""
+    a, src = op.attrs, op.inputs[0]
+    x = b.node(src)
+    # a graph input is not owned: its storage is the caller's
+    owned = b.uses.get(src, 0) == 1 and src in b.fresh
+    return b.call(collectives.all_reduce, [comm, x, str(a["op"]), owned], _async(op))
+
+
+def _reduce_scatter(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
+    """This rank's piece of the reduction over the axis."""
+    a = op.attrs
+    x = b.node(op.inputs[0])
+    return b.call(collectives.reduce_scatter,
+                  [comm, x, str(a["op"]), a["dim"], b.local(op.result.type)], _async(op))
+
+
+def _all_gather(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
+    """The whole value from every rank's piece."""
+    x = b.node(op.inputs[0])
+    return b.call(collectives.all_gather,
+                  [comm, x, op.attrs["dim"], list(op.result.type.shape)], _async(op))
+
+
+def _take_shard(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
+    """This rank's piece of a replicated value, without communication."""
+    x = b.node(op.inputs[0])
+    return b.call(collectives.take_shard, [comm, x, op.attrs["dim"], b.local(op.result.type)])
+
+
+def _broadcast(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
+    """The root rank's value on every rank."""
+    x = b.node(op.inputs[0])
+    return b.call(collectives.broadcast, [comm, x, int(op.attrs["root"])])
+
+
+# the collectives of one value; the helpers of collectives.py run them
+_COLLECTIVES: dict[str, Callable[[_Builder, Op, fx.Node], fx.Node]] = {
+    "all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter, "all_gather": _all_gather,
+    "take_shard": _take_shard, "broadcast": _broadcast,
+}
+
+
+def _bucket(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
+    """k values moved as one packed buffer; the call returns a tuple (bound by getitem)."""
+    a, xs = op.attrs, [b.node(i) for i in op.inputs]
+    asy = _async(op)
+    if op.name == "all_reduce":
+        return b.call(collectives.all_reduce_bucket, [comm, xs, str(a["op"])], asy)
+    if op.name == "reduce_scatter":
+        return b.call(collectives.reduce_scatter_bucket,
+                      [comm, xs, str(a["op"]), a["dim"],
+                       [b.local(v.type) for v in op.results]], asy)
+    if op.name == "all_gather":
+        return b.call(collectives.all_gather_bucket,
+                      [comm, xs, a["dim"], [list(v.type.shape) for v in op.results]], asy)
+    raise UnsupportedOpError(f"the torch backend has no bucketed {op.name}")
+
+
+def _emit_collective(b: _Builder, op: Op) -> Any:
+    """A collective on its axis's Comm; an async one's results exist only after its wait."""
+    comm = b.comm(op)
+    if len(op.inputs) > 1:
+        out = _bucket(b, op, comm)
+    else:
+        out = _COLLECTIVES[op.name](b, op, comm)
+    if not op.attrs.get("async", False):
+        return out
+    for k, v in enumerate(op.results):
+        b.pending[v.name] = (out, k, len(op.results))
+    return _DONE
+
+
+def _emit_wait(b: _Builder, op: Op) -> Any:
+    """Finish the in-flight collectives whose results this wait hands on."""
+    done: dict[fx.Node, Any] = {}
+    for v, i in zip(op.results, op.inputs):
+        if i not in b.pending:      # already finished (a synchronous collective)
+            b.env[v.name] = b.node(i)
+            continue
+        node, k, count = b.pending[i]
+        if node not in done:
+            done[node] = b.call(collectives.wait, [node])
+        b.env[v.name] = done[node] if count == 1 else b.call(_getitem, [done[node], k])
+    return _DONE
+
+
+# ------------------------------------------------------------------ the table
+
+_Emit = Callable[[_Builder, Op], Any]
+
+# IR ops with a form of their own
+_OWN: dict[str, _Emit] = {
+    "add": _emit_scaled_binary, "sub": _emit_scaled_binary, "pow": _emit_pow,
+    "square": _emit_square, "addcmul": _emit_scaled_ternary, "addcdiv": _emit_scaled_ternary,
+    "convert": _emit_convert, "norm": _emit_norm, "dot": _emit_dot,
+    "transpose": _emit_transpose, "reshape": _emit_reshape,
+    "broadcast_in_dim": _emit_broadcast, "literal": _emit_literal, "full": _emit_full,
+    "opaque": _emit_opaque, "wait": _emit_wait,
+    **{name: _emit_collective for name in _COLLECTIVES},
+}
+
+# every other IR op the aten table maps, by its category
+_BY_CATEGORY: dict[Category, _Emit] = {
+    Category.unary: _emit_unary, Category.binary: _emit_binary,
+    Category.ternary: _emit_ternary, Category.reduce: _emit_reduce,
+}
+
+
+def _emitters() -> dict[str, _Emit]:
+    """The emitter of each IR op the backend runs, by name."""
+    table = dict(_OWN)
+    for row in NEUTRAL:
+        category = op_def(row.ir).category
+        if row.ir not in table and category in _BY_CATEGORY:
+            table[row.ir] = _BY_CATEGORY[category]
+    return table
+
+
+_EMIT = _emitters()
+
+# the lowerings whose results may be views of (or aliases to) their inputs: permute,
+# reshape, expand, narrow, the gathered buffer's view, and opaque calls (by their schema)
 _VIEWS = {"transpose", "reshape", "broadcast_in_dim", "take_shard", "all_gather", "opaque"}
 
 

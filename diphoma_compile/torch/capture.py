@@ -24,8 +24,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensorMode, dispatch_functionalize
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
@@ -106,7 +106,8 @@ def find_state(fn: Callable, args: tuple) -> tuple[list[torch.nn.Module],
         m is not o and any(m is s for s in o.modules()) for o in modules)], opts
 
 
-def _is_state(x: Any) -> bool:
+def is_state(x: Any) -> bool:
+    """True for a module or optimizer: state of the step, not a leaf of its arguments."""
     return isinstance(x, (torch.nn.Module, torch.optim.Optimizer))
 
 
@@ -138,8 +139,9 @@ def _path_name(path: tuple) -> str:
 
 # ------------------------------------------------------------------ phases and locations
 
-_INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)),
-             os.path.dirname(contextlib.__file__))
+# where torch, this package and the standard library live: frames there are not the user's
+INTERNAL_PATHS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)),
+                  os.path.dirname(contextlib.__file__))
 
 
 class _Recorder:
@@ -169,7 +171,7 @@ class _Recorder:
         path = code.co_filename
         if code.co_name != "forward" and (path, code.co_name) not in self.anchors:
             return None
-        if path.startswith(_INTERNAL) or path.startswith("<"):
+        if path.startswith(INTERNAL_PATHS) or path.startswith("<"):
             return None
         return os.path.basename(path)
 
@@ -254,21 +256,43 @@ def _bind_optimizer(opt: torch.optim.Optimizer, groups: list[list[torch.Tensor]]
         opt.state = saved_state
 
 
-class _Step:
+class Step:
     """The user's step as a function of flat tensors: params, buffers, state, lrs, args."""
 
-    def __init__(self, fn: Callable, args: tuple, modules, opts) -> None:
+    def __init__(self, fn: Callable, args: tuple, modules: list[torch.nn.Module],
+                 opts: list[torch.optim.Optimizer]) -> None:
         self.fn, self.args, self.modules, self.opts = fn, args, modules, opts
         params = _param_names(fn)
         names = {id(a): params[i] for i, a in enumerate(args) if i < len(params)}
-        prefix = len(modules) > 1
         self.param_slots: list[Slot] = []
         self.params: list[torch.Tensor] = []
         self.buffer_slots: list[Slot] = []
         self.buffers: list[torch.Tensor] = []
+        index_of = self._add_module_tensors(names)
+        self.groups = self._param_groups(index_of)   # optimizer -> group -> param indices
+        self.lr_slots = [Slot("lr", oi, (gi,), "lr" if len(opts) == 1 and len(gs) == 1
+                              else f"opt{oi}.group{gi}.lr")
+                         for oi, gs in enumerate(self.groups) for gi in range(len(gs))]
+        leaves, self.arg_spec = pytree.tree_flatten_with_path(args, is_leaf=is_state)
+        self.arg_leaves = [leaf for _, leaf in leaves]
+        by_pos = dict(enumerate(params))
+        self.arg_slots = [Slot("arg", 0, (i,), _arg_path_name(path, by_pos) or f"arg{i}")
+                          for i, (path, leaf) in enumerate(leaves)
+                          if isinstance(leaf, torch.Tensor)]
+        self.state_keys: list[list[tuple[str, torch.Size, torch.dtype]]] = []
+        self.user_spec: pytree.TreeSpec | None = None
+        self.n_user = 0
+        self.grads_left: list[int] = []    # params whose .grad the step leaves set
+        self.cleared_first = False         # zero_grad came before the first backward
+        self.backward_seen = False
+
+    def _add_module_tensors(self, names: dict[int, str]) -> dict[int, int]:
+        """Slots for the modules' parameters and buffers (each tensor once, named after the
+        step's argument when there are several modules); id of a parameter -> its index."""
+        prefix = len(self.modules) > 1
         index_of: dict[int, int] = {}
         seen_buffers: set[int] = set()
-        for mi, m in enumerate(modules):
+        for mi, m in enumerate(self.modules):
             pre = (names.get(id(m), f"module{mi}") + ".") if prefix else ""
             for q, p in m.named_parameters():
                 if id(p) in index_of:
@@ -282,8 +306,13 @@ class _Step:
                 seen_buffers.add(id(b))
                 self.buffer_slots.append(Slot("buffer", mi, (q,), pre + q))
                 self.buffers.append(b)
-        self.groups: list[list[list[int]]] = []   # optimizer -> group -> param indices
-        for oi, opt in enumerate(opts):
+        return index_of
+
+    def _param_groups(self, index_of: dict[int, int]) -> list[list[list[int]]]:
+        """The parameter indices of each optimizer's groups; FrontendError for a tensor that
+        is a parameter of no module found."""
+        groups = []
+        for oi, opt in enumerate(self.opts):
             gs = []
             for g in opt.param_groups:
                 idx = []
@@ -296,22 +325,8 @@ class _Step:
                                          " to the step")
                     idx.append(index_of[id(p)])
                 gs.append(idx)
-            self.groups.append(gs)
-        self.lr_slots = [Slot("lr", oi, (gi,), "lr" if len(opts) == 1 and len(gs) == 1
-                              else f"opt{oi}.group{gi}.lr")
-                         for oi, gs in enumerate(self.groups) for gi in range(len(gs))]
-        leaves, self.arg_spec = pytree.tree_flatten_with_path(args, is_leaf=_is_state)
-        self.arg_leaves = [leaf for _, leaf in leaves]
-        by_pos = dict(enumerate(params))
-        self.arg_slots = [Slot("arg", 0, (i,), _arg_path_name(path, by_pos) or f"arg{i}")
-                          for i, (path, leaf) in enumerate(leaves)
-                          if isinstance(leaf, torch.Tensor)]
-        self.state_keys: list[list[tuple[str, torch.Size, torch.dtype]]] = []
-        self.user_spec: pytree.TreeSpec | None = None
-        self.n_user = 0
-        self.grads_left: list[int] = []    # params whose .grad the step leaves set
-        self.cleared_first = False         # zero_grad came before the first backward
-        self.backward_seen = False
+            groups.append(gs)
+        return groups
 
     # --------------------------------------------------------------- optimizer state
     def live_state_keys(self) -> list[list[tuple[str, torch.Size, torch.dtype]]] | None:
@@ -346,7 +361,9 @@ class _Step:
                 for pi, keys in enumerate(self.state_keys) for k, _, _ in keys]
 
     # --------------------------------------------------------------- the flat function
-    def __call__(self, *flat: torch.Tensor):
+    def __call__(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The step's results, then the new parameters, buffers and optimizer state, then
+        the gradients it leaves in .grad."""
         n_p, n_b = len(self.params), len(self.buffers)
         n_s = sum(len(k) for k in self.state_keys)
         n_lr = len(self.lr_slots)
@@ -432,7 +449,7 @@ class _Step:
         return now if isinstance(now, torch.Tensor) else traced
 
 
-def _discover_state(step: _Step) -> list[list[tuple[str, torch.Size, torch.dtype]]]:
+def _discover_state(step: Step) -> list[list[tuple[str, torch.Size, torch.dtype]]]:
     """The state layout a fresh optimizer creates in its first step(), learned by running
     only the optimizers on parameters with zero gradients: meta tensors first (no memory,
     and no dispatch through Python), fake tensors when the optimizer cannot run on meta
@@ -445,7 +462,7 @@ def _discover_state(step: _Step) -> list[list[tuple[str, torch.Size, torch.dtype
         return _run_optimizers(step, lambda p: _fake_of(fake, p), fake)
 
 
-def _run_optimizers(step: _Step, make: Callable[[torch.Tensor], torch.Tensor],
+def _run_optimizers(step: Step, make: Callable[[torch.Tensor], torch.Tensor],
                     mode: Any) -> list[list[tuple[str, torch.Size, torch.dtype]]]:
     ps = [make(p).requires_grad_(p.requires_grad) for p in step.params]
     state: dict = defaultdict(dict)
@@ -474,7 +491,8 @@ def _fake_of(fake: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     return fake.from_tensor(t)
 
 
-def _fake_inputs(step: _Step) -> list[torch.Tensor]:
+def fake_inputs(step: Step) -> list[torch.Tensor]:
+    """Fake tensors for the step's flat inputs, in the order ``Step`` takes them."""
     # A fresh fake mode per trace, with a shape environment so that .item() (Adam's step
     # count, the learning rate) gives a symbolic float instead of failing.
     fake = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
@@ -490,7 +508,7 @@ def _fake_inputs(step: _Step) -> list[torch.Tensor]:
             + [f(t) for t in step.arg_leaves if isinstance(t, torch.Tensor)])
 
 
-def _trace(step: _Step, inputs: list[torch.Tensor], rec: _Recorder) -> fx.GraphModule:
+def _trace(step: Step, inputs: list[torch.Tensor], rec: _Recorder) -> fx.GraphModule:
     """One make_fx trace of the step on fake tensors, functionalized as it goes.
 
     Functionalization runs under the tracer, as in AOTAutograd: the step's tensors are
@@ -590,11 +608,11 @@ def capture(step_fn: Callable, *args: Any) -> Captured:
                 f"{type(opt).__name__}(fused=True) runs one fused kernel over all its tensors, "
                 "which the tracer cannot break into the IR's per-tensor ops",
                 hint="build the optimizer without fused=True (the default or foreach=True)")
-    step = _Step(step_fn, args, modules, opts)
+    step = Step(step_fn, args, modules, opts)
     live = step.live_state_keys()
     step.state_keys = live if live is not None else _discover_state(step)
     rec = _Recorder(step_fn)
-    gm = _trace(step, _fake_inputs(step), rec)
+    gm = _trace(step, fake_inputs(step), rec)
     if step.grads_left and not step.cleared_first:
         raise FrontendError(
             "the step leaves tensors in .grad when it ends and does not clear them before "

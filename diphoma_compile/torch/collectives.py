@@ -14,10 +14,9 @@ for at once, which is how ``profile`` measures the whole communication time."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Any
-
-import time
 
 import torch
 import torch.distributed as dist

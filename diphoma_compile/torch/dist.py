@@ -1,6 +1,6 @@
 """The per-rank runtime of a data-parallel torch step: one process per device, gloo or NCCL.
 
-``TorchDistStep`` runs the program ``torch_build`` makes of a graph placed over one mesh axis
+``TorchDistStep`` runs the program ``build.py`` makes of a graph placed over one mesh axis
 (after ``data-parallel`` and ``weight-update-sharding``). Each rank passes its own local
 batch (the DDP convention). Parameters stay whole and identical on every rank; optimizer
 state placed ``F``/``Fx``/``S(d)`` is kept *sharded inside the optimizer's own state dict*:
@@ -10,6 +10,7 @@ holds only a piece of it, as under FSDP/ZeRO): ``p.grad`` is None after such a s
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -17,12 +18,13 @@ import torch
 import torch.distributed as dist
 
 from ..errors import BackendError, MeshError
-from .capture import Captured, Slot
 from ..ir.core import Graph, InputKind, OutputKind
+from ..ir.ops import OPS, Category
 from ..ir.types import FlatShard, Placement, Replicate, Shard, TensorType, Varying
 from ..mesh import Mesh
 from . import collectives
 from .build import build_module
+from .capture import Captured, Slot
 from .runtime import TorchStep
 
 
@@ -231,8 +233,6 @@ class TorchDistStep(TorchStep):
         computation; once as scheduled (asynchronous collectives waited for late), giving the
         communication still exposed. Hidden = communication - exposed. Medians per step;
         every rank must call it."""
-        import time
-
         def timed(force: bool) -> tuple[float, float]:
             walls, blocked = [], []
             self.comm.force_sync = force
@@ -315,8 +315,7 @@ def _check_world(graph: Graph, mesh: Mesh, group: Any, axis: str) -> tuple[int, 
         raise BackendError(f"the torch runtime runs one mesh axis ({axis!r}); the mesh also "
                            f"has {', '.join(others)}", hint="use a one-axis mesh for now")
     coll = {str(op.attrs.get("axis")) for op in graph.ops
-            if op.name in ("all_reduce", "reduce_scatter", "all_gather", "take_shard",
-                           "broadcast", "all_to_all", "send", "recv")}
+            if op.name in OPS and OPS[op.name].category is Category.collective}
     if coll - {axis}:
         raise BackendError(f"the graph has collectives over {sorted(coll - {axis})}, not "
                            f"only {axis!r}")

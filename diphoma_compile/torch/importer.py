@@ -11,13 +11,12 @@ import torch.fx as fx
 from ..errors import UnsupportedOpError
 from ..ir.core import (Attrs, Graph, Input, InputKind, InputRole, NameSupply, Op, Output,
                        OutputKind, OutputRole, Value)
-from ..ir.types import DType, TensorType
+from ..ir.types import TensorType
 from .capture import Captured, Slot
-from .ops import (BY_ATEN, DROPPED_TARGETS, IDENTITY, Neutral, draws_random, encode_arg,
-                  ir_dtype, is_view_target, target_name)
+from .ops import (BY_ATEN, COMPARISONS, DROPPED_TARGETS, IDENTITY, SCALAR_DTYPE, SCALAR_MATH,
+                  Neutral, draws_random, encode_arg, ir_dtype, is_view_target, target_name)
 
 aten = torch.ops.aten
-_COMPARE = {"eq", "ne", "lt", "le", "gt", "ge"}
 
 # foreach overloads -> the per-tensor overload CPU runs for each list element
 _FOREACH_BASE = {
@@ -30,16 +29,9 @@ _FOREACH_BASE = {
 }
 
 
-_SYM_DTYPE = {torch.SymFloat: DType.f64, float: DType.f64, torch.SymInt: DType.i64,
-              int: DType.i64, torch.SymBool: DType.bool, bool: DType.bool}
-# Python arithmetic on symbolic scalars (the optimizer's learning-rate and step-count math)
-_SYM_OPS = {operator.mul: "mul", operator.add: "add", operator.sub: "sub",
-            operator.truediv: "div", operator.pow: "pow"}
-
-
 def _ttype(val: Any) -> TensorType:
-    if type(val) in _SYM_DTYPE:
-        return TensorType((), _SYM_DTYPE[type(val)])
+    if type(val) in SCALAR_DTYPE:
+        return TensorType((), SCALAR_DTYPE[type(val)])
     if not isinstance(val, torch.Tensor):
         raise UnsupportedOpError(f"a value of type {type(val).__name__} where a tensor was "
                                  "expected")
@@ -141,14 +133,12 @@ class _Importer:
     def scalar_math(self, node: fx.Node) -> str:
         """Python arithmetic on symbolic scalars, as 0-d ops in double precision."""
         out_t = _ttype(node.meta["val"])
-        if node.target is operator.neg:
-            return self.emit("neg", [self.operand(node.args[0], out_t.dtype)], [out_t], {})[0]
         ins = [self.operand(a, out_t.dtype) for a in node.args]
-        return self.emit(_SYM_OPS[node.target], ins, [out_t], {})[0]
+        return self.emit(SCALAR_MATH[node.target], ins, [out_t], {})[0]
 
     def call(self, node: fx.Node) -> None:
         target = node.target
-        if target in _SYM_OPS or target is operator.neg:
+        if target in SCALAR_MATH:
             self.env[node] = self.scalar_math(node)
             return
         if target is aten._local_scalar_dense.default or target is torch.sym_float:
@@ -207,7 +197,7 @@ class _Importer:
     def neutral(self, row: Neutral, args, kwargs, val) -> str:
         out_t = _ttype(val)
         vals = [_concrete(a.meta["val"]) if isinstance(a, fx.Node) else a for a in args]
-        compute = (ir_dtype(torch.result_type(vals[0], vals[1])) if row.ir in _COMPARE
+        compute = (ir_dtype(torch.result_type(vals[0], vals[1])) if row.ir in COMPARISONS
                    else out_t.dtype)
         ins = []
         for k, pos in enumerate(row.tensors):

@@ -19,10 +19,10 @@ from torch.utils import _pytree as pytree
 
 from ..errors import DiphomaError
 from ..inspect.load import Candidate, construct, evaluate
-from ..inspect.optimizer import choose_optimizer
 from ..inspect.loss import LossChoice, choose, expr_loss, get
-from ..inspect.spec import (InputBinding, InputDescription, InspectError, Target, describe_inputs,
-                           local_shape, bind_inputs)
+from ..inspect.optimizer import choose_optimizer
+from ..inspect.spec import (InputBinding, InputDescription, InspectError, Target, bind_inputs,
+                            describe_inputs, local_shape)
 
 # the multi-tensor (foreach) kernels: what these optimizers run by default on GPUs, and a
 # shorter trace than the per-tensor loop; the math and the plan are the same
@@ -66,7 +66,7 @@ def probe(model: torch.nn.Module, xs: list[torch.Tensor], kw: dict[str, torch.Te
     inputs are all on the meta device and its forward runs there, else on fake tensors
     (shapes only); a FrontendError naming the construct when the forward cannot run that
     way."""
-    from .trace import _explain
+    from .trace import explain
     state = [*model.named_parameters(), *model.named_buffers()]
     if all(t.is_meta for t in [*(t for _, t in state), *xs, *kw.values()]):
         # meta kernels are called straight from C++, with no Python dispatch in between:
@@ -88,7 +88,7 @@ def probe(model: torch.nn.Module, xs: list[torch.Tensor], kw: dict[str, torch.Te
     except DiphomaError:
         raise
     except Exception as e:
-        raise _explain(e) from e
+        raise explain(e) from e
 
 
 def _is_float(x: Any) -> bool:

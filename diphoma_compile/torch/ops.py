@@ -1,11 +1,14 @@
 """The one table between aten and the IR: which aten overloads become which neutral op,
-and how the backend turns a neutral op back into the same aten call.
+and how the backend (``build.py``) turns a neutral op back into the same aten call.
 
 An aten op that is not in the table becomes ``opaque{target="aten.<name>.<overload>"}``
-with its non-tensor arguments kept in attributes, and the backend calls it as it was."""
+with its non-tensor arguments kept in attributes, and the backend calls it as it was.
+Python arithmetic on scalars (the optimizer's learning-rate math) has a table here too:
+the importer reads it into 0-d IR ops, the backend computes those with Python numbers."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +16,8 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedOpError
+from ..ir import shape_rules
+from ..ir.ops import OPS
 from ..ir.types import DType
 
 aten = torch.ops.aten
@@ -24,6 +29,22 @@ TORCH_TO_DTYPE = {
     torch.bool: DType.bool, torch.complex64: DType.c64, torch.complex128: DType.c128,
 }
 DTYPE_TO_TORCH = {v: k for k, v in TORCH_TO_DTYPE.items()}
+
+# The IR dtype of a Python number and of torch's symbolic stand-in for one: what eager code
+# computes the optimizer's scalar math in (Python doubles and ints)
+SCALAR_DTYPE: dict[type, DType] = {
+    float: DType.f64, torch.SymFloat: DType.f64, int: DType.i64, torch.SymInt: DType.i64,
+    bool: DType.bool, torch.SymBool: DType.bool,
+}
+
+# Python arithmetic on (symbolic) scalars <-> the 0-d IR op that records it
+SCALAR_MATH: dict[Callable, str] = {
+    operator.mul: "mul", operator.add: "add", operator.sub: "sub", operator.truediv: "div",
+    operator.pow: "pow", operator.neg: "neg",
+}
+
+# The IR's comparisons (a bool result of operands in their promoted dtype), by shape rule
+COMPARISONS = frozenset(n for n, d in OPS.items() if d.shape_rule is shape_rules.compare)
 
 
 def ir_dtype(dt: torch.dtype) -> DType:
@@ -172,8 +193,31 @@ def emit_target(ir_name: str, overload: str | None = None) -> Any:
                              + (f" ({overload})" if overload else ""))
 
 
+def emit_target_for(ir_name: str, number: bool) -> Any:
+    """The aten overload for a neutral op whose last operand is (``number``) or is not a
+    Python number: its ``Scalar`` or ``Tensor`` row where the table has both (comparisons,
+    lerp), else its first row."""
+    forms = {row.aten._overloadname for row in NEUTRAL if row.ir == ir_name}
+    if {"Scalar", "Tensor"} <= forms:
+        return emit_target(ir_name, "Scalar" if number else "Tensor")
+    return emit_target(ir_name)
+
+
+# Tensor overloads to which eager code also passes a Python number as the last operand
+# (aten wraps it), as the optimizer passes its learning rate to mul
+_WRAPS_NUMBER = frozenset({aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor})
+
+
+def takes_number(target: Any) -> bool:
+    """True when an aten overload of the table takes a Python number as its last operand."""
+    return target in _WRAPS_NUMBER or target._overloadname == "Scalar"
+
+
+# ops whose result is their input's value: the importer passes the input on
 IDENTITY = {aten.detach.default, aten.detach_copy.default, aten.alias.default,
             aten.alias_copy.default, aten.lift_fresh_copy.default, aten.clone.default}
+
+
 def draws_random(target: Any) -> bool:
     """True for ops that draw from the framework's global generator (dropout, rand, ...):
     they are kept in order (effectful) and marked, so no pass drops, merges or moves them;

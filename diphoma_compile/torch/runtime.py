@@ -10,10 +10,10 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..errors import DiphomaError
-from .capture import LR_DTYPE, Captured, Slot, _is_state, settings_of
-from .ops import DTYPE_TO_TORCH
 from ..ir.core import Graph
 from .build import build_module
+from .capture import LR_DTYPE, Captured, Slot, is_state, settings_of
+from .ops import DTYPE_TO_TORCH
 
 
 class TorchStep:
@@ -72,7 +72,7 @@ class TorchStep:
 
     def _gather(self, args: tuple) -> list[torch.Tensor]:
         cap = self.captured
-        leaves, _ = pytree.tree_flatten(args, is_leaf=_is_state)
+        leaves, _ = pytree.tree_flatten(args, is_leaf=is_state)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         if len(tensors) != len(self._arg_types):
             raise DiphomaError(f"the step was traced with {len(self._arg_types)} tensor "

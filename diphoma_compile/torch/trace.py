@@ -15,7 +15,7 @@ import torch
 from ..errors import DiphomaError, FrontendError
 from ..ir.core import Graph
 from ..ir.verify import verify
-from .capture import _INTERNAL, Captured, capture
+from .capture import INTERNAL_PATHS, Captured, capture
 from .importer import import_captured
 
 
@@ -26,7 +26,7 @@ def _user_frame(exc: BaseException) -> str | None:
     user's own files is there: a model from a library, called from the user's step."""
     own = lib = None
     for fs in traceback.extract_tb(exc.__traceback__):
-        if fs.filename.startswith(_INTERNAL) or fs.filename.startswith("<"):
+        if fs.filename.startswith(INTERNAL_PATHS) or fs.filename.startswith("<"):
             continue
         text = f"{os.path.basename(fs.filename)}:{fs.lineno}: {(fs.line or '').strip()}"
         if "site-packages" in fs.filename or "dist-packages" in fs.filename:
@@ -36,7 +36,8 @@ def _user_frame(exc: BaseException) -> str | None:
     return own or lib
 
 
-def _explain(exc: Exception) -> FrontendError:
+def explain(exc: Exception) -> FrontendError:
+    """A FrontendError for an exception raised while tracing, naming the user's line."""
     where = _user_frame(exc)
     at = f" at {where}" if where else ""
     name = type(exc).__name__
@@ -67,7 +68,7 @@ def trace_torch(step_fn: Callable, *example_args: Any) -> tuple[Graph, Captured]
     except DiphomaError:
         raise
     except Exception as e:  # torch raises many types while tracing; name the user's line
-        raise _explain(e) from e
+        raise explain(e) from e
     graph = import_captured(cap)
     return verify(graph), cap
 

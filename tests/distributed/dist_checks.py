@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch"))
 import gpt as gpt_example  # noqa: E402  (examples/gpt.py)
 from models import classify_step as mlp_step  # noqa: E402
 
-from diphoma_compile.torch import collectives as torch_comm  # noqa: E402
+from diphoma_compile.torch import collectives  # noqa: E402
 from diphoma_compile.torch.dist import TorchDistStep  # noqa: E402
 from diphoma_compile.errors import DiphomaError  # noqa: E402
 from diphoma_compile.torch.trace import trace_torch  # noqa: E402
@@ -354,8 +354,8 @@ def no_collectives(calls: list[str]):
         for n in names:
             if hasattr(dist, n):
                 stack.enter_context(mock.patch.object(dist, n, refuse(n)))
-        stack.enter_context(mock.patch.object(torch_comm, "_all_gather", refuse("ag")))
-        stack.enter_context(mock.patch.object(torch_comm, "_reduce_scatter", refuse("rs")))
+        stack.enter_context(mock.patch.object(collectives, "_all_gather", refuse("ag")))
+        stack.enter_context(mock.patch.object(collectives, "_reduce_scatter", refuse("rs")))
         yield
 
 
