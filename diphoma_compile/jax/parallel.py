@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import jax
@@ -25,6 +24,7 @@ from ..errors import BackendError, MeshError
 from ..ir.core import Graph, InputKind, Op, OutputKind
 from ..ir.types import FlatShard, Placement, Replicate, Shard, TensorType, Varying
 from ..mesh import Mesh
+from ..report.memory import MemoryReport
 from .compile import JaxStep, Lowering, dtype_matches, graph_function
 from .ops import emitter
 from .trace import output_tree
@@ -270,21 +270,6 @@ def jax_mesh(mesh: Any) -> jax.sharding.Mesh:
 
 # ---------------------------------------------------------------- memory
 
-@dataclass(frozen=True)
-class MemoryReport:
-    """Bytes of parameters and optimizer state that one device holds (the largest over
-    devices), measured from live arrays or, before the first call, planned from types."""
-
-    param_bytes: int
-    opt_state_bytes: int
-    devices: int
-    measured: bool
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields as a plain dict (for JSON)."""
-        return asdict(self)
-
-
 def per_device_bytes(arrays: Sequence[Any]) -> int:
     """The most bytes any one device holds of these arrays (their addressable shards)."""
     held: dict[Any, int] = {}
@@ -400,14 +385,14 @@ class JaxParallelStep(JaxStep):
         if self._last:
             param = per_device_bytes([self._last[k] for k in which[InputKind.param]])
             state = per_device_bytes([self._last[k] for k in which[InputKind.opt_state]])
-            return MemoryReport(param, state, self.mesh.size, True)
+            return MemoryReport(param, state, devices=self.mesh.size, measured=True)
         types = self.graph.value_types()
         axes = dict(self.graph.mesh.axes)
 
         def planned(kind: InputKind) -> int:
             return sum(types[self.graph.outputs[k].name].local_nbytes(axes) for k in which[kind])
         return MemoryReport(planned(InputKind.param), planned(InputKind.opt_state),
-                            self.mesh.size, False)
+                            devices=self.mesh.size, measured=False)
 
 
 def _data_axis(graph: Graph) -> str:

@@ -22,23 +22,11 @@ from ..ir.core import Graph, InputKind, OutputKind
 from ..ir.ops import OPS, Category
 from ..ir.types import FlatShard, Placement, Replicate, Shard, TensorType, Varying
 from ..mesh import Mesh
+from ..report.memory import MemoryReport
 from . import collectives
 from .build import build_module
 from .capture import Captured, Slot
 from .runtime import TorchStep
-
-
-@dataclass(frozen=True)
-class MemoryReport:
-    """Bytes of the live tensors this process holds (each storage counted once)."""
-
-    param_bytes: int
-    opt_state_bytes: int
-    grad_bytes: int
-
-    def to_dict(self) -> dict[str, int]:
-        """The report as a plain dict (for JSON)."""
-        return asdict(self)
 
 
 @dataclass(frozen=True)
