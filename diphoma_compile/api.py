@@ -22,8 +22,9 @@ from .errors import DiphomaError
 from .framework import Framework
 from .ir.core import Graph, InputKind
 from .mesh import Mesh, data_axis
-from .passes.base import PassContext, Pipeline
+from .passes.base import PassContext
 from .passes.defaults import default_passes
+from .passes.pipeline import Pipeline
 from .report.plan import Plan, build_plan
 
 

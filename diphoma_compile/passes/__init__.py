@@ -1,13 +1,15 @@
-"""Passes over the IR: the Pass type, the registry, pipelines, and the built-in passes."""
+"""Passes over the IR: the Pass type and registry (base), spec strings (spec), the Pipeline
+(pipeline), the default pipeline (defaults) and the built-in passes, one module each."""
 
 from . import (  # noqa: F401  (registers the built-in passes)
     comm_fusion, cse, data_parallel, dce, schedule_comm, weight_update_sharding)
 from .base import (ENTRY_POINT_GROUP, Decision, Pass, PassContext, PassFailure, PassRecord,
-                   Pipeline, available_passes, get_pass, parse_spec, register_pass,
-                   unregister_pass)
+                   available_passes, get_pass, register_pass, unregister_pass)
 from .comm_fusion import CommFusionRecord
 from .data_parallel import DataParallelRecord
+from .pipeline import Pipeline
 from .schedule_comm import ScheduleCommRecord
+from .spec import parse_spec
 from .weight_update_sharding import WeightUpdateShardingRecord
 
 __all__ = ["ENTRY_POINT_GROUP", "CommFusionRecord", "DataParallelRecord", "Decision", "Pass",

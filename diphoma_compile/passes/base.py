@@ -1,23 +1,19 @@
-"""Pass infrastructure: the Pass type, the registry (with entry-point plugins), pipeline
-spec strings, and the Pipeline that verifies, dumps and times every pass."""
+"""Pass infrastructure: the Pass type, what passes share in a run (PassContext, their
+decisions and records), and the registry of passes by name (with entry-point plugins). Spec
+strings are read in ``spec.py``; ``pipeline.py`` runs passes in order."""
 
 from __future__ import annotations
 
 import dataclasses
-import re
 import sys
-import time
-import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from ..errors import DiphomaError, IRVerifyError, PassError, PassSpecError
+from ..errors import DiphomaError, PassSpecError
 from ..ir.core import Graph, Op
-from ..ir.printer import format_op_head, print_graph
-from ..ir.verify import verify
 
 ENTRY_POINT_GROUP = "diphoma_compile.passes"
 
@@ -92,12 +88,13 @@ class Pass:
 
     def spec(self) -> str:
         """This pass with all its options, as it would be written in a spec string."""
-        opts = [f"{_kebab(f.name)}={_fmt_opt(getattr(self, f.name))}"
+        opts = [f"{kebab(f.name)}={_fmt_opt(getattr(self, f.name))}"
                 for f in dataclasses.fields(self)]
         return self.name + ("{" + ", ".join(opts) + "}" if opts else "")
 
 
-def _kebab(s: str) -> str:
+def kebab(s: str) -> str:
+    """An option's spec name: ``bucket_mb`` -> ``bucket-mb``."""
     return s.replace("_", "-")
 
 
@@ -165,159 +162,3 @@ def get_pass(name: str) -> type[Pass]:
     except KeyError:
         raise PassSpecError(f"unknown pass {name!r}",
                             hint="known passes: " + ", ".join(sorted(_REGISTRY))) from None
-
-
-# ------------------------------------------------------------------ spec strings
-
-_SPEC_TOKEN = re.compile(r"\s*(?:(?P<name>[A-Za-z_][A-Za-z0-9_\-]*)|(?P<punct>[{},=])"
-                         r"|(?P<value>[^{},=\s]+))")
-
-
-def _coerce(pass_cls: type[Pass], key: str, raw: str) -> Any:
-    fields = {_kebab(f.name): f for f in dataclasses.fields(pass_cls)}
-    f = fields.get(key)
-    if f is None:
-        known = ", ".join(fields) or "none"
-        raise PassSpecError(f"pass {pass_cls.name!r} has no option {key!r} (options: {known})")
-    hint_t = typing.get_type_hints(pass_cls).get(f.name, str)
-    try:
-        if hint_t is bool:
-            if raw.lower() not in ("true", "false", "1", "0"):
-                raise ValueError(raw)
-            return raw.lower() in ("true", "1")
-        if hint_t in (int, float, str):
-            return hint_t(raw)
-        return raw
-    except ValueError:
-        raise PassSpecError(f"option {key}={raw!r} of pass {pass_cls.name!r} should be "
-                            f"{getattr(hint_t, '__name__', hint_t)}") from None
-
-
-def parse_spec(spec: str) -> list[Pass]:
-    """``"dce,cse,comm-fusion{bucket-mb=25}"`` -> pass instances, options typed."""
-    toks: list[tuple[str, str, int]] = []
-    pos = 0
-    while pos < len(spec):
-        if spec[pos:].strip() == "":
-            break
-        m = _SPEC_TOKEN.match(spec, pos)
-        if m is None:
-            raise PassSpecError(f"cannot read pass spec {spec!r} at position {pos}")
-        kind = m.lastgroup
-        toks.append((kind, m.group(kind), m.start(kind)))
-        pos = m.end()
-    passes: list[Pass] = []
-    i = 0
-
-    def err(msg: str, at: int) -> PassSpecError:
-        return PassSpecError(f"{msg} in pass spec {spec!r} at position {at}",
-                             hint="write passes as name or name{option=value, ...}, "
-                                  "separated by commas")
-    while i < len(toks):
-        kind, text, at = toks[i]
-        if kind != "name":
-            raise err(f"expected a pass name, found {text!r}", at)
-        cls = get_pass(text)
-        i += 1
-        opts: dict[str, Any] = {}
-        if i < len(toks) and toks[i][1] == "{":
-            i += 1
-            while i < len(toks) and toks[i][1] != "}":
-                if i + 2 >= len(toks) or toks[i][0] != "name" or toks[i + 1][1] != "=":
-                    raise err("expected option=value", toks[i][2])
-                key, raw = toks[i][1], toks[i + 2][1]
-                if toks[i + 2][0] == "punct":
-                    raise err(f"option {key!r} has no value", toks[i + 2][2])
-                if _kebab(key) in opts:
-                    raise err(f"option {key!r} is given twice", toks[i][2])
-                opts[_kebab(key)] = _coerce(cls, _kebab(key), raw)
-                i += 3
-                if i < len(toks) and toks[i][1] == ",":
-                    i += 1
-            if i >= len(toks):
-                raise err("unclosed '{'", len(spec))
-            i += 1
-        passes.append(cls(**{k.replace("-", "_"): v for k, v in opts.items()}))
-        if i < len(toks):
-            if toks[i][1] != ",":
-                raise err(f"expected ',' between passes, found {toks[i][1]!r}", toks[i][2])
-            i += 1
-            if i == len(toks):
-                raise err("trailing ','", toks[i - 1][2])
-    return passes
-
-
-# ------------------------------------------------------------------ pipeline
-
-@dataclass(frozen=True)
-class Pipeline:
-    """An ordered list of passes; ``run`` verifies after each, dumps and times them."""
-
-    passes: tuple[Pass, ...] = ()
-
-    @classmethod
-    def from_spec(cls, spec: str) -> Pipeline:
-        """Build a pipeline from a spec string such as ``"dce,cse"``."""
-        return cls(tuple(parse_spec(spec)))
-
-    def spec(self) -> str:
-        """The spec string that rebuilds this pipeline."""
-        return ",".join(p.spec() for p in self.passes)
-
-    def run(self, graph: Graph, ctx: PassContext | None = None) -> Graph:
-        """Apply every pass in order; PassError names the pass, those before it, the op."""
-        ctx = ctx or PassContext()
-        if ctx.verify:
-            try:
-                verify(graph)
-            except IRVerifyError as e:
-                raise PassError(f"the input graph does not verify, before any pass ran:\n{e}",
-                                pass_name="<input>") from e
-        done: list[str] = []
-        for k, p in enumerate(self.passes):
-            spec = p.spec()
-            t0 = time.perf_counter()
-            try:
-                new = p(graph, ctx)
-            except Exception as e:
-                raise _pass_error(spec, done, e) from e
-            if not isinstance(new, Graph):
-                raise PassError(f"pass {spec!r} returned {type(new).__name__}, not a Graph",
-                                pass_name=p.name, before=tuple(done))
-            t1 = time.perf_counter()
-            changed = new is not graph
-            new = new.replace(passes=new.passes + (spec,))
-            if ctx.verify:
-                try:
-                    verify(new)
-                except IRVerifyError as e:
-                    raise _pass_error(spec, done, e, "left a graph that does not verify") from e
-            t2 = time.perf_counter()
-            ctx.records.append(PassRecord(spec, changed, t1 - t0, t2 - t1))
-            if ctx.wants_dump(p.name):
-                _dump(ctx, k, p.name, new)
-            done.append(spec)
-            graph = new
-        return graph
-
-
-def _pass_error(spec: str, done: list[str], e: Exception,
-                what: str = "failed") -> PassError:
-    before = ", ".join(done) if done else "none"
-    msg = f"pass {spec!r} {what} (passes run before it: {before})\n{e}"
-    op = getattr(e, "op", None)
-    if isinstance(op, Op):
-        msg += f"\n  at op: {format_op_head(op)}"
-    elif not isinstance(e, DiphomaError):
-        msg = f"{msg}\n  ({type(e).__name__}; this is a bug in the pass)"
-    # str(e) already carries e's hint
-    return PassError(msg, pass_name=spec.split("{")[0], before=tuple(done))
-
-
-def _dump(ctx: PassContext, k: int, name: str, graph: Graph) -> None:
-    text = print_graph(graph)
-    if ctx.dump_dir is not None:
-        ctx.dump_dir.mkdir(parents=True, exist_ok=True)
-        (ctx.dump_dir / f"{k:02d}-{name}.ir").write_text(text)
-    else:
-        ctx.dump_stream(f"# IR after {name}\n{text}")
