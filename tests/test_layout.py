@@ -13,6 +13,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "diphoma_compile"
 FRAMEWORK_PACKAGES = {"torch", "jax", "jaxlib", "flax", "optax", "equinox", "haiku"}
 NEUTRAL = ("ir", "passes")
+FRAMEWORKS = ("torch", "jax")
 
 
 def _modules() -> dict[str, Path]:
@@ -94,6 +95,20 @@ def test_no_private_name_crosses_a_subpackage():
                 continue
             bad += [f"{name}:{node.lineno} imports {mod}.{n}" for n in names
                     if n.startswith("_") and not n.startswith("__")]
+    assert not bad, "\n".join(bad)
+
+
+def test_framework_packages_are_reached_only_through_the_registry():
+    """Outside torch/ and jax/, no module imports them (framework.py loads them by name)."""
+    bad = [f"{name} imports {dep}" for name in MODULES if _subpackage(name) not in FRAMEWORKS
+           for dep in _internal_edges(name) if _subpackage(dep) in FRAMEWORKS]
+    assert not bad, "\n".join(bad)
+
+
+def test_ir_imports_nothing_above_it_but_errors_and_mesh():
+    bad = [f"{name} imports {dep}" for name in MODULES if _subpackage(name) == "ir"
+           for dep in _internal_edges(name) if _subpackage(dep) != "ir"
+           and dep not in ("diphoma_compile.errors", "diphoma_compile.mesh")]
     assert not bad, "\n".join(bad)
 
 
