@@ -5,7 +5,8 @@ The step is ordinary PyTorch: it calls the model, ``loss.backward()``, maybe
 and buffers, the optimizers' state and learning rates for fake tensors that are graph inputs,
 trace the call once with make_fx in fake mode (no real tensor is touched), functionalizing as
 it goes so that no in-place op survives. ``Captured`` holds the fx graph, where each flat input
-comes from and each flat output goes to, and the phase and source line of every node."""
+comes from and each flat output goes to, the phase and source line of every node, and the
+host effects (``effects.py``) the runtime replays around the program."""
 
 from __future__ import annotations
 
@@ -31,19 +32,22 @@ from torch.utils import _pytree as pytree
 
 from ..errors import FrontendError
 from ..ir.core import Phase
+from .effects import INTERNAL_PATHS, HostEffect, HostWatch, StaleValue
+from .ops import draws_random
 
 aten = torch.ops.aten
-LR_DTYPE = torch.float64  # a Python float learning rate is a double: keep it one
+LR_DTYPE = torch.float64  # a Python float hyperparameter is a double: keep it one
 
 
 @dataclass(frozen=True)
 class Slot:
     """Where a flat graph input comes from, or where an output goes."""
 
-    kind: str    # param, buffer, opt_state, lr, arg
+    kind: str    # param, buffer, opt_state, hyper, arg
     owner: int   # index of the module or optimizer (arg: 0)
     key: tuple   # param/buffer: (qualname,); opt_state: (param index, state key);
-                 # lr: (group index,); arg: (leaf index,)
+                 # hyper: (group index, group key, index in a tuple value or None);
+                 # arg: (leaf index,)
     name: str    # the IR value name
 
 
@@ -64,18 +68,66 @@ class Captured:
     name: str = "step"
     settings: tuple = ()   # what the trace baked in, from settings_of(); checked per call
     clears_grads: bool = True   # the step zero_grads before backward: a leftover .grad is moot
+    # calls the runtime makes on the host before or after the program (schedulers, seeds)
+    effects: list[HostEffect] = field(default_factory=list)
+    # sign (-1, 0, 1) of each hyperparameter input but lr at trace time: the optimizer may
+    # branch on it (momentum != 0), so the trace holds only while it keeps that sign
+    hyper_signs: dict[str, int] = field(default_factory=dict)
 
 
 _LIVE_KEYS = {"params", "lr", "initial_lr"}   # read per call, or not used by step()
 
 
-def settings_of(modules: list[torch.nn.Module], opts: list[torch.optim.Optimizer]) -> tuple:
+def settings_of(modules: list[torch.nn.Module], opts: list[torch.optim.Optimizer],
+                live: frozenset = frozenset()) -> tuple:
     """Everything a trace bakes in that a user may change between calls: the optimizers'
-    hyperparameters other than the learning rate, their group count, train/eval modes."""
-    groups = tuple(tuple(sorted((k, repr(v)) for k, v in g.items() if k not in _LIVE_KEYS))
-                   for opt in opts for g in opt.param_groups)
+    hyperparameters other than those read per call (the learning rate, and ``live``:
+    ``(optimizer index, key, tuple index or None)``), their group count, train/eval modes."""
+    def value(oi: int, k: str, v: Any) -> str:
+        if isinstance(v, tuple) and any((oi, k, i) in live for i in range(len(v))):
+            v = tuple("<input>" if (oi, k, i) in live else x for i, x in enumerate(v))
+        return repr(v)
+    groups = tuple(tuple(sorted((k, value(oi, k, v)) for k, v in g.items()
+                                if k not in _LIVE_KEYS and (oi, k, None) not in live))
+                   for oi, opt in enumerate(opts) for g in opt.param_groups)
     modes = tuple(sub.training for m in modules for sub in m.modules())
     return tuple(len(o.param_groups) for o in opts), groups, modes
+
+
+def cycled_keys(opt: torch.optim.Optimizer) -> list[tuple[str, int | None]]:
+    """The hyperparameters other than lr that a scheduler attached to ``opt`` changes.
+
+    OneCycleLR and CyclicLR with ``cycle_momentum=True`` (their default) mark the groups
+    with ``max_momentum`` and ``base_momentum`` and write ``betas[0]`` (Adam, AdamW) or
+    ``momentum`` (SGD, RMSprop) on every step; no other torch scheduler writes anything but
+    ``lr``. These become graph inputs only where such a scheduler is attached, so a step
+    without one traces exactly as before."""
+    if not any("max_momentum" in g and "base_momentum" in g for g in opt.param_groups):
+        return []
+    first = opt.param_groups[0]
+    if isinstance(first.get("betas"), tuple):
+        return [("betas", 0)]
+    if "momentum" in first:
+        return [("momentum", None)]
+    return []
+
+
+def hyper_value(opt: torch.optim.Optimizer, slot: Slot) -> Any:
+    """The live value of a hyperparameter slot in ``opt``'s parameter groups."""
+    gi, key, idx = slot.key
+    v = opt.param_groups[gi][key]
+    return v if idx is None else v[idx]
+
+
+def _hyper_name(key: str, idx: int | None) -> str:
+    if key == "betas" and idx is not None:
+        return f"beta{idx + 1}"
+    return key if idx is None else f"{key}.{idx}"
+
+
+def sign(v: float) -> int:
+    """-1, 0 or 1."""
+    return (v > 0) - (v < 0)
 
 
 # ------------------------------------------------------------------ finding the state
@@ -139,11 +191,6 @@ def _path_name(path: tuple) -> str:
 
 # ------------------------------------------------------------------ phases and locations
 
-# where torch, this package and the standard library live: frames there are not the user's
-INTERNAL_PATHS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)),
-                  os.path.dirname(contextlib.__file__))
-
-
 class _Recorder:
     """The phase and the user's source line of every node, noted as the tracer makes it.
 
@@ -157,6 +204,7 @@ class _Recorder:
         code = getattr(step_fn, "__code__", None)
         self.anchors = {(code.co_filename, code.co_name)} if code is not None else set()
         self.current = Phase.forward
+        self.draws = 0                      # random draws from the global generator so far
         self.phase: dict[str, Phase] = {}   # fx node name -> phase
         self.loc: dict[str, str] = {}       # fx node name -> "file:line"
         # code object -> its file's name if it is the user's, None if not, "" for the
@@ -199,6 +247,7 @@ class _Recorder:
             node = create(kind, target, *args, **kwargs)
             if kind in ("call_function", "get_attr"):
                 self.phase[node.name] = self.current
+                self.draws += kind == "call_function" and draws_random(target)
                 # an element of a list result (a foreach op's) has its op's line
                 where = self.user_line() if target is not operator.getitem else None
                 if where is not None:
@@ -241,19 +290,67 @@ class _Recorder:
 
 @contextlib.contextmanager
 def _bind_optimizer(opt: torch.optim.Optimizer, groups: list[list[torch.Tensor]],
-                    state: dict, lrs: list[torch.Tensor]) -> Iterator[None]:
-    """Point ``opt`` at traced parameters, state and learning rates; restore afterwards."""
-    saved = [(g["params"], g["lr"]) for g in opt.param_groups]
+                    state: dict, values: list[dict[str, Any]]) -> Iterator[list[dict]]:
+    """Point ``opt`` at traced parameters, state and hyperparameter values; yield the
+    groups as bound; afterwards put back every group as it was, whatever the step did."""
+    listed, saved_list = opt.param_groups, list(opt.param_groups)
+    saved = [dict(g) for g in saved_list]
     saved_state = opt.state
     try:
-        for g, ps, lr in zip(opt.param_groups, groups, lrs):
-            g["params"], g["lr"] = ps, lr
+        for g, ps, vals in zip(opt.param_groups, groups, values):
+            g["params"] = ps
+            g.update(vals)
         opt.state = state
-        yield
+        yield [dict(g) for g in opt.param_groups]
     finally:
-        for g, (ps, lr) in zip(opt.param_groups, saved):
-            g["params"], g["lr"] = ps, lr
+        opt.param_groups = listed
+        listed[:] = saved_list
+        for g, before in zip(saved_list, saved):
+            g.clear()
+            g.update(before)
         opt.state = saved_state
+
+
+def _same(a: Any, b: Any) -> bool:
+    """The same parameter-group value (a symbolic one only as itself)."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, (bool, int, float, str, type(None))):
+        return repr(a) == repr(b)
+    return False
+
+
+_UNSET = object()
+
+
+def _check_group_edits(opts: list[torch.optim.Optimizer], bound: list[list[dict]]) -> None:
+    """FrontendError when the step changed a parameter group: it would change once, at
+    trace time (the groups are put back afterwards)."""
+    for oi, (opt, groups) in enumerate(zip(opts, bound)):
+        name = f"{type(opt).__name__} (optimizer {oi})"
+        if len(opt.param_groups) != len(groups):
+            raise FrontendError(f"the step adds or removes parameter groups of {name} while "
+                                "it is traced", hint="change the parameter groups outside "
+                                                     "the step, then trace it again")
+        for gi, (g, b) in enumerate(zip(opt.param_groups, groups)):
+            for k in list(g) + [k for k in b if k not in g]:
+                v, w = g.get(k, _UNSET), b.get(k, _UNSET)
+                if k == "params" or _same(v, w) or isinstance(v, StaleValue) or (
+                        isinstance(v, tuple) and any(isinstance(x, StaleValue) for x in v)):
+                    continue
+                hint = ("set the learning rate between calls (it is read on every call), or "
+                        "use a torch.optim.lr_scheduler scheduler, whose step() may be "
+                        "called inside the step" if k == "lr" else
+                        "set it outside the step and trace again (the trace bakes it in), "
+                        "or use a torch.optim.lr_scheduler scheduler")
+                raise FrontendError(
+                    f"the step sets param_groups[{gi}][{k!r}] of {name} while it is traced; "
+                    "the compiled step would make that change once, at trace time, and never "
+                    "again (it has been put back)", hint=hint)
 
 
 class Step:
@@ -270,12 +367,20 @@ class Step:
         self.buffers: list[torch.Tensor] = []
         index_of = self._add_module_tensors(names)
         self.groups = self._param_groups(index_of)   # optimizer -> group -> param indices
-        self.lr_slots = [Slot("lr", oi, (gi,), "lr" if len(opts) == 1 and len(gs) == 1
-                              else f"opt{oi}.group{gi}.lr")
-                         for oi, gs in enumerate(self.groups) for gi in range(len(gs))]
+        # hyperparameters read on every call: each group's lr, and what a scheduler cycles
+        one = len(opts) == 1 and all(len(gs) == 1 for gs in self.groups)
+        self.hyper_slots = [
+            Slot("hyper", oi, (gi, key, idx), _hyper_name(key, idx) if one
+                 else f"opt{oi}.group{gi}.{_hyper_name(key, idx)}")
+            for oi, gs in enumerate(self.groups) for gi in range(len(gs))
+            for key, idx in [("lr", None)] + cycled_keys(opts[oi])]
+        self.hyper_signs = {s.name: sign(hyper_value(opts[s.owner], s))
+                            for s in self.hyper_slots if s.key[1] != "lr"}
         leaves, self.arg_spec = pytree.tree_flatten_with_path(args, is_leaf=is_state)
         self.arg_leaves = [leaf for _, leaf in leaves]
         by_pos = dict(enumerate(params))
+        self.arg_names = [_arg_path_name(path, by_pos) or f"arg{i}"
+                          for i, (path, _) in enumerate(leaves)]
         self.arg_slots = [Slot("arg", 0, (i,), _arg_path_name(path, by_pos) or f"arg{i}")
                           for i, (path, leaf) in enumerate(leaves)
                           if isinstance(leaf, torch.Tensor)]
@@ -366,13 +471,13 @@ class Step:
         the gradients it leaves in .grad."""
         n_p, n_b = len(self.params), len(self.buffers)
         n_s = sum(len(k) for k in self.state_keys)
-        n_lr = len(self.lr_slots)
+        n_h = len(self.hyper_slots)
         # frozen parameters stay frozen: no gradient is computed for them
         ps = [t.requires_grad_(p.requires_grad) for t, p in zip(flat[:n_p], self.params)]
         bs = list(flat[n_p:n_p + n_b])
         ss = flat[n_p + n_b:n_p + n_b + n_s]
-        lrs = list(flat[n_p + n_b + n_s:n_p + n_b + n_s + n_lr])
-        us = iter(flat[n_p + n_b + n_s + n_lr:])
+        hyper = list(flat[n_p + n_b + n_s:n_p + n_b + n_s + n_h])
+        us = iter(flat[n_p + n_b + n_s + n_h:])
         leaves = [next(us) if isinstance(leaf, torch.Tensor) else leaf
                   for leaf in self.arg_leaves]
         args = pytree.tree_unflatten(leaves, self.arg_spec)
@@ -388,14 +493,15 @@ class Step:
                                 if s.owner == mi})
                 stack.enter_context(_reparametrize_module(m, tensors, tie_weights=True))
             stack.enter_context(self._watch_grad_clearing())
-            lr_it = iter(lrs)
+            values = self._hyper_values(hyper)
+            bound = []
             for oi, opt in enumerate(self.opts):
                 groups = [[ps[i] for i in g] for g in self.groups[oi]]
-                # .item() of a fake tensor is a symbolic float: the optimizer does its usual
-                # Python-double arithmetic on it, and that arithmetic is traced
-                glrs = [next(lr_it).item() for _ in groups]
-                stack.enter_context(_bind_optimizer(opt, groups, state, glrs))
+                bound.append(stack.enter_context(_bind_optimizer(opt, groups, state,
+                                                                 values[oi])))
             out = self.fn(*args)
+            _check_group_edits(self.opts, bound)
+            self._check_arguments(args, leaves)
             new_buffers = [self._buffer_now(m_slot, bs[i]) for i, m_slot in
                            enumerate(self.buffer_slots)]
         out_leaves, self.user_spec = pytree.tree_flatten(out)
@@ -411,6 +517,54 @@ class Step:
         self.grads_left = [pi for pi, p in enumerate(ps) if p.grad is not None]
         return (*[t.detach() for t in out_leaves], *ps,
                 *new_buffers, *new_state, *[ps[pi].grad.detach() for pi in self.grads_left])
+
+    def _check_arguments(self, args: tuple, leaves: list[Any]) -> None:
+        """FrontendError when the step changed its arguments (the traced copies of them):
+        an item set or added, a tensor updated in place (EMA weights kept in a list). The
+        program writes back only the modules' and optimizers' state."""
+        now, spec = pytree.tree_flatten(args, is_leaf=is_state)
+        hint = ("keep such values in a module passed to the step (parameters, or "
+                "register_buffer; EMA weights in copy.deepcopy(model)), whose tensors are "
+                "traced state, or change them outside the step")
+        if spec != self.arg_spec:
+            raise FrontendError("the step adds or removes items of its arguments while it is "
+                                "traced; the compiled step would not", hint=hint)
+        for name, v, w in zip(self.arg_names, now, leaves):
+            if isinstance(w, torch.Tensor):
+                elem = getattr(w, "elem", None)
+                if v is w and not (elem is not None
+                                   and torch._functionalize_has_data_mutation(elem)):
+                    continue
+                what = "updates its argument {} in place" if v is w else "replaces {}"
+            elif v is w or _same(v, w):
+                continue
+            else:
+                what = f"changes its argument {{}} from {w!r:.40} to {v!r:.40}"
+            raise FrontendError(
+                f"the step {what.format(name)}; the compiled step writes back only the "
+                "parameters, buffers and optimizer state of the modules and optimizers it "
+                "uses", hint=hint)
+
+    def _hyper_values(self, hyper: list[torch.Tensor]) -> list[list[dict[str, Any]]]:
+        """Per optimizer and group, the traced values to bind. ``.item()`` of a fake tensor
+        is a symbolic float: the optimizer does its usual Python-double arithmetic on it,
+        and that arithmetic is traced. A value's sign is assumed (``torch._check``), so that
+        the optimizer may branch on it (``if momentum != 0``); the runtime checks it."""
+        values: list[list[dict[str, Any]]] = [[{} for _ in gs] for gs in self.groups]
+        for slot, t in zip(self.hyper_slots, hyper):
+            gi, key, idx = slot.key
+            v = t.item()
+            s = self.hyper_signs.get(slot.name)
+            if s is not None:
+                torch._check(v > 0 if s > 0 else v < 0 if s < 0 else v == 0)
+            group = values[slot.owner][gi]
+            if idx is None:
+                group[key] = v
+            else:
+                whole = list(group.get(key, self.opts[slot.owner].param_groups[gi][key]))
+                whole[idx] = v
+                group[key] = tuple(whole)
+        return values
 
     @contextlib.contextmanager
     def _watch_grad_clearing(self) -> Iterator[None]:
@@ -473,7 +627,7 @@ def _run_optimizers(step: Step, make: Callable[[torch.Tensor], torch.Tensor],
         for oi, opt in enumerate(step.opts):
             groups = [[ps[i] for i in g] for g in step.groups[oi]]
             stack.enter_context(_bind_optimizer(opt, groups, state,
-                                                [g["lr"] for g in opt.param_groups]))
+                                                [{} for _ in opt.param_groups]))
         for opt in step.opts:
             opt.step()
     return [[(k, v.shape, v.dtype) for k, v in sorted(state[fp].items())
@@ -502,9 +656,9 @@ def fake_inputs(step: Step) -> list[torch.Tensor]:
     # optimizer state starts as meta tensors: no memory for it, even at 124M parameters
     states = [torch.empty(shape, dtype=dt, device="meta") for keys in step.state_keys
               for _, shape, dt in keys]
-    lrs = [torch.zeros((), dtype=LR_DTYPE) for _ in step.lr_slots]
+    hyper = [torch.zeros((), dtype=LR_DTYPE) for _ in step.hyper_slots]
     return ([f(p) for p in step.params] + [f(b) for b in step.buffers] + [f(t) for t in states]
-            + [f(t) for t in lrs]
+            + [f(t) for t in hyper]
             + [f(t) for t in step.arg_leaves if isinstance(t, torch.Tensor)])
 
 
@@ -612,7 +766,11 @@ def capture(step_fn: Callable, *args: Any) -> Captured:
     live = step.live_state_keys()
     step.state_keys = live if live is not None else _discover_state(step)
     rec = _Recorder(step_fn)
-    gm = _trace(step, fake_inputs(step), rec)
+    inputs = fake_inputs(step)
+    watch = HostWatch(step_fn, args, modules, opts, lambda: rec.draws)
+    with watch.watching():
+        gm = _trace(step, inputs, rec)
+    effects = watch.effects()
     if step.grads_left and not step.cleared_first:
         raise FrontendError(
             "the step leaves tensors in .grad when it ends and does not clear them before "
@@ -625,8 +783,12 @@ def capture(step_fn: Callable, *args: Any) -> Captured:
     outputs += step.param_slots + step.buffer_slots + step.state_slots()
     outputs += [Slot("grad", 0, (pi,), f"{step.param_slots[pi].name}.grad")
                 for pi in step.grads_left]
-    slots = step.param_slots + step.buffer_slots + step.state_slots() + step.lr_slots + \
+    slots = step.param_slots + step.buffer_slots + step.state_slots() + step.hyper_slots + \
         step.arg_slots
+    live = frozenset((s.owner, s.key[1], s.key[2]) for s in step.hyper_slots
+                     if s.key[1] != "lr")
     return Captured(gm, slots, outputs, step.user_spec, modules, opts, step.params,
                     step.state_keys, rec.phase, rec.loc, getattr(step_fn, "__name__", "step"),
-                    settings_of(modules, opts), step.cleared_first)
+                    settings_of(modules, opts, live), step.cleared_first, effects,
+                    step.hyper_signs)
+

@@ -38,7 +38,7 @@ def _ttype(val: Any) -> TensorType:
     return TensorType(tuple(int(d) for d in val.shape), ir_dtype(val.dtype))
 
 
-_ROLE = {"param": InputKind.param, "buffer": InputKind.buffer, "lr": InputKind.hyper,
+_ROLE = {"param": InputKind.param, "buffer": InputKind.buffer, "hyper": InputKind.hyper,
          "arg": InputKind.batch}
 
 

@@ -1,5 +1,7 @@
 """Runs a traced step on the live module and optimizer, and writes the new values back,
-so that afterwards they look exactly as after the eager step."""
+so that afterwards they look exactly as after the eager step. The host effects the trace
+found (a scheduler's step(), torch.manual_seed) run before or after the program, where the
+eager step runs them relative to its tensor math."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from torch.utils import _pytree as pytree
 from ..errors import DiphomaError
 from ..ir.core import Graph
 from .build import build_module
-from .capture import LR_DTYPE, Captured, Slot, is_state, settings_of
+from .capture import LR_DTYPE, Captured, Slot, hyper_value, is_state, settings_of, sign
 from .ops import DTYPE_TO_TORCH
 
 
@@ -35,6 +37,8 @@ class TorchStep:
         # optimizer's starting values matter for these
         self._state_read = {s.key[0] for i, s in zip(graph.inputs, captured.inputs)
                             if s.kind == "opt_state" and i.name in read}
+        self._live = frozenset((s.owner, s.key[1], s.key[2]) for s in captured.inputs
+                               if s.kind == "hyper" and s.key[1] != "lr")
 
     @property
     def code(self) -> str:
@@ -70,7 +74,9 @@ class TorchStep:
         """The shape this process keeps a state tensor in (a shard under sharding)."""
         return tuple(shape)
 
-    def _gather(self, args: tuple) -> list[torch.Tensor]:
+    def _check_args(self, args: tuple) -> list[torch.Tensor]:
+        """The tensors among ``args``, after checking that the trace still holds for them
+        and for the live modules and optimizers."""
         cap = self.captured
         leaves, _ = pytree.tree_flatten(args, is_leaf=is_state)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
@@ -88,29 +94,45 @@ class TorchStep:
                                "(it does not call zero_grad before backward)",
                                hint="clear gradients before calling, or call "
                                     "opt.zero_grad() in the step")
-        if settings_of(cap.modules, cap.optimizers) != cap.settings:
+        if settings_of(cap.modules, cap.optimizers, self._live) != cap.settings:
             raise DiphomaError(
                 "the optimizer's hyperparameters (other than lr), its parameter groups, or a "
                 "module's train/eval mode changed since the step was traced; the trace baked "
                 "them in", hint="trace the step again (only the learning rate may change "
-                               "between calls, e.g. by a scheduler)")
-        it = iter(tensors)
-        return [self._live(slot, it) for slot in cap.inputs]
+                               "between calls, e.g. by a scheduler; momentum terms too where "
+                               "a OneCycleLR or CyclicLR scheduler was made before tracing)")
+        return tensors
 
-    def _live(self, slot: Slot, args_it) -> torch.Tensor:
+    def _gather(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The program's inputs, read from the live state and the argument tensors."""
+        it = iter(tensors)
+        return [self._input(slot, it) for slot in self.captured.inputs]
+
+    def _input(self, slot: Slot, args_it) -> torch.Tensor:
         cap = self.captured
         if slot.kind in ("param", "buffer"):
             return _get_attr(cap.modules[slot.owner], slot.key[0]).detach()
         if slot.kind == "opt_state":
             return self._state(slot)
-        if slot.kind == "lr":
-            g = cap.optimizers[slot.owner].param_groups[slot.key[0]]
-            return torch.as_tensor(g["lr"], dtype=LR_DTYPE)
+        if slot.kind == "hyper":
+            v = hyper_value(cap.optimizers[slot.owner], slot)
+            was = cap.hyper_signs.get(slot.name)
+            if was is not None and sign(float(v)) != was:
+                raise DiphomaError(
+                    f"the optimizer's {slot.name} is {v} now; it was "
+                    f"{('negative', 'zero', 'positive')[was + 1]} when the step was traced, "
+                    "and the optimizer's code may branch on that (momentum != 0)",
+                    hint="trace the step again")
+            return torch.as_tensor(v, dtype=LR_DTYPE)
         return next(args_it)
 
     def __call__(self, *args: Any) -> Any:
         cap = self.captured
-        inputs = self._gather(args)
+        tensors = self._check_args(args)
+        for effect in cap.effects:
+            if effect.when == "before":
+                effect()    # a scheduler stepped before opt.step(): the program reads its lr
+        inputs = self._gather(tensors)
         with torch.no_grad():
             outs = self.module(*inputs)
             # An output that is (a view of) an input would change while earlier outputs are
@@ -123,6 +145,9 @@ class TorchStep:
         for pi, p in enumerate(cap.params):
             if pi not in self._with_grad:
                 p.grad = None
+        for effect in cap.effects:
+            if effect.when == "after":
+                effect()
         return pytree.tree_unflatten(list(outs[:n_user]), cap.user_out_spec)
 
     def _write(self, slot: Slot, new: torch.Tensor) -> None:

@@ -49,6 +49,14 @@ def explain(exc: Exception) -> FrontendError:
             f"the step branches or reads a value that depends on tensor data{at} ({text})",
             hint="Python control flow on tensor values cannot be traced: use torch.where, "
                  "or move the decision out of the step")
+    if "convert all Tensors to FakeTensors" in text:
+        return FrontendError(
+            f"the step uses a tensor that is neither an argument of the step nor a parameter, "
+            f"buffer or optimizer state of the modules and optimizers it uses (a tensor from "
+            f"its closure or globals){at}",
+            hint="pass the tensor to the step as an argument, or keep it in a module passed "
+                 "to the step (a parameter or register_buffer; EMA weights in "
+                 "copy.deepcopy(model)), whose tensors are traced state")
     if "DynamicOutputShape" in name:
         return FrontendError(f"an op's output shape depends on tensor data{at} ({text})",
                              hint="ops such as nonzero/unique/masked_select cannot be traced "

@@ -299,6 +299,37 @@ def run_parallelize(rank: int, world: int) -> dict:
     return out
 
 
+def scheduled_step(model, opt, sched, batch):
+    """A StepLR stepped inside the step: it runs on the host after each call."""
+    loss = mlp_step(model, opt, batch)
+    sched.step()
+    return loss
+
+
+def run_scheduler(rank: int, world: int) -> dict:
+    """parallelize on a step that steps its LR scheduler inside, against the single-device
+    step on the global batch: the lr halves every call on every rank, as in eager."""
+    import diphoma_compile
+    torch.manual_seed(0)
+    model = OddMLP()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = OPTS["sgdm"](model.parameters()), OPTS["sgdm"](ref.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+    step = diphoma_compile.parallelize(scheduled_step, diphoma_compile.Mesh({"dp": world}))
+    losses, ref_losses, lrs = [], [], []
+    for b in mlp_batches(world, seed=9)[:4]:
+        losses.append(step(model, opt, sched, *local(b, rank, world)).item())
+        lrs.append(opt.param_groups[0]["lr"])
+        if rank == 0:
+            ref_losses.append(scheduled_step(ref, ref_opt, ref_sched, *b).item())
+    out = {"losses": losses, "lrs": lrs, "last_epoch": sched.last_epoch}
+    if rank == 0:
+        out.update(ref_losses=ref_losses, ref_lr=ref_opt.param_groups[0]["lr"],
+                   param=compare_params(model, ref))
+    return out
+
+
 def summed_step(model, opt, batch):
     """Two metrics of the batch combined by their own reductions (max, min), computed after
     opt.step() from the forward's output."""
@@ -412,5 +443,6 @@ def run_all(rank: int, world: int) -> dict:
     out["errors"] = run_errors(rank, world, kept)
     out["parallelize"] = run_parallelize(rank, world)
     out["summed"] = run_summed(rank, world)
+    out["scheduler"] = run_scheduler(rank, world)
     out["seconds"] = time.perf_counter() - t0
     return out

@@ -133,6 +133,19 @@ def test_parallelize_runs_on_this_runtime(runs):
     assert r0["param"]["abs"] <= 1e-6 and r0["state"]["abs"] <= 1e-6, r0
 
 
+def test_scheduler_inside_the_step_runs_each_call(runs):
+    r0 = runs[0]["scheduler"]
+    for r in runs:
+        res = r["scheduler"]
+        assert res["lrs"] == [0.05 * 0.5 ** k for k in range(1, 5)], res["lrs"]
+        assert res["last_epoch"] == 4
+        assert res["losses"] == r0["losses"]
+    assert r0["lrs"][-1] == r0["ref_lr"]
+    for a, b in zip(r0["losses"], r0["ref_losses"]):
+        assert abs(a - b) <= 1e-5 * abs(b), (r0["losses"], r0["ref_losses"])
+    assert r0["param"]["rel"] <= 1e-5, r0["param"]
+
+
 def test_max_min_metrics_match_the_global_batch(runs):
     r0 = runs[0]["summed"]
     assert sorted(r0["combined"].values()) == ["max", "min"]

@@ -42,3 +42,41 @@ def test_gpt2_lm_head_model_bit_exact():
         assert torch.equal(loss, hf_step(ref, ref_opt, batch)), f"loss differs at step {i}"
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), name
+
+
+def llama_step(model, opt, sched, batch):
+    out = model(input_ids=batch["ids"], labels=batch["ids"])
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+    sched.step()
+    return out.loss
+
+
+def test_llama_with_one_cycle_inside_the_step_bit_exact():
+    """OneCycleLR stepped inside the step runs on the host after each call (its lr and
+    beta1, which it cycles, are graph inputs read each call): bit for bit as eager."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.train()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=6)
+    ref_sched = torch.optim.lr_scheduler.OneCycleLR(ref_opt, max_lr=0.05, total_steps=6)
+    g = torch.Generator().manual_seed(0)
+    data = [{"ids": torch.randint(0, 64, (2, 16), generator=g)} for _ in range(4)]
+    compiled = diphoma_compile.compile(llama_step, model, opt, sched, data[0])
+    for i, batch in enumerate(data):
+        loss = compiled(model, opt, sched, batch)
+        assert torch.equal(loss, llama_step(ref, ref_opt, ref_sched, batch)), f"step {i}"
+        assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+        assert opt.param_groups[0]["betas"] == ref_opt.param_groups[0]["betas"]
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), name
+    hyper = {i.name for i in compiled.graph.inputs if i.role.kind.value == "hyper"}
+    assert hyper == {"lr", "beta1"}
