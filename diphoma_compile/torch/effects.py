@@ -142,7 +142,9 @@ def _fingerprint(v: Any, depth: int) -> Any:
     if isinstance(v, (list, tuple)) and type(v) in (list, tuple):
         if len(v) > _MAX_ITEMS:
             return ("id", id(v), len(v))
-        return (type(v).__name__, id(v), tuple(_fingerprint(x, depth - 1) for x in v))
+        # a tuple is its items (they cannot change); a list is also itself
+        return (type(v).__name__, id(v) if type(v) is list else None,
+                tuple(_fingerprint(x, depth - 1) for x in v))
     if type(v) is dict:
         if len(v) > _MAX_ITEMS:
             return ("id", id(v), len(v))
@@ -160,6 +162,10 @@ def _fingerprint(v: Any, depth: int) -> Any:
 _MISSING = object()
 
 
+def _by_value(v: Any) -> bool:
+    return isinstance(v, _SCALARS) or type(v) is tuple
+
+
 @dataclass
 class _Entry:
     """One Python value the step can reach: how to read it and how to put it back."""
@@ -168,6 +174,7 @@ class _Entry:
     get: Callable[[], Any]
     put: Callable[[Any], None] | None
     depth: int = 2
+    names: bool = False        # the value is an object's attribute names
 
 
 class PythonState:
@@ -216,6 +223,15 @@ class PythonState:
     def _attributes(self, prefix: str, obj: Any, public_only: bool, depth: int,
                     skip: tuple[str, ...] = ()) -> None:
         d = obj.__dict__
+
+        def names() -> tuple[str, ...]:
+            return tuple(k for k in d if not (public_only and k.startswith("_")))
+
+        def drop_new(before: tuple[str, ...]) -> None:
+            for k in set(names()) - set(before):
+                del d[k]
+        # an attribute set for the first time (self.last_loss = loss) is a change too
+        self.entries.append(_Entry(prefix, names, drop_new, names=True))
         for k in list(d):
             if k in skip or (public_only and k.startswith("_")):
                 continue
@@ -240,7 +256,10 @@ class PythonState:
         for i, e in enumerate(self.entries):
             v, _, fp = self.before[i]
             now = e.get()
-            if now is not v or _fingerprint(now, e.depth) != fp:
+            # an equal number or tuple made again is no change; any other object only
+            # as itself
+            rebound = now is not v and not (_by_value(v) and _by_value(now))
+            if rebound or _fingerprint(now, e.depth) != fp:
                 out.append((e, v, now))
         return out
 
@@ -298,7 +317,7 @@ def _attr_setter(d: dict, k: str) -> Callable[[Any], None]:
 def _short(v: Any) -> str:
     if v is _MISSING:
         return "(unset)"
-    text = repr(v) if isinstance(v, _SCALARS) else type(v).__name__
+    text = repr(v) if _by_value(v) else type(v).__name__
     return text if len(text) <= 40 else text[:37] + "..."
 
 
@@ -449,7 +468,7 @@ class HostWatch:
             self.calls.append(_Call("scheduler", HostEffect("", _step_scheduler, (sched,),
                                                             f"{name}.step()"),
                                     self.opt_steps.get(id(opt), 0), opt, where))
-            if self.opt_steps.get(id(opt), 0):
+            if self.opt_steps.get(id(opt), 0) and any(opt is o for o in self.opts):
                 _mark_stale(opt, name, where, bool(getattr(sched, "cycle_momentum", False)))
         return step
 
@@ -512,10 +531,18 @@ def _mark_stale(opt: Any, sched: str, where: str, momentum: bool) -> None:
 
 
 def _changed_error(changes: list[tuple[_Entry, Any, Any]]) -> FrontendError:
+    def label(c: tuple[_Entry, Any, Any]) -> str:
+        e, old, new = c
+        return (", ".join(f"{e.label}.{k}" for k in new if k not in old) or e.label) \
+            if e.names else e.label
     e, old, new = changes[0]
-    more = f" (and {', '.join(c[0].label for c in changes[1:4])})" if len(changes) > 1 else ""
-    what = (f"changes {e.label} from {_short(old)} to {_short(new)}" if old is not new
-            or isinstance(old, _SCALARS) else f"changes the contents of {e.label}")
+    more = f" (and {', '.join(label(c) for c in changes[1:4])})" if len(changes) > 1 else ""
+    if e.names:
+        what = f"sets {label(changes[0])}"
+    elif old is not new or isinstance(old, _SCALARS):
+        what = f"changes {e.label} from {_short(old)} to {_short(new)}"
+    else:
+        what = f"changes the contents of {e.label}"
     return FrontendError(
         f"the step {what}{more} while it is traced: a Python value, so the change would "
         "happen once, at trace time, and never in the compiled step (it has been put back)",

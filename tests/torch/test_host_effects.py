@@ -76,7 +76,7 @@ def warmup_first(model, opt, sched, batch):
     return loss
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()` before")
+@pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")
 def test_scheduler_before_the_optimizer_step_sets_this_calls_lr():
     m, opt, r, ref_opt = pair()
 
@@ -259,6 +259,10 @@ class Trainer:
         self.steps += 1
         return plain_step(model, opt, batch)
 
+    def keep_last(self, model, opt, batch):
+        self.last = plain_step(model, opt, batch)
+        return self.last
+
     def remember(self, model, opt, batch):
         loss = plain_step(model, opt, batch)
         self.history.append(loss.detach())
@@ -305,6 +309,7 @@ def test_python_counters_are_refused_and_put_back():
     info = {"steps": 0}
     cases = [(t.count, (), lambda: t.steps, "self.steps from 0 to 1"),
              (t.remember, (), lambda: len(t.history), "the contents of self.history"),
+             (t.keep_last, (), lambda: int(hasattr(t, "last")), "sets self.last while"),
              (global_counter, (), lambda: COUNT, "COUNT from 0 to 1"),
              (step, (), calls, "the contents of calls"),
              (arg_counter, (info,), lambda: info["steps"], "its argument info.steps from 0 to 1")]
