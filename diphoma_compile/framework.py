@@ -88,12 +88,3 @@ def module_kinds() -> dict[str, tuple[type, ...]]:
     for fw in imported():
         out.update(fw.module_kinds())
     return out
-
-
-def kind_of(obj: Any, kinds: dict[str, tuple[type, ...]] | None = None) -> str | None:
-    """The kind of a model class (a subclass of a framework's base class), else None."""
-    if isinstance(obj, type):
-        for kind, classes in (module_kinds() if kinds is None else kinds).items():
-            if issubclass(obj, classes) and obj not in classes:
-                return kind
-    return None

@@ -17,10 +17,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from .load import Candidate, load_file, resolve, split_target
+from .load import Candidate, kind_of, load_file, resolve, split_target
 from .spec import InspectError, Target, parse_input, parse_mesh
 from .. import framework as frameworks
-from ..framework import Framework, kind_of
+from ..framework import Framework
 from ..mesh import Mesh, data_axis
 
 def add_parser(sub: Any) -> None:
@@ -83,7 +83,8 @@ def _framework(module: ModuleType, cand: Candidate | None, init: str | None) -> 
         except SyntaxError:
             call = None
         if isinstance(call, ast.Call) and isinstance(call.func, ast.Name):
-            kind = kind_of(getattr(module, call.func.id, None)) or kind
+            kind = kind_of(getattr(module, call.func.id, None),
+                           frameworks.module_kinds()) or kind
     if kind == "nnx-module":
         raise InspectError("flax.nnx modules are planned through a step: write "
                            "step(params, opt_state, batch) and example_inputs() in the file "
@@ -103,7 +104,9 @@ def build_target(args: argparse.Namespace, mesh: Mesh, axis: str) -> Target:
     specs = [parse_input(t) for t in args.input]
     path, name = split_target(args.target)
     module = load_file(path)
-    cand = resolve(module, path, name) if name is not None or args.init is None else None
+    kinds = frameworks.module_kinds()
+    cand = resolve(module, path, name, kinds) if name is not None or args.init is None \
+        else None
     if cand is None and args.init is None:
         raise InspectError(f"{Path(path).name} defines no nn.Module, flax module or step "
                            "with example inputs", hint="name what to build: PATH:NAME, or "

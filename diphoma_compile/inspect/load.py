@@ -22,7 +22,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ..framework import kind_of, module_kinds
 from .spec import InspectError
 
 # the names an example-inputs function may have (``<step>_inputs`` is tried first)
@@ -132,24 +131,36 @@ def _referenced_classes(module: ModuleType, names: set[str]) -> set[str]:
     return used
 
 
-def candidates(module: ModuleType) -> list[Candidate]:
+Kinds = dict[str, tuple[type, ...]]     # kind name -> a framework's model base classes
+
+
+def kind_of(obj: Any, kinds: Kinds) -> str | None:
+    """The kind of a model class (a subclass of one of ``kinds``' base classes), else None."""
+    if isinstance(obj, type):
+        for kind, classes in kinds.items():
+            if issubclass(obj, classes) and obj not in classes:
+                return kind
+    return None
+
+
+def candidates(module: ModuleType, kinds: Kinds) -> list[Candidate]:
     """What the file defines that inspect can plan: steps with example inputs first, then
     the module classes no other module class of the file is built from."""
-    bases = module_kinds()
     here = _defined_here(module)
     steps = [Candidate(n, "step", f, _inputs_fn(module, n)) for n, f in here.items()
              if inspect.isfunction(f) and "step" in n.lower() and _inputs_fn(module, n)]
-    mods = {n: k for n, v in here.items() if (k := kind_of(v, bases))}
+    mods = {n: k for n, v in here.items() if (k := kind_of(v, kinds))}
     blocks = _referenced_classes(module, set(mods))
     roots = [Candidate(n, k, here[n]) for n, k in mods.items() if n not in blocks]
     return steps + roots
 
 
-def resolve(module: ModuleType, path: str, name: str | None) -> Candidate | None:
+def resolve(module: ModuleType, path: str, name: str | None, kinds: Kinds
+            ) -> Candidate | None:
     """The candidate called ``name`` (any module class, factory or step of the file), the
     single candidate when ``name`` is None; InspectError listing the candidates otherwise.
     None when there is nothing to resolve but ``--init`` will say what to build."""
-    found = candidates(module)
+    found = candidates(module, kinds)
     if name is None:
         steps = [c for c in found if c.kind == "step"]
         pick = steps if steps else found
@@ -167,7 +178,7 @@ def resolve(module: ModuleType, path: str, name: str | None) -> Candidate | None
         listing = ("\n" + _listing(found)) if found else ""
         raise InspectError(f"{os.path.basename(path)} has no {name!r}" +
                            (f"; it defines:{listing}" if listing else ""), hint=hint)
-    kind = kind_of(obj)
+    kind = kind_of(obj, kinds)
     if kind is not None:
         return Candidate(name, kind, obj)
     if inspect.isfunction(obj) and "step" in name.lower():

@@ -93,7 +93,8 @@ class Plan:
     @property
     def notes(self) -> dict[str, Any]:
         """The decisions as plain data, keyed by pass name, then ``backend`` and ``idle_axes``."""
-        notes: dict[str, Any] = {name: d.to_dict() for name, d in self.decisions.items()}
+        notes: dict[str, Any] = {name: d.to_dict() if hasattr(d, "to_dict") else d
+                                 for name, d in self.decisions.items()}
         if self.backend is not None:
             notes["backend"] = self.backend
         if self.idle_axes:
