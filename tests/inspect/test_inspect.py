@@ -331,9 +331,16 @@ def test_a_file_in_a_package_with_relative_imports(capsys, monkeypatch):
     assert "blocks.2.fc.weight" in {t["name"] for t in p["tensors"]}
     # the module path, from the folder that holds the package (as python -m would)
     monkeypatch.setattr(sys, "path", [x for x in sys.path if x not in ("", str(MODELS))])
+    for name in [m for m in sys.modules if m.split(".")[0] == "pkgmodel"]:
+        monkeypatch.delitem(sys.modules, name)
     monkeypatch.chdir(MODELS)
     q = plan_json(capsys, "pkgmodel.models.modeling_tiny:TinyLM", *argv)
     assert q["tensors"] == p["tensors"] and q["param_count"] == p["param_count"]
+    assert sys.modules["pkgmodel"].__file__ == str(MODELS / "pkgmodel" / "__init__.py")
+    # a file of the package that imports its siblings by bare name runs from its folder
+    s = plan_json(capsys, str(MODELS / "pkgmodel" / "models" / "script_style.py:Stack"),
+                  "--input", "f32[8,16]", "--mesh", "dp=2")
+    assert "blocks.1.fc.weight" in {t["name"] for t in s["tensors"]}
 
 
 # ------------------------------------------------------------------ small things
