@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from .errors import FrontendError
 from .ir.core import Graph
+from .ir.ops import Category, op_def
 from .mesh import Mesh
 
 # name -> the module holding its FRAMEWORK object; the order is the order of detection
@@ -34,22 +35,31 @@ class Framework(Protocol):
     def trace(self, step_fn: Callable, args: tuple, **options: Any) -> tuple[Graph, Any]:
         """The step's IR, and what a runner needs besides it (traced at these arguments)."""
 
-    def trace_local(self, step_fn: Callable, args: tuple, mesh: Mesh, axis: str
-                    ) -> tuple[Graph, Any]:
-        """The step traced per device of ``axis``, for ``parallelize``."""
+    def trace_local(self, step_fn: Callable, args: tuple, mesh: Mesh, axis: str, *,
+                    batch_argnums: tuple[int, ...] | None = None) -> tuple[Graph, Any]:
+        """The step traced per device of ``axis``, for ``parallelize``; ``batch_argnums``
+        names the batch arguments (None: the framework's convention decides)."""
 
     def compile(self, graph: Graph, extra: Any) -> Callable:
         """A single-device callable running ``graph`` with the step's signature."""
 
     def parallel_runner(self, graph: Graph, extra: Any, user_mesh: Any, mesh: Mesh,
                         axis: str) -> Callable:
-        """A callable running the per-device ``graph`` over ``mesh``."""
+        """A callable running the per-device ``graph`` over ``mesh``; the single-device
+        program where ``runs_on_one_device(graph)``."""
 
     def module_kinds(self) -> dict[str, tuple[type, ...]]:
         """``diphoma inspect``: the model base classes of this framework, by kind name."""
 
     def inspect_target(self) -> Any:
         """``diphoma inspect``: the module that builds a plannable step from a user's file."""
+
+
+def runs_on_one_device(graph: Graph) -> bool:
+    """True when a planned graph is the single-device program: its mesh has one device and
+    it has no collective (a runner then needs no process group, no shard_map)."""
+    return graph.mesh.size == 1 and not any(
+        op_def(op.name).category is Category.collective for op in graph.walk())
 
 
 def get(name: str) -> Framework:
