@@ -24,7 +24,8 @@ from typing import Any
 
 from . import framework as frameworks
 from .errors import DiphomaError
-from .framework import Framework, runs_on_one_device
+from .framework import Framework
+from .ir.analysis import runs_on_one_device
 from .ir.core import Graph, InputKind
 from .mesh import Mesh, data_axis
 from .passes.base import PassContext

@@ -14,7 +14,6 @@ from typing import Any, Protocol
 
 from .errors import FrontendError
 from .ir.core import Graph
-from .ir.ops import Category, op_def
 from .mesh import Mesh
 
 # name -> the module holding its FRAMEWORK object; the order is the order of detection
@@ -53,13 +52,6 @@ class Framework(Protocol):
 
     def inspect_target(self) -> Any:
         """``diphoma inspect``: the module that builds a plannable step from a user's file."""
-
-
-def runs_on_one_device(graph: Graph) -> bool:
-    """True when a planned graph is the single-device program: its mesh has one device and
-    it has no collective (a runner then needs no process group, no shard_map)."""
-    return graph.mesh.size == 1 and not any(
-        op_def(op.name).category is Category.collective for op in graph.walk())
 
 
 def get(name: str) -> Framework:

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from ..errors import FrontendError, MeshError
-from ..framework import runs_on_one_device
+from ..ir.analysis import runs_on_one_device
 from ..ir.core import Graph
 from ..mesh import Mesh
 from .roles import StepSignature, batch_rows, infer_batch_argnums, path_name

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import BackendError, MeshError
-from ..framework import runs_on_one_device
+from ..ir.analysis import runs_on_one_device
 from ..ir.core import Graph, InputKind, OutputKind
 from ..ir.ops import OPS, Category
 from ..ir.types import FlatShard, Placement, Replicate, Shard, TensorType, Varying
