@@ -10,16 +10,22 @@ Conventions, as each framework's users expect them:
 - PyTorch follows DDP: each rank (a torchrun process) passes its own local batch; the step
   is traced at that shape and the loss it returns is the mean over all ranks.
 - JAX takes the global batch, which the step shards over the data axis; the step is traced
-  at the per-device shape (global / N)."""
+  at the per-device shape (global / N). The batch is argument 2 and every later array
+  argument with its number of rows (``batch_argnums=`` says so explicitly).
+
+A mesh whose data axis has one device runs the single-device program: no pass has anything
+to split, and the step runs as ``compile()`` runs it (bit for bit), with no process group
+(PyTorch) and no shard_map (JAX)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import framework as frameworks
 from .errors import DiphomaError
 from .framework import Framework
+from .ir.analysis import runs_on_one_device
 from .ir.core import Graph, InputKind
 from .mesh import Mesh, data_axis
 from .passes.base import PassContext
@@ -52,12 +58,14 @@ class ParallelStep:
     """A callable with the step's signature that runs it distributed over a mesh."""
 
     def __init__(self, step_fn: Callable, mesh: Any, *, passes: str | None = None,
-                 axis: str | None = None) -> None:
+                 axis: str | None = None,
+                 batch_argnums: int | Iterable[int] | None = None) -> None:
         self.step_fn = step_fn
         self.user_mesh = mesh
         self.mesh = Mesh.of(mesh)
         self.axis = data_axis(self.mesh, axis)
         self.passes = passes
+        self.batch_argnums = argnums(batch_argnums)
         self.framework: str | None = None
         self._fw: Framework | None = None
         self._graph: Graph | None = None
@@ -69,8 +77,8 @@ class ParallelStep:
     def trace(self, *example_args: Any, ctx: PassContext | None = None) -> ParallelStep:
         """Trace and plan for these arguments without running anything; returns self.
         ``ctx`` (a PassContext) asks for IR dumps and collects pass timings."""
-        self._fw, graph, self._extra = trace_step(self.step_fn, example_args,
-                                                  self.mesh, self.axis)
+        self._fw, graph, self._extra = trace_step(self.step_fn, example_args, self.mesh,
+                                                  self.axis, self.batch_argnums)
         self.framework = self._fw.name
         self._graph, self._plan = run_passes(graph, self._fw, self.mesh, self.axis,
                                              self.passes, ctx or PassContext())
@@ -126,33 +134,70 @@ class ParallelStep:
         return self.runner.memory_report()
 
 
-def trace_step(step_fn: Callable, args: tuple, mesh: Mesh, axis: str
+def argnums(batch_argnums: int | Iterable[int] | None) -> tuple[int, ...] | None:
+    """``batch_argnums`` as a tuple of argument numbers (None: the framework infers them);
+    DiphomaError for anything but ints."""
+    if batch_argnums is None:
+        return None
+    try:
+        nums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
+    except TypeError:
+        nums = ()
+    if not nums or any(isinstance(n, bool) or not isinstance(n, int) for n in nums):
+        raise DiphomaError(f"batch_argnums={batch_argnums!r} is not one or more argument "
+                           "numbers", hint="pass the positions of the step's batch "
+                                           "arguments, e.g. batch_argnums=(2, 3)")
+    return nums
+
+
+def trace_step(step_fn: Callable, args: tuple, mesh: Mesh, axis: str,
+               batch_argnums: tuple[int, ...] | None = None
                ) -> tuple[Framework, Graph, Any]:
     """(framework, the step's IR traced per device, what the backend needs besides it):
-    PyTorch at the local batch each rank passes; JAX at the global batch / N."""
+    PyTorch at the local batch each rank passes; JAX at the global batch / N, the batch
+    being the arguments ``batch_argnums`` (None: inferred by the framework)."""
     fw = frameworks.of_args(args)
-    graph, extra = fw.trace_local(step_fn, args, mesh, axis)
+    graph, extra = fw.trace_local(step_fn, args, mesh, axis, batch_argnums=batch_argnums)
     return fw, graph, extra
 
 
 def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str | None,
                ctx: PassContext) -> tuple[Graph, Plan]:
     """The graph placed on ``mesh`` after the pipeline (``passes``, or the default one for
-    the framework and the model's gradient bytes), and its plan."""
+    the framework and the model's gradient bytes), and its plan.
+
+    On a data axis of one device the default pipeline is empty: there is nothing to split
+    or to exchange, and the single-device program is what runs (any rewrite, even a bucket
+    of collectives over one device, changes how XLA fuses the step and its last bits)."""
     graph = graph.replace(mesh=mesh)
     grad_bytes = sum(i.value.type.nbytes for i in graph.inputs
                      if i.role.kind is InputKind.param)
-    spec = passes if passes is not None else default_passes(axis, grad_bytes,
-                                                            layout=fw.update_layout)
+    if passes is not None:
+        spec = passes
+    elif mesh.axis_size(axis) == 1:
+        spec = ""
+    else:
+        spec = default_passes(axis, grad_bytes, layout=fw.update_layout)
     if spec:
         graph = Pipeline.from_spec(spec).run(graph, ctx)
-    return graph, build_plan(graph, ctx.decisions, backend=fw.backend)
+    backend = fw.backend
+    if runs_on_one_device(graph):
+        backend = (f"the single-device program, as compile() runs it: the mesh has one "
+                   f"device ({fw.name})")
+    return graph, build_plan(graph, ctx.decisions, backend=backend)
 
 
 def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
-                axis: str | None = None) -> ParallelStep:
+                axis: str | None = None,
+                batch_argnums: int | Iterable[int] | None = None) -> ParallelStep:
     """``step_fn`` as a distributed step over ``mesh`` (a diphoma Mesh, a dict of axis
     sizes, a torch DeviceMesh or a jax.sharding.Mesh). By default: data parallelism over
     the data axis with cross-replica weight-update sharding; ``passes`` overrides the
-    pipeline, ``axis`` names the data axis when the mesh has several."""
-    return ParallelStep(step_fn, mesh, passes=passes, axis=axis)
+    pipeline, ``axis`` names the data axis when the mesh has several.
+
+    ``batch_argnums`` (JAX) names the step's batch arguments, which are split over the
+    data axis; by default they are argument 2 and every later array argument with as many
+    rows as it (keys and single numbers are not batch). A mesh of one device runs the
+    single-device program."""
+    return ParallelStep(step_fn, mesh, passes=passes, axis=axis,
+                        batch_argnums=batch_argnums)

@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 import sys
 from pathlib import Path
 
+from . import __version__
 from .errors import DiphomaError
 from .report.units import human
 
@@ -37,10 +39,21 @@ def _stats(graph) -> str:
     return "\n".join(lines) + "\n"
 
 
+def read_ir_file(name: str) -> str:
+    """The text of the IR file ``name``; a DiphomaError when it is missing or a folder."""
+    path = Path(name)
+    if not path.exists():
+        raise DiphomaError(f"no such file: {name}",
+                           hint="give the path of a .ir file, or - to read standard input")
+    if path.is_dir():
+        raise DiphomaError(f"{name} is a directory", hint="give a .ir file in it")
+    return path.read_text()
+
+
 def cmd_ir(args: argparse.Namespace) -> int:
     from .ir import parse, print_graph
     from .passes import PassContext, Pipeline
-    text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
+    text = sys.stdin.read() if args.file == "-" else read_ir_file(args.file)
     graph = parse(text)
     dump = "all" if args.dump_ir_after == "all" else frozenset(
         x for x in (args.dump_ir_after or "").split(",") if x)
@@ -77,10 +90,20 @@ def cmd_ops(args: argparse.Namespace) -> int:
     return 0
 
 
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose help shows the RST literals of the docstrings it is given
+    (text in double backquotes) as plain text."""
+
+    def format_help(self) -> str:
+        """The help text, double backquotes removed."""
+        return re.sub(r"``(.+?)``", r"\1", super().format_help())
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``diphoma`` command."""
-    p = argparse.ArgumentParser(prog="diphoma", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    p = Parser(prog="diphoma", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     from .inspect.command import add_parser
     add_parser(sub)
     ir = sub.add_parser("ir", help="verify IR text, run passes on it, print it with analyses")

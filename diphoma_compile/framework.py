@@ -34,16 +34,18 @@ class Framework(Protocol):
     def trace(self, step_fn: Callable, args: tuple, **options: Any) -> tuple[Graph, Any]:
         """The step's IR, and what a runner needs besides it (traced at these arguments)."""
 
-    def trace_local(self, step_fn: Callable, args: tuple, mesh: Mesh, axis: str
-                    ) -> tuple[Graph, Any]:
-        """The step traced per device of ``axis``, for ``parallelize``."""
+    def trace_local(self, step_fn: Callable, args: tuple, mesh: Mesh, axis: str, *,
+                    batch_argnums: tuple[int, ...] | None = None) -> tuple[Graph, Any]:
+        """The step traced per device of ``axis``, for ``parallelize``; ``batch_argnums``
+        names the batch arguments (None: the framework's convention decides)."""
 
     def compile(self, graph: Graph, extra: Any) -> Callable:
         """A single-device callable running ``graph`` with the step's signature."""
 
     def parallel_runner(self, graph: Graph, extra: Any, user_mesh: Any, mesh: Mesh,
                         axis: str) -> Callable:
-        """A callable running the per-device ``graph`` over ``mesh``."""
+        """A callable running the per-device ``graph`` over ``mesh``; the single-device
+        program where ``runs_on_one_device(graph)``."""
 
     def module_kinds(self) -> dict[str, tuple[type, ...]]:
         """``diphoma inspect``: the model base classes of this framework, by kind name."""
@@ -88,12 +90,3 @@ def module_kinds() -> dict[str, tuple[type, ...]]:
     for fw in imported():
         out.update(fw.module_kinds())
     return out
-
-
-def kind_of(obj: Any, kinds: dict[str, tuple[type, ...]] | None = None) -> str | None:
-    """The kind of a model class (a subclass of a framework's base class), else None."""
-    if isinstance(obj, type):
-        for kind, classes in (module_kinds() if kinds is None else kinds).items():
-            if issubclass(obj, classes) and obj not in classes:
-                return kind
-    return None

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from diphoma_compile.cli import main
 from diphoma_compile.ir import parse
 
@@ -41,7 +43,11 @@ def test_errors_are_messages_not_tracebacks(tmp_path, capsys):
     assert main(["ir", EXAMPLE, "--passes", "dce,nope"]) == 2
     assert "unknown pass 'nope'" in capsys.readouterr().err
     assert main(["ir", str(tmp_path / "missing.ir")]) == 2
-    assert "No such file" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: no such file: {tmp_path / 'missing.ir'}\n  hint: ")
+    assert "Errno" not in err
+    assert main(["ir", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
 
 
 def test_list_passes_and_ops(capsys):
@@ -62,3 +68,23 @@ def test_module_entry_point_reads_stdin():
     r = subprocess.run([sys.executable, "-m", "diphoma_compile", "ir", "-", "--passes", "dce"],
                        input=text, capture_output=True, text=True, check=True)
     assert parse(r.stdout).passes == ("dce",)
+
+
+def test_version(capsys):
+    import diphoma_compile
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"diphoma {diphoma_compile.__version__}\n"
+
+
+@pytest.mark.parametrize("command", [[], ["inspect"], ["ir"], ["passes"], ["ops"]])
+def test_help_shows_no_rst_markup(capsys, command):
+    """The descriptions come from docstrings, whose ``literals`` are RST: not in --help."""
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: diphoma")
+    assert "``" not in out
+    if not command:
+        assert "python -m diphoma_compile or diphoma" in out

@@ -84,3 +84,78 @@ def test_jax_fused_and_scheduled_step_is_bit_identical_to_unfused():
     assert any(op.name == "wait" for op in fused.graph.ops)
     for x, y in zip(jax.tree_util.tree_leaves((pa, sa)), jax.tree_util.tree_leaves((pb, sb))):
         assert np.array_equal(np.asarray(x), np.asarray(y))
+
+
+# ------------------------------------------------------------------ a mesh of one device
+
+def test_jax_on_one_device_runs_the_single_device_program_bit_for_bit():
+    """Data parallelism over one device has nothing to split: the default pipeline is empty
+    and the runner is the single-device jax.jit program. The planned one (a bucket of
+    gradients averaged over one device) made XLA fuse the step otherwise, and AdamW
+    amplified the last bits within four steps."""
+    step, (params, state, batch) = J.make_case("mlp", "linen", "adamw")
+    ref = jax.jit(step)
+    for mesh in (jax.sharding.Mesh(np.array(jax.devices()[3:4]), ("dp",)), {"dp": 1}):
+        ps = parallelize(step, mesh)
+        rp, rs, op, os_ = params, state, params, state
+        for _ in range(4):
+            rp, rs, rl = ref(rp, rs, batch)
+            op, os_, ol = ps(op, os_, batch)
+            assert np.asarray(ol).tobytes() == np.asarray(rl).tobytes()
+        for a, b in zip(jax.tree_util.tree_leaves((rp, rs)), jax.tree_util.tree_leaves((op, os_))):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+        assert ps.plan.passes == () and ps.plan.collectives == ()
+        assert "single-device program" in ps.plan.notes["backend"]
+        report = ps.memory_report()
+        assert report.measured and report.devices == 1
+        assert report.opt_state_bytes == sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
+        if not isinstance(mesh, dict):      # on the mesh's own device
+            assert {d for x in jax.tree_util.tree_leaves(op) for d in x.devices()} == \
+                {jax.devices()[3]}
+
+
+def _torch_mlp_case():
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+    def step(model, opt, x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return torch, model, step
+
+
+def test_torch_on_one_device_runs_in_this_process_bit_for_bit():
+    """No torchrun, no process group: a mesh of one device runs the single-device program
+    here (it was refused: torch.distributed is not initialized), as eager does, bit for bit."""
+    import copy
+    torch, model, step = _torch_mlp_case()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ps = parallelize(step, {"dp": 1})
+    for _ in range(4):
+        x, y = torch.randn(16, 8), torch.randn(16, 4)
+        assert torch.equal(ps(model, opt, x, y), step(ref, ref_opt, x, y))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+        for k, v in ref_opt.state[q].items():
+            assert torch.equal(opt.state[p][k], v), k
+    assert ps.plan.passes == () and ps.plan.collectives == ()
+    assert ps.memory_report().opt_state_bytes == sum(
+        v.nbytes for st in ref_opt.state.values() for v in st.values())
+    assert ps.profile(model, opt, x, y, steps=1).comm_s == 0.0      # no barrier to wait at
+    # passes asked for by name keep their collectives: those need a process group
+    with pytest.raises(DiphomaError, match="still has collectives over it"):
+        parallelize(step, {"dp": 1}, passes="data-parallel")(model, opt, x, y)
+
+
+def test_torch_refuses_batch_argnums():
+    torch, model, step = _torch_mlp_case()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(DiphomaError, match=r"batch_argnums=\(2, 3\) is for JAX steps"):
+        parallelize(step, {"dp": 1}, batch_argnums=(2, 3)).trace(
+            model, opt, torch.ones(4, 8), torch.ones(4, 4))

@@ -17,11 +17,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from .load import Candidate, load_file, resolve, split_target
-from .spec import InspectError, Target, parse_input, parse_mesh
 from .. import framework as frameworks
-from ..framework import Framework, kind_of
-from ..mesh import Mesh, data_axis
+from ..framework import Framework
+from ..mesh import Mesh
+from .load import Candidate, kind_of, load_file, resolve, split_target
+from .spec import InspectError, Target, inspect_axis, parse_input, parse_mesh
+
 
 def add_parser(sub: Any) -> None:
     """The ``inspect`` subcommand and its options."""
@@ -30,8 +31,10 @@ def add_parser(sub: Any) -> None:
         description="Plan how a model file's training step is distributed over a mesh, "
                     "without devices, processes or memory for its parameters.")
     p.add_argument("target", metavar="PATH[:NAME]",
-                   help="a Python file, and what in it to plan: an nn.Module or flax module "
-                        "class, a function that builds one, or a step with example inputs")
+                   help="a Python file (a file inside a package is imported as part of it) "
+                        "or a module path such as transformers.models.llama.modeling_llama, "
+                        "and what in it to plan: an nn.Module or flax module class, a "
+                        "function that builds one, or a step with example inputs")
     p.add_argument("--init", metavar="EXPR",
                    help="Python expression, evaluated in the file's namespace, that builds "
                         "the model, e.g. 'GPT(GPTConfig(n_layer=2))' (default: NAME())")
@@ -46,7 +49,9 @@ def add_parser(sub: Any) -> None:
                         "params; jax: an optax transformation)")
     p.add_argument("--mesh", default="dp=8", metavar="AXIS=N[,...]",
                    help="the mesh to plan for, any size (default dp=8)")
-    p.add_argument("--axis", default=None, help="the data axis when the mesh has several")
+    p.add_argument("--axis", default=None, metavar="NAME",
+                   help="the axis the batch is split over (default: the one named dp, data "
+                        "or batch; no pass partitions over another axis yet)")
     p.add_argument("--passes", default=None, metavar="SPEC",
                    help="pass pipeline instead of the default data parallelism + weight-"
                         "update sharding")
@@ -83,7 +88,8 @@ def _framework(module: ModuleType, cand: Candidate | None, init: str | None) -> 
         except SyntaxError:
             call = None
         if isinstance(call, ast.Call) and isinstance(call.func, ast.Name):
-            kind = kind_of(getattr(module, call.func.id, None)) or kind
+            kind = kind_of(getattr(module, call.func.id, None),
+                           frameworks.module_kinds()) or kind
     if kind == "nnx-module":
         raise InspectError("flax.nnx modules are planned through a step: write "
                            "step(params, opt_state, batch) and example_inputs() in the file "
@@ -103,7 +109,9 @@ def build_target(args: argparse.Namespace, mesh: Mesh, axis: str) -> Target:
     specs = [parse_input(t) for t in args.input]
     path, name = split_target(args.target)
     module = load_file(path)
-    cand = resolve(module, path, name) if name is not None or args.init is None else None
+    kinds = frameworks.module_kinds()
+    cand = resolve(module, path, name, kinds) if name is not None or args.init is None \
+        else None
     if cand is None and args.init is None:
         raise InspectError(f"{Path(path).name} defines no nn.Module, flax module or step "
                            "with example inputs", hint="name what to build: PATH:NAME, or "
@@ -141,6 +149,12 @@ def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump:
     from ..passes import PassContext
     fw, graph, _ = trace_step(target.step, target.args, mesh, axis)
     clock.append(("trace", time.perf_counter()))
+    for name in unread_inputs(graph, target.inputs):
+        given = target.inputs[name]
+        short = name.rsplit("/", 1)[-1]
+        called = "" if given.startswith(short + "=") else f" (called {short})"
+        print(f"warning: --input {given}{called} is read neither by the model nor by the "
+              "loss: it changes nothing in the plan", file=sys.stderr)
     if dump == "all" or "trace" in dump:
         from ..ir import print_graph
         stream(f"# IR after trace\n{print_graph(graph.replace(mesh=mesh))}")
@@ -161,11 +175,20 @@ def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump:
     return graph, plan, ctx.records
 
 
+def unread_inputs(graph: Any, inputs: dict[str, str]) -> list[str]:
+    """The graph inputs among ``inputs`` that no op and no output of ``graph`` reads."""
+    from ..ir.analysis import users
+    read = users(graph)
+    outs = {o.name for o in graph.outputs}
+    return [i.name for i in graph.inputs
+            if i.name in inputs and not read.get(i.name) and i.name not in outs]
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Run ``diphoma inspect``; the report goes to stdout or ``--out``."""
     clock = [("start", time.perf_counter())]
     mesh = parse_mesh(args.mesh)
-    axis = data_axis(mesh, args.axis)
+    axis = inspect_axis(mesh, args.axis)
     dump: Any = "all" if args.dump_ir_after == "all" else frozenset(
         x.strip() for x in args.dump_ir_after.split(",") if x.strip())
     out = sys.stdout

@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import DiphomaError, MeshError
-from ..mesh import Mesh
+from ..mesh import DATA_AXIS_NAMES, Mesh, data_axis
 
 # accepted spellings -> canonical numpy-style name (torch and jax both know these)
 DTYPES = {
@@ -90,6 +90,28 @@ def parse_mesh(text: str) -> Mesh:
     return Mesh(tuple(axes))
 
 
+def inspect_axis(mesh: Mesh, axis: str | None) -> str:
+    """The axis the batch is split over: ``--axis``, else the one named dp, data or batch.
+
+    Stricter than ``data_axis`` for a mesh of one axis: data parallelism is the only pass
+    that partitions, so an axis called tp, say, would otherwise be planned as a data axis
+    without a word. Other axes of a mesh of several stay in the plan, reported as idle."""
+    if axis is None and len(mesh.names) == 1 and mesh.names[0] not in DATA_AXIS_NAMES:
+        name, size = mesh.axes[0]
+        raise MeshError(f"--mesh {name}={size}: no pass partitions over axis {name!r} yet "
+                        f"(data parallelism runs over an axis named "
+                        f"{', '.join(DATA_AXIS_NAMES[:-1])} or {DATA_AXIS_NAMES[-1]})",
+                        hint=f"name it dp (--mesh dp={size}), or pass --axis {name} to split "
+                             "the batch over it")
+    try:
+        return data_axis(mesh, axis)
+    except MeshError as e:
+        hint = e.hint
+        if axis is None:
+            hint = "pass --axis NAME to say which axis the batch is split over"
+        raise MeshError(e.message.replace("the mesh has", "--mesh has"), hint=hint) from None
+
+
 def local_shape(shape: tuple[int, ...], n: int, axis: str, what: str) -> tuple[int, ...]:
     """``shape`` with dim 0 divided among ``n`` devices; InspectError when it does not
     divide (the global batch must split evenly)."""
@@ -106,12 +128,14 @@ def local_shape(shape: tuple[int, ...], n: int, axis: str, what: str) -> tuple[i
 @dataclass
 class Target:
     """What inspect hands to the planner: a step, its example arguments (torch: the local
-    batch of one rank; jax: the global batch) and lines for the report's header."""
+    batch of one rank; jax: the global batch), lines for the report's header, and the
+    graph input each ``--input`` becomes (its name in the traced graph -> the description)."""
 
     framework: str                  # torch or jax
     step: object
     args: tuple
     context: dict[str, str]
+    inputs: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import networkx as nx
 
 from .core import Graph, Op, walk_ops
-from .ops import op_def
+from .ops import Category, op_def
 from .types import TensorType
 
 
@@ -184,3 +184,10 @@ def graph_cost(graph: Graph) -> tuple[OpCost, list[OpCost]]:
     for c in per:
         total = total + c
     return total, per
+
+
+def runs_on_one_device(graph: Graph) -> bool:
+    """True when a planned graph is the single-device program: its mesh has one device and
+    it has no collective (a runner then needs no process group, no shard_map)."""
+    return graph.mesh.size == 1 and not any(
+        op_def(op.name).category is Category.collective for op in graph.walk())

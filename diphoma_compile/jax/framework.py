@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
 import jax
+import numpy as np
 
-from ..errors import MeshError
+from ..errors import FrontendError, MeshError
+from ..ir.analysis import runs_on_one_device
 from ..ir.core import Graph
 from ..mesh import Mesh
+from .roles import StepSignature, batch_rows, infer_batch_argnums, path_name
 
 
 class JaxFramework:
@@ -32,10 +35,18 @@ class JaxFramework:
         from .trace import trace_jax_with_tree
         return trace_jax_with_tree(step_fn, *args, **options)
 
-    def trace_local(self, step_fn: Callable, args: tuple, mesh: Mesh, axis: str
-                    ) -> tuple[Graph, Any]:
-        """The step at the per-device batch: the global batch's dim 0 divided by N."""
-        return self.trace(step_fn, local_args(args, mesh.axis_size(axis), axis))
+    def trace_local(self, step_fn: Callable, args: tuple, mesh: Mesh, axis: str, *,
+                    batch_argnums: tuple[int, ...] | None = None) -> tuple[Graph, Any]:
+        """The step at the per-device batch: each batch leaf's dim 0 divided by N. The batch
+        is ``batch_argnums``, or argument 2 and the later arguments with its rows."""
+        n = mesh.axis_size(axis)
+        if batch_argnums is None:
+            nums = infer_batch_argnums(args)
+            check_rows_pair(step_fn, args, nums, n)
+        else:
+            nums = tuple(batch_argnums)
+            StepSignature(batch_argnums=nums).check(len(args))
+        return self.trace(step_fn, local_args(args, n, axis, nums), batch_argnums=nums)
 
     def compile(self, graph: Graph, extra: Any) -> Callable:
         """The graph under jax.jit on one device, returning the step's own result tree."""
@@ -44,8 +55,11 @@ class JaxFramework:
 
     def parallel_runner(self, graph: Graph, extra: Any, user_mesh: Any, mesh: Mesh,
                         axis: str) -> Callable:
-        """jax.jit over shard_map on the user's mesh (or one made from ``mesh``)."""
-        from .parallel import JaxParallelStep
+        """jax.jit over shard_map on the user's mesh (or one made from ``mesh``); on a mesh
+        of one device, the single-device program under jax.jit, as ``compile`` runs it."""
+        from .parallel import JaxOneDeviceStep, JaxParallelStep
+        if runs_on_one_device(graph):
+            return JaxOneDeviceStep(graph, extra, mesh=user_mesh)
         return JaxParallelStep(graph, extra, mesh=user_mesh, axis=axis)
 
     def module_kinds(self) -> dict[str, tuple[type, ...]]:
@@ -71,25 +85,64 @@ class JaxFramework:
         return inspect_target
 
 
-def local_args(args: tuple, n: int, axis: str, batch_argnum: int = 2) -> tuple:
+def _resized(args: tuple, nums: Sequence[int], size: Callable[[str, Any], Any]) -> tuple:
+    """``args`` with each leaf of the arguments ``nums`` replaced by ``size(name, leaf)``."""
+    sig = StepSignature(batch_argnums=tuple(nums))
+    out = list(args)
+    for k in nums:
+        out[k] = jax.tree_util.tree_map_with_path(
+            lambda path, x, k=k: size(path_name(sig.prefix(k), path), x), args[k])
+    return tuple(out)
+
+
+def local_args(args: tuple, n: int, axis: str, batch_argnums: Sequence[int] = (2,)) -> tuple:
     """The step's arguments with each batch leaf's dim 0 divided among ``n`` devices (as
     abstract shapes: tracing reads no data)."""
-    if len(args) <= batch_argnum:
-        return args
+    nums = [k for k in batch_argnums if k < len(args)]
 
-    def local(path, x):
+    def local(name: str, x: Any) -> Any:
         shape = getattr(x, "shape", None)
         if shape is None or len(shape) == 0:
-            raise MeshError(f"batch leaf {jax.tree_util.keystr(path)} is a scalar; the batch "
-                            f"is split along its first dimension over axis {axis!r}")
+            raise MeshError(f"batch leaf {name} is a scalar; the batch is split along its "
+                            f"first dimension over axis {axis!r}",
+                            hint="pass batch_argnums= to parallelize to name the batch "
+                                 "arguments")
         if shape[0] % n:
-            raise MeshError(f"batch leaf {jax.tree_util.keystr(path) or '(the batch)'} has "
-                            f"{shape[0]} examples, which do not divide among the {n} devices "
-                            f"of axis {axis!r}",
+            raise MeshError(f"batch leaf {name} has {shape[0]} examples, which do not divide "
+                            f"among the {n} devices of axis {axis!r}",
                             hint=f"use a global batch that is a multiple of {n}")
         return jax.ShapeDtypeStruct((shape[0] // n, *shape[1:]), x.dtype)
-    batch = jax.tree_util.tree_map_with_path(local, args[batch_argnum])
-    return (*args[:batch_argnum], batch, *args[batch_argnum + 1:])
+    return _resized(args, nums, local)
+
+
+def check_rows_pair(step_fn: Callable, args: tuple, nums: Sequence[int], n: int) -> None:
+    """FrontendError unless each batch argument after the first, found by its number of
+    rows alone, does pair with the batch's rows: with the other batch arguments cut to a
+    device's share and it left whole, the step must fail to trace. One that traces anyway
+    is a value with the batch's size by coincidence (a per-feature weight, a table), or
+    one whose rows meet the batch's only through reductions: splitting it is a guess."""
+    if n == 1 or len(nums) < 2:
+        return                     # nothing is split, or nothing was inferred
+    rows = batch_rows(args[nums[0]]) or 0
+    # a share of one row broadcasts against any number of rows: probe with two or more
+    factor = (lambda d: d // n) if rows // n >= 2 else (lambda d: d * 2)
+
+    def cut(name: str, x: Any) -> Any:
+        shape = np.shape(x)
+        return jax.ShapeDtypeStruct((factor(shape[0]), *shape[1:]) if shape else shape,
+                                    x.dtype)
+    for k in nums[1:]:
+        try:
+            jax.eval_shape(step_fn, *_resized(args, [j for j in nums if j != k], cut))
+        except Exception:     # any failure says its rows meet the batch's
+            continue
+        raise FrontendError(
+            f"step argument {k} has the batch's {rows} rows, but the step also runs with "
+            f"it whole while the batch (argument {nums[0]}) is cut to a device's share: its "
+            "rows need not be the batch's examples, so splitting it would be a guess",
+            hint=f"pass batch_argnums= to parallelize: {tuple(nums)} if it is batch "
+                 f"(split with it), or {tuple(j for j in nums if j != k)} to give it whole "
+                 "to every device")
 
 
 FRAMEWORK = JaxFramework()

@@ -81,6 +81,7 @@ def model_target(cand: Candidate | None, module: ModuleType, label: str, init: s
     label += "" if not label.endswith(":") else type(model).__name__
     call = bind_inputs(specs, model.__call__, type(model).__name__)
     names = list(call.names)
+    given = {f"batch/{nm}": str(s) for nm, s in zip(names, specs)}
     specs = [InputDescription(nm, s.dtype, s.shape, s.high) for nm, s in zip(names, specs)]
     glob = [_struct(s) for s in specs]
     local = dict(zip(names, (_struct(s.local(n, axis)) for s in specs)))
@@ -124,7 +125,8 @@ def model_target(cand: Candidate | None, module: ModuleType, label: str, init: s
                "optimizer": opt_text}
     if init is not None:
         context["init"] = init
-    return Target("jax", train_step, (params, opt_state, dict(zip(names, glob))), context)
+    return Target("jax", train_step, (params, opt_state, dict(zip(names, glob))), context,
+                  given)
 
 
 def step_target(cand: Candidate, label: str, n: int, axis: str) -> Target:

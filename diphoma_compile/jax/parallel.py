@@ -6,7 +6,8 @@ or replicated, and collectives say where devices talk. The runner here wraps tha
 in one ``jax.jit`` whose in/out shardings lay the user's global pytrees out over a
 ``jax.sharding.Mesh``; inside, ``jax.shard_map`` hands each device its pieces, and the
 ops run on local shapes (``TensorType.local_shape``) with collectives as ``jax.lax``
-calls on named mesh axes."""
+calls on named mesh axes. On a mesh of one device with no collective, ``JaxOneDeviceStep``
+runs the single-device program instead (no shard_map), bit for bit ``compile``'s."""
 
 from __future__ import annotations
 
@@ -285,7 +286,48 @@ def per_device_bytes(arrays: Sequence[Any]) -> int:
 
 # ---------------------------------------------------------------- the runner
 
-class JaxParallelStep(JaxStep):
+class MeasuredRunner(JaxStep):
+    """A runner that keeps its last outputs (``_last``), to report the memory of the
+    ``device_count`` devices it covers."""
+
+    _last: tuple
+    device_count: int
+
+    def __call__(self, *args: Any) -> Any:
+        leaves, treedefs = self.flatten(args)
+        outs = self.jitted(*leaves)
+        self._last = tuple(outs)
+        if self.out_tree is not None:
+            return jax.tree.unflatten(self.out_tree, outs)
+        return self._by_roles(args, treedefs, outs)
+
+    def _state_outputs(self) -> dict[InputKind, list[int]]:
+        kinds = {i.name: i.role.kind for i in self.graph.inputs}
+        found: dict[InputKind, list[int]] = {InputKind.param: [], InputKind.opt_state: []}
+        for k, o in enumerate(self.graph.outputs):
+            if o.role.kind is OutputKind.replaces and kinds.get(o.role.target) in found:
+                found[kinds[o.role.target]].append(k)
+        return found
+
+    def memory_report(self) -> MemoryReport:
+        """Parameter and optimizer-state bytes per device: measured from the arrays the last
+        call returned (their shards on each device), or planned from the graph's types
+        before the first call."""
+        which = self._state_outputs()
+        if self._last:
+            param = per_device_bytes([self._last[k] for k in which[InputKind.param]])
+            state = per_device_bytes([self._last[k] for k in which[InputKind.opt_state]])
+            return MemoryReport(param, state, devices=self.device_count, measured=True)
+        types = self.graph.value_types()
+        axes = dict(self.graph.mesh.axes)
+
+        def planned(kind: InputKind) -> int:
+            return sum(types[self.graph.outputs[k].name].local_nbytes(axes) for k in which[kind])
+        return MemoryReport(planned(InputKind.param), planned(InputKind.opt_state),
+                            devices=self.device_count, measured=False)
+
+
+class JaxParallelStep(MeasuredRunner):
     """A distributed graph as one jax.jit over a mesh: call it like the user's step with
     the global batch; parameters come back replicated, optimizer state stays sharded."""
 
@@ -310,6 +352,7 @@ class JaxParallelStep(JaxStep):
                              out_specs=self.out_specs, check_vma=False)
         self.jitted = jax.jit(body, in_shardings=self.in_shardings,
                               out_shardings=self.out_shardings)
+        self.device_count = self.mesh.size
         self._last: tuple = ()
 
     def _check_meshes(self) -> None:
@@ -359,40 +402,22 @@ class JaxParallelStep(JaxStep):
                                hint="call it with the global arrays of the shapes it was "
                                     "parallelized for")
 
-    def __call__(self, *args: Any) -> Any:
-        leaves, treedefs = self.flatten(args)
-        outs = self.jitted(*leaves)
-        self._last = tuple(outs)
-        if self.out_tree is not None:
-            return jax.tree.unflatten(self.out_tree, outs)
-        return self._by_roles(args, treedefs, outs)
+class JaxOneDeviceStep(MeasuredRunner):
+    """``parallelize`` on a mesh of one device: the single-device program under jax.jit,
+    exactly as ``compile`` runs it, on the mesh's device (a jax Mesh's, else the default)."""
 
-    # ------------------------------------------------------------ memory
+    def __init__(self, graph: Graph, out_tree: Any = None, *, mesh: Any = None) -> None:
+        super().__init__(graph, out_tree)
+        self.device = mesh.devices.flat[0] if isinstance(mesh, jax.sharding.Mesh) else None
+        self.device_count = 1
+        self._last: tuple = ()
 
-    def _state_outputs(self) -> dict[InputKind, list[int]]:
-        kinds = {i.name: i.role.kind for i in self.graph.inputs}
-        found: dict[InputKind, list[int]] = {InputKind.param: [], InputKind.opt_state: []}
-        for k, o in enumerate(self.graph.outputs):
-            if o.role.kind is OutputKind.replaces and kinds.get(o.role.target) in found:
-                found[kinds[o.role.target]].append(k)
-        return found
-
-    def memory_report(self) -> MemoryReport:
-        """Parameter and optimizer-state bytes per device: measured from the arrays the last
-        call returned (their shards on each device), or planned from the graph's types
-        before the first call."""
-        which = self._state_outputs()
-        if self._last:
-            param = per_device_bytes([self._last[k] for k in which[InputKind.param]])
-            state = per_device_bytes([self._last[k] for k in which[InputKind.opt_state]])
-            return MemoryReport(param, state, devices=self.mesh.size, measured=True)
-        types = self.graph.value_types()
-        axes = dict(self.graph.mesh.axes)
-
-        def planned(kind: InputKind) -> int:
-            return sum(types[self.graph.outputs[k].name].local_nbytes(axes) for k in which[kind])
-        return MemoryReport(planned(InputKind.param), planned(InputKind.opt_state),
-                            devices=self.mesh.size, measured=False)
+    def flatten(self, args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        """(input leaves on the mesh's device, the treedef of each argument), checked."""
+        leaves, treedefs = super().flatten(args)
+        if self.device is not None:
+            leaves = [jax.device_put(x, self.device) for x in leaves]
+        return leaves, treedefs
 
 
 def _data_axis(graph: Graph) -> str:
@@ -414,5 +439,5 @@ def compile_jax_parallel(graph: Graph, *, mesh: Any = None, axis: str | None = N
     return JaxParallelStep(graph, out_tree, mesh=mesh, axis=axis)
 
 
-__all__ = ["JaxParallelStep", "MemoryReport", "PerDeviceLowering", "compile_jax_parallel",
-           "jax_mesh", "per_device_bytes"]
+__all__ = ["JaxOneDeviceStep", "JaxParallelStep", "MeasuredRunner", "MemoryReport",
+           "PerDeviceLowering", "compile_jax_parallel", "jax_mesh", "per_device_bytes"]

@@ -26,11 +26,13 @@ from typing import Any
 import numpy as np
 
 from ..ir.core import AttrValue
+from ..ir.ops import op_def
 
 _SAFE_MODULES = ("jax", "jaxlib", "numpy", "ml_dtypes")
 
-# attributes of an opaque op that are the IR's own, not the primitive's parameters
-OPAQUE_RESERVED = ("target", "effectful", "rng")
+# attributes of an opaque op that are the IR's own (its table row's), not the primitive's
+# parameters
+OPAQUE_RESERVED = tuple(op_def("opaque").attrs)
 
 
 class EncodingError(ValueError):

@@ -1,10 +1,13 @@
 """The step convention for JAX: value names from pytree paths, input and output roles.
 
 A step is ``step(params, opt_state, batch, *rest) -> (params, opt_state, *metrics)`` over
-pytrees of arrays; which argument is which can be overridden (``StepSignature``)."""
+pytrees of arrays; which argument is which can be overridden (``StepSignature``), and for
+``parallelize`` the later arguments with the batch's rows are batch too
+(``infer_batch_argnums``)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +77,63 @@ def arg_leaves(tree: Any, prefix: str) -> list[tuple[str, Any]]:
                      "functools.partial before tracing")
         out.append((name, leaf))
     return out
+
+
+def _is_key_like(leaf: Any) -> bool:
+    """A PRNG key: a typed key array, or the legacy uint32[2] of jax.random.PRNGKey."""
+    dtype = getattr(leaf, "dtype", None)
+    return dtype is not None and (is_key_dtype(dtype) or (
+        np.dtype(dtype) == np.uint32 and tuple(np.shape(leaf)) == (2,)))
+
+
+def _describe_leaf(leaf: Any) -> str:
+    return f"{getattr(leaf, 'dtype', type(leaf).__name__)}{list(np.shape(leaf))}"
+
+
+def batch_rows(batch: Any) -> int | None:
+    """The batch's number of rows: its first leaf's leading dimension (None: no rows)."""
+    leaves = jax.tree.leaves(batch)
+    return int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) >= 1 else None
+
+
+def infer_batch_argnums(args: Sequence[Any], first: int = 2) -> tuple[int, ...]:
+    """The batch arguments of ``step(params, opt_state, batch, *rest)`` by shape: argument
+    ``first``, and every later argument whose array leaves all have its first leaf's
+    number of rows. A later argument of keys and single numbers (a learning rate, a step
+    count) is not batch; anything else (other rows, a mix) is a FrontendError naming it.
+
+    Keys are settings unless they have the batch's rows (one key per example); so is a
+    legacy uint32[2] key, unless the batch has 2 rows. ``parallelize`` then checks that
+    each argument found this way does pair with the batch's rows (jax/framework.py)."""
+    rows = batch_rows(args[first]) if len(args) > first else None
+    if rows is None:
+        return (first,)            # the batch's own check says what is wrong with it
+    nums = [first]
+    for k in range(first + 1, len(args)):
+        kinds: dict[str, list[str]] = {"rows": [], "setting": [], "other": []}
+        for path, leaf in tree_flatten_with_path(args[k])[0]:
+            name = path_name(f"argument {k}", path)
+            shape = tuple(np.shape(leaf))
+            if not _is_array(leaf) or (_is_key_like(leaf) and shape != (rows,)) \
+                    or math.prod(shape) == 1:
+                kinds["setting"].append(name)
+            elif len(shape) >= 1 and shape[0] == rows:
+                kinds["rows"].append(name)
+            else:
+                kinds["other"].append(f"{name} ({_describe_leaf(leaf)})")
+        if kinds["rows"] and not kinds["setting"] and not kinds["other"]:
+            nums.append(k)
+        elif kinds["rows"] or kinds["other"]:
+            what = (f"{kinds['other'][0]} has a leading dimension other than the batch's "
+                    f"{rows} rows and is not a key or a single number" if kinds["other"] else
+                    f"{kinds['rows'][0]} has the batch's {rows} rows but "
+                    f"{kinds['setting'][0]} is a single number or a key")
+            raise FrontendError(
+                f"cannot tell whether step argument {k} is part of the batch (split over the "
+                f"devices) or a value every device takes whole: {what}",
+                hint=f"pass batch_argnums= to parallelize: ({first}, {k}) to split it with "
+                     f"the batch, or ({first},) to give it whole to every device")
+    return tuple(nums)
 
 
 def _same_shapes(a: Any, b: Any) -> bool:

@@ -27,7 +27,8 @@ class PassFailure(DiphomaError):
 
 
 class Decision(Protocol):
-    """What one pass decided, for the plan: a frozen dataclass; ``to_dict`` is its JSON form."""
+    """What one pass decided, for the plan: a frozen dataclass; ``to_dict`` is its JSON form.
+    (A plain dict of plain data is accepted too, as passes wrote before typed records.)"""
 
     def to_dict(self) -> dict[str, Any]:
         """The decision as plain data (lists, dicts, strings, numbers)."""
@@ -63,6 +64,12 @@ class PassContext:
     def decision(self, kind: type[_D]) -> _D | None:
         """The last decision of type ``kind`` a pass recorded (e.g. DataParallelRecord)."""
         return find_decision(self.decisions, kind)
+
+    @property
+    def notes(self) -> dict[str, Any]:
+        """The decisions under their former name, for passes written before typed records:
+        ``ctx.notes[name] = {...}`` still reaches the plan (a dict is its own JSON form)."""
+        return self.decisions
 
 
 @dataclass(frozen=True)

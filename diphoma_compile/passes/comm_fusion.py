@@ -20,11 +20,12 @@ from typing import Any
 
 from ..ir.analysis import free_inputs
 from ..ir.core import Graph, Op
-from ..ir.ops import op_def
+from ..ir.ops import OPS, op_def
 from ..ir.types import TensorType
 from .base import Pass, PassContext, PassFailure, register_pass
 
-FUSABLE = ("all_reduce", "reduce_scatter", "all_gather")
+# the collectives that can be bucketed and run asynchronously: those with an async attribute
+FUSABLE = frozenset(n for n, d in OPS.items() if "async" in d.attrs)
 
 
 def _key(op: Op, types) -> tuple:

@@ -15,10 +15,12 @@ from typing import Any
 
 from ..ir.analysis import free_inputs
 from ..ir.core import Graph, Op, Output, Value
+from ..ir.ops import OPS
 from ..ir.rewrite import rename_uses
 from .base import Pass, PassContext, register_pass
 
-ASYNC = ("all_reduce", "reduce_scatter", "all_gather")
+# the collectives that can be bucketed and run asynchronously: those with an async attribute
+ASYNC = frozenset(n for n, d in OPS.items() if "async" in d.attrs)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,19 @@ class CollectivePlan:
     reduction: str | None
     bytes_per_device: int    # bytes one device sends per step
     phase: str | None
+    # per value it reads, the tensor that value belongs to: the parameter whose gradient or
+    # new value it is, the buffer, "loss", "metric"; None where no one tensor is known
+    belongs_to: tuple[str | None, ...] = ()
+
+    @property
+    def tensor(self) -> str:
+        """The tensor it moves, for a person: ``fc1.weight``, ``fc1.weight (+27)`` for a
+        bucket, or the IR value where no tensor is known."""
+        first = self.belongs_to[0] if self.belongs_to else None
+        if first is None:
+            return self.value
+        more = len(self.belongs_to) - 1
+        return first + (f" (+{more})" if more else "")
 
 
 @dataclass(frozen=True)
@@ -93,7 +106,8 @@ class Plan:
     @property
     def notes(self) -> dict[str, Any]:
         """The decisions as plain data, keyed by pass name, then ``backend`` and ``idle_axes``."""
-        notes: dict[str, Any] = {name: d.to_dict() for name, d in self.decisions.items()}
+        notes: dict[str, Any] = {name: d.to_dict() if hasattr(d, "to_dict") else d
+                                 for name, d in self.decisions.items()}
         if self.backend is not None:
             notes["backend"] = self.backend
         if self.idle_axes:
@@ -151,7 +165,9 @@ def gradient_sources(graph: Graph) -> dict[str, str]:
                     op.name in ("all_reduce", "reduce_scatter"):
                 found.setdefault(n, target.name)     # in a bucket: this member's result
                 continue
-            if op.name == "wait":
+            if op.name == "wait" or (op_def(op.name).category is Category.collective
+                                     and len(op.inputs) == len(op.results) > 1):
+                # a bucket or a wait: result k is made from input k alone
                 k = [v.name for v in op.results].index(n)
                 stack.append(op.inputs[k])
                 continue
@@ -185,6 +201,7 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
     loss |= {waited[n] for n in loss if n in waited}
     metrics = {o.name for o in graph.outputs if o.role.kind is OutputKind.metric}
     metrics |= {waited[n] for n in metrics if n in waited}
+    owner = _Owners(graph, grads, loss, metrics, waited)
     collectives = []
     for op in graph.walk():
         d = op_def(op.name)
@@ -199,7 +216,7 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
         collectives.append(CollectivePlan(
             op.name, axis, value, _serves(op, grads, loss, metrics),
             op.attrs.get("op"), d.comm_bytes(op, ins, outs, sizes.get(axis, 1)),
-            op.phase.value if op.phase else None))
+            op.phase.value if op.phase else None, owner.of_op(op)))
     memory = _memory(graph, sizes, gradient_sources(graph), types)
     params = sum(i.value.type.numel for i in graph.inputs if i.role.kind is InputKind.param)
     return Plan(graph.name, sizes, graph.passes, tuple(tensors), tuple(collectives), memory,
@@ -214,6 +231,55 @@ def idle_axes(graph: Graph) -> dict[str, int]:
     used |= {str(op.attrs.get("axis")) for op in graph.walk()
              if op_def(op.name).category is Category.collective}
     return {a: n for a, n in graph.mesh.axes if n > 1 and a not in used}
+
+
+class _Owners:
+    """Which tensor a collective's values belong to. A result that carries a parameter's
+    gradient or new value, a buffer's value, the loss or a metric is known by what it
+    serves; otherwise the value is followed back while it is made from one value only
+    (reshapes, squares, sums: a gradient's partial sum of squares) to a graph input or a
+    known result."""
+
+    def __init__(self, graph: Graph, grads: dict[str, str], loss: set[str],
+                 metrics: set[str], waited: dict[str, str]) -> None:
+        self.known = dict(grads)
+        self.known.update((n, "loss") for n in loss)
+        self.known.update((n, "metric") for n in metrics)
+        self.inputs = {i.name for i in graph.inputs if i.role.kind in _ROLES}
+        self.prod = producers(graph)
+        self.types = graph.value_types()
+        self.waited = waited
+
+    def of_op(self, op: Op) -> tuple[str | None, ...]:
+        """For each value ``op`` reads: the tensor it belongs to, or None."""
+        results = [v.name for v in op.results]
+        out = []
+        for k, n in enumerate(op.inputs):
+            r = results[k] if len(results) == len(op.inputs) else None
+            out.append(self.known.get(r) if r in self.known else self.of_value(n))
+        return tuple(out)
+
+    def of_value(self, name: str) -> str | None:
+        """The tensor ``name`` is made from alone, or None."""
+        for _ in range(64):       # chains are short; the bound keeps a cycle-free walk cheap
+            if name in self.known:
+                return self.known[name]
+            if name in self.inputs:
+                return name
+            if name in self.waited:
+                name = self.waited[name]
+                continue
+            op = self.prod.get(name)
+            if op is None:
+                return None
+            # scalars next to a tensor (a learning rate, a constant) do not change whose it is
+            ins = set(op.inputs)
+            big = {n for n in ins if self.types[n].numel > 1}
+            ins = big or ins
+            if len(ins) != 1:
+                return None
+            name = ins.pop()
+        return None
 
 
 def _serves(op: Op, grads: dict[str, str], loss: set[str], metrics: set[str]) -> str:

@@ -95,10 +95,10 @@ def render(plan: Plan, max_rows: int = 60) -> str:
                                             "bytes/device"])
     lines += ["", "collectives (bytes/device: what one device sends per step):"]
     moved = [c for c in plan.collectives if c.kind != "take_shard"]
-    crow = [[c.kind, c.axis, c.reduction or "", c.serves or c.value, c.value,
+    crow = [[c.kind, c.axis, c.reduction or "", c.serves or c.tensor, c.tensor,
              human(c.bytes_per_device)] for c in moved]
     lines += _table(_fold_collectives(crow, max_rows),
-                    ["kind", "axis", "op", "for", "value", "bytes/device"]) \
+                    ["kind", "axis", "op", "for", "tensor", "bytes/device"]) \
         if crow else ["  none"]
     local = len(plan.collectives) - len(moved)
     if local:
@@ -167,7 +167,7 @@ def _comm_lines(plan: Plan) -> list[str]:
 
 def _fold_collectives(rows: list[list[str]], max_rows: int) -> list[list[str]]:
     """Collectives of repeated layers fold like tensors: same kind, axis, op, purpose
-    (layer numbers aside) and bytes become one row; the value column gives the count."""
+    (layer numbers aside) and bytes become one row; the tensor column gives the count."""
     if len(rows) <= max_rows:
         return rows
     groups: dict[tuple, int] = {}

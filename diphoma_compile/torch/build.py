@@ -159,11 +159,11 @@ class _Builder:
     def bind(self, op: Op, out: Any) -> None:
         if _makes_storage(op):
             self.fresh.update(v.name for v in op.results)
-        if len(op.results) == 1:
+        positions = _result_positions(op)
+        if positions is None:
             self.env[op.result.name] = out
             return
-        idx = op.attrs.get("outs", tuple(range(len(op.results))))
-        for v, i in zip(op.results, idx):
+        for v, i in zip(op.results, positions):
             self.env[v.name] = self.call(_getitem, [out, i])
 
     def comm(self, op: Op) -> fx.Node:
@@ -488,6 +488,45 @@ def _makes_storage(op: Op) -> bool:
     except (UnsupportedOpError, AttributeError):
         return False
     return all(r.alias_info is None for r in schema.returns)
+
+
+def _returns_many(op: Op) -> bool:
+    """True when the opaque op's aten call returns a tuple or a list (by its schema), even
+    where the IR keeps only one of its results; without a schema, what the IR says."""
+    try:
+        returns = resolve_target(str(op.attrs["target"]))._schema.returns
+    except (UnsupportedOpError, AttributeError):
+        return "outs" in op.attrs or len(op.results) > 1
+    return len(returns) != 1 or isinstance(returns[0].type, torch.ListType)
+
+
+def _result_positions(op: Op) -> tuple[int, ...] | None:
+    """Where each IR result sits in what the op's call returns; None when the call returns
+    the one result itself.
+
+    An opaque call that returns several values is always indexed: the importer keeps only
+    the results that exist (``outs``, the positions that are not None: convolution_backward
+    of a bias-free conv on an input without gradient returns ``(None, grad_weight, None)``),
+    so a single IR result does not mean a single returned value."""
+    if op.name != "opaque":
+        return None if len(op.results) == 1 else tuple(range(len(op.results)))
+    target = op.attrs["target"]
+    if not _returns_many(op):
+        if len(op.results) != 1 or "outs" in op.attrs:
+            raise BackendError(f"{target} returns one tensor, but the op has "
+                               f"{len(op.results)} results"
+                               + (f" and outs={list(op.attrs['outs'])}"
+                                  if "outs" in op.attrs else ""),
+                               hint="give an op whose call returns one tensor one result "
+                                    "and no outs attribute")
+        return None
+    positions = tuple(int(i) for i in op.attrs.get("outs", range(len(op.results))))
+    if len(positions) != len(op.results) or len(set(positions)) != len(positions):
+        raise BackendError(f"{target} has {len(op.results)} results but its outs attribute "
+                           f"lists the positions {list(positions)}",
+                           hint="outs names the position of each result in what the aten "
+                                "call returns: one distinct position per result")
+    return positions
 
 
 def _getitem(x, i):

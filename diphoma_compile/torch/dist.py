@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import BackendError, MeshError
+from ..ir.analysis import runs_on_one_device
 from ..ir.core import Graph, InputKind, OutputKind
 from ..ir.ops import OPS, Category
 from ..ir.types import FlatShard, Placement, Replicate, Shard, TensorType, Varying
@@ -67,6 +68,9 @@ class TorchDistStep(TorchStep):
         self.mesh = Mesh.of(mesh) if mesh is not None else graph.mesh
         self.axis = axis
         size, rank = _check_world(graph, self.mesh, group, axis)
+        # one device and nothing to exchange: the step runs in this process, no group needed
+        self.alone = runs_on_one_device(graph) and not (dist.is_available()
+                                                        and dist.is_initialized())
         self.comm = collectives.Comm(axis, size, rank, group)
         # for collectives outside the step (resharding, gathering state): not counted in
         # the step's bytes
@@ -190,7 +194,7 @@ class TorchDistStep(TorchStep):
 
     # ------------------------------------------------------------------ running
     def __call__(self, *args: Any) -> Any:
-        if not dist.is_initialized():
+        if not self.alone and not dist.is_initialized():
             raise BackendError("torch.distributed is no longer initialized",
                                hint="call the step before destroy_process_group()")
         self.calls += 1
@@ -226,7 +230,8 @@ class TorchDistStep(TorchStep):
             self.comm.force_sync = force
             try:
                 for _ in range(steps):
-                    dist.barrier(group=self.comm.group)
+                    if not self.alone:
+                        dist.barrier(group=self.comm.group)
                     b0, t0 = self.comm.blocked_s, time.perf_counter()
                     self(*args)
                     walls.append(time.perf_counter() - t0)
@@ -308,6 +313,14 @@ def _check_world(graph: Graph, mesh: Mesh, group: Any, axis: str) -> tuple[int, 
         raise BackendError(f"the graph has collectives over {sorted(coll - {axis})}, not "
                            f"only {axis!r}")
     if not (dist.is_available() and dist.is_initialized()):
+        if size == 1 and group is None and not coll:
+            return 1, 0      # a mesh of one device: the single-device program, in-process
+        if size == 1:
+            raise BackendError(
+                f"torch.distributed is not initialized, and the plan for the one-device mesh "
+                f"axis {axis!r} still has collectives over it (the passes were given)",
+                hint="leave passes= unset on a one-device mesh (the single-device program "
+                     "runs), or call torch.distributed.init_process_group first")
         raise BackendError(
             f"torch.distributed is not initialized, and the step runs on {size} processes "
             f"(mesh axis {axis!r})",

@@ -35,9 +35,16 @@ class TorchFramework:
                                 hint="a PyTorch step is traced from its arguments alone")
         return trace_torch(step_fn, *args)
 
-    def trace_local(self, step_fn: Callable, args: tuple, mesh: Mesh, axis: str
-                    ) -> tuple[Graph, Any]:
-        """As ``trace``: each rank passes its own local batch, as under DDP."""
+    def trace_local(self, step_fn: Callable, args: tuple, mesh: Mesh, axis: str, *,
+                    batch_argnums: tuple[int, ...] | None = None) -> tuple[Graph, Any]:
+        """As ``trace``: each rank passes its own local batch, as under DDP. Every tensor
+        among the arguments is batch, so ``batch_argnums`` is refused."""
+        if batch_argnums is not None:
+            raise FrontendError(
+                f"batch_argnums={batch_argnums} is for JAX steps: a PyTorch step's tensor "
+                "arguments are all its batch (each rank passes its own local batch, as under "
+                "DDP) and nothing is split", hint="drop batch_argnums=; keep a tensor that is "
+                                                  "not batch in the step's closure or module")
         return self.trace(step_fn, args)
 
     def compile(self, graph: Graph, extra: Any) -> Callable:
@@ -47,7 +54,8 @@ class TorchFramework:
 
     def parallel_runner(self, graph: Graph, extra: Any, user_mesh: Any, mesh: Mesh,
                         axis: str) -> Callable:
-        """The per-rank program on the axis's process group (a DeviceMesh's, or WORLD)."""
+        """The per-rank program on the axis's process group (a DeviceMesh's, or WORLD); on
+        a mesh of one device with no collective, in this process without a process group."""
         from .dist import TorchDistStep
         group = None
         if hasattr(user_mesh, "get_group"):     # a torch DeviceMesh: its axis's group

@@ -156,6 +156,7 @@ def model_target(cand: Candidate | None, module: ModuleType, label: str, init: s
     label += "" if not label.endswith(":") else type(model).__name__
     call = bind_inputs(specs, model.forward, f"{type(model).__name__}.forward")
     names = list(call.names)
+    given = {nm: str(s) for nm, s in zip(names, specs)}
     specs = [InputDescription(nm, s.dtype, s.shape, s.high) for nm, s in zip(names, specs)]
     xs = [_meta(s.local(n, axis)) for s in specs]
     args, kwargs = call.args(dict(zip(names, xs)))
@@ -178,7 +179,7 @@ def model_target(cand: Candidate | None, module: ModuleType, label: str, init: s
     }
     if init is not None:
         context["init"] = init
-    return Target("torch", step, (model, opt, *xs), context)
+    return Target("torch", step, (model, opt, *xs), context, given)
 
 
 def step_target(cand: Candidate, label: str, n: int, axis: str) -> Target:

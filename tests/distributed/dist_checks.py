@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch"))
 
 import gpt as gpt_example  # noqa: E402  (examples/gpt.py)
+from models import ResNetStem, classify_step, image_batches  # noqa: E402
 from models import classify_step as mlp_step  # noqa: E402
 
 from diphoma_compile.torch import collectives  # noqa: E402
@@ -33,6 +34,7 @@ from diphoma_compile.torch.trace import trace_torch  # noqa: E402
 from diphoma_compile.ir.ops import Category, op_def  # noqa: E402
 from diphoma_compile.mesh import Mesh  # noqa: E402
 from diphoma_compile.passes import PassContext, Pipeline  # noqa: E402
+from diphoma_compile.passes.defaults import default_passes  # noqa: E402
 from diphoma_compile.report.plan import build_plan  # noqa: E402
 
 STEPS = 10
@@ -371,6 +373,59 @@ def run_summed(rank: int, world: int) -> dict:
     return out
 
 
+STEM_STEPS, STEM_LOCAL = 3, 2
+
+
+def compare_buffers(model, ref) -> dict:
+    pairs = list(zip(model.buffers(), ref.buffers()))
+    return {"abs": max(max_abs(b, c) for b, c in pairs),
+            "rel": max(rel(b, c) for b, c in pairs)}
+
+
+def run_resnet_stem(rank: int, world: int, opt_name: str) -> dict:
+    """A torchvision-style ResNet stem (bias-free 7x7 conv on the images, whose
+    convolution_backward returns only the weight's gradient; BatchNorm; a BasicBlock) under
+    the default passes, three steps. BatchNorm normalizes each rank's own batch, so the
+    single-device step on the concatenated batch is not the reference: with SGD+momentum
+    every rank trains on the same batch and the reference is the single-device step on it;
+    with AdamW each rank has its own batch and the reference is DDP (rank-local BatchNorm,
+    rank 0's running statistics)."""
+    shared = opt_name == "sgdm"
+    torch.manual_seed(0)
+    model = ResNetStem()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = OPTS[opt_name](model.parameters()), OPTS[opt_name](ref.parameters())
+    if not shared:
+        ref = nn.parallel.DistributedDataParallel(ref)
+        ref_opt = OPTS[opt_name](ref.parameters())
+    batches = image_batches(STEM_STEPS * world, seed=9, batch=STEM_LOCAL)
+    mine = [batches[i * world + (0 if shared else rank)] for i in range(STEM_STEPS)]
+    out: dict = {"losses": [], "ref_losses": []}
+    try:
+        _, graph, cap, step = build(classify_step, model, opt, (mine[0],), world,
+                                    default_passes("dp", layout="flat"))
+        for b in mine:
+            out["losses"].append(step(model, opt, b).item())
+            loss = classify_step(ref, ref_opt, b).detach()
+            if not shared:          # DDP's loss is the rank's own; ours is the ranks' mean
+                dist.all_reduce(loss)
+                loss /= world
+            out["ref_losses"].append(loss.item())
+        gathered = step.gather_optimizer_state()
+    except Exception as e:        # noqa: BLE001 (every rank runs the same program: all fail)
+        out["error"] = f"{type(e).__name__}: {e}"
+        return out
+    out["kept"] = sorted((str(op.attrs["target"]), tuple(op.attrs["outs"]))
+                         for op in graph.ops if op.name == "opaque" and "outs" in op.attrs)
+    out["params"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    ref_module = ref if shared else ref.module
+    if rank == 0:
+        out.update(param=compare_params(model, ref_module),
+                   state=compare_state(gathered, ref_module, ref_opt),
+                   buffer=compare_buffers(model, ref_module))
+    return out
+
+
 @contextlib.contextmanager
 def no_collectives(calls: list[str]):
     """Records (and refuses) any collective while building a step that must fail."""
@@ -443,6 +498,7 @@ def run_all(rank: int, world: int) -> dict:
     out["errors"] = run_errors(rank, world, kept)
     out["parallelize"] = run_parallelize(rank, world)
     out["summed"] = run_summed(rank, world)
+    out["stem"] = {o: run_resnet_stem(rank, world, o) for o in ("sgdm", "adamw")}
     out["scheduler"] = run_scheduler(rank, world)
     out["seconds"] = time.perf_counter() - t0
     return out

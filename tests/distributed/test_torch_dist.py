@@ -164,6 +164,23 @@ def test_uneven_batches_across_ranks_are_refused(runs):
         assert "different shapes: %batch.x is (3, 8) on rank 0 and (4, 8) on rank" in msg, msg
 
 
+@pytest.mark.parametrize("opt_name", ["sgdm", "adamw"])
+def test_resnet_stem(runs, opt_name):
+    """A bias-free stem conv on the images keeps one result of its convolution_backward;
+    the per-rank program trains like the single-device step (SGD+momentum, every rank on
+    the same batch) or like DDP (AdamW, a batch per rank: BatchNorm is rank-local)."""
+    for r in runs:
+        assert "error" not in r["stem"][opt_name], r["stem"][opt_name]["error"]
+        assert torch.equal(r["stem"][opt_name]["params"], runs[0]["stem"][opt_name]["params"])
+    r0 = runs[0]["stem"][opt_name]
+    assert ("aten.convolution_backward.default", (1,)) in r0["kept"], r0["kept"]
+    for a, b in zip(r0["losses"], r0["ref_losses"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (r0["losses"], r0["ref_losses"])
+    for what in ("param", "state", "buffer"):
+        assert r0[what]["rel"] <= 1e-5, (what, r0[what])
+    assert r0["state"]["keys"] > 0
+
+
 ERRORS = {
     "world_size": ("MeshError", ["mesh axis 'dp' has 2 devices but the process group has 4",
                                  "torchrun --nproc_per_node=2"]),
@@ -211,6 +228,12 @@ def test_summary(runs, cases, capsys):
             f"{r0.get('ddp_param', {}).get('abs', float('nan')):10.2e} "
             f"{r0['state']['abs']:10.2e} {r0.get('ddp_state', {}).get('abs', float('nan')):10.2e} "
             f"{r0['build_s']:8.2f} {1e3 * r0['step_s']:8.1f} {1e3 * r0['ddp_step_s']:7.1f}")
+    for opt_name, r0 in runs[0]["stem"].items():
+        if "error" not in r0:
+            loss = max(abs(a - b) for a, b in zip(r0["losses"], r0["ref_losses"]))
+            lines.append(f"{'stem-' + opt_name:18} {loss:9.2e} {r0['param']['abs']:10.2e} "
+                         f"{'':10} {r0['state']['abs']:10.2e}  (buffers {r0['buffer']['abs']:.2e}; "
+                         f"against {'DDP' if opt_name == 'adamw' else 'one device'})")
     lines.append(f"per-rank run time {max(r['seconds'] for r in runs):.1f} s")
     with capsys.disabled():
         print("\n" + "\n".join(lines))

@@ -225,6 +225,26 @@ def test_by_default_only_the_final_graph_is_checked(capsys, monkeypatch):
       "one of adamw, adam, sgd, momentum, or an expression such as 'optax.sgd(0.1)'"]),
     ([str(MODELS / "several.py:Small"), "--input", "f32[8,16]", "--loss", "out"],
      ["the loss is (1, 16), not a scalar tensor"]),
+    # a class named ...Args is the model here, not its config: no NeedsArgs(NeedsArgs())
+    ([str(MODELS / "several.py:NeedsArgs"), "--input", "f32[8,16]"],
+     ["NeedsArgs(width, depth) needs arguments",
+      "--init 'NeedsArgs(width=..., depth=...)'"]),
+    # the config class the __init__ annotation names, though the file only imports it
+    ([str(MODELS / "pkgmodel" / "models" / "modeling_tiny.py:TinyLM"), "--input",
+      "int64[8,16]<64"], ["TinyLM(config: pkgmodel.config.TinyConfig) needs arguments",
+                          "--init 'TinyLM(TinyConfig())'"]),
+    # no pass partitions over an axis called tp: not data parallelism under another name
+    ([str(MODELS / "several.py:Small"), "--input", "f32[8,16]", "--mesh", "tp=4"],
+     ["--mesh tp=4: no pass partitions over axis 'tp' yet",
+      "name it dp (--mesh dp=4), or pass --axis tp to split the batch over it"]),
+    ([str(MODELS / "several.py:Small"), "--input", "f32[8,16]", "--mesh", "a=2,b=2"],
+     ["cannot tell which of the mesh axes a, b is the data axis", "pass --axis NAME"]),
+    ([str(MODELS / "loose" / "relative.py")],
+     ["running relative.py raised ImportError: attempted relative import",
+      "imports relative to a package, but loose/ has no __init__.py",
+      "module path instead (package.module:NAME"]),
+    (["pkgmodel.models.modeling_nope:TinyLM"],
+     ["no such file or module: pkgmodel.models.modeling_nope"]),
 ])
 def test_bad_use_fails_with_a_message(capsys, argv, words):
     rc, out, err = inspect(capsys, *argv)
@@ -260,3 +280,110 @@ def test_a_mesh_axis_no_pass_uses_is_reported_as_idle(capsys):
     single = plan_json(capsys, *argv, "--mesh", "dp=4")
     assert "idle_axes" not in single["notes"]
     assert p["memory"] == single["memory"]       # the same work on each tp device
+
+
+def test_a_single_axis_not_named_for_data_needs_axis(capsys):
+    """--axis tp says the batch is split over tp; a mesh of several axes keeps its other
+    axes, reported idle (test above), as parallelize does."""
+    p = plan_json(capsys, str(MODELS / "several.py:Small"), "--input", "f32[8,16]",
+                  "--mesh", "tp=4", "--axis", "tp")
+    assert p["passes"][1] == "data-parallel{axis=tp}" and p["mesh"] == {"tp": 4}
+    for name in ("dp", "data", "batch"):
+        p = plan_json(capsys, str(MODELS / "several.py:Small"), "--input", "f32[8,16]",
+                      "--mesh", f"{name}=4")
+        assert p["passes"][1] == f"data-parallel{{axis={name}}}"
+
+
+# ------------------------------------------------------------------ files in packages
+
+LLAMA = ("LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, "
+         "num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))")
+
+
+def test_transformers_modeling_file_by_path_and_by_module(capsys):
+    """transformers' modeling files import relative to their package: inspect imports them
+    as transformers.models.llama.modeling_llama, whether given as a file or a module."""
+    pytest.importorskip("transformers")
+    from transformers.models.llama import modeling_llama
+    argv = ["--init", LLAMA, "--input", "int64[8,16]<64", "--mesh", "dp=4"]
+    by_path = plan_json(capsys, modeling_llama.__file__ + ":LlamaForCausalLM", *argv)
+    by_module = plan_json(capsys, "transformers.models.llama.modeling_llama:LlamaForCausalLM",
+                          *argv)
+    assert by_path["context"]["model"].startswith("modeling_llama.py:LlamaForCausalLM (torch")
+    assert by_module["context"]["model"].startswith(
+        "transformers.models.llama.modeling_llama:LlamaForCausalLM (torch")
+    for p in (by_path, by_module):
+        names = {t["name"] for t in p["tensors"]}
+        assert {"model.embed_tokens.weight", "lm_head.weight"} <= names
+        assert p["memory"]["opt_state"] * 4 == pytest.approx(
+            p["memory"]["single_device_opt_state"], rel=0.01)
+    # 64x32 embedding and head, q/o 32x32, k/v 16x32 (one kv head), mlp 3x 64x32, 3 norms
+    assert by_path["param_count"] == by_module["param_count"] == \
+        2 * 64 * 32 + 2 * 32 * 32 + 2 * 16 * 32 + 3 * 64 * 32 + 3 * 32
+
+
+def test_a_file_in_a_package_with_relative_imports(capsys, monkeypatch):
+    tiny = MODELS / "pkgmodel" / "models" / "modeling_tiny.py"
+    argv = ["--init", "TinyLM(TinyConfig(depth=3))", "--input", "int64[8,16]<64",
+            "--mesh", "dp=2"]
+    p = plan_json(capsys, f"{tiny}:TinyLM", *argv)
+    assert p["context"]["model"].startswith("modeling_tiny.py:TinyLM (torch")
+    assert "blocks.2.fc.weight" in {t["name"] for t in p["tensors"]}
+    # the module path, from the folder that holds the package (as python -m would)
+    monkeypatch.setattr(sys, "path", [x for x in sys.path if x not in ("", str(MODELS))])
+    for name in [m for m in sys.modules if m.split(".")[0] == "pkgmodel"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.chdir(MODELS)
+    q = plan_json(capsys, "pkgmodel.models.modeling_tiny:TinyLM", *argv)
+    assert q["tensors"] == p["tensors"] and q["param_count"] == p["param_count"]
+    assert sys.modules["pkgmodel"].__file__ == str(MODELS / "pkgmodel" / "__init__.py")
+    # a file of the package that imports its siblings by bare name runs from its folder
+    s = plan_json(capsys, str(MODELS / "pkgmodel" / "models" / "script_style.py:Stack"),
+                  "--input", "f32[8,16]", "--mesh", "dp=2")
+    assert "blocks.1.fc.weight" in {t["name"] for t in s["tensors"]}
+
+
+# ------------------------------------------------------------------ small things
+
+def test_an_input_the_model_never_reads_is_warned_about(capsys):
+    small = str(MODELS / "several.py:Small")
+    rc, _, err = inspect(capsys, small, "--input", "f32[8,16]", "--input", "y=f32[8,4]",
+                         "--mesh", "dp=2")
+    assert rc == 0
+    assert "warning: --input y=float32[8,4] is read neither by the model nor by the loss" in err
+    rc, _, err = inspect(capsys, small, "--input", "f32[8,16]", "--input", "f32[8,4]",
+                         "--mesh", "dp=2")
+    assert rc == 0 and "warning: --input float32[8,4] (called input1) is read neither" in err
+    # read by the loss: no warning
+    rc, _, err = inspect(capsys, small, "--input", "f32[8,16]", "--input", "y=f32[8,16]",
+                         "--loss", "F.mse_loss(out, y)", "--mesh", "dp=2")
+    assert rc == 0 and "warning" not in err
+    pytest.importorskip("flax")
+    rc, _, err = inspect(capsys, str(MODELS / "flax_mlp.py"), "--input", "f32[8,28,28,1]",
+                         "--input", "y=f32[8,4]", "--mesh", "dp=2")
+    assert rc == 0 and "warning: --input y=float32[8,4] is read neither" in err
+
+
+def test_collectives_name_the_tensors_they_move(capsys):
+    """The text shows parameter names, not IR values; each member of a bucket is named
+    as the same collective unfused names it."""
+    step = str(MODELS / "torch_step.py")
+    rc, text, err = inspect(capsys, step, "--mesh", "dp=4")
+    assert rc == 0, err
+    table = text.split("\ncollectives (")[1].split("\n\n")[0]
+    assert " tensor " in table.splitlines()[1]
+    assert "(+2)" in table and "sumsq" not in table
+    fused = plan_json(capsys, step, "--mesh", "dp=4")
+    alone = plan_json(capsys, step, "--mesh", "dp=4", "--passes",
+                      "dce,data-parallel,weight-update-sharding")
+    params = {t["name"] for t in alone["tensors"] if t["role"] == "param"}
+    for kind, what in (("reduce_scatter", "gradient of "), ("all_gather", "new value of ")):
+        one = [c for c in alone["collectives"] if c["kind"] == kind]
+        assert [c["belongs_to"] for c in one] == [[c["serves"].removeprefix(what)]
+                                                  for c in one]
+        bucket, = [c for c in fused["collectives"] if c["kind"] == kind]
+        assert bucket["belongs_to"] == [c["belongs_to"][0] for c in one]
+    # a gradient norm's partial sums belong to the parameters whose gradients they square
+    sums = [c for c in alone["collectives"] if c["serves"].startswith("partial sum")]
+    assert sums and all(c["belongs_to"][0] in params for c in sums)
+    assert len({c["belongs_to"][0] for c in sums}) == len(sums)

@@ -472,3 +472,122 @@ def test_a_loss_divided_by_a_count_of_the_batch_is_noted():
     _, p2, s2, b2 = make("mlp", "momentum")
     plain.trace(p2, s2, b2)
     assert plain.plan.notes["data-parallel"]["loss_normalized_per_device"] is None
+
+
+# ------------------------------------------------------------------ several batch arguments
+
+class Small(nn.Module):
+    """8 -> 16 -> 4: the hidden width is the batch size, for the coincidence below."""
+
+    @nn.compact
+    def __call__(self, x, scale=None):
+        h = nn.relu(nn.Dense(16)(x))
+        return nn.Dense(4)(h if scale is None else h * scale)
+
+
+def _small_case():
+    rng = np.random.default_rng(0)
+    module, tx = Small(), optax.adamw(1e-2)
+    x, y = _normal(rng, (16, 8)), _normal(rng, (16, 4))
+    abstract = jax.eval_shape(module.init, jax.random.key(0), x)["params"]
+    params = jax.tree.map(lambda a: _normal(rng, a.shape, 0.3), abstract)
+
+    def step(params, opt_state, x, y):
+        def loss_of(p):
+            return jnp.mean((module.apply({"params": p}, x) - y) ** 2)
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    return module, tx, step, params, jax.jit(tx.init)(params), x, y
+
+
+def test_a_step_taking_x_and_y_splits_both_and_matches_the_single_device_step():
+    """step(params, opt_state, x, y), as most people write it: y was taken as a value every
+    device needs whole, and optax failed deep inside on (2, 4) - (16, 4)."""
+    _, _, step, params, opt_state, x, y = _small_case()
+    pstep = parallelize(step, jax_mesh((8,)), axis="data")
+    rp, rs, op, os_ = params, opt_state, params, opt_state
+    losses = []
+    for _ in range(4):
+        rp, rs, rl = jax.jit(step)(rp, rs, x, y)
+        op, os_, ol = pstep(op, os_, x, y)
+        np.testing.assert_allclose(float(ol), float(rl), rtol=1e-5)
+        losses.append(float(rl))
+    assert losses[-1] < losses[0]
+    assert jax.tree.structure((op, os_)) == jax.tree.structure((rp, rs))
+    assert max_dev((rp, rs), (op, os_)) <= 1e-6      # the reduction order's noise only
+    # naming the batch arguments gives the same program
+    explicit = parallelize(step, jax_mesh((8,)), axis="data", batch_argnums=(2, 3))
+    ep, es = params, opt_state
+    for _ in range(4):
+        ep, es, _ = explicit(ep, es, x, y)
+    assert max_dev((ep, es), (op, os_)) == 0.0
+    batch = {i.name: i.value.type.shape for i in pstep.graph.inputs
+             if i.role.kind.value == "batch"}
+    assert batch == {"batch0": (2, 8), "batch1": (2, 4)}     # both split over 8 devices
+
+
+def test_keys_and_numbers_after_the_batch_are_not_batch():
+    from diphoma_compile.jax.roles import infer_batch_argnums
+    p, s = {"w": np.ones((16, 4))}, ()
+    x, y = np.ones((16, 8)), np.ones((16, 4))
+    lr, key, old_key = np.float32(0.1), jax.random.key(0), jax.random.PRNGKey(0)
+    assert infer_batch_argnums((p, s, x)) == (2,)
+    assert infer_batch_argnums((p, s, x, key)) == (2,)
+    assert infer_batch_argnums((p, s, x, lr, old_key)) == (2,)
+    assert infer_batch_argnums((p, s, (x, y), lr)) == (2,)
+    assert infer_batch_argnums((p, s, x, y, key, {"m": np.ones(16)}, lr)) == (2, 3, 5)
+    with pytest.raises(DiphomaError, match=r"step argument 3 .*argument 3/t \(float64\[5, 4\]\)"
+                                           r" has a leading dimension other than the batch's "
+                                           r"16 rows") as e:
+        infer_batch_argnums((p, s, x, {"t": np.ones((5, 4))}))
+    assert "batch_argnums=" in e.value.hint and "(2, 3)" in e.value.hint
+    with pytest.raises(DiphomaError, match=r"argument 3/0 has the batch's 16 rows but "
+                                           r"argument 3/1 is a single number"):
+        infer_batch_argnums((p, s, x, (y, lr)))
+
+
+def test_an_argument_with_the_batch_size_by_coincidence_is_refused():
+    """A per-feature scale as wide as the batch is long: taken by its shape it would be cut
+    in eight. The step runs with it whole while the batch is cut, so it is not per-example;
+    batch_argnums says what it is."""
+    module, tx, _, params, opt_state, x, y = _small_case()
+    scale = jnp.linspace(0.5, 1.5, 16)
+
+    def step(params, opt_state, batch, scale):
+        def loss_of(p):
+            return jnp.mean((module.apply({"params": p}, batch[0], scale) - batch[1]) ** 2)
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    with pytest.raises(DiphomaError, match=r"step argument 3 has the batch's 16 rows, but "
+                                           r"the step also runs with it whole") as e:
+        parallelize(step, jax_mesh((8,)), axis="data").trace(params, opt_state, (x, y), scale)
+    assert "batch_argnums=" in e.value.hint and "(2,)" in e.value.hint
+    pstep = parallelize(step, jax_mesh((8,)), axis="data", batch_argnums=2)
+    ours, ref = pstep(params, opt_state, (x, y), scale), jax.jit(step)(params, opt_state,
+                                                                       (x, y), scale)
+    assert max_dev(ref, ours) <= 1e-6
+
+
+def test_a_table_after_the_batch_is_refused_with_what_to_do():
+    module, tx, _, params, opt_state, x, y = _small_case()
+
+    def step(params, opt_state, x, table):
+        def loss_of(p):
+            return jnp.mean((module.apply({"params": p}, x) - table[0]) ** 2)
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    table = jnp.ones((3, 4))
+    with pytest.raises(DiphomaError, match=r"cannot tell whether step argument 3 is part of "
+                                           r"the batch.*float32\[3, 4\]"):
+        parallelize(step, jax_mesh((8,)), axis="data")(params, opt_state, x, table)
+    pstep = parallelize(step, jax_mesh((8,)), axis="data", batch_argnums=(2,))
+    assert max_dev(jax.jit(step)(params, opt_state, x, table),
+                   pstep(params, opt_state, x, table)) <= 1e-6
+    with pytest.raises(DiphomaError, match=r"batch_argnums='x' is not one or more argument"):
+        parallelize(step, jax_mesh((8,)), batch_argnums="x")
+    with pytest.raises(DiphomaError, match=r"argument number\(s\) \[7\]"):
+        parallelize(step, jax_mesh((8,)), axis="data", batch_argnums=(2, 7)).trace(
+            params, opt_state, x, table)

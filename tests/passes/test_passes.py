@@ -331,3 +331,26 @@ def test_update_golden_flag_rewrites(tmp_path):
     assert (tmp_path / "g" / "t.ir").read_text() == "hello\n"
     third = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
     assert third.returncode == 0, third.stdout
+
+
+def test_a_pass_that_writes_plain_notes_still_reaches_the_plan():
+    """Passes written before typed records put a dict in ``ctx.notes``: the plan keeps it
+    as its JSON form (text and JSON reports do not fail on it)."""
+    from diphoma_compile.report.plan import build_plan
+
+    @dataclass(frozen=True)
+    class OldStyle(Pass):
+        name = "old-style-notes"
+
+        def __call__(self, graph, ctx):
+            ctx.notes[self.name] = {"looked_at": len(graph.ops)}
+            return graph
+    register_pass(OldStyle)
+    try:
+        ctx = PassContext()
+        g = run("old-style-notes", EXAMPLE.read_text(), ctx)
+        plan = build_plan(g, ctx.decisions)
+        assert plan.notes["old-style-notes"] == {"looked_at": len(g.ops)}
+        assert '"old-style-notes"' in plan.to_json() and plan.to_text()
+    finally:
+        unregister_pass("old-style-notes")

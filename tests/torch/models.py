@@ -129,3 +129,44 @@ def lm_batches(n: int, seed: int = 3, vocab: int = 64, t: int = 16) -> list[dict
         seq = torch.randint(0, vocab, (4, t + 1), generator=g)
         out.append({"idx": seq[:, :-1], "targets": seq[:, 1:]})
     return out
+
+
+class BasicBlock(nn.Module):
+    """torchvision's residual BasicBlock: two bias-free 3x3 convs with BatchNorm."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(h)) + x)
+
+
+class ResNetStem(nn.Module):
+    """A torchvision-style ResNet, small: the 7x7 stride-2 bias-free stem conv on the images
+    (which need no gradient: its convolution_backward returns only the weight's gradient),
+    BatchNorm, ReLU, max pool, one BasicBlock, average pool, a linear head."""
+
+    def __init__(self, c: int = 8, classes: int = 5) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, c, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        self.layer1 = BasicBlock(c)
+        self.fc = nn.Linear(c, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.maxpool(F.relu(self.bn1(self.conv1(x))))
+        h = F.adaptive_avg_pool2d(self.layer1(h), 1)
+        return self.fc(h.flatten(1))
+
+
+def image_batches(n: int, seed: int = 4, batch: int = 4, size: int = 16,
+                  classes: int = 5) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"x": torch.randn(batch, 3, size, size, generator=g),
+             "y": torch.randint(0, classes, (batch,), generator=g)} for _ in range(n)]

@@ -1,0 +1,1 @@
+"""What the passes decided, read off the final graph: the plan, its text, memory reports."""
