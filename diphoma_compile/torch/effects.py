@@ -9,11 +9,12 @@ the tensor math, or refuses it with a FrontendError:
   learning rate the program reads is then the one eager uses) and ``torch.manual_seed``
   (before or after the step's random draws). Neither runs while tracing.
 - refused: Python values the step changes (counters, lists, dicts, attributes of objects,
-  modules and optimizers), ``print`` and logging from the user's code, draws from Python's
-  or NumPy's generator, an enabled GradScaler (skipping a step on overflow is a decision on
-  tensor data), ``ReduceLROnPlateau.step(metric)`` (it reads a value the step computes),
-  ``get_last_lr()``, a scheduler stepped between two steps of its optimizer, seeding
-  between random draws, and reading a learning rate after the scheduler that changes it.
+  modules and optimizers; found by ``pystate.PythonState``), ``print`` and logging from the
+  user's code, draws from Python's or NumPy's generator, an enabled GradScaler (skipping a
+  step on overflow is a decision on tensor data), ``ReduceLROnPlateau.step(metric)`` (it
+  reads a value the step computes), ``get_last_lr()``, a scheduler stepped between two
+  steps of its optimizer, seeding between random draws, and reading a learning rate after
+  the scheduler that changes it.
 
 What the trace changed is put back before a refusal is raised."""
 
@@ -21,12 +22,10 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import inspect
 import logging
 import os
 import random
 import sys
-import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +35,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..errors import FrontendError
+from .pystate import PythonState, changed_error
 
 # where torch, this package and the standard library live: frames there are not the user's
 INTERNAL_PATHS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)),
@@ -115,210 +115,6 @@ for _name in ("__float__", "__int__", "__index__", "__bool__", "__round__", "__f
               "__truediv__", "__rtruediv__", "__pow__", "__rpow__", "__mod__", "__rmod__",
               "__floordiv__", "__rfloordiv__", "__getitem__", "__iter__", "__len__"):
     setattr(StaleValue, _name, StaleValue._refuse)
-
-
-# ------------------------------------------------------------------ Python state
-
-_SCALARS = (type(None), bool, int, float, complex, str, bytes)
-_MAX_ITEMS = 10_000       # bigger containers are compared by identity and length only
-_SKIPPED_TYPES = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
-                  types.MethodType, type, torch.nn.Module, torch.optim.Optimizer)
-
-
-def _is_scheduler(v: Any) -> bool:
-    return isinstance(v, torch.optim.lr_scheduler.LRScheduler)
-
-
-def _fingerprint(v: Any, depth: int) -> Any:
-    """A comparable summary of ``v``: scalars by value, tensors and other objects by
-    identity, lists, tuples, dicts, sets and plain objects' public attributes ``depth``
-    levels down."""
-    if isinstance(v, _SCALARS):
-        return (type(v).__name__, repr(v))
-    if isinstance(v, torch.Tensor) or isinstance(v, _SKIPPED_TYPES) or _is_scheduler(v):
-        return ("id", id(v))
-    if depth <= 0:
-        return ("id", id(v), len(v) if isinstance(v, (list, dict, set)) else None)
-    if isinstance(v, (list, tuple)) and type(v) in (list, tuple):
-        if len(v) > _MAX_ITEMS:
-            return ("id", id(v), len(v))
-        # a tuple is its items (they cannot change); a list is also itself
-        return (type(v).__name__, id(v) if type(v) is list else None,
-                tuple(_fingerprint(x, depth - 1) for x in v))
-    if type(v) is dict:
-        if len(v) > _MAX_ITEMS:
-            return ("id", id(v), len(v))
-        return ("dict", id(v), tuple((repr(k), _fingerprint(x, depth - 1))
-                                     for k, x in v.items()))
-    if type(v) is set:
-        return ("set", id(v), len(v), frozenset(repr(x) for x in v) if len(v) < 100 else None)
-    attrs = getattr(v, "__dict__", None)
-    if type(attrs) is dict and len(attrs) <= 200:
-        return ("obj", id(v), tuple((k, _fingerprint(x, depth - 1)) for k, x in attrs.items()
-                                    if not k.startswith("_")))
-    return ("id", id(v))
-
-
-_MISSING = object()
-
-
-def _by_value(v: Any) -> bool:
-    return isinstance(v, _SCALARS) or type(v) is tuple
-
-
-@dataclass
-class _Entry:
-    """One Python value the step can reach: how to read it and how to put it back."""
-
-    label: str
-    get: Callable[[], Any]
-    put: Callable[[Any], None] | None
-    depth: int = 2
-    names: bool = False        # the value is an object's attribute names
-
-
-class PythonState:
-    """The Python values a step can change: its own object's attributes (a method's
-    ``self``), its closure and the globals it names, its non-tensor arguments, and the
-    plain attributes of the modules and optimizers it uses."""
-
-    def __init__(self, fn: Callable, args: tuple, modules: list[torch.nn.Module],
-                 opts: list[torch.optim.Optimizer]) -> None:
-        self.entries: list[_Entry] = []
-        owner = getattr(fn, "__self__", None)
-        func = getattr(fn, "__func__", fn)
-        if owner is None and not isinstance(fn, types.FunctionType) and \
-                type(getattr(fn, "__dict__", None)) is dict:
-            owner = fn                   # a callable object: its attributes are its state
-        if owner is not None and not isinstance(owner, _SKIPPED_TYPES):
-            self._attributes("self", owner, public_only=False, depth=2)
-        code = getattr(func, "__code__", None)
-        for name, cell in zip(getattr(code, "co_freevars", ()),
-                              getattr(func, "__closure__", None) or ()):
-            self.entries.append(_Entry(name, _cell_getter(cell), _cell_setter(cell)))
-        glb = getattr(func, "__globals__", None)
-        if code is not None and isinstance(glb, dict):
-            for name in code.co_names:
-                v = glb.get(name, _MISSING)
-                if v is _MISSING or not isinstance(v, _SKIPPED_TYPES):
-                    self.entries.append(_Entry(name, _global_getter(glb, name),
-                                               _global_setter(glb, name)))
-        try:
-            names = list(inspect.signature(fn).parameters)
-        except (TypeError, ValueError):
-            names = []
-        for i, a in enumerate(args):
-            if not isinstance(a, (torch.Tensor, *_SKIPPED_TYPES)):
-                label = f"argument {names[i]!r}" if i < len(names) else f"argument {i}"
-                self.entries.append(_Entry(label, (lambda a=a: a), None, depth=3))
-        for mi, m in enumerate(modules):
-            for q, sub in m.named_modules():
-                self._attributes(f"module{mi}" + (f".{q}" if q else ""), sub, public_only=True,
-                                 depth=0, skip=("training",))
-        for oi, opt in enumerate(opts):
-            self._attributes(f"optimizer{oi}", opt, public_only=True, depth=0,
-                             skip=("defaults", "state", "param_groups"))
-        self.before: dict[int, tuple[Any, Any, Any]] = {}
-
-    def _attributes(self, prefix: str, obj: Any, public_only: bool, depth: int,
-                    skip: tuple[str, ...] = ()) -> None:
-        d = obj.__dict__
-
-        def names() -> tuple[str, ...]:
-            return tuple(k for k in d if not (public_only and k.startswith("_")))
-
-        def drop_new(before: tuple[str, ...]) -> None:
-            for k in set(names()) - set(before):
-                del d[k]
-        # an attribute set for the first time (self.last_loss = loss) is a change too
-        self.entries.append(_Entry(prefix, names, drop_new, names=True))
-        for k in list(d):
-            if k in skip or (public_only and k.startswith("_")):
-                continue
-            v = d[k]
-            if depth == 0 and not isinstance(v, (*_SCALARS, torch.Tensor)):
-                continue      # a module's submodules, configs and caches are its own
-            self.entries.append(_Entry(f"{prefix}.{k}", _attr_getter(d, k), _attr_setter(d, k),
-                                       depth))
-
-    def snapshot(self) -> None:
-        """Note every value (and a copy of each container, to put it back)."""
-        self.before = {}
-        for i, e in enumerate(self.entries):
-            v = e.get()
-            copy = list(v) if type(v) is list else dict(v) if type(v) is dict else \
-                set(v) if type(v) is set else None
-            self.before[i] = (v, copy, _fingerprint(v, e.depth))
-
-    def changed(self) -> list[tuple[_Entry, Any, Any]]:
-        """(entry, value before, value now) for each value the trace changed."""
-        out = []
-        for i, e in enumerate(self.entries):
-            v, _, fp = self.before[i]
-            now = e.get()
-            # an equal number or tuple made again is no change; any other object only
-            # as itself
-            rebound = now is not v and not (_by_value(v) and _by_value(now))
-            if rebound or _fingerprint(now, e.depth) != fp:
-                out.append((e, v, now))
-        return out
-
-    def restore(self, changes: list[tuple[_Entry, Any, Any]]) -> None:
-        """Put back what the trace changed (top level: a container's items, a rebinding)."""
-        for e, _, _ in changes:
-            i = self.entries.index(e)
-            v, copy, _ = self.before[i]
-            if e.get() is not v and e.put is not None:
-                e.put(v)
-            if type(v) is list:
-                v[:] = copy
-            elif type(v) in (dict, set):
-                v.clear()
-                v.update(copy)
-
-
-def _cell_getter(cell: Any) -> Callable[[], Any]:
-    def get() -> Any:
-        try:
-            return cell.cell_contents
-        except ValueError:
-            return _MISSING
-    return get
-
-
-def _cell_setter(cell: Any) -> Callable[[Any], None]:
-    def put(v: Any) -> None:
-        if v is not _MISSING:
-            cell.cell_contents = v
-    return put
-
-
-def _global_getter(glb: dict, name: str) -> Callable[[], Any]:
-    return lambda: glb.get(name, _MISSING)
-
-
-def _global_setter(glb: dict, name: str) -> Callable[[Any], None]:
-    def put(v: Any) -> None:
-        if v is _MISSING:
-            glb.pop(name, None)
-        else:
-            glb[name] = v
-    return put
-
-
-def _attr_getter(d: dict, k: str) -> Callable[[], Any]:
-    return lambda: d.get(k, _MISSING)
-
-
-def _attr_setter(d: dict, k: str) -> Callable[[Any], None]:
-    return _global_setter(d, k)
-
-
-def _short(v: Any) -> str:
-    if v is _MISSING:
-        return "(unset)"
-    text = repr(v) if _by_value(v) else type(v).__name__
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 # ------------------------------------------------------------------ random generators
@@ -409,7 +205,7 @@ class HostWatch:
             for k in moved:
                 _set_rng_state(k, rng[k])
         if ok and changes:
-            raise _changed_error(changes)
+            raise changed_error(changes)
         if ok and moved:
             raise FrontendError(
                 f"the step draws from or seeds {moved[0]}'s generator; that runs once, while "
@@ -528,26 +324,6 @@ def _mark_stale(opt: Any, sched: str, where: str, momentum: bool) -> None:
             g["momentum"] = StaleValue("momentum", sched, where)
         if "betas" in g and isinstance(g["betas"], tuple):
             g["betas"] = (StaleValue("betas", sched, where), *g["betas"][1:])
-
-
-def _changed_error(changes: list[tuple[_Entry, Any, Any]]) -> FrontendError:
-    def label(c: tuple[_Entry, Any, Any]) -> str:
-        e, old, new = c
-        return (", ".join(f"{e.label}.{k}" for k in new if k not in old) or e.label) \
-            if e.names else e.label
-    e, old, new = changes[0]
-    more = f" (and {', '.join(label(c) for c in changes[1:4])})" if len(changes) > 1 else ""
-    if e.names:
-        what = f"sets {label(changes[0])}"
-    elif old is not new or isinstance(old, _SCALARS):
-        what = f"changes {e.label} from {_short(old)} to {_short(new)}"
-    else:
-        what = f"changes the contents of {e.label}"
-    return FrontendError(
-        f"the step {what}{more} while it is traced: a Python value, so the change would "
-        "happen once, at trace time, and never in the compiled step (it has been put back)",
-        hint="keep such values outside the step (count calls around it), or in tensors the "
-             "step's modules hold (register_buffer), which are traced state")
 
 
 def _refuse_last_lr(sched: Any) -> Any:
