@@ -21,6 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+# make_fx imports torch._dynamo (and ~450 modules with it) on a process's first trace:
+# importing it here lets the fork server do that once for all ranks (dist_harness.py)
+import torch._dynamo  # noqa: F401
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch"))

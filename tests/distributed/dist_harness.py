@@ -3,10 +3,11 @@ returned. A launch costs seconds here, so the distributed tests launch once per 
 run every check in that one launch (the session fixture in conftest.py), then assert on the
 results.
 
-Where the time goes on 2 cores: four fresh interpreters importing torch and diphoma_compile
-took about 11 s, and four interpreters shutting down after torch about 4 s more. So the ranks
-are forked from a fork server that has imported the checks' module once (torch included),
-and a rank leaves with os._exit once its result is saved."""
+Where a launch's own time went on this 2-core machine: four fresh (spawned) interpreters
+importing torch and diphoma_compile at once took about 11 s before any check ran (20-30 s
+while other jobs shared the cores), and four interpreters tearing torch down about 4 s
+more. So the ranks are forked from a fork server that has imported the checks' module
+(torch included) once, and a rank leaves with os._exit once its result is on disk."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -86,8 +88,9 @@ def launch(fn: Callable[[int, int], Any], world: int = 4, timeout: float = 300.0
                  for r in range(world)]
         for p in procs:
             p.start()
+        deadline = time.monotonic() + timeout      # for all ranks together
         for p in procs:
-            p.join(timeout)
+            p.join(max(0.0, deadline - time.monotonic()))
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():
