@@ -3,7 +3,12 @@
 Every case trains a model for STEPS steps three ways: the data-parallel program with
 weight-update sharding (each rank passes its local batch), the single-device step on the
 global batch (the concatenation of the local batches; on rank 0 only) and, for AdamW,
-PyTorch DDP beside it. The functions return plain data; the tests assert on it."""
+PyTorch DDP beside it. The functions return plain data; the tests assert on it.
+
+To add a check: write ``run_x(rank, world) -> plain data`` decorated with ``@check("x")``;
+the session's one launch runs it on every rank (after the checks registered above it), and
+a test reads rank r's result as ``runs[r]["x"]`` (the ``runs`` fixture, conftest.py). To
+add a training case, add it to CASES (and its model to MODELS); it lands in ``cases``."""
 
 from __future__ import annotations
 
@@ -255,7 +260,7 @@ def comm_bytes(step: TorchDistStep, graph) -> dict:
 # ------------------------------------------------------------------ the cases
 
 # Every MLP combination, and one with bucketed async collectives (comm-fusion,
-# schedule-comm); two GPT ones (a GPT trace costs 5-20 s per rank here, 4 ranks sharing 2
+# schedule-comm); two GPT ones (the costliest: about 1 s to build per rank, 4 ranks sharing 2
 # cores): SGD without clipping, bucketed, and the usual AdamW with clipping.
 CASES = [("mlp", o, c, False) for o in ("sgdm", "adamw") for c in (False, True)] + \
     [("mlp", "sgdm", True, True), ("mlp", "adamw", True, True), ("gpt", "sgdm", False, True),
