@@ -3,7 +3,12 @@
 Every case trains a model for STEPS steps three ways: the data-parallel program with
 weight-update sharding (each rank passes its local batch), the single-device step on the
 global batch (the concatenation of the local batches; on rank 0 only) and, for AdamW,
-PyTorch DDP beside it. The functions return plain data; the tests assert on it."""
+PyTorch DDP beside it. The functions return plain data; the tests assert on it.
+
+To add a check: write ``run_x(rank, world) -> plain data`` decorated with ``@check("x")``;
+the session's one launch runs it on every rank (after the checks registered above it), and
+a test reads rank r's result as ``runs[r]["x"]`` (the ``runs`` fixture, conftest.py). To
+add a training case, add it to CASES (and its model to MODELS); it lands in ``cases``."""
 
 from __future__ import annotations
 
@@ -12,13 +17,18 @@ import copy
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+# make_fx imports torch._dynamo (and ~450 modules with it) on a process's first trace:
+# importing it here lets the fork server do that once for all ranks (dist_harness.py)
+import torch._dynamo  # noqa: F401
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch"))
@@ -37,11 +47,27 @@ from diphoma_compile.passes import PassContext, Pipeline  # noqa: E402
 from diphoma_compile.passes.defaults import default_passes  # noqa: E402
 from diphoma_compile.report.plan import build_plan  # noqa: E402
 
+WORLD = 4                            # gloo ranks in the launch
 STEPS = 10
 SPEC = "data-parallel{axis=dp},weight-update-sharding{axis=dp}"
 FUSED = SPEC + ",comm-fusion,schedule-comm"   # bucketed collectives, async + wait
 MLP_LOCAL, GPT_LOCAL = 4, 2          # local batch per rank
 CLIP = 0.05                          # small enough that clipping is active every step
+
+# Every check the one launch runs, by name, in registration order (every rank runs them in the
+# same order, so collectives and new_group calls line up across ranks).
+CHECKS: dict[str, Callable[[int, int], Any]] = {}
+
+
+def check(name: str) -> Callable:
+    """Registers ``fn(rank, world)`` as check ``name``: the launch runs it on every rank and
+    the tests read rank r's return value as ``runs[r][name]``."""
+    def register(fn: Callable[[int, int], Any]) -> Callable[[int, int], Any]:
+        if name in CHECKS or name == "seconds":
+            raise ValueError(f"check name {name!r} is taken")
+        CHECKS[name] = fn
+        return fn
+    return register
 
 
 # ------------------------------------------------------------------ models and steps
@@ -188,7 +214,9 @@ def run_case(rank: int, world: int, model_name: str, opt_name: str, clip: bool,
             t_ddp += time.perf_counter() - t0
         if rank == 0:
             ref_losses.append(step_fn(ref, ref_opt, *b).item())
-    res.update(losses=losses, step_s=t_step / STEPS, ddp_step_s=t_ddp / STEPS)
+    # no DDP beside SGD cases: their DDP time is missing (None), not zero
+    res.update(losses=losses, step_s=t_step / STEPS,
+               ddp_step_s=t_ddp / STEPS if use_ddp else None)
     res["grads_none"] = all(p.grad is None for p in model.parameters())
     res["params"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     sizes = dict(graph.mesh.axes)
@@ -210,7 +238,7 @@ def run_case(rank: int, world: int, model_name: str, opt_name: str, clip: bool,
         if use_ddp:
             res["ddp_param"] = compare_params(ddp.module, ref)
             res["ddp_state"] = compare_state(ddp_state(ddp.module, ddp_opt), ref, ref_opt)
-    res["_keep"] = (raw, graph, cap)   # for the error checks; dropped before returning
+    res["_keep"] = (raw, graph, cap)   # for run_errors; dropped before returning
     return res
 
 
@@ -231,8 +259,37 @@ def comm_bytes(step: TorchDistStep, graph) -> dict:
             "kinds_expected": {k: v * step.calls for k, v in kinds.items()}}
 
 
+# ------------------------------------------------------------------ the cases
+
+# Every MLP combination, and one with bucketed async collectives (comm-fusion,
+# schedule-comm); two GPT ones (the costliest: about 1 s to build per rank, 4 ranks sharing 2
+# cores): SGD without clipping, bucketed, and the usual AdamW with clipping.
+CASES = [("mlp", o, c, False) for o in ("sgdm", "adamw") for c in (False, True)] + \
+    [("mlp", "sgdm", True, True), ("mlp", "adamw", True, True), ("gpt", "sgdm", False, True),
+     ("gpt", "adamw", True, False)]
+KEPT: dict[str, tuple] = {}     # the unfused MLP/SGD case's graphs, for run_errors
+
+
+def case_id(model: str, opt: str, clip: bool, fused: bool) -> str:
+    return f"{model}-{opt}" + ("-clip" if clip else "") + ("-fused" if fused else "")
+
+
+@check("cases")
+def run_cases(rank: int, world: int) -> dict:
+    """Every case of CASES, by case_id."""
+    out = {}
+    for case in CASES:
+        res = run_case(rank, world, *case)
+        kept = res.pop("_keep")
+        if case == ("mlp", "sgdm", False, False):
+            KEPT["mlp"] = kept
+        out[case_id(*case)] = res
+    return out
+
+
 # ------------------------------------------------------------------ other checks
 
+@check("resume")
 def run_resume(rank: int, world: int) -> dict:
     """An optimizer that already holds whole state (two eager steps) is resharded."""
     torch.manual_seed(0)
@@ -254,6 +311,7 @@ def run_resume(rank: int, world: int) -> dict:
             "param": compare_params(model, ref), "state": compare_state(gathered, ref, ref_opt)}
 
 
+@check("subgroups")
 def run_subgroups(rank: int, world: int) -> dict:
     """Two data-parallel groups of 2 ranks ({0, 1} and {2, 3}), each training on its own
     data: group ranks, broadcast roots and shard indices are the group's, not the world's."""
@@ -277,6 +335,7 @@ def run_subgroups(rank: int, world: int) -> dict:
     return out
 
 
+@check("parallelize")
 def run_parallelize(rank: int, world: int) -> dict:
     """The public entry point: diphoma_compile.parallelize(step, mesh) runs on this runtime."""
     import diphoma_compile
@@ -308,6 +367,7 @@ def scheduled_step(model, opt, sched, batch):
     return loss
 
 
+@check("scheduler")
 def run_scheduler(rank: int, world: int) -> dict:
     """parallelize on a step that steps its LR scheduler inside, against the single-device
     step on the global batch: the lr halves every call on every rank, as in eager."""
@@ -344,6 +404,7 @@ def summed_step(model, opt, batch):
     return loss, out.detach().abs().amax(), out.detach().amin()
 
 
+@check("summed")
 def run_summed(rank: int, world: int) -> dict:
     """parallelize on a step with max/min metrics, against the global batch; then a
     step built where the ranks hold batches of different sizes is refused."""
@@ -380,6 +441,12 @@ def compare_buffers(model, ref) -> dict:
     pairs = list(zip(model.buffers(), ref.buffers()))
     return {"abs": max(max_abs(b, c) for b, c in pairs),
             "rel": max(rel(b, c) for b, c in pairs)}
+
+
+@check("stem")
+def run_resnet_stems(rank: int, world: int) -> dict:
+    """The ResNet stem with SGD+momentum and with AdamW (see run_resnet_stem)."""
+    return {o: run_resnet_stem(rank, world, o) for o in ("sgdm", "adamw")}
 
 
 def run_resnet_stem(rank: int, world: int, opt_name: str) -> dict:
@@ -445,9 +512,17 @@ def no_collectives(calls: list[str]):
         yield
 
 
-def run_errors(rank: int, world: int, kept: tuple) -> dict:
-    """Steps built for the wrong world or mesh fail, with what to do, before any collective."""
-    raw, graph, cap = kept
+@check("errors")
+def run_errors(rank: int, world: int) -> dict:
+    """Steps built for the wrong world or mesh fail, with what to do, before any collective
+    (on the MLP case's graphs, or a fresh trace where that case did not run)."""
+    if "mlp" not in KEPT:
+        torch.manual_seed(0)
+        model = OddMLP()
+        opt = OPTS["sgdm"](model.parameters())
+        KEPT["mlp"] = build(mlp_step, model, opt, local(mlp_batches(world)[0], rank, world),
+                            world)[:3]
+    raw, graph, cap = KEPT["mlp"]
     half = Pipeline.from_spec(SPEC).run(raw.replace(mesh=Mesh({"dp": world // 2})),
                                         PassContext())
     cases = {
@@ -470,35 +545,12 @@ def run_errors(rank: int, world: int, kept: tuple) -> dict:
 
 # ------------------------------------------------------------------ the launch
 
-# Every MLP combination, and one with bucketed async collectives (comm-fusion,
-# schedule-comm); two GPT ones (a GPT trace costs 5-20 s per rank here, 4 ranks sharing 2
-# cores): SGD without clipping, bucketed, and the usual AdamW with clipping.
-CASES = [("mlp", o, c, False) for o in ("sgdm", "adamw") for c in (False, True)] + \
-    [("mlp", "sgdm", True, True), ("mlp", "adamw", True, True), ("gpt", "sgdm", False, True),
-     ("gpt", "adamw", True, False)]
-
-
-def case_id(model: str, opt: str, clip: bool, fused: bool) -> str:
-    return f"{model}-{opt}" + ("-clip" if clip else "") + ("-fused" if fused else "")
-
-
 def run_all(rank: int, world: int) -> dict:
-    """Everything the tests check, in one launch."""
-    t0 = time.perf_counter()
-    out: dict = {"cases": {}}
-    kept = None
-    for case in CASES:
-        res = run_case(rank, world, *case)
-        k = res.pop("_keep")
-        if case == ("mlp", "sgdm", False, False):
-            kept = k
-        out["cases"][case_id(*case)] = res
-    out["resume"] = run_resume(rank, world)
-    out["subgroups"] = run_subgroups(rank, world)
-    out["errors"] = run_errors(rank, world, kept)
-    out["parallelize"] = run_parallelize(rank, world)
-    out["summed"] = run_summed(rank, world)
-    out["stem"] = {o: run_resnet_stem(rank, world, o) for o in ("sgdm", "adamw")}
-    out["scheduler"] = run_scheduler(rank, world)
-    out["seconds"] = time.perf_counter() - t0
+    """Every registered check, in one launch: {check name: its result, "seconds": {check
+    name: seconds on this rank}}."""
+    out: dict = {"seconds": {}}
+    for name, fn in CHECKS.items():
+        t0 = time.perf_counter()
+        out[name] = fn(rank, world)
+        out["seconds"][name] = time.perf_counter() - t0
     return out

@@ -1,7 +1,8 @@
 """The data-parallel, weight-update-sharded torch step on 4 gloo ranks against the
 single-device step on the global batch (and PyTorch DDP for AdamW): loss, parameters and
 gathered optimizer state after ten steps; bytes sent equal the plan's; optimizer state per
-rank is 1/N; wrong worlds and meshes fail before any collective. One launch for all."""
+rank is 1/N; wrong worlds and meshes fail before any collective. One launch for all (the
+session fixtures ``runs`` and ``cases`` in conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,20 +13,8 @@ if not torch.distributed.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
 import dist_checks  # noqa: E402
-from dist_harness import launch  # noqa: E402
-
-WORLD = 4
+WORLD = dist_checks.WORLD
 CASES = [dist_checks.case_id(*c) for c in dist_checks.CASES]
-
-
-@pytest.fixture(scope="module")
-def runs() -> list[dict]:
-    return launch(dist_checks.run_all, world=WORLD, timeout=400)
-
-
-@pytest.fixture(scope="module")
-def cases(runs) -> dict[str, list[dict]]:
-    return {name: [r["cases"][name] for r in runs] for name in CASES}
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if "sgdm" in c])
@@ -216,24 +205,48 @@ def test_not_initialized_names_torchrun():
     assert "torchrun --nproc_per_node=4" in str(e.value)
 
 
-def test_summary(runs, cases, capsys):
-    """Prints the measured deviations and timings (pytest -s shows them)."""
-    lines = [f"{'case':18} {'loss dev':>9} {'param abs':>10} {'DDP':>10} {'state abs':>10} "
+def _cell(value: float | None, fmt: str) -> str:
+    """A measured number, or n/a where the case did not measure it."""
+    return f"{'n/a':>{int(fmt.split('.')[0])}}" if value is None else f"{value:{fmt}}"
+
+
+def summary_lines(runs: list[dict], cases: dict[str, list[dict]]) -> list[str]:
+    """Deviations and timings per case (rank 0), then seconds per check (slowest rank). The
+    DDP columns are n/a for SGD cases: those compare with the single-device step alone."""
+    lines = [f"{'case':20} {'loss dev':>9} {'param abs':>10} {'DDP':>10} {'state abs':>10} "
              f"{'DDP':>10} {'build s':>8} {'step ms':>8} {'DDP ms':>7}"]
     for name, per_rank in cases.items():
         r0 = per_rank[0]
         loss = max(abs(a - b) for a, b in zip(r0["losses"], r0["ref_losses"]))
-        lines.append(
-            f"{name:18} {loss:9.2e} {r0['param']['abs']:10.2e} "
-            f"{r0.get('ddp_param', {}).get('abs', float('nan')):10.2e} "
-            f"{r0['state']['abs']:10.2e} {r0.get('ddp_state', {}).get('abs', float('nan')):10.2e} "
-            f"{r0['build_s']:8.2f} {1e3 * r0['step_s']:8.1f} {1e3 * r0['ddp_step_s']:7.1f}")
+        ddp_ms = None if r0["ddp_step_s"] is None else 1e3 * r0["ddp_step_s"]
+        lines.append(" ".join([
+            f"{name:20}", _cell(loss, "9.2e"), _cell(r0["param"]["abs"], "10.2e"),
+            _cell(r0.get("ddp_param", {}).get("abs"), "10.2e"),
+            _cell(r0["state"]["abs"], "10.2e"), _cell(r0.get("ddp_state", {}).get("abs"), "10.2e"),
+            _cell(r0["build_s"], "8.2f"), _cell(1e3 * r0["step_s"], "8.1f"),
+            _cell(ddp_ms, "7.1f")]))
     for opt_name, r0 in runs[0]["stem"].items():
         if "error" not in r0:
             loss = max(abs(a - b) for a, b in zip(r0["losses"], r0["ref_losses"]))
-            lines.append(f"{'stem-' + opt_name:18} {loss:9.2e} {r0['param']['abs']:10.2e} "
-                         f"{'':10} {r0['state']['abs']:10.2e}  (buffers {r0['buffer']['abs']:.2e}; "
-                         f"against {'DDP' if opt_name == 'adamw' else 'one device'})")
-    lines.append(f"per-rank run time {max(r['seconds'] for r in runs):.1f} s")
-    with capsys.disabled():
-        print("\n" + "\n".join(lines))
+            lines.append(" ".join([
+                f"{'stem-' + opt_name:20}", _cell(loss, "9.2e"), _cell(r0["param"]["abs"], "10.2e"),
+                _cell(None, "10.2e"), _cell(r0["state"]["abs"], "10.2e"), _cell(None, "10.2e"),
+                f"(buffers {r0['buffer']['abs']:.2e}; against "
+                f"{'DDP' if opt_name == 'adamw' else 'one device'})"]))
+    per_check = {name: max(r["seconds"][name] for r in runs) for name in runs[0]["seconds"]}
+    lines.append("seconds per check (slowest rank): " +
+                 ", ".join(f"{k} {v:.1f}" for k, v in per_check.items()) +
+                 f"; all {sum(per_check.values()):.1f}")
+    return lines
+
+
+def test_summary(runs, cases, request):
+    """The measured deviations and timings: every column a number or n/a, none NaN; printed
+    only with -s (so that pytest -q shows dots alone)."""
+    lines = summary_lines(runs, cases)
+    table = "\n".join(lines)
+    assert "nan" not in table.lower(), table
+    stems = sum("error" not in r for r in runs[0]["stem"].values())
+    assert len(lines) == len(cases) + stems + 2
+    if request.config.getoption("capture") == "no":
+        print("\n" + table)
