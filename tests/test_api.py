@@ -13,7 +13,7 @@ def test_jax_step_through_public_api():
     pytest.importorskip("flax")
     pytest.importorskip("optax")
     import numpy as np
-    from jax_steps import make_case
+    from tests.jax_steps import make_case
 
     from diphoma_compile.jax.trace import trace_jax
     step, (params, opt_state, batch) = make_case("mlp", "linen", "adamw")

@@ -13,7 +13,7 @@ from diphoma_compile.errors import MeshError
 from diphoma_compile.mesh import data_axis
 from diphoma_compile.passes.defaults import default_passes
 
-import jax_steps as J
+import tests.jax_steps as J
 
 
 def test_data_axis_choice():

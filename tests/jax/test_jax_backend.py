@@ -13,7 +13,7 @@ optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
-from jax_steps import mlp_batch  # noqa: E402
+from tests.jax_steps import mlp_batch  # noqa: E402
 
 from diphoma_compile.jax.compile import compile_jax  # noqa: E402
 from diphoma_compile.errors import BackendError  # noqa: E402

@@ -9,7 +9,7 @@ pytest.importorskip("flax")
 pytest.importorskip("optax")
 
 import numpy as np  # noqa: E402
-from jax_steps import make_case  # noqa: E402
+from tests.jax_steps import make_case  # noqa: E402
 
 from diphoma_compile.jax.compile import compile_jax  # noqa: E402
 from diphoma_compile.jax.trace import trace_jax  # noqa: E402

@@ -10,7 +10,7 @@ pytest.importorskip("optax")
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax_steps import make_case  # noqa: E402
+from tests.jax_steps import make_case  # noqa: E402
 
 from diphoma_compile.errors import DiphomaError, FrontendError, UnsupportedOpError  # noqa: E402
 from diphoma_compile.jax.trace import trace_jax  # noqa: E402
