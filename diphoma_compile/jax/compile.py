@@ -17,7 +17,7 @@ from ..ir.types import DType, TensorType
 from .dtypes import numpy_dtype
 from .ops import SCATTERS, emitter
 from .params import OPAQUE_RESERVED, decode
-from .trace import output_tree
+from .trees import output_tree
 
 Env = MutableMapping[str, Any]
 

@@ -28,7 +28,7 @@ from ..mesh import Mesh
 from ..report.memory import MemoryReport
 from .compile import JaxStep, Lowering, dtype_matches, graph_function
 from .ops import emitter
-from .trace import output_tree
+from .trees import output_tree
 
 _PSUM = {"sum": lax.psum, "avg": lax.pmean, "max": lax.pmax, "min": lax.pmin}
 
@@ -439,5 +439,5 @@ def compile_jax_parallel(graph: Graph, *, mesh: Any = None, axis: str | None = N
     return JaxParallelStep(graph, out_tree, mesh=mesh, axis=axis)
 
 
-__all__ = ["JaxOneDeviceStep", "JaxParallelStep", "MeasuredRunner", "MemoryReport",
+__all__ = ["JaxOneDeviceStep", "JaxParallelStep", "MeasuredRunner",
            "PerDeviceLowering", "compile_jax_parallel", "jax_mesh", "per_device_bytes"]

@@ -15,33 +15,7 @@ from ..ir.verify import verify
 from .convert import JaxprConverter
 from .phases import assign_phases
 from .roles import StepSignature, step_inputs, step_outputs
-
-# The IR has no place for pytree structures, so the frontend remembers the output structure
-# of each traced step here, keyed by the graph's signature (input names, shapes and dtypes;
-# output names and roles). Passes keep that signature while they change placements and ops,
-# so the backend finds the user's trees for a transformed graph too.
-_OUT_TREES: dict[tuple, Any] = {}
-_AMBIGUOUS = object()   # two traced steps with one signature and different output trees
-
-
-def _signature(graph: Graph) -> tuple:
-    return (graph.name,
-            tuple((i.name, i.value.type.shape, i.value.type.dtype) for i in graph.inputs),
-            tuple((o.name, o.role) for o in graph.outputs))
-
-
-def output_tree(graph: Graph) -> Any | None:
-    """The output PyTreeDef of the traced step ``graph`` (or a rewrite of it); None when
-    unknown or ambiguous (the backend then rebuilds the trees from the roles)."""
-    tree = _OUT_TREES.get(_signature(graph))
-    return None if tree is _AMBIGUOUS else tree
-
-
-def _remember_tree(graph: Graph, tree: Any) -> None:
-    key = _signature(graph)
-    old = _OUT_TREES.get(key, tree)
-    _OUT_TREES[key] = tree if old == tree else _AMBIGUOUS
-
+from .trees import remember_tree
 
 def _rename_results(ops: list[Op], mapping: dict[str, str]) -> tuple[Op, ...]:
     """Top-level ops with results (and every use) renamed by ``mapping``."""
@@ -107,5 +81,5 @@ def trace_jax_with_tree(step_fn: Callable, *example_args: Any, params_argnum: in
     backward = {mapping.get(n, n) for n in converter.transposed}
     graph = verify(assign_phases(graph, backward))
     tree = jax.tree.structure(out_shape)
-    _remember_tree(graph, tree)
+    remember_tree(graph, tree)
     return graph, tree
