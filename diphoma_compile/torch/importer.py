@@ -14,7 +14,8 @@ from ..ir.core import (Attrs, Graph, Input, InputKind, InputRole, NameSupply, Op
 from ..ir.types import TensorType
 from .capture import Captured, Slot
 from .ops import (BY_ATEN, COMPARISONS, DROPPED_TARGETS, IDENTITY, SCALAR_DTYPE, SCALAR_MATH,
-                  Neutral, draws_random, encode_arg, ir_dtype, is_view_target, target_name)
+                  Neutral, changes_layout, draws_random, encode_arg, ir_dtype, is_view_target,
+                  target_name)
 
 aten = torch.ops.aten
 
@@ -151,7 +152,7 @@ class _Importer:
         tname = target_name(target)
         if tname in DROPPED_TARGETS:
             return
-        if target in IDENTITY:
+        if target in IDENTITY and not changes_layout(node):
             self.env[node] = self.env[node.args[0]]
             return
         if target is aten.copy_.default:

@@ -218,6 +218,14 @@ IDENTITY = {aten.detach.default, aten.detach_copy.default, aten.alias.default,
             aten.alias_copy.default, aten.lift_fresh_copy.default, aten.clone.default}
 
 
+def changes_layout(node: Any) -> bool:
+    """True for a clone that asks for another memory layout (``x.contiguous()`` of a
+    transposed tensor is ``clone(memory_format=contiguous_format)``): not an identity, since
+    a kernel after it may need that layout; it stays a call of its own."""
+    fmt = node.kwargs.get("memory_format")
+    return node.target is aten.clone.default and fmt not in (None, torch.preserve_format)
+
+
 def draws_random(target: Any) -> bool:
     """True for ops that draw from the framework's global generator (dropout, rand, ...):
     they are kept in order (effectful) and marked, so no pass drops, merges or moves them;
