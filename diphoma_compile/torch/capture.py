@@ -17,7 +17,6 @@ import os
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 from unittest import mock
 
@@ -32,68 +31,11 @@ from torch.utils import _pytree as pytree
 
 from ..errors import FrontendError
 from ..ir.core import Phase
-from .effects import INTERNAL_PATHS, HostEffect, HostWatch, StaleValue
+from .effects import INTERNAL_PATHS, HostWatch, StaleValue
 from .ops import draws_random
+from .state import LR_DTYPE, Captured, Slot, hyper_value, is_state, settings_of, sign
 
 aten = torch.ops.aten
-LR_DTYPE = torch.float64  # a Python float hyperparameter is a double: keep it one
-
-
-@dataclass(frozen=True)
-class Slot:
-    """Where a flat graph input comes from, or where an output goes."""
-
-    kind: str    # param, buffer, opt_state, hyper, arg
-    owner: int   # index of the module or optimizer (arg: 0)
-    key: tuple   # param/buffer: (qualname,); opt_state: (param index, state key);
-                 # hyper: (group index, group key, index in a tuple value or None);
-                 # arg: (leaf index,)
-    name: str    # the IR value name
-
-
-@dataclass
-class Captured:
-    """A functional fx graph of the whole step plus what a runtime needs to bind it."""
-
-    gm: fx.GraphModule
-    inputs: list[Slot]                 # one per placeholder, in order
-    outputs: list[Slot | None]         # one per output; None for the step's own results
-    user_out_spec: pytree.TreeSpec     # structure of what the step returns
-    modules: list[torch.nn.Module]
-    optimizers: list[torch.optim.Optimizer]
-    params: list[torch.Tensor]         # live parameters, in the order of param slots
-    state_keys: list[list[tuple[str, torch.Size, torch.dtype]]]  # per param: its state
-    phase: dict[str, Phase] = field(default_factory=dict)   # fx node name -> phase
-    loc: dict[str, str] = field(default_factory=dict)       # fx node name -> "file:line"
-    name: str = "step"
-    settings: tuple = ()   # what the trace baked in, from settings_of(); checked per call
-    clears_grads: bool = True   # the step zero_grads before backward: a leftover .grad is moot
-    # calls the runtime makes on the host before or after the program (schedulers, seeds)
-    effects: list[HostEffect] = field(default_factory=list)
-    # sign (-1, 0, 1) of each hyperparameter input but lr at trace time: the optimizer may
-    # branch on it (momentum != 0), so the trace holds only while it keeps that sign
-    hyper_signs: dict[str, int] = field(default_factory=dict)
-
-
-_LIVE_KEYS = {"params", "lr", "initial_lr"}   # read per call, or not used by step()
-
-
-def settings_of(modules: list[torch.nn.Module], opts: list[torch.optim.Optimizer],
-                live: frozenset = frozenset()) -> tuple:
-    """Everything a trace bakes in that a user may change between calls: the optimizers'
-    hyperparameters other than those read per call (the learning rate, and ``live``:
-    ``(optimizer index, key, tuple index or None)``), their group count, train/eval modes."""
-    def value(oi: int, k: str, v: Any) -> str:
-        if isinstance(v, tuple) and any((oi, k, i) in live for i in range(len(v))):
-            v = tuple("<input>" if (oi, k, i) in live else x for i, x in enumerate(v))
-        return repr(v)
-    groups = tuple(tuple(sorted((k, value(oi, k, v)) for k, v in g.items()
-                                if k not in _LIVE_KEYS and (oi, k, None) not in live))
-                   for oi, opt in enumerate(opts) for g in opt.param_groups)
-    modes = tuple(sub.training for m in modules for sub in m.modules())
-    return tuple(len(o.param_groups) for o in opts), groups, modes
-
-
 def cycled_keys(opt: torch.optim.Optimizer) -> list[tuple[str, int | None]]:
     """The hyperparameters other than lr that a scheduler attached to ``opt`` changes.
 
@@ -112,22 +54,10 @@ def cycled_keys(opt: torch.optim.Optimizer) -> list[tuple[str, int | None]]:
     return []
 
 
-def hyper_value(opt: torch.optim.Optimizer, slot: Slot) -> Any:
-    """The live value of a hyperparameter slot in ``opt``'s parameter groups."""
-    gi, key, idx = slot.key
-    v = opt.param_groups[gi][key]
-    return v if idx is None else v[idx]
-
-
 def _hyper_name(key: str, idx: int | None) -> str:
     if key == "betas" and idx is not None:
         return f"beta{idx + 1}"
     return key if idx is None else f"{key}.{idx}"
-
-
-def sign(v: float) -> int:
-    """-1, 0 or 1."""
-    return (v > 0) - (v < 0)
 
 
 # ------------------------------------------------------------------ finding the state
@@ -156,11 +86,6 @@ def find_state(fn: Callable, args: tuple) -> tuple[list[torch.nn.Module],
     # a submodule of another module found is owned by that one
     return [m for m in modules if not any(
         m is not o and any(m is s for s in o.modules()) for o in modules)], opts
-
-
-def is_state(x: Any) -> bool:
-    """True for a module or optimizer: state of the step, not a leaf of its arguments."""
-    return isinstance(x, (torch.nn.Module, torch.optim.Optimizer))
 
 
 def _param_names(fn: Callable) -> list[str]:

@@ -26,7 +26,7 @@ from ..mesh import Mesh
 from ..report.memory import MemoryReport
 from . import collectives
 from .build import build_module
-from .capture import Captured, Slot
+from .state import Captured, Slot
 from .runtime import TorchStep
 
 

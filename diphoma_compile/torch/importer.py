@@ -12,7 +12,7 @@ from ..errors import UnsupportedOpError
 from ..ir.core import (Attrs, Graph, Input, InputKind, InputRole, NameSupply, Op, Output,
                        OutputKind, OutputRole, Value)
 from ..ir.types import TensorType
-from .capture import Captured, Slot
+from .state import Captured, Slot
 from .ops import (BY_ATEN, COMPARISONS, DROPPED_TARGETS, IDENTITY, SCALAR_DTYPE, SCALAR_MATH,
                   Neutral, changes_layout, draws_random, encode_arg, ir_dtype, is_view_target,
                   target_name)

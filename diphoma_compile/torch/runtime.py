@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 from ..errors import DiphomaError
 from ..ir.core import Graph
 from .build import build_module
-from .capture import LR_DTYPE, Captured, Slot, hyper_value, is_state, settings_of, sign
+from .state import LR_DTYPE, Captured, Slot, hyper_value, is_state, settings_of, sign
 from .ops import DTYPE_TO_TORCH
 
 

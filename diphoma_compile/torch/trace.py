@@ -15,7 +15,8 @@ import torch
 from ..errors import DiphomaError, FrontendError
 from ..ir.core import Graph
 from ..ir.verify import verify
-from .capture import INTERNAL_PATHS, Captured, capture
+from .capture import INTERNAL_PATHS, capture
+from .state import Captured
 from .importer import import_captured
 
 
