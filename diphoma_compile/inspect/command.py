@@ -78,9 +78,10 @@ def _uses(module: ModuleType, packages: tuple[str, ...]) -> bool:
     return False
 
 
-def _framework(module: ModuleType, cand: Candidate | None, init: str | None) -> Framework:
-    """The framework of the file: from the candidate's kind, the class --init calls, or
-    what the file imports."""
+def _framework(module: ModuleType, cand: Candidate | None, init: str | None,
+               kinds: dict[str, tuple[type, ...]]) -> Framework:
+    """The framework of the file: from the candidate's kind, the class --init calls (told
+    apart by ``kinds``, the imported frameworks' model classes), or what the file imports."""
     kind = cand.kind if cand is not None else None
     if init is not None:
         try:
@@ -88,8 +89,7 @@ def _framework(module: ModuleType, cand: Candidate | None, init: str | None) -> 
         except SyntaxError:
             call = None
         if isinstance(call, ast.Call) and isinstance(call.func, ast.Name):
-            kind = kind_of(getattr(module, call.func.id, None),
-                           frameworks.module_kinds()) or kind
+            kind = kind_of(getattr(module, call.func.id, None), kinds) or kind
     if kind == "nnx-module":
         raise InspectError("flax.nnx modules are planned through a step: write "
                            "step(params, opt_state, batch) and example_inputs() in the file "
@@ -118,7 +118,7 @@ def build_target(args: argparse.Namespace, mesh: Mesh, axis: str) -> Target:
                                                        "--init EXPR")
     # "model.py:" when --init alone says what to build: the model's class completes it
     label = f"{Path(path).name}:{name or (cand.name if cand else '')}"
-    fw = _framework(module, cand, args.init).inspect_target()
+    fw = _framework(module, cand, args.init, kinds).inspect_target()
     n = mesh.axis_size(axis)
     if cand is not None and cand.kind == "step" and args.init is None:
         own = [o for o, given in (("--input", specs), ("--loss", args.loss != "auto"),

@@ -185,10 +185,14 @@ class JaxStep:
 
     def __call__(self, *args: Any) -> Any:
         leaves, treedefs = self.flatten(args)
-        outs = self.jitted(*leaves)
+        outs = self.run(leaves)
         if self.out_tree is not None:
             return jax.tree.unflatten(self.out_tree, outs)
         return self._by_roles(args, treedefs, outs)
+
+    def run(self, leaves: list[Any]) -> Sequence[Any]:
+        """The program's output leaves for these input leaves."""
+        return self.jitted(*leaves)
 
     def lower(self, *args: Any) -> Any:
         """jax.jit's Lowered for these arguments (for inspecting the XLA program)."""

@@ -293,13 +293,11 @@ class MeasuredRunner(JaxStep):
     _last: tuple
     device_count: int
 
-    def __call__(self, *args: Any) -> Any:
-        leaves, treedefs = self.flatten(args)
+    def run(self, leaves: list[Any]) -> Sequence[Any]:
+        """The program's output leaves, kept as the last outputs for memory_report."""
         outs = self.jitted(*leaves)
         self._last = tuple(outs)
-        if self.out_tree is not None:
-            return jax.tree.unflatten(self.out_tree, outs)
-        return self._by_roles(args, treedefs, outs)
+        return outs
 
     def _state_outputs(self) -> dict[InputKind, list[int]]:
         kinds = {i.name: i.role.kind for i in self.graph.inputs}
@@ -401,6 +399,7 @@ class JaxParallelStep(MeasuredRunner):
                                f"expects {t.dtype}{list(want)}",
                                hint="call it with the global arrays of the shapes it was "
                                     "parallelized for")
+
 
 class JaxOneDeviceStep(MeasuredRunner):
     """``parallelize`` on a mesh of one device: the single-device program under jax.jit,

@@ -140,11 +140,13 @@ def _placement(t: TensorType) -> str:
     return ", ".join(f"{a}: {p}" for a, p in t.placements) or "R"
 
 
-def gradient_sources(graph: Graph) -> dict[str, str]:
+def gradient_sources(graph: Graph, prod: dict[str, Op] | None = None,
+                     types: dict[str, TensorType] | None = None) -> dict[str, str]:
     """Collective result -> the parameter whose gradient it carries: walking back from each
-    new parameter through values of the parameter's size to a collective."""
-    prod = producers(graph)
-    types = graph.value_types()
+    new parameter through values of the parameter's size to a collective (``prod`` and
+    ``types``: the graph's producers and value types, when the caller has them)."""
+    prod = producers(graph) if prod is None else prod
+    types = graph.value_types() if types is None else types
     inputs = {i.name: i for i in graph.inputs}
     found: dict[str, str] = {}
     for o in graph.outputs:
@@ -192,7 +194,9 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
                 total *= sizes.get(a, 1)
         tensors.append(TensorPlan(i.name, i.role.kind.value, t.shape, t.dtype.value,
                                   _placement(t), t.local_nbytes(sizes), total))
-    grads = gradient_sources(graph)
+    prod = producers(graph)
+    sources = gradient_sources(graph, prod, types)
+    grads = dict(sources)
     loss = {o.name for o in graph.outputs if o.role.kind is OutputKind.loss}
     waited = {v.name: i for op in graph.walk() if op.name == "wait"
               for v, i in zip(op.results, op.inputs)}
@@ -201,7 +205,7 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
     loss |= {waited[n] for n in loss if n in waited}
     metrics = {o.name for o in graph.outputs if o.role.kind is OutputKind.metric}
     metrics |= {waited[n] for n in metrics if n in waited}
-    owner = _Owners(graph, grads, loss, metrics, waited)
+    owner = _Owners(graph, grads, loss, metrics, waited, prod, types)
     collectives = []
     for op in graph.walk():
         d = op_def(op.name)
@@ -217,7 +221,7 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
             op.name, axis, value, _serves(op, grads, loss, metrics),
             op.attrs.get("op"), d.comm_bytes(op, ins, outs, sizes.get(axis, 1)),
             op.phase.value if op.phase else None, owner.of_op(op)))
-    memory = _memory(graph, sizes, gradient_sources(graph), types)
+    memory = _memory(graph, sizes, sources, types)
     params = sum(i.value.type.numel for i in graph.inputs if i.role.kind is InputKind.param)
     return Plan(graph.name, sizes, graph.passes, tuple(tensors), tuple(collectives), memory,
                 sum(c.bytes_per_device for c in collectives), dict(decisions or {}), params,
@@ -241,13 +245,14 @@ class _Owners:
     known result."""
 
     def __init__(self, graph: Graph, grads: dict[str, str], loss: set[str],
-                 metrics: set[str], waited: dict[str, str]) -> None:
+                 metrics: set[str], waited: dict[str, str], prod: dict[str, Op],
+                 types: dict[str, TensorType]) -> None:
         self.known = dict(grads)
         self.known.update((n, "loss") for n in loss)
         self.known.update((n, "metric") for n in metrics)
         self.inputs = {i.name for i in graph.inputs if i.role.kind in _ROLES}
-        self.prod = producers(graph)
-        self.types = graph.value_types()
+        self.prod = prod
+        self.types = types
         self.waited = waited
 
     def of_op(self, op: Op) -> tuple[str | None, ...]:

@@ -26,8 +26,8 @@ from ..mesh import Mesh
 from ..report.memory import MemoryReport
 from . import collectives
 from .build import build_module
-from .state import Captured, Slot
 from .runtime import TorchStep
+from .state import Captured, Slot
 
 
 @dataclass(frozen=True)

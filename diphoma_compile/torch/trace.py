@@ -15,9 +15,10 @@ import torch
 from ..errors import DiphomaError, FrontendError
 from ..ir.core import Graph
 from ..ir.verify import verify
-from .capture import INTERNAL_PATHS, capture
-from .state import Captured
+from .capture import capture
+from .effects import INTERNAL_PATHS
 from .importer import import_captured
+from .state import Captured
 
 
 def _user_frame(exc: BaseException) -> str | None:
