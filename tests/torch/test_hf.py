@@ -80,3 +80,30 @@ def test_llama_with_one_cycle_inside_the_step_bit_exact():
         assert torch.equal(p, q), name
     hyper = {i.name for i in compiled.graph.inputs if i.role.kind.value == "hyper"}
     assert hyper == {"lr", "beta1"}
+
+
+def test_gpt2_parallelized_over_one_device_in_a_plain_process_bit_exact():
+    """``parallelize(step, {"dp": 1})`` with no process group runs the single-device
+    program: a Hugging Face model steps exactly as eager does (dropout seeded alike)."""
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=128,
+                                  n_positions=32, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    model.train()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    data = [{"ids": torch.randint(0, 128, (2, 16), generator=g)} for _ in range(3)]
+    pstep = diphoma_compile.parallelize(hf_step, {"dp": 1})
+    for i, batch in enumerate(data):
+        torch.manual_seed(i)
+        loss = pstep(model, opt, batch)
+        torch.manual_seed(i)
+        assert torch.equal(loss, hf_step(ref, ref_opt, batch)), f"loss differs at step {i}"
+    assert pstep.plan.passes == ()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), name
+    for p, q in zip(model.parameters(), ref.parameters()):
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, ref_opt.state[q][k]), k
