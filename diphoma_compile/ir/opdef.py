@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from ..errors import UnknownOpError
 from . import shape_rules as R
 from .core import Op
+from .framework_ops import framework_rule
 from .types import REDUCE_OPS, DType, TensorType
 
 
@@ -63,11 +64,18 @@ class OpDef:
     # flat shard's zero padding stays zero through the op
     zero_when: tuple[int, ...] = ()
     linear: bool = False            # partial sums pass through: f(a + b) = f(a) + f(b)
+    linear_in: tuple[int, ...] = () # linear in each of these operands alone (mul: 0 and 1)
     partial: str | None = None      # reducing a split dim leaves partial results of this kind
     view: bool = False              # the result may alias its first operand (no storage)
+    strategies: Callable | None = None  # strategies.StrategyFn; None: runs whole only
 
-    def flops(self, op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType]) -> int:
-        """Floating-point operations of one execution (logical, whole tensors)."""
+    def flops(self, op: Op, ins: Sequence[TensorType],
+              outs: Sequence[TensorType]) -> int | None:
+        """Floating-point operations of one execution (logical, whole tensors); None for a
+        framework op whose framework registered no rule (its cost is unknown)."""
+        if self.category is Category.opaque:
+            rule = framework_rule(op)
+            return None if rule is None else int(rule.flops(op, ins, outs))
         if self.category is Category.dot:
             lhs, rhs = ins
             lb, _, lc, _, lf, rf = R.dot_dims(op.attrs, lhs.rank, rhs.rank)
@@ -84,6 +92,10 @@ class OpDef:
         """Bytes read and written by one execution (logical, whole tensors)."""
         if self.category is Category.control:
             return 0
+        if self.category is Category.opaque:
+            rule = framework_rule(op)
+            if rule is not None and rule.bytes is not None:
+                return int(rule.bytes(op, ins, outs))
         return sum(t.nbytes for t in ins) + sum(t.nbytes for t in outs)
 
     def comm_bytes(self, op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType],

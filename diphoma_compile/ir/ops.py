@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from . import shape_rules as R
 from . import sharding_rules as S
+from . import strategies as T
 from .core import Attrs, Op, Value
 from .opdef import (ELEMENTWISE, OPS, AttrKind, Category, OpDef, check_attr, is_effectful,
                     is_elementwise, is_pure, is_view, op_def, random_draw, register_op)
@@ -31,68 +32,85 @@ _COLL = {"axis": ("axis", True)}
 
 # elementwise ------------------------------------------------------------------
 _ZERO = {"zero_when": (0,)}     # maps zero to zero
-_add("neg copy", C.unary, R.unary, E, flops=1, linear=True, **_ZERO)
+_add("neg copy", C.unary, R.unary, E, flops=1, linear=True, **_ZERO, strategies=T.elementwise)
 _add("abs sqrt square relu tanh sin sign floor ceil round expm1 log1p erf", C.unary, R.unary,
-     E, flops=1, **_ZERO)
-_add("exp log rsqrt sigmoid cos reciprocal", C.unary, R.unary, E, flops=1)
-_add("gelu", C.unary, R.unary, E, {"approximate": ("none|tanh", False)}, flops=8)
+     E, flops=1, **_ZERO, strategies=T.elementwise)
+_add("exp log rsqrt sigmoid cos reciprocal", C.unary, R.unary, E, flops=1,
+     strategies=T.elementwise)
+_add("gelu", C.unary, R.unary, E, {"approximate": ("none|tanh", False)}, flops=8,
+     strategies=T.elementwise)
 _add("integer_pow", C.unary, R.unary, E, {"exponent": ("int", True)}, flops=2, **_ZERO,
+     strategies=T.elementwise,
      doc="x ** exponent by repeated multiplication (JAX integer_pow); exponent < 0 divides")
-_add("logical_not", C.unary, R.unary_to_bool, E, flops=1)
-_add("isfinite isnan", C.unary, R.unary_to_bool, E, flops=1)
+_add("logical_not", C.unary, R.unary_to_bool, E, flops=1, strategies=T.elementwise)
+_add("isfinite isnan", C.unary, R.unary_to_bool, E, flops=1, strategies=T.elementwise)
 _add("add sub", C.binary, R.scaled_binary, E, {"alpha": ("number", False)}, flops=1,
-     zero_when=(0, 1), linear=True,
+     zero_when=(0, 1), linear=True, strategies=T.elementwise,
      doc="a + alpha*b (a - alpha*b): the scaled form frameworks compute in one step; "
          "alpha is an attribute, or a third 0-d operand when computed at run time")
-_add("max min", C.binary, R.binary, E, flops=1, zero_when=(0, 1))
-_add("mul div pow rem atan2 and or xor", C.binary, R.binary, E, flops=1)
-_add("eq ne lt le gt ge", C.binary, R.compare, E, flops=1)
-_add("select", C.ternary, R.select, E, flops=1, zero_when=(1, 2))
-_add("clamp", C.ternary, R.ternary, E, flops=2)
-_add("lerp", C.ternary, R.ternary, E, flops=3, zero_when=(0, 1),
+_add("max min", C.binary, R.binary, E, flops=1, zero_when=(0, 1), strategies=T.elementwise)
+_add("mul", C.binary, R.binary, E, flops=1, linear_in=(0, 1), strategies=T.elementwise)
+_add("div", C.binary, R.binary, E, flops=1, linear_in=(0,), strategies=T.elementwise)
+_add("pow rem atan2 and or xor", C.binary, R.binary, E, flops=1, strategies=T.elementwise)
+_add("eq ne lt le gt ge", C.binary, R.compare, E, flops=1, strategies=T.elementwise)
+_add("select", C.ternary, R.select, E, flops=1, zero_when=(1, 2), strategies=T.elementwise)
+_add("clamp", C.ternary, R.ternary, E, flops=2, strategies=T.elementwise)
+_add("lerp", C.ternary, R.ternary, E, flops=3, zero_when=(0, 1), strategies=T.elementwise,
      doc="a + w*(b - a) where |w| < 0.5, else b - (b - a)*(1 - w)")
 _add("addcmul", C.ternary, R.scaled_ternary, E, {"value": ("number", False)}, flops=3,
-     zero_when=(0, 1, 2),
+     zero_when=(0, 1, 2), strategies=T.elementwise,
      doc="s + (value*t1)*t2 (value: attribute or a fourth 0-d operand)")
 _add("addcdiv", C.ternary, R.scaled_ternary, E, {"value": ("number", False)}, flops=3,
+     strategies=T.elementwise,
      doc="s + (value*t1)/t2 (value: attribute or a fourth 0-d operand)")
-_add("convert", C.cast, R.convert, E, {"dtype": ("dtype", True)}, flops=1, **_ZERO)
-_add("bitcast", C.cast, R.bitcast, E, {"dtype": ("dtype", True)}, **_ZERO)
+_add("convert", C.cast, R.convert, E, {"dtype": ("dtype", True)}, flops=1, **_ZERO,
+     strategies=T.elementwise)
+_add("bitcast", C.cast, R.bitcast, E, {"dtype": ("dtype", True)}, **_ZERO,
+     strategies=T.elementwise)
 
 # reductions and contraction ---------------------------------------------------------
 for _name, _kind in (("reduce_sum", "sum"), ("reduce_max", "max"), ("reduce_min", "min"),
                      ("reduce_mean", "avg"), ("reduce_prod", None)):
-    _add(_name, C.reduce, R.reduce, S.reduce, _REDUCE, flops=1, partial=_kind)
+    _add(_name, C.reduce, R.reduce, S.reduce, _REDUCE, flops=1, partial=_kind,
+         strategies=T.reduce)
 _add("norm", C.reduce, R.reduce, S.replicate_only, {**_REDUCE, "ord": ("number", True)},
-     flops=2, expand=lambda op, ins, names: _expand_norm(op, ins, names),
+     flops=2, strategies=T.reduce, expand=lambda op, ins, names: _expand_norm(op, ins, names),
      doc="the vector norm over dims (ord 2, 1 or inf); a pass that must shard its input "
          "expands it into sums that shard")
-_add("argmax argmin", C.reduce, R.arg_reduce, S.replicate_only, _REDUCE, flops=1)
+_add("argmax argmin", C.reduce, R.arg_reduce, S.replicate_only, _REDUCE, flops=1,
+     strategies=T.reduce)
 _add("dot", C.dot, R.dot, S.dot, {"lhs_contract": ("ints", True), "rhs_contract": ("ints", True),
-                                   "lhs_batch": ("ints", False), "rhs_batch": ("ints", False)})
+                                   "lhs_batch": ("ints", False), "rhs_batch": ("ints", False)},
+     strategies=T.dot)
 
 # layout -------------------------------------------------------------------------------
-_add("reshape", C.layout, R.reshape, S.reshape, view=True)
-_add("transpose", C.layout, R.transpose, S.transpose, {"perm": ("ints", True)}, view=True)
+_add("reshape", C.layout, R.reshape, S.reshape, view=True, strategies=T.reshape)
+_add("transpose", C.layout, R.transpose, S.transpose, {"perm": ("ints", True)}, view=True,
+     strategies=T.transpose)
 _add("broadcast_in_dim", C.layout, R.broadcast_in_dim, S.broadcast_in_dim,
-     {"dims": ("ints", True)}, view=True)
+     {"dims": ("ints", True)}, view=True, strategies=T.broadcast_in_dim)
 _add("slice", C.layout, R.slice_, S.slice_or_pad,
      {"starts": ("ints", True), "limits": ("ints", True), "strides": ("ints", False)},
-     view=True)
-_add("concat", C.layout, R.concat, S.concat, {"dim": ("int", True)})
+     view=True, strategies=T.slice_or_pad)
+_add("concat", C.layout, R.concat, S.concat, {"dim": ("int", True)}, strategies=T.concat)
 _add("pad", C.layout, R.pad, S.slice_or_pad,
-     {"low": ("ints", True), "high": ("ints", True), "value": ("number", False)})
+     {"low": ("ints", True), "high": ("ints", True), "value": ("number", False)},
+     strategies=T.slice_or_pad)
 
 # indexing ---------------------------------------------------------------------------------
-_add("index_select", C.index, R.index_select, S.index_select, {"axis": ("int", True)})
-_add("index_add", C.index, R.index_add, S.index_add, {"axis": ("int", True)}, flops=1)
-_add("gather", C.index, R.gather, S.gather_scatter, {"dim": ("int", True)})
-_add("scatter_add", C.index, R.scatter_add, S.gather_scatter, {"dim": ("int", True)}, flops=1)
+_add("index_select", C.index, R.index_select, S.index_select, {"axis": ("int", True)},
+     strategies=T.index_select)
+_add("index_add", C.index, R.index_add, S.index_add, {"axis": ("int", True)}, flops=1,
+     strategies=T.index_add)
+_add("gather", C.index, R.gather, S.gather_scatter, {"dim": ("int", True)},
+     strategies=T.gather_scatter)
+_add("scatter_add", C.index, R.scatter_add, S.gather_scatter, {"dim": ("int", True)}, flops=1,
+     strategies=T.gather_scatter)
 
 # constants and random numbers -------------------------------------------------------------
-_add("full", C.constant, R.full, S.constant, {"value": ("number", True)})
+_add("full", C.constant, R.full, S.constant, {"value": ("number", True)}, strategies=T.constant)
 _add("literal", C.constant, R.literal, S.constant, {"data": ("any", True)})
-_add("iota", C.constant, R.iota, S.constant, {"dim": ("int", True)})
+_add("iota", C.constant, R.iota, S.constant, {"dim": ("int", True)}, strategies=T.constant)
 _RNG = {"seed": ("int", False)}
 _add("rng_uniform", C.rng, R.rng, S.replicate_only,
      {**_RNG, "low": ("number", False), "high": ("number", False)}, flops=1)

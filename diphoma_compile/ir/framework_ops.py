@@ -1,0 +1,41 @@
+"""What framework packages tell the IR about their own ops that stay ``opaque``: flops,
+bytes and sharding strategies, registered by target (``aten.addmm.default``,
+``jax:gather``). The IR never names a framework op; it looks the rule up here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .core import Op
+from .types import TensorType
+
+CostFn = Callable[[Op, Sequence[TensorType], Sequence[TensorType]], int]
+
+
+@dataclass(frozen=True)
+class FrameworkOpRule:
+    """One framework op's rule: its flops, its bytes (default: every operand and result
+    read or written once) and its strategies (``strategies.StrategyFn``; default: run whole
+    on every device)."""
+
+    target: str
+    flops: CostFn
+    strategies: Callable | None = None
+    bytes: CostFn | None = None
+
+
+FRAMEWORK_OPS: dict[str, FrameworkOpRule] = {}
+
+
+def register_framework_op(rule: FrameworkOpRule) -> FrameworkOpRule:
+    """Add the rule of a framework op, keyed by its ``target``; one rule per target."""
+    if rule.target in FRAMEWORK_OPS:
+        raise ValueError(f"framework op {rule.target!r} already has a rule")
+    FRAMEWORK_OPS[rule.target] = rule
+    return rule
+
+
+def framework_rule(op: Op) -> FrameworkOpRule | None:
+    """The registered rule of an opaque op, or None (its cost is then unknown)."""
+    return FRAMEWORK_OPS.get(str(op.attrs.get("target", "")))
