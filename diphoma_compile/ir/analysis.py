@@ -150,15 +150,17 @@ def liveness(graph: Graph, per_device: bool = True) -> Liveness:
 
 @dataclass(frozen=True)
 class OpCost:
-    """Logical flops, bytes touched, and bytes each device sends."""
+    """Logical flops, bytes touched, and bytes each device sends; ``unknown`` names the
+    framework ops (targets) whose flops no rule gives: counted as zero, and said so."""
 
     flops: int = 0
     bytes: int = 0
     comm_bytes: int = 0
+    unknown: tuple[str, ...] = ()
 
     def __add__(self, other: OpCost) -> OpCost:
         return OpCost(self.flops + other.flops, self.bytes + other.bytes,
-                      self.comm_bytes + other.comm_bytes)
+                      self.comm_bytes + other.comm_bytes, self.unknown + other.unknown)
 
 
 def op_cost(op: Op, types: dict[str, TensorType], axis_sizes: dict[str, int]) -> OpCost:
@@ -167,8 +169,10 @@ def op_cost(op: Op, types: dict[str, TensorType], axis_sizes: dict[str, int]) ->
     ins = [types[n] for n in op.inputs]
     outs = [v.type for v in op.results]
     axis = op.attrs.get("axis")
-    cost = OpCost(d.flops(op, ins, outs), d.bytes_accessed(op, ins, outs),
-                  d.comm_bytes(op, ins, outs, axis_sizes.get(axis, 1) if axis else 1))
+    flops = d.flops(op, ins, outs)
+    unknown = () if flops is not None else (str(op.attrs.get("target", op.name)),)
+    cost = OpCost(flops or 0, d.bytes_accessed(op, ins, outs),
+                  d.comm_bytes(op, ins, outs, axis_sizes.get(axis, 1) if axis else 1), unknown)
     for r in op.regions:
         for inner in r.ops:
             cost = cost + op_cost(inner, types, axis_sizes)
