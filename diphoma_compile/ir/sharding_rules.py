@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 from .core import Op
 from .opdef import Category, op_def
+from .strategies import strategies_of
 from .shape_rules import dot_dims
 from .types import (FLAT, FLAT_DIRTY, REPLICATE, VARYING, FlatShard, Partial, Placement,
                     Replicate, Shard, TensorType, Varying)
@@ -21,13 +22,26 @@ ShardingRule = Callable[[Op, Sequence[TensorType], Sequence[TensorType], str],
 def propagate(op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType], axis: str,
               rule: ShardingRule) -> tuple[Placement, ...] | None:
     """The placements of an op's results on ``axis``: per-device (varying) inputs make any op
-    a per-device computation; otherwise the op's own sharding rule decides."""
+    a per-device computation; inputs split by dimension, whole or partial take the op's
+    strategy (``strategies.py``) that accepts them; flat shards, constants and collectives
+    follow the op's own rule here."""
     pls = _pls(ins, axis)
     if any(isinstance(p, Varying) for p in pls):
         if all(isinstance(p, (Varying, Replicate)) for p in pls):
             return tuple(VARYING for _ in outs)
         return None
-    return rule(op, ins, outs, axis)
+    if rule in _OWN_RULES or any(isinstance(p, FlatShard) for p in pls):
+        return rule(op, ins, outs, axis)
+    return by_strategy(op, ins, outs, tuple(pls))
+
+
+def by_strategy(op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType],
+                pls: tuple[Placement, ...]) -> tuple[Placement, ...] | None:
+    """The result placements of the op's plain strategy taking inputs placed ``pls``."""
+    for s in strategies_of(op, ins, outs):
+        if s.inputs == pls and not s.masked:
+            return s.outputs
+    return None
 
 
 def _pls(ins: Sequence[TensorType], axis: str) -> list[Placement]:
@@ -310,6 +324,11 @@ def quant(op: Op, ins, outs, axis: str):
     if isinstance(p, FlatShard):
         return tuple(p for _ in outs)
     return None
+
+
+# rules that speak for themselves: constants take the placement declared for them, and
+# collectives and waits are checked against their own semantics
+_OWN_RULES = (constant, collective, same_placements)
 
 
 def expected_collective(op: Op, src: Placement) -> tuple[Placement | None, str]:

@@ -143,12 +143,11 @@ def elementwise(op: Op, ins, outs) -> list[Strategy]:
     out = outs[0]
     menu = [replicated(ins, outs)]
     for d in range(out.rank):
-        if out.shape[d] <= 1:
-            continue
         pls = []
         for t in ins:
             aligned = d - (out.rank - t.rank)
-            pls.append(REPLICATE if aligned < 0 or t.shape[aligned] == 1 else Shard(aligned))
+            spans = aligned >= 0 and t.shape[aligned] == out.shape[d]
+            pls.append(Shard(aligned) if spans else REPLICATE)   # else broadcast along d
         menu.append(Strategy(tuple(pls), tuple(Shard(d) for _ in outs), "split"))
     row = op_def(op.name)
     sets = []
@@ -167,8 +166,6 @@ def reduce(op: Op, ins, outs) -> list[Strategy]:
     kind = op_def(op.name).partial
     menu = [replicated(ins, outs)]
     for d in range(x.rank):
-        if x.shape[d] <= 1:
-            continue
         if d in dims:
             if kind:
                 menu.append(Strategy((Shard(d),), tuple(Partial(kind) for _ in outs), "reduce"))
@@ -204,7 +201,7 @@ def transpose(op: Op, ins, outs) -> list[Strategy]:
     perm = tuple(op.attrs["perm"])
     menu = [replicated(ins, outs)]
     menu += [Strategy((Shard(d),), (Shard(perm.index(d)),), "split")
-             for d in range(ins[0].rank) if ins[0].shape[d] > 1]
+             for d in range(ins[0].rank)]
     return _with_partials(menu, ins, outs, [{0}])
 
 
@@ -214,16 +211,17 @@ def reshape(op: Op, ins, outs) -> list[Strategy]:
     merge of d with later dims, a split of d into heads, or d unchanged)."""
     src, dst = ins[0].shape, outs[0].shape
     menu = [replicated(ins, outs)]
-    before_dst: dict[int, int] = {}
+    dst_at: list[tuple[int, int, int]] = []     # (elements before, size, dim) of the result
     acc = 1
     for j, s in enumerate(dst):
-        if s > 1:
-            before_dst.setdefault(acc, j)
+        dst_at.append((acc, s, j))
         acc *= s
     acc = 1
     for d, s in enumerate(src):
-        if s > 1 and acc in before_dst:
-            menu.append(Strategy((Shard(d),), (Shard(before_dst[acc]),), "split"))
+        same = [j for b, size, j in dst_at if b == acc and size == s]
+        grown = [j for b, size, j in dst_at if b == acc and size > 1 and s > 1]
+        if same or grown:
+            menu.append(Strategy((Shard(d),), (Shard((same or grown)[0]),), "split"))
         acc *= s
     return _with_partials(menu, ins, outs, [{0}])
 
@@ -234,7 +232,7 @@ def broadcast_in_dim(op: Op, ins, outs) -> list[Strategy]:
     (x,), out = ins, outs[0]
     menu = [replicated(ins, outs)]
     for d in range(x.rank):
-        if x.shape[d] > 1 and x.shape[d] == out.shape[dims[d]]:
+        if x.shape[d] == out.shape[dims[d]]:
             menu.append(Strategy((Shard(d),), (Shard(dims[d]),), "split"))
     return _with_partials(menu, ins, outs, [{0}])
 
@@ -245,7 +243,7 @@ def slice_or_pad(op: Op, ins, outs) -> list[Strategy]:
     x, out = ins[0], outs[0]
     menu = [replicated(ins, outs)]
     menu += [Strategy((Shard(d),) + tuple(REPLICATE for _ in ins[1:]), (Shard(d),), "split")
-             for d in range(x.rank) if x.shape[d] > 1 and x.shape[d] == out.shape[d]]
+             for d in range(x.rank) if x.shape[d] == out.shape[d]]
     if op.name == "pad" and op.attrs.get("value", 0) != 0:
         return menu
     return _with_partials(menu, ins, outs, [{0}])
@@ -257,7 +255,7 @@ def concat(op: Op, ins, outs) -> list[Strategy]:
     out = outs[0]
     menu = [replicated(ins, outs)]
     menu += [Strategy(tuple(Shard(d) for _ in ins), (Shard(d),), "split")
-             for d in range(out.rank) if d != dim and out.shape[d] > 1]
+             for d in range(out.rank) if d != dim]
     menu.append(Strategy(tuple(Partial("sum") for _ in ins), (Partial("sum"),), "partial"))
     return menu
 
@@ -270,14 +268,12 @@ def index_select(op: Op, ins, outs) -> list[Strategy]:
     ax = op.attrs["axis"]
     menu = [replicated(ins, outs)]
     for i in range(idx.rank):
-        if idx.shape[i] > 1:
-            menu.append(Strategy((REPLICATE, Shard(i)), (Shard(ax + i),), "batch"))
+        menu.append(Strategy((REPLICATE, Shard(i)), (Shard(ax + i),), "batch"))
     for d in range(table.rank):
-        if d != ax and table.shape[d] > 1:
+        if d != ax:
             od = d if d < ax else d + idx.rank - 1
             menu.append(Strategy((Shard(d), REPLICATE), (Shard(od),), "split"))
-    if table.shape[ax] > 1:
-        menu.append(Strategy((Shard(ax), REPLICATE), (Partial("sum"),), "vocab", masked=True))
+    menu.append(Strategy((Shard(ax), REPLICATE), (Partial("sum"),), "vocab", masked=True))
     return menu
 
 
@@ -288,16 +284,14 @@ def index_add(op: Op, ins, outs) -> list[Strategy]:
     ax = op.attrs["axis"]
     menu = [replicated(ins, outs)]
     for i in range(idx.rank):
-        if idx.shape[i] > 1:
-            menu.append(Strategy((Partial("sum"), Shard(i), Shard(ax + i)), (Partial("sum"),),
-                                 "batch"))
+        menu.append(Strategy((Partial("sum"), Shard(i), Shard(ax + i)), (Partial("sum"),),
+                             "batch"))
     for d in range(base.rank):
-        if d != ax and base.shape[d] > 1:
+        if d != ax:
             ud = d if d < ax else d + idx.rank - 1
             menu.append(Strategy((Shard(d), REPLICATE, Shard(ud)), (Shard(d),), "split"))
-    if base.shape[ax] > 1:
-        menu.append(Strategy((Shard(ax), REPLICATE, REPLICATE), (Shard(ax),), "vocab",
-                             masked=True))
+    menu.append(Strategy((Shard(ax), REPLICATE, REPLICATE), (Shard(ax),), "vocab",
+                         masked=True))
     menu.append(Strategy((Partial("sum"), REPLICATE, Partial("sum")), (Partial("sum"),),
                          "partial"))
     return menu
@@ -310,7 +304,7 @@ def gather_scatter(op: Op, ins, outs) -> list[Strategy]:
     out = outs[0]
     menu = [replicated(ins, outs)]
     for d in range(out.rank):
-        if d != dim and out.shape[d] > 1 and len({t.shape[d] for t in ins}) == 1:
+        if d != dim and len({t.shape[d] for t in ins}) == 1:
             menu.append(Strategy(tuple(Shard(d) for _ in ins), (Shard(d),), "split"))
     return menu
 
@@ -320,7 +314,7 @@ def constant(op: Op, ins, outs) -> list[Strategy]:
     out = outs[0]
     menu = [replicated(ins, outs)]
     menu += [Strategy(tuple(REPLICATE for _ in ins), (Shard(d),), "split")
-             for d in range(out.rank) if out.shape[d] > 1]
+             for d in range(out.rank)]
     if op.name == "full" and op.attrs.get("value") == 0:
         menu.append(Strategy((), (Partial("sum"),), "partial"))
     return menu
@@ -332,5 +326,5 @@ def same_split(op: Op, ins, outs) -> list[Strategy]:
     out = outs[0]
     menu = [replicated(ins, outs)]
     menu += [Strategy(tuple(Shard(d) for _ in ins), tuple(Shard(d) for _ in outs), "split")
-             for d in range(out.rank) if out.shape[d] > 1]
+             for d in range(out.rank)]
     return menu

@@ -1,0 +1,267 @@
+"""Sharding propagation over a whole step, one mesh axis at a time.
+
+Given placements fixed for some values (a pass's or the user's choice: Megatron's column and
+row splits of the weights, say), ``complete`` picks a strategy for every op and a placement
+for every value so that the step stays correct and the communication plus compute, priced by
+a device model, is small; ``apply_assignment`` writes the result into the graph with the
+resharding collectives inserted. ``op_candidates`` lists each op's strategies with their
+costs, for a solver.
+
+The choice is an integer program (``strategy_solver.py``, as AutoParallel and Alpa's
+intra-op pass do it): exact under the device model, forward and backward alike (a fixed
+placement constrains producers and consumers). Inputs no one fixed stay replicated;
+optimizer state follows its parameter; an output that replaces an input gets that input's
+placement back."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ..errors import IRError
+from .core import Attrs, Graph, Input, Op, Output, Value
+from .device_model import DeviceModel, device_model
+from .opdef import Category, op_def
+from .roles import InputKind, OutputKind
+from .strategies import Strategy, candidates, replicated, reshard
+from .strategy_solver import solve
+from .types import REPLICATE, Partial, Placement, Replicate, Shard, TensorType
+
+# taking a local slice moves no data, but is not free of choice: a split nobody needed
+# would only make gathers later, so it costs a little
+_SLICE_S = 1e-9
+
+
+@dataclass(frozen=True)
+class Reshard:
+    """A collective inserted before an op (or before the graph's outputs: op index -1)."""
+
+    op_index: int
+    value: str
+    src: Placement
+    dst: Placement
+    collective: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A placement for every top-level value and a strategy for every op, on one axis."""
+
+    axis: str
+    size: int
+    placements: Mapping[str, Placement]
+    strategies: Mapping[int, Strategy]
+    reshards: tuple[Reshard, ...]
+    output_placements: Mapping[str, Placement]    # what each output must be given back as
+    comm_s: float
+    compute_s: float
+
+    def collectives(self, phase=None, graph: Graph | None = None) -> list[Reshard]:
+        """The inserted collectives that move data (taking a slice moves none), optionally
+        only those before ops of one phase."""
+        out = [r for r in self.reshards if r.collective != "take_shard"]
+        if phase is not None and graph is not None:
+            out = [r for r in out if r.op_index >= 0 and graph.ops[r.op_index].phase == phase]
+        return out
+
+
+def reshard_seconds(src: Placement, dst: Placement, t: TensorType, n: int, axis: str,
+                    model: DeviceModel) -> float:
+    """Seconds to bring a value from ``src`` to ``dst`` (inf when no collective does)."""
+    how = reshard(src, dst)
+    if how is None:
+        return math.inf
+    if how.collective is None:
+        return 0.0
+    if how.collective == "take_shard":
+        return _SLICE_S
+    frac = (n - 1) / n
+    sent = {"all_reduce": 2 * frac * t.nbytes, "reduce_scatter": frac * t.nbytes,
+            "all_gather": frac * t.nbytes, "all_to_all": frac * t.nbytes / n}[how.collective]
+    return model.collective_s(how.collective, sent, n, axis)
+
+
+def _menu(op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType], axis: str,
+          n: int) -> list[Strategy]:
+    cat = op_def(op.name).category
+    if cat in (Category.collective, Category.sync):
+        if op.attrs.get("axis") == axis:
+            raise IRError(f"{op.name} already communicates over {axis!r}",
+                          hint="propagate placements on an axis before inserting its "
+                               "collectives")
+        # a collective on another axis hands each value's placement on this one through
+        if len(ins) != len(outs) or any(a.shape != b.shape for a, b in zip(ins, outs)):
+            return [replicated(ins, outs)]
+        menu = [replicated(ins, outs)]
+        rank = min((t.rank for t in ins), default=0)
+        menu += [Strategy(tuple(Shard(d) for _ in ins), tuple(Shard(d) for _ in outs))
+                 for d in range(rank)]
+        menu.append(Strategy(tuple(Partial("sum") for _ in ins),
+                             tuple(Partial("sum") for _ in outs)))
+        return [s for s in menu if _fits(s, ins, outs, n)]
+    menu = candidates(op, ins, outs, n)
+    if not ins:     # a constant is built where it is needed; as a partial sum it only costs
+        menu = [s for s in menu if not any(isinstance(p, Partial) for p in s.outputs)]
+    return menu or [replicated(ins, outs)]
+
+
+def _fits(s: Strategy, ins, outs, n: int) -> bool:
+    return all(not isinstance(p, Shard) or (p.dim < t.rank and t.shape[p.dim] % n == 0)
+               for p, t in list(zip(s.inputs, ins)) + list(zip(s.outputs, outs)))
+
+
+def _compute_s(op: Op, s: Strategy, ins, outs, n: int, model: DeviceModel) -> float:
+    d = op_def(op.name)
+    flops = d.flops(op, ins, outs) or 0
+    nbytes = d.bytes_accessed(op, ins, outs)
+    split = any(not isinstance(p, Replicate) for p in s.inputs + s.outputs)
+    return model.compute_s(flops, nbytes) / (n if split else 1)
+
+
+def _fixed_inputs(graph: Graph, fixed: Mapping[str, Placement]) -> dict[str, Placement]:
+    """The fixed placements, with optimizer state following its parameter (same shape)."""
+    out = dict(fixed)
+    for i in graph.inputs:
+        role = i.role
+        if (i.name not in out and role.kind is InputKind.opt_state and role.of in fixed
+                and i.value.type.shape == graph.input(role.of).value.type.shape):
+            out[i.name] = fixed[role.of]
+    return out
+
+
+def complete(graph: Graph, axis: str, fixed: Mapping[str, Placement],
+             model: DeviceModel | str = "h100-nccl", time_limit_s: float = 60.0) -> Assignment:
+    """Complete the placements ``fixed`` for some values into the cheapest assignment of the
+    whole step on ``axis`` (an axis of the graph's mesh), solved exactly as an integer
+    program (HiGHS through scipy) under the device model's costs."""
+    model = device_model(model) if isinstance(model, str) else model
+    n = graph.mesh.axis_size(axis)
+    fixed = _fixed_inputs(graph, fixed)
+    types = graph.value_types()
+    made = {v.name for op in graph.ops for v in op.results} | {i.name for i in graph.inputs}
+    unknown = sorted(set(fixed) - made)
+    if unknown:
+        raise IRError(f"placements fixed for values the graph does not have: "
+                      f"{', '.join(unknown[:5])}", hint="name top-level values or inputs")
+
+    def rc(src, dst, name) -> float:
+        return reshard_seconds(src, dst, types[name], n, axis, model)
+
+    menus = [_menu(op, [types[x] for x in op.inputs], [v.type for v in op.results], axis, n)
+             for op in graph.ops]
+    demands = {o.name: _output_demand(graph, o, fixed) for o in graph.outputs}
+    chosen = solve(graph, menus, fixed, demands, rc,
+                   lambda k, s: _compute_s(graph.ops[k], s, [types[x] for x in
+                                           graph.ops[k].inputs],
+                                           [v.type for v in graph.ops[k].results], n, model),
+                   time_limit_s)
+    placements: dict[str, Placement] = {i.name: fixed.get(i.name, REPLICATE)
+                                        for i in graph.inputs}
+    for k, op in enumerate(graph.ops):
+        placements.update((v.name, p) for v, p in zip(op.results, chosen[k].outputs))
+
+    # the collectives this implies: one per value and placement it must take, placed
+    # before its first user
+    steps: dict[tuple[str, Placement], Reshard] = {}
+    compute = 0.0
+    for k, op in enumerate(graph.ops):
+        s = chosen[k]
+        compute += _compute_s(op, s, [types[x] for x in op.inputs],
+                              [v.type for v in op.results], n, model)
+        for x, want in zip(op.inputs, s.inputs):
+            if placements[x] != want and (x, want) not in steps:
+                steps[x, want] = _step(k, x, placements[x], want, rc)
+    for o in graph.outputs:
+        want = demands[o.name]
+        if want is not None and placements[o.name] != want and (o.name, want) not in steps:
+            steps[o.name, want] = _step(-1, o.name, placements[o.name], want, rc)
+    steps = list(steps.values())
+    wanted = {o.name: d for o, d in ((o, demands[o.name]) for o in graph.outputs)
+              if d is not None and placements[o.name] != d}
+    return Assignment(axis, n, placements, chosen, tuple(steps), wanted,
+                      sum(r.seconds for r in steps), compute)
+
+
+def _output_demand(graph: Graph, o: Output, fixed: Mapping[str, Placement]):
+    if o.name in fixed:
+        return fixed[o.name]
+    if o.role.kind is OutputKind.replaces:
+        return fixed.get(o.role.target, REPLICATE)
+    return None
+
+
+def _step(k: int, x: str, src: Placement, dst: Placement, rc) -> Reshard:
+    how = reshard(src, dst)
+    if how is None:
+        raise IRError(f"%{x} is {src} but must become {dst}, which no collective does",
+                      hint="fix a placement that its producers can give")
+    return Reshard(k, x, src, dst, how.collective, rc(src, dst, x))
+
+
+def op_candidates(graph: Graph, axis: str, model: DeviceModel | str = "h100-nccl"
+                  ) -> list[list[tuple[Strategy, float]]]:
+    """For each top-level op, its strategies that fit the axis with their compute seconds
+    (communication depends on the neighbours' choices: ``reshard_seconds`` prices it)."""
+    model = device_model(model) if isinstance(model, str) else model
+    n = graph.mesh.axis_size(axis)
+    types = graph.value_types()
+    out = []
+    for op in graph.ops:
+        ins = [types[x] for x in op.inputs]
+        outs = [v.type for v in op.results]
+        out.append([(s, _compute_s(op, s, ins, outs, n, model))
+                    for s in _menu(op, ins, outs, axis, n)])
+    return out
+
+
+def apply_assignment(graph: Graph, a: Assignment) -> Graph:
+    """The graph with the assignment's placements in its types and its collectives
+    inserted (each before the op that needs it)."""
+    names = graph.fresh_names()
+    placed = {x: p for x, p in a.placements.items()}
+
+    def typed(name: str, t: TensorType) -> TensorType:
+        return t.with_placement(a.axis, placed[name])
+
+    inputs = tuple(Input(Value(i.name, typed(i.name, i.value.type)), i.role)
+                   for i in graph.inputs)
+    types = {i.name: i.value.type for i in inputs}
+    ops: list[Op] = []
+    before: dict[int, list[Reshard]] = defaultdict(list)
+    for r in a.reshards:
+        before[r.op_index].append(r)
+    moved: dict[tuple[str, Placement], str] = {}     # (value, placement) -> its new name
+    for k, op in enumerate(graph.ops):
+        for r in before.get(k, ()):
+            new = _collective(r, types, names, a.axis, op)
+            ops.append(new)
+            types[new.result.name] = new.result.type
+            moved[r.value, r.dst] = new.result.name
+        s = a.strategies[k]
+        inputs_k = tuple(moved[x, want] if placed[x] != want else x
+                         for x, want in zip(op.inputs, s.inputs))
+        results = tuple(Value(v.name, typed(v.name, v.type)) for v in op.results)
+        for v in results:
+            types[v.name] = v.type
+        ops.append(op.replace(inputs=inputs_k, results=results))
+    outputs = list(graph.outputs)
+    for r in before.get(-1, ()):
+        new = _collective(r, types, names, a.axis, None)
+        ops.append(new)
+        moved[r.value, r.dst] = new.result.name
+    outputs = [Output(moved.get((o.name, a.output_placements.get(o.name)), o.name), o.role)
+               for o in graph.outputs]
+    return graph.replace(inputs=inputs, ops=tuple(ops), outputs=tuple(outputs))
+
+
+def _collective(r: Reshard, types, names, axis: str, user: Op | None) -> Op:
+    how = reshard(r.src, r.dst)
+    t = types[r.value].with_placement(axis, r.dst)
+    attrs = Attrs({"axis": axis, **dict(how.attrs)})
+    out = Value(names(f"{r.value}.{how.collective}"), t)
+    return Op(how.collective, (r.value,), (out,), attrs,
+              phase=user.phase if user is not None else None,
+              loc=user.loc if user is not None else None)

@@ -1,0 +1,174 @@
+"""The integer program that picks one strategy per op (HiGHS, through scipy.optimize.milp).
+
+Variables: ``x[k, s]`` = 1 when op k runs under strategy s (exactly one per op); for each
+use of a value whose producer's placement p differs from the placement q its consumer's
+strategy needs, ``z >= y[p] + w[q] - 1`` pays the resharding collective (``y``: the sum of
+the producer's x that give p; ``w``: the consumer's x that need q). Pairs no collective
+joins are forbidden (``y[p] + w[q] <= 1``). The objective is the compute of every op under
+its strategy plus every reshard, in microseconds. Exact for the model: no double counting
+of shared ancestors, which a dynamic program over a DAG cannot avoid."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_array
+
+from ..errors import IRError
+from .core import Graph
+from .strategies import Strategy
+from .types import REPLICATE, Placement
+
+_US = 1e6   # seconds -> microseconds, to keep the solver's numbers near 1
+
+
+class _Program:
+    """Rows and columns of the integer program, built incrementally."""
+
+    def __init__(self) -> None:
+        self.cost: list[float] = []
+        self.upper: list[float] = []
+        self.integer: list[int] = []
+        self.rows: list[tuple[dict[int, float], float, float]] = []
+
+    def var(self, cost: float, integer: bool) -> int:
+        self.cost.append(cost)
+        self.upper.append(1.0)
+        self.integer.append(1 if integer else 0)
+        return len(self.cost) - 1
+
+    def row(self, coef: dict[int, float], lo: float, hi: float) -> None:
+        self.rows.append((coef, lo, hi))
+
+    def solve(self, time_limit_s: float) -> np.ndarray:
+        r, c, v = [], [], []
+        lo, hi = [], []
+        for i, (coef, a, b) in enumerate(self.rows):
+            for j, w in coef.items():
+                r.append(i)
+                c.append(j)
+                v.append(w)
+            lo.append(a)
+            hi.append(b)
+        a = coo_array((v, (r, c)), shape=(len(self.rows), len(self.cost))).tocsr()
+        res = milp(np.array(self.cost), integrality=np.array(self.integer),
+                   bounds=Bounds(np.zeros(len(self.cost)), np.array(self.upper)),
+                   constraints=LinearConstraint(a, np.array(lo), np.array(hi)),
+                   options={"time_limit": time_limit_s, "disp": False})
+        if res.x is None:
+            raise IRError(f"no consistent assignment of strategies exists ({res.message})",
+                          hint="fix fewer placements, or placements that divide the axis")
+        return res.x
+
+
+def _charge_input(prog: _Program, name: str, p: Placement,
+                  by_q: dict[Placement, list[list[int]]], rc) -> None:
+    """An input's placement is fixed: each consumer strategy pays its reshard (a graph input
+    is resharded once per use; inputs are few)."""
+    for q, uses in by_q.items():
+        c = rc(p, q, name)
+        for vars_q in uses:
+            for var in vars_q:
+                if c == math.inf:
+                    prog.upper[var] = 0.0
+                else:
+                    prog.cost[var] += c * _US
+
+
+def _charge_value(prog: _Program, name: str, made: dict[Placement, list[int]],
+                  by_q: dict[Placement, list[list[int]]], rc) -> None:
+    """Bringing a value to placement q is paid once however many consumers need q:
+    ``a[q]`` = some consumer needs q; ``u[p, q]`` = the value is p and must become q."""
+    for q, uses in by_q.items():
+        if all(p == q for p in made) and q in made:
+            continue
+        a = prog.var(0.0, False)
+        for vars_q in uses:
+            row = {var: 1.0 for var in vars_q}
+            row[a] = -1.0
+            prog.row(row, -math.inf, 0.0)              # a >= the use's indicator
+        cover = {a: 1.0}
+        for var in made.get(q, []):
+            cover[var] = -1.0                          # the value is already q
+        for p, vars_p in made.items():
+            if p == q:
+                continue
+            c = rc(p, q, name)
+            row = {var: 1.0 for var in vars_p}
+            row[a] = 1.0
+            if c == math.inf:
+                prog.row(row, -math.inf, 1.0)          # p and a need for q exclude each other
+                continue
+            u = prog.var(c * _US, False)
+            row[u] = -1.0
+            prog.row(row, -math.inf, 1.0)              # u >= y[p] + a - 1
+            cover[u] = -1.0
+        prog.row(cover, -math.inf, 0.0)                # a <= y[q] + sum_p u[p, q]
+
+
+def solve(graph: Graph, menus: Sequence[Sequence[Strategy]],
+          fixed: Mapping[str, Placement], demands: Mapping[str, Placement | None],
+          rc: Callable[[Placement, Placement, str], float],
+          compute: Callable[[int, Strategy], float], time_limit_s: float) -> dict[int, Strategy]:
+    """One strategy per top-level op of ``graph`` minimizing compute plus resharding, with
+    ``fixed`` values placed as given and outputs brought to their ``demands``."""
+    for op in graph.ops:
+        if op.regions:
+            raise IRError(f"sharding propagation does not enter nested regions yet "
+                          f"({op.name} has {len(op.regions)})",
+                          hint="trace the step without control flow (unroll scans)")
+    prog = _Program()
+    x: list[list[int]] = []
+    for k, menu in enumerate(menus):
+        x.append([prog.var(compute(k, s) * _US, True) for s in menu])
+        prog.row({j: 1.0 for j in x[k]}, 1.0, 1.0)
+
+    # each value's placements: producer's variables giving each, or a fixed placement
+    inputs = {i.name for i in graph.inputs}
+    made: dict[str, dict[Placement, list[int]]] = {}
+    for k, op in enumerate(graph.ops):
+        for j, v in enumerate(op.results):
+            by: dict[Placement, list[int]] = defaultdict(list)
+            for s, var in zip(menus[k], x[k]):
+                by[s.outputs[j]].append(var)
+            made[v.name] = by
+            if v.name in fixed:
+                want = fixed[v.name]
+                prog.row({var: 1.0 for var in by.get(want, [])}, 1.0, 1.0)
+
+    # what the consumers need of each value: placement -> one indicator per use
+    needs: dict[str, dict[Placement, list[list[int]]]] = defaultdict(lambda: defaultdict(list))
+    for k, op in enumerate(graph.ops):
+        for i, name in enumerate(op.inputs):
+            need: dict[Placement, list[int]] = defaultdict(list)
+            for s, var in zip(menus[k], x[k]):
+                need[s.inputs[i]].append(var)
+            for q, vars_q in need.items():
+                needs[name][q].append(vars_q)
+    for name, by_q in needs.items():
+        if name in inputs:
+            _charge_input(prog, name, fixed.get(name, REPLICATE), by_q, rc)
+        else:
+            _charge_value(prog, name, made[name], by_q, rc)
+    for name, want in demands.items():
+        if want is None:
+            continue
+        if name in inputs:
+            if rc(fixed.get(name, REPLICATE), want, name) == math.inf:
+                raise IRError(f"output %{name} is an input placed "
+                              f"{fixed.get(name, REPLICATE)} and cannot become {want}")
+            continue
+        for p, vars_p in made[name].items():
+            c = rc(p, want, name)
+            for var in vars_p:
+                if c == math.inf:
+                    prog.upper[var] = 0.0
+                else:
+                    prog.cost[var] += c * _US
+
+    sol = prog.solve(time_limit_s)
+    return {k: menus[k][int(np.argmax([sol[v] for v in x[k]]))] for k in range(len(menus))}

@@ -1,0 +1,117 @@
+"""Sharding propagation over a traced flax training step: Megatron's column and row splits,
+fixed on the weights of one transformer block, complete into exactly Megatron's
+communication (one all-reduce after attention and one after the MLP in forward, the same two
+in backward), and the completed graph verifies."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import diphoma_compile
+from diphoma_compile.errors import IRError
+from diphoma_compile.ir import Phase, verify
+from diphoma_compile.ir.propagate import apply_assignment, complete, op_candidates
+from diphoma_compile.ir.types import REPLICATE, Partial, Shard
+from diphoma_compile.mesh import Mesh
+from tests.jax_steps import DIM, LinenBlock
+
+ATTN = "params/MultiHeadDotProductAttention_0/"
+MEGATRON = {ATTN + "query/kernel": Shard(1), ATTN + "key/kernel": Shard(1),
+            ATTN + "value/kernel": Shard(1), ATTN + "out/kernel": Shard(0),
+            "params/Dense_0/kernel": Shard(1), "params/Dense_0/bias": Shard(0),
+            "params/Dense_1/kernel": Shard(0)}
+
+
+def _block_step(optimizer):
+    block = LinenBlock()
+    x = jnp.linspace(-1.0, 1.0, 2 * 8 * DIM).reshape(2, 8, DIM)
+    params = block.init(jax.random.key(0), x)["params"]
+
+    def step(params, opt_state, x):
+        def loss_fn(p):
+            return jnp.mean(block.apply({"params": p}, x) ** 2)
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        u, opt_state = optimizer.update(g, opt_state, params)
+        return optax.apply_updates(params, u), opt_state, loss
+    graph = diphoma_compile.trace(step, params, optimizer.init(params), x)
+    return graph.replace(mesh=Mesh({"tp": 2}))
+
+
+@pytest.fixture(scope="module")
+def sgd_block():
+    return _block_step(optax.sgd(0.1))
+
+
+def _moving(assignment, graph, phase):
+    return [r.collective for r in assignment.collectives(phase, graph)]
+
+
+def test_megatron_block_gets_two_all_reduces_forward_and_two_backward(sgd_block):
+    a = complete(sgd_block, "tp", MEGATRON)
+    assert _moving(a, sgd_block, Phase.forward) == ["all_reduce", "all_reduce"]
+    assert _moving(a, sgd_block, Phase.backward) == ["all_reduce", "all_reduce"]
+    assert len(a.collectives()) == 4          # nothing in the update, nothing at the outputs
+    # the attention and MLP outputs are the partial sums reduced
+    for r in a.collectives():
+        assert r.src == Partial("sum") and r.dst == REPLICATE
+    placed = apply_assignment(sgd_block, a)
+    verify(placed)
+    types = placed.value_types()
+    for name, p in MEGATRON.items():
+        assert types[name].placement("tp") == p
+    # updated weights come back placed as they went in
+    for o in placed.outputs:
+        if o.role.target in MEGATRON:
+            assert types[o.name].placement("tp") == MEGATRON[o.role.target], o.name
+    # the heads are split through attention: the scores are split on the heads dim
+    ops = [op for op in placed.ops if op.name == "dot" and op.phase is Phase.forward]
+    assert any(types[op.result.name].placement("tp") == Shard(1)
+               and types[op.result.name].rank == 4 for op in ops)
+
+
+def test_optimizer_state_follows_its_parameter():
+    graph = _block_step(optax.adamw(1e-3))
+    a = complete(graph, "tp", MEGATRON)
+    assert len(a.collectives()) == 4
+    for i in graph.inputs:
+        if i.role.of in MEGATRON and i.value.type.shape == graph.input(i.role.of).value.type.shape:
+            assert a.placements[i.name] == MEGATRON[i.role.of], i.name
+
+
+def test_nothing_fixed_stays_replicated_without_communication(sgd_block):
+    a = complete(sgd_block, "tp", {})
+    assert a.collectives() == []
+    assert all(p == REPLICATE for p in a.placements.values())
+
+
+def test_a_split_weight_read_whole_is_gathered_once(sgd_block):
+    # only the MLP's second weight split by rows, its input whole: the cheapest completion
+    # either splits the hidden activations or gathers the weight, never both
+    a = complete(sgd_block, "tp", {"params/Dense_1/kernel": Shard(0)})
+    verify(apply_assignment(sgd_block, a))
+    assert a.comm_s > 0
+
+
+def test_candidates_list_megatron_splits_with_halved_compute(sgd_block):
+    cands = op_candidates(sgd_block, "tp")
+    k = next(k for k, op in enumerate(sgd_block.ops)
+             if op.name == "dot" and op.inputs[1] == "params/Dense_0/kernel")
+    names = {s.name: c for s, c in cands[k]}
+    assert {"replicate", "column", "contract"} <= set(names)
+    assert names["column"] == pytest.approx(names["replicate"] / 2)
+
+
+def test_bad_fixed_placements_are_clear_errors(sgd_block):
+    with pytest.raises(IRError, match="does not have: nope"):
+        complete(sgd_block, "tp", {"nope": Shard(0)})
+    with pytest.raises(Exception, match="no axis 'pp'"):
+        complete(sgd_block, "pp", {})
+
+
+def test_a_placement_no_producer_can_give_is_a_clear_error(sgd_block):
+    loss = sgd_block.outputs[-1].name
+    with pytest.raises(IRError, match="no consistent assignment"):
+        complete(sgd_block, "tp", {loss: Partial("max")})
