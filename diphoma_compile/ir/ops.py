@@ -73,38 +73,38 @@ for _name, _kind in (("reduce_sum", "sum"), ("reduce_max", "max"), ("reduce_min"
                      ("reduce_mean", "avg"), ("reduce_prod", None)):
     _add(_name, C.reduce, R.reduce, S.reduce, _REDUCE, flops=1, partial=_kind,
          strategies=T.reduce)
-_add("norm", C.reduce, R.reduce, S.replicate_only, {**_REDUCE, "ord": ("number", True)},
+_add("norm", C.reduce, R.reduce, S.none, {**_REDUCE, "ord": ("number", True)},
      flops=2, strategies=T.reduce, expand=lambda op, ins, names: _expand_norm(op, ins, names),
      doc="the vector norm over dims (ord 2, 1 or inf); a pass that must shard its input "
          "expands it into sums that shard")
-_add("argmax argmin", C.reduce, R.arg_reduce, S.replicate_only, _REDUCE, flops=1,
+_add("argmax argmin", C.reduce, R.arg_reduce, S.none, _REDUCE, flops=1,
      strategies=T.reduce)
-_add("dot", C.dot, R.dot, S.dot, {"lhs_contract": ("ints", True), "rhs_contract": ("ints", True),
+_add("dot", C.dot, R.dot, S.none, {"lhs_contract": ("ints", True), "rhs_contract": ("ints", True),
                                    "lhs_batch": ("ints", False), "rhs_batch": ("ints", False)},
      strategies=T.dot)
 
 # layout -------------------------------------------------------------------------------
 _add("reshape", C.layout, R.reshape, S.reshape, view=True, strategies=T.reshape)
-_add("transpose", C.layout, R.transpose, S.transpose, {"perm": ("ints", True)}, view=True,
+_add("transpose", C.layout, R.transpose, S.none, {"perm": ("ints", True)}, view=True,
      strategies=T.transpose)
-_add("broadcast_in_dim", C.layout, R.broadcast_in_dim, S.broadcast_in_dim,
+_add("broadcast_in_dim", C.layout, R.broadcast_in_dim, S.none,
      {"dims": ("ints", True)}, view=True, strategies=T.broadcast_in_dim)
-_add("slice", C.layout, R.slice_, S.slice_or_pad,
+_add("slice", C.layout, R.slice_, S.none,
      {"starts": ("ints", True), "limits": ("ints", True), "strides": ("ints", False)},
      view=True, strategies=T.slice_or_pad)
-_add("concat", C.layout, R.concat, S.concat, {"dim": ("int", True)}, strategies=T.concat)
-_add("pad", C.layout, R.pad, S.slice_or_pad,
+_add("concat", C.layout, R.concat, S.none, {"dim": ("int", True)}, strategies=T.concat)
+_add("pad", C.layout, R.pad, S.none,
      {"low": ("ints", True), "high": ("ints", True), "value": ("number", False)},
      strategies=T.slice_or_pad)
 
 # indexing ---------------------------------------------------------------------------------
-_add("index_select", C.index, R.index_select, S.index_select, {"axis": ("int", True)},
+_add("index_select", C.index, R.index_select, S.none, {"axis": ("int", True)},
      strategies=T.index_select)
-_add("index_add", C.index, R.index_add, S.index_add, {"axis": ("int", True)}, flops=1,
+_add("index_add", C.index, R.index_add, S.none, {"axis": ("int", True)}, flops=1,
      strategies=T.index_add)
-_add("gather", C.index, R.gather, S.gather_scatter, {"dim": ("int", True)},
+_add("gather", C.index, R.gather, S.none, {"dim": ("int", True)},
      strategies=T.gather_scatter)
-_add("scatter_add", C.index, R.scatter_add, S.gather_scatter, {"dim": ("int", True)}, flops=1,
+_add("scatter_add", C.index, R.scatter_add, S.none, {"dim": ("int", True)}, flops=1,
      strategies=T.gather_scatter)
 
 # constants and random numbers -------------------------------------------------------------
@@ -112,11 +112,11 @@ _add("full", C.constant, R.full, S.constant, {"value": ("number", True)}, strate
 _add("literal", C.constant, R.literal, S.constant, {"data": ("any", True)})
 _add("iota", C.constant, R.iota, S.constant, {"dim": ("int", True)}, strategies=T.constant)
 _RNG = {"seed": ("int", False)}
-_add("rng_uniform", C.rng, R.rng, S.replicate_only,
+_add("rng_uniform", C.rng, R.rng, S.none,
      {**_RNG, "low": ("number", False), "high": ("number", False)}, flops=1)
-_add("rng_normal", C.rng, R.rng, S.replicate_only,
+_add("rng_normal", C.rng, R.rng, S.none,
      {**_RNG, "mean": ("number", False), "std": ("number", False)}, flops=1)
-_add("rng_bernoulli", C.rng, R.rng, S.replicate_only, {**_RNG, "p": ("number", True)}, flops=1)
+_add("rng_bernoulli", C.rng, R.rng, S.none, {**_RNG, "p": ("number", True)}, flops=1)
 
 # collectives --------------------------------------------------------------------------------
 # all_reduce, reduce_scatter and all_gather may carry a bucket: k inputs and k results, moved
@@ -152,16 +152,16 @@ _add("unpack", C.quant, R.unpack, S.quant, {"bits": ("int", True), "dtype": ("dt
      flops=1)
 
 # control flow (nested regions) ------------------------------------------------------------------
-_add("call", C.control, None, S.replicate_only, {"callee": ("str", False)},
+_add("call", C.control, None, S.none, {"callee": ("str", False)},
      region_rule=R.check_call)
-_add("cond", C.control, None, S.replicate_only, region_rule=R.check_cond)
-_add("while", C.control, None, S.replicate_only, region_rule=R.check_while)
-_add("scan", C.control, None, S.replicate_only,
+_add("cond", C.control, None, S.none, region_rule=R.check_cond)
+_add("while", C.control, None, S.none, region_rule=R.check_while)
+_add("scan", C.control, None, S.none,
      {"length": ("int", True), "num_carry": ("int", True), "num_consts": ("int", False),
       "reverse": ("bool", False), "unroll": ("int", False)}, region_rule=R.check_scan)
 
 # everything else ---------------------------------------------------------------------------------
-_add("opaque", C.opaque, None, S.replicate_only,
+_add("opaque", C.opaque, None, S.none,
      {"target": ("str", True), "effectful": ("bool", False), "rng": ("global|key", False),
       "view": ("bool", False)}, open_attrs=True,
      doc="a framework op kept whole; its frontend marks random draws (rng) and views")

@@ -16,6 +16,7 @@ from pathlib import Path
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
+from diphoma_compile.ir.sharding_rules import propagate
 from diphoma_compile.ir import (FLAT, REPLICATE, Attrs, DType, FlatShard, Graph, Input,
                                 InputKind, InputRole, Op, Output, OutputKind, OutputRole,
                                 Partial, Phase, Region, Shard, TensorType, Value, op_def, parse,
@@ -242,7 +243,7 @@ class _Builder:
             rule = op_def(name).sharding_rule
             per_axis = {}
             for axis in self.mesh:
-                want = rule(probe, ins, outs, axis)
+                want = propagate(probe, ins, outs, axis, rule)
                 if want is None or len(want) != len(outs):
                     return None
                 per_axis[axis] = want
