@@ -38,7 +38,8 @@ backward (the operands they read only the shape of are not counted).
 
 Strategies (``ir/strategies.py``) list every split over one mesh axis that is exact: running
 the same call on each device's pieces and combining the pieces as the result placements say
-gives the whole call's result. A random op (dropout, bernoulli, attention with dropout) runs
+gives the whole call's result. They name dims whatever their size (``fits_axis`` leaves out
+those an axis cannot divide). A random op (dropout, bernoulli, attention with dropout) runs
 whole only: split, it would draw other numbers. Where a call's arguments name a whole shape
 (``input_sizes`` of slice/select backward, ``N``/``C``/``group`` of group norm, an embedding
 gradient's ``num_weights``), a device passes its local value: ``local_arguments`` says which.
@@ -223,7 +224,7 @@ def _elementwise(linear: tuple[str, ...] = ()) -> Callable[[_Call], list]:
         out = c.outs[0]
         names = [n for n, v in c.args.items() if isinstance(v, _T)]
         menu = [c.strategy({n: _along(c.t(n), out, d) for n in names}, Shard(d), "split")
-                for d in range(out.rank) if out.shape[d] > 1]
+                for d in range(out.rank)]
         menu += [c.strategy({n: _P}, _P, "partial") for n in linear if c.t(n) is not None]
         return menu
     return fn
@@ -237,7 +238,7 @@ def _keeps(c: _Call, untouched: Callable[[int], int | None], src: str = "self",
     menu = []
     for d in range(x.rank):
         od = untouched(d)
-        if od is not None and x.shape[d] > 1:
+        if od is not None:
             menu.append(c.strategy({src: Shard(d)}, Shard(od), "split"))
     if linear:
         menu.append(c.strategy({src: _P}, _P, "partial"))
@@ -280,7 +281,7 @@ def _listed(c: _Call, name: str, shift_from: int | None) -> list:
     menu = []
     for d in range(out.rank):
         src = d if shift_from is None or d < shift_from else d - 1
-        if d == dim or out.shape[d] <= 1:
+        if d == dim:
             continue
         if any(t.rank != out.rank - (shift_from is not None) or t.shape[src] != out.shape[d]
                for t in tensors):
@@ -343,7 +344,7 @@ def _slice_scatter(c: _Call) -> list:
     x = c.t("self")
     dim = _dim(c["dim"], x.rank)
     menu = [c.strategy({"self": Shard(d), "src": Shard(d)}, Shard(d), "split")
-            for d in range(x.rank) if d != dim and x.shape[d] > 1]
+            for d in range(x.rank) if d != dim]
     return menu + [c.strategy({"self": _P, "src": _P}, _P, "partial")]
 
 
@@ -352,7 +353,7 @@ def _select_scatter(c: _Call) -> list:
     x = c.t("self")
     dim = _dim(c["dim"], x.rank)
     menu = [c.strategy({"self": Shard(d), "src": Shard(d - (d > dim))}, Shard(d), "split")
-            for d in range(x.rank) if d != dim and x.shape[d] > 1]
+            for d in range(x.rank) if d != dim]
     return menu + [c.strategy({"self": _P, "src": _P}, _P, "partial")]
 
 
@@ -361,8 +362,7 @@ def _gather(c: _Call) -> list:
     x, idx = c.t("self"), c.t("index")
     dim = _dim(c["dim"], x.rank)
     return [c.strategy({"self": Shard(d), "index": Shard(d)}, Shard(d), "split")
-            for d in range(idx.rank) if d != dim and idx.shape[d] > 1
-            and x.shape[d] == idx.shape[d]]
+            for d in range(idx.rank) if d != dim and x.shape[d] == idx.shape[d]]
 
 
 def _like(zero: bool) -> Callable[[_Call], list]:
@@ -371,7 +371,7 @@ def _like(zero: bool) -> Callable[[_Call], list]:
         partial sum."""
         x = c.t("self")
         menu = [c.strategy({"self": Shard(d)}, Shard(d), "split")
-                for d in range(x.rank) if x.shape[d] > 1]
+                for d in range(x.rank)]
         if zero:
             menu.append(c.strategy({"self": _P}, _P, "partial"))
         return menu
@@ -410,7 +410,7 @@ def _softmax_backward(c: _Call) -> list:
     g = c.t("grad_output")
     dim = _dim(c["dim"], g.rank)
     menu = [c.strategy({"grad_output": Shard(d), "output": Shard(d)}, Shard(d), "split")
-            for d in range(g.rank) if d != dim and g.shape[d] > 1]
+            for d in range(g.rank) if d != dim]
     return menu + [c.strategy({"grad_output": _P}, _P, "partial")]
 
 
@@ -422,7 +422,7 @@ def _nll_forward(c: _Call) -> list:
     total weight (sum). A mean over rows of split data is a ratio of two partial sums: not
     exact, so it runs whole."""
     x = c.t("self")
-    if x.rank < 2 or x.shape[0] <= 1:
+    if x.rank < 2:
         return []
     split = {"self": Shard(0), "target": Shard(0)}
     if c["reduction"] == _NONE:
@@ -437,7 +437,7 @@ def _nll_backward(c: _Call) -> list:
     grad_output."""
     x = c.t("self")
     menu = [c.strategy({"grad_output": _P}, _P, "partial")]
-    if x.rank >= 2 and x.shape[0] > 1:
+    if x.rank >= 2:
         g = Shard(0) if c["reduction"] == _NONE else _R
         menu.append(c.strategy({"grad_output": g, "self": Shard(0), "target": Shard(0)},
                                Shard(0), "batch"))
@@ -451,7 +451,7 @@ def _mse(c: _Call) -> list:
     res = {_NONE: None, _SUM: _P, _MEAN: Partial("avg")}[c["reduction"]]
     return [c.strategy({"self": _along(x, x, d), "target": _along(c.t("target"), x, d)},
                        Shard(d) if res is None else res, "split")
-            for d in range(x.rank) if x.shape[d] > 1]
+            for d in range(x.rank)]
 
 
 def _mse_backward(c: _Call) -> list:
@@ -463,7 +463,7 @@ def _mse_backward(c: _Call) -> list:
         g = c.t("grad_output")
         menu += [c.strategy({"grad_output": _along(g, x, d), "self": Shard(d),
                              "target": _along(c.t("target"), x, d)}, Shard(d), "split")
-                 for d in range(x.rank) if x.shape[d] > 1]
+                 for d in range(x.rank)]
     return menu
 
 
@@ -519,8 +519,7 @@ def _convolution(c: _Call) -> list:
     channels split input and weight into partial sums (the bias a partial sum too);
     linear in the input and in the weight with a partial bias."""
     wo, wi = _conv_dims(c)
-    x = c.t("input")
-    menu = [c.strategy({"input": Shard(0)}, Shard(0), "batch")] if x.shape[0] > 1 else []
+    menu = [c.strategy({"input": Shard(0)}, Shard(0), "batch")]
     if c["groups"] == 1:
         menu += [c.strategy({"weight": Shard(wo), "bias": Shard(0)}, Shard(1), "out-channels"),
                  c.strategy({"input": Shard(1), "weight": Shard(wi), "bias": _P}, _P,
@@ -548,7 +547,7 @@ def _embedding(c: _Call) -> list:
     masked (each device looks up its own rows; partial sums)."""
     idx = c.t("indices")
     menu = [c.strategy({"indices": Shard(i)}, Shard(i), "batch")
-            for i in range(idx.rank) if idx.shape[i] > 1]
+            for i in range(idx.rank)]
     menu.append(c.strategy({"weight": Shard(1)}, Shard(idx.rank), "column"))
     menu.append(c.strategy({"weight": Shard(0)}, _P, "vocab", masked=True))
     return menu
@@ -567,7 +566,7 @@ def _embedding_backward(c: _Call) -> list:
             c.strategy({"grad_output": Shard(g.rank - 1)}, Shard(1), "column")]
     if not c["scale_grad_by_freq"]:
         menu += [c.strategy({"grad_output": Shard(i), "indices": Shard(i)}, _P, "batch")
-                 for i in range(idx.rank) if idx.shape[i] > 1]
+                 for i in range(idx.rank)]
         menu.append(c.strategy({}, Shard(0), "vocab", masked=True))
     return menu
 
@@ -579,7 +578,7 @@ def _layer_norm(c: _Call) -> list:
     x = c.t("input")
     axis = x.rank - len(c["normalized_shape"])
     return [c.strategy({"input": Shard(d)}, Shard(d), "batch")
-            for d in range(axis) if x.shape[d] > 1]
+            for d in range(axis)]
 
 
 def _layer_norm_backward(c: _Call) -> list:
@@ -589,7 +588,7 @@ def _layer_norm_backward(c: _Call) -> list:
     axis = x.rank - len(c["normalized_shape"])
     menu = [c.strategy({"grad_out": Shard(d), "input": Shard(d), "mean": Shard(d),
                         "rstd": Shard(d)}, (Shard(d), _P, _P), "batch")
-            for d in range(axis) if x.shape[d] > 1]
+            for d in range(axis)]
     return menu + [c.strategy({"grad_out": _P}, _P, "partial")]
 
 
@@ -619,7 +618,7 @@ def _batch_norm(c: _Call) -> list:
     menu = [c.strategy({"input": Shard(1), "weight": Shard(0), "bias": Shard(0),
                         "running_mean": Shard(0), "running_var": Shard(0)},
                        (Shard(1), *stats), "channels")]
-    if not c.args.get("training", False) and x.shape[0] > 1:
+    if not c.args.get("training", False):
         menu.append(c.strategy({"input": Shard(0)}, (Shard(0), _R, _R, _R, _R), "batch"))
     return menu
 
@@ -636,7 +635,7 @@ def _batch_norm_backward(c: _Call) -> list:
     menu = [c.strategy({"grad_out": Shard(1), "input": Shard(1), **per},
                        (Shard(1), Shard(0), Shard(0)), "channels"),
             c.strategy({"grad_out": _P}, _P, "partial")]
-    if not c["train"] and x.shape[0] > 1:
+    if not c["train"]:
         menu.append(c.strategy({"grad_out": Shard(0), "input": Shard(0)}, (Shard(0), _P, _P),
                                "batch"))
     return menu
@@ -646,7 +645,7 @@ def _group_norm(c: _Call) -> list:
     """The batch splits everything per sample; channels split whole groups (the local
     ``N``, ``C`` and ``group``)."""
     x = c.t("input")
-    menu = [c.strategy({"input": Shard(0)}, Shard(0), "batch")] if x.shape[0] > 1 else []
+    menu = [c.strategy({"input": Shard(0)}, Shard(0), "batch")]
     if x.rank >= 2:
         menu.append(c.strategy({"input": Shard(1), "weight": Shard(0), "bias": Shard(0)},
                                Shard(1), "channels"))
@@ -661,8 +660,7 @@ def _group_norm_backward(c: _Call) -> list:
     channels = {"grad_out": Shard(1), "input": Shard(1), "mean": Shard(1), "rstd": Shard(1),
                 "weight": Shard(0)}
     menu = [c.strategy({"grad_out": _P}, _P, "partial")]
-    if x.shape[0] > 1:
-        menu.append(c.strategy(per_sample, (Shard(0), _P, _P), "batch"))
+    menu.append(c.strategy(per_sample, (Shard(0), _P, _P), "batch"))
     if x.rank >= 2:
         menu.append(c.strategy(channels, (Shard(1), Shard(0), Shard(0)), "channels"))
     return menu
@@ -673,14 +671,14 @@ def _max_pool(c: _Call) -> list:
     each plane)."""
     x = c.t("self")
     return [c.strategy({"self": Shard(d)}, Shard(d), "split")
-            for d in range(x.rank - 2) if x.shape[d] > 1]
+            for d in range(x.rank - 2)]
 
 
 def _max_pool_backward(c: _Call) -> list:
     """Batch and channel dims split; linear in grad_output."""
     x = c.t("self")
     menu = [c.strategy({"grad_output": Shard(d), "self": Shard(d), "indices": Shard(d)},
-                       Shard(d), "split") for d in range(x.rank - 2) if x.shape[d] > 1]
+                       Shard(d), "split") for d in range(x.rank - 2)]
     return menu + [c.strategy({"grad_output": _P}, _P, "partial")]
 
 
@@ -717,8 +715,6 @@ def _attention(spec: _Attention) -> Callable[[_Call], list]:
         dims = [0, 1] + ([2] if spec.query_split and not c["is_causal"] else [])
         menu = []
         for d in dims:
-            if q.shape[d] <= 1:
-                continue
             kv = Shard(d) if d < 2 else _R
             places = {"query": Shard(d), "key": kv, "value": kv, "out": Shard(d),
                       "grad_out": Shard(d), "grad_out_": Shard(d), "logsumexp": Shard(d)}
