@@ -1,0 +1,896 @@
+"""Flops, bytes and sharding strategies of the aten ops the torch frontend keeps whole
+(``opaque{target="aten.<op>.<overload>"}``), registered with the IR by target on import
+(``ir/framework_ops.py``). Each rule reads the op's arguments by their names in the aten
+schema; its tensors are the op's inputs, in order of first use.
+
+Flop conventions (logical, whole tensors; one multiply-add is 2 flops, as
+``torch.utils.flop_counter`` counts):
+
+- ``addmm(bias, x[M,K], w[K,N])``: 2MKN + MN (the bias add).
+- ``convolution``: 2 * N * outSpatial * numel(weight) (= 2*N*Cout*outHW*(Cin/groups)*kH*kW;
+  a transposed convolution counts the input's spatial size), + numel(out) with a bias. Its
+  backward: the same matmul flops for each of the input's and the weight's gradients that
+  ``output_mask`` asks for, + numel(grad_out) for the bias's.
+- scaled dot-product attention (every kernel; H the query's heads): forward
+  2*B*H*Sq*Sk*(D + Dv) (= 4BHSqSkD: the full score matrix even when causal, as the kernels
+  compute masked blocks too) + 5 per score for the softmax. Backward: the kernels recompute
+  the scores, then four gradient matmuls, 2*B*H*Sq*Sk*(3D + 2Dv) (2.5x the forward's
+  matmuls, as ``torch.utils.flop_counter`` counts), + 4 per score for the softmax's backward.
+- normalization (layer, batch, group norm), per element of the input: forward 6, + 1 each
+  for weight and bias; backward 11 for the input's gradient, 2 for the weight's, 1 for the
+  bias's (14 when all three are asked for).
+- per element of the result: gelu 8 (backward 10), silu 4 (backward 8), tanh_backward 3,
+  softmax 5 (backward 4), log_softmax 4 (backward 3), mse_loss 3 (backward 3),
+  threshold_backward, masked_fill, tril/triu, pow, mul/div by a number, sin/cos 1, clamp 1
+  per bound, a random draw (bernoulli, normal, rand) 1, native_dropout 3 (backward 2).
+- nll_loss forward and backward: 1 per row (target element); argmax 1 per input element;
+  max pooling 1 per window element of each result (backward: 1 per grad_out element);
+  ``_foreach_norm`` 2 per element; embedding 0; embedding_dense_backward 1 per grad_out
+  element (its adds).
+- 0 flops: views (slice, select, squeeze, unsqueeze, split, unbind), copies (clone, copy,
+  _to_copy), cat, stack, padding, gather, the scatters and slice/select backward, creation
+  (arange, zeros, ones, empty, full, *_like, new_*, scalar_tensor).
+
+Bytes: every operand and result read or written once, except views (0: the result aliases
+its operand), creation ops (only what they write; ``empty*`` nothing), embedding (the indices,
+the rows looked up and the result, not the whole table), gather, nll_loss and max-pool
+backward (the operands they read only the shape of are not counted).
+
+Strategies (``ir/strategies.py``) list every split over one mesh axis that is exact: running
+the same call on each device's pieces and combining the pieces as the result placements say
+gives the whole call's result. They name dims whatever their size (``fits_axis`` leaves out
+those an axis cannot divide). A random op (dropout, bernoulli, attention with dropout) runs
+whole only: split, it would draw other numbers. Where a call's arguments name a whole shape
+(``input_sizes`` of slice/select backward, ``N``/``C``/``group`` of group norm, an embedding
+gradient's ``num_weights``), a device passes its local value: ``local_arguments`` says which.
+A ``masked`` strategy is the vocab-parallel embedding: the table is split by rows; device k
+holds rows [o, o + V/n), subtracts o from the indices, looks up (or, backward, accumulates)
+only the in-range ones and zeroes the rest (forward: result rows of out-of-range indices;
+backward: their grad_out rows, with ``padding_idx`` shifted by o, or -1 when not its own)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from ..ir.core import Op
+from ..ir.framework_ops import FrameworkOpRule, register_framework_op
+from ..ir.strategies import Strategy, replicated
+from ..ir.types import REPLICATE, Partial, Placement, Shard, TensorType
+from .ops import resolve_target
+
+_R = REPLICATE
+_P = Partial("sum")
+
+
+@dataclass(frozen=True)
+class _T:
+    """A tensor argument: its position among the op's inputs."""
+
+    index: int
+
+
+def _decode(v: Any) -> Any:
+    if isinstance(v, str) and v.startswith("%"):
+        return _T(int(v[1:]))
+    if isinstance(v, tuple):
+        return tuple(_decode(x) for x in v)
+    return v
+
+
+@cache
+def _arguments(target: str) -> tuple[tuple[str, bool, Any], ...]:
+    """(name, kwarg-only, default) of each argument of the aten schema."""
+    out = []
+    for a in resolve_target(target)._schema.arguments:
+        default = a.default_value if a.has_default_value() else None
+        out.append((a.name, a.kwarg_only, default))
+    return tuple(out)
+
+
+class _Call:
+    """An opaque aten op, its arguments by schema name, and its operand and result types."""
+
+    def __init__(self, op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType]) -> None:
+        target = str(op.attrs["target"])
+        pos = _decode(op.attrs.get("args", ()))
+        kws = {k[3:]: _decode(v) for k, v in op.attrs.items() if k.startswith("kw_")}
+        self.args: dict[str, Any] = {}
+        i = 0
+        for name, kwarg_only, default in _arguments(target):
+            if not kwarg_only and i < len(pos):
+                self.args[name] = pos[i]
+                i += 1
+            else:
+                self.args[name] = kws.get(name, default)
+        self.ins, self.outs = tuple(ins), tuple(outs)
+        # the positions in the aten call's results of the op's results
+        self.positions = tuple(op.attrs.get("outs", range(len(outs))))
+
+    def __getitem__(self, name: str) -> Any:
+        return self.args[name]
+
+    def t(self, name: str) -> TensorType | None:
+        """The type of a tensor argument (None when absent)."""
+        v = self.args.get(name)
+        return self.ins[v.index] if isinstance(v, _T) else None
+
+    def out(self, position: int) -> TensorType | None:
+        """The type of the aten call's result at ``position`` (None when the op drops it)."""
+        return self.outs[self.positions.index(position)] if position in self.positions else None
+
+    def strategy(self, places: dict[str, Placement | Sequence[Placement]],
+                 results: Placement | Sequence[Placement], name: str,
+                 masked: bool = False) -> Strategy | None:
+        """The strategy giving these tensor arguments these placements (the others whole)
+        and the aten call's results these (one for all, or one per result position); None
+        when one tensor passed twice would need two placements."""
+        pls: list[Placement | None] = [None] * len(self.ins)
+        for arg, v in self.args.items():
+            tensors = v if isinstance(v, tuple) else (v,)
+            want = places.get(arg, _R)
+            each = want if isinstance(want, (list, tuple)) else [want] * len(tensors)
+            for t, p in zip(tensors, each):
+                if isinstance(t, _T):
+                    if pls[t.index] not in (None, p):
+                        return None
+                    pls[t.index] = p
+        res = tuple(results[p] if isinstance(results, (list, tuple)) else results
+                    for p in self.positions)
+        return Strategy(tuple(_R if p is None else p for p in pls), res, name, masked)
+
+
+def _dim(d: int, rank: int) -> int:
+    return d % rank if rank else 0
+
+
+def _along(t: TensorType | None, out: TensorType, d: int) -> Placement:
+    """The placement of an operand broadcast to ``out`` when ``out`` is split on dim d: its
+    aligned dim split, or whole where it is broadcast along d."""
+    if t is None:
+        return _R
+    a = d - (out.rank - t.rank)
+    return Shard(a) if a >= 0 and t.shape[a] == out.shape[d] else _R
+
+
+def _menu(fn: Callable[[_Call], list]) -> Callable:
+    """A strategy function (``ir.strategies.StrategyFn``) from one that lists strategies of
+    a call: the all-replicated one first, invalid and repeated ones left out."""
+    def strategies(op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType]):
+        c = _Call(op, ins, outs)
+        menu = [replicated(ins, outs)]
+        for s in fn(c):
+            if s is not None and s not in menu:
+                menu.append(s)
+        return menu
+    strategies.__doc__ = fn.__doc__
+    return strategies
+
+
+def _cost(fn: Callable[[_Call], float]) -> Callable:
+    def cost(op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType]) -> int:
+        return int(fn(_Call(op, ins, outs)))
+    return cost
+
+
+def _register(targets: str, flops: Callable[[_Call], float],
+              strategies: Callable[[_Call], list] | None = None,
+              nbytes: Callable[[_Call], float] | None = None) -> None:
+    for t in targets.split():
+        register_framework_op(FrameworkOpRule(
+            f"aten.{t}", _cost(flops), None if strategies is None else _menu(strategies),
+            None if nbytes is None else _cost(nbytes)))
+
+
+def _numel(t: TensorType | None) -> int:
+    return 0 if t is None else t.numel
+
+
+def _nbytes(t: TensorType | None) -> int:
+    return 0 if t is None else t.nbytes
+
+
+# ------------------------------------------------------------------ costs, by kind
+
+def _zero(c: _Call) -> int:
+    return 0
+
+
+def _per_out(k: float) -> Callable[[_Call], float]:
+    return lambda c: k * _numel(c.outs[0]) if c.outs else 0
+
+
+def _per_in(k: float) -> Callable[[_Call], float]:
+    return lambda c: k * _numel(c.ins[0]) if c.ins else 0
+
+
+def _written(c: _Call) -> int:
+    return sum(t.nbytes for t in c.outs)
+
+
+def _views(c: _Call) -> int:
+    return 0
+
+
+# ------------------------------------------------------------------ elementwise and layout
+
+def _elementwise(linear: tuple[str, ...] = ()) -> Callable[[_Call], list]:
+    def fn(c: _Call) -> list:
+        """Split any result dim (operands broadcast along it stay whole); partial sums pass
+        through the operands the op is linear in."""
+        out = c.outs[0]
+        names = [n for n, v in c.args.items() if isinstance(v, _T)]
+        menu = [c.strategy({n: _along(c.t(n), out, d) for n in names}, Shard(d), "split")
+                for d in range(out.rank)]
+        menu += [c.strategy({n: _P}, _P, "partial") for n in linear if c.t(n) is not None]
+        return menu
+    return fn
+
+
+def _keeps(c: _Call, untouched: Callable[[int], int | None], src: str = "self",
+           linear: bool = True) -> list:
+    """A layout op splits its operand's dims that it leaves alone: ``untouched(d)`` is the
+    result dim of operand dim d, or None; partial sums pass through when ``linear``."""
+    x = c.t(src)
+    menu = []
+    for d in range(x.rank):
+        od = untouched(d)
+        if od is not None:
+            menu.append(c.strategy({src: Shard(d)}, Shard(od), "split"))
+    if linear:
+        menu.append(c.strategy({src: _P}, _P, "partial"))
+    return menu
+
+
+def _slice(c: _Call) -> list:
+    """Dims other than the sliced one split."""
+    dim = _dim(c["dim"], c.t("self").rank)
+    return _keeps(c, lambda d: None if d == dim else d)
+
+
+def _select(c: _Call) -> list:
+    """Dims other than the selected one split (those after it shift down)."""
+    dim = _dim(c["dim"], c.t("self").rank)
+    return _keeps(c, lambda d: None if d == dim else d - (d > dim))
+
+
+def _squeeze(c: _Call) -> list:
+    """Dims other than the squeezed one split."""
+    x = c.t("self")
+    dim = _dim(c["dim"], x.rank)
+    gone = x.rank > 0 and x.shape[dim] == 1
+    return _keeps(c, lambda d: d if not gone or d < dim else (None if d == dim else d - 1))
+
+
+def _unsqueeze(c: _Call) -> list:
+    """Every dim splits (those from the new one on shift up)."""
+    dim = _dim(c["dim"], c.t("self").rank + 1)
+    return _keeps(c, lambda d: d + (d >= dim))
+
+
+def _listed(c: _Call, name: str, shift_from: int | None) -> list:
+    """cat/stack: every operand split alike on a dim other than ``dim``."""
+    tensors = [c.ins[t.index] for t in c[name] if isinstance(t, _T)]
+    if not tensors:
+        return []
+    out = c.outs[0]
+    dim = _dim(c["dim"], out.rank)
+    menu = []
+    for d in range(out.rank):
+        src = d if shift_from is None or d < shift_from else d - 1
+        if d == dim:
+            continue
+        if any(t.rank != out.rank - (shift_from is not None) or t.shape[src] != out.shape[d]
+               for t in tensors):
+            continue     # cat's legacy empty 1-d operands
+        menu.append(c.strategy({name: Shard(src)}, Shard(d), "split"))
+    menu.append(c.strategy({name: _P}, _P, "partial"))
+    return menu
+
+
+def _cat(c: _Call) -> list:
+    """Dims other than the concatenated one split."""
+    return _listed(c, "tensors", None)
+
+
+def _stack(c: _Call) -> list:
+    """Every operand dim splits (the result's dims from the new one on shift up)."""
+    dim = _dim(c["dim"], c.outs[0].rank)
+    return _listed(c, "tensors", dim)
+
+
+def _pieces(c: _Call) -> list:
+    """split/unbind: dims other than the one cut split every piece."""
+    x = c.t("self")
+    dim = _dim(c["dim"], x.rank)
+    drop = "split_size" not in c.args       # unbind drops the dim
+    return _keeps(c, lambda d: None if d == dim else d - (drop and d > dim))
+
+
+def _pad(c: _Call) -> list:
+    """Dims that get no padding split; partial sums stay partial with zero padding."""
+    x = c.t("self")
+    pad = tuple(c["pad"])
+    padded = {x.rank - 1 - i // 2 for i, p in enumerate(pad) if p}
+    return _keeps(c, lambda d: None if d in padded else d, linear=c["value"] in (0, None))
+
+
+def _triangle(c: _Call) -> list:
+    """tril/triu: leading (batch) dims split; the last two index the triangle."""
+    x = c.t("self")
+    return _keeps(c, lambda d: d if d < x.rank - 2 else None)
+
+
+def _slice_backward(c: _Call) -> list:
+    """Dims other than the sliced one split (with the local ``input_sizes``)."""
+    g = c.t("grad_output")
+    dim = _dim(c["dim"], g.rank)
+    return _keeps(c, lambda d: None if d == dim else d, src="grad_output")
+
+
+def _select_backward(c: _Call) -> list:
+    """Dims of grad_output split the result's dims they stand for (the local
+    ``input_sizes``)."""
+    g = c.t("grad_output")
+    dim = _dim(c["dim"], g.rank + 1)
+    return _keeps(c, lambda d: d + (d >= dim), src="grad_output")
+
+
+def _slice_scatter(c: _Call) -> list:
+    """Dims other than the scattered one split self and src alike."""
+    x = c.t("self")
+    dim = _dim(c["dim"], x.rank)
+    menu = [c.strategy({"self": Shard(d), "src": Shard(d)}, Shard(d), "split")
+            for d in range(x.rank) if d != dim]
+    return menu + [c.strategy({"self": _P, "src": _P}, _P, "partial")]
+
+
+def _select_scatter(c: _Call) -> list:
+    """Dims other than the selected one split self and the matching dim of src."""
+    x = c.t("self")
+    dim = _dim(c["dim"], x.rank)
+    menu = [c.strategy({"self": Shard(d), "src": Shard(d - (d > dim))}, Shard(d), "split")
+            for d in range(x.rank) if d != dim]
+    return menu + [c.strategy({"self": _P, "src": _P}, _P, "partial")]
+
+
+def _gather(c: _Call) -> list:
+    """A dim other than ``dim`` where index and self have one size splits both."""
+    x, idx = c.t("self"), c.t("index")
+    dim = _dim(c["dim"], x.rank)
+    return [c.strategy({"self": Shard(d), "index": Shard(d)}, Shard(d), "split")
+            for d in range(idx.rank) if d != dim and x.shape[d] == idx.shape[d]]
+
+
+def _like(zero: bool) -> Callable[[_Call], list]:
+    def fn(c: _Call) -> list:
+        """A tensor shaped like the operand: split where the operand is; zeros are also a
+        partial sum."""
+        x = c.t("self")
+        menu = [c.strategy({"self": Shard(d)}, Shard(d), "split")
+                for d in range(x.rank)]
+        if zero:
+            menu.append(c.strategy({"self": _P}, _P, "partial"))
+        return menu
+    return fn
+
+
+def _argmax(c: _Call) -> list:
+    """Dims other than the reduced one split."""
+    x = c.t("self")
+    if c["dim"] is None:
+        return []
+    dim = _dim(c["dim"], x.rank)
+    keep = c["keepdim"]
+    return _keeps(c, lambda d: None if d == dim else d - (not keep and d > dim), linear=False)
+
+
+def _masked_fill(c: _Call) -> list:
+    """Split like an elementwise op; a partial sum stays partial when the fill is 0."""
+    menu = _elementwise()(c)
+    if c["value"] == 0:
+        menu.append(c.strategy({"self": _P}, _P, "partial"))
+    return menu
+
+
+# ------------------------------------------------------------------ softmax and losses
+
+def _softmax(c: _Call) -> list:
+    """Dims other than the softmax's split."""
+    x = c.t("self")
+    dim = _dim(c["dim"], x.rank)
+    return _keeps(c, lambda d: None if d == dim else d, linear=False)
+
+
+def _softmax_backward(c: _Call) -> list:
+    """Dims other than the softmax's split both operands; linear in grad_output."""
+    g = c.t("grad_output")
+    dim = _dim(c["dim"], g.rank)
+    menu = [c.strategy({"grad_output": Shard(d), "output": Shard(d)}, Shard(d), "split")
+            for d in range(g.rank) if d != dim]
+    return menu + [c.strategy({"grad_output": _P}, _P, "partial")]
+
+
+_NONE, _MEAN, _SUM = 0, 1, 2     # aten's reduction codes
+
+
+def _nll_forward(c: _Call) -> list:
+    """Rows split: per row (reduction none), or into partial sums of the loss and of the
+    total weight (sum). A mean over rows of split data is a ratio of two partial sums: not
+    exact, so it runs whole."""
+    x = c.t("self")
+    if x.rank < 2:
+        return []
+    split = {"self": Shard(0), "target": Shard(0)}
+    if c["reduction"] == _NONE:
+        return [c.strategy(split, (Shard(0), _R), "batch")]
+    if c["reduction"] == _SUM:
+        return [c.strategy(split, (_P, _P), "batch")]
+    return []
+
+
+def _nll_backward(c: _Call) -> list:
+    """Rows split under any reduction (the total weight is an input, whole); linear in
+    grad_output."""
+    x = c.t("self")
+    menu = [c.strategy({"grad_output": _P}, _P, "partial")]
+    if x.rank >= 2:
+        g = Shard(0) if c["reduction"] == _NONE else _R
+        menu.append(c.strategy({"grad_output": g, "self": Shard(0), "target": Shard(0)},
+                               Shard(0), "batch"))
+    return menu
+
+
+def _mse(c: _Call) -> list:
+    """Any dim splits: per element (none), into partial sums (sum), or into partial means
+    (mean: the pieces have one size)."""
+    x = c.t("self")
+    res = {_NONE: None, _SUM: _P, _MEAN: Partial("avg")}[c["reduction"]]
+    return [c.strategy({"self": _along(x, x, d), "target": _along(c.t("target"), x, d)},
+                       Shard(d) if res is None else res, "split")
+            for d in range(x.rank)]
+
+
+def _mse_backward(c: _Call) -> list:
+    """Any dim splits under none and sum (a mean's backward divides by the local count);
+    linear in grad_output."""
+    x = c.t("self")
+    menu = [c.strategy({"grad_output": _P}, _P, "partial")]
+    if c["reduction"] != _MEAN:
+        g = c.t("grad_output")
+        menu += [c.strategy({"grad_output": _along(g, x, d), "self": Shard(d),
+                             "target": _along(c.t("target"), x, d)}, Shard(d), "split")
+                 for d in range(x.rank)]
+    return menu
+
+
+# ------------------------------------------------------------------ matmul, conv, lookup
+
+def _addmm(c: _Call) -> list:
+    """Rows of x split the result's rows; columns of w split its columns; a split
+    contraction gives partial sums, with the bias given as a partial sum too (added once);
+    partial sums of x or w with a partial bias stay partial."""
+    out = c.outs[0]
+    b = c.t("self")
+    return [
+        c.strategy({"self": _along(b, out, 0), "mat1": Shard(0)}, Shard(0), "batch"),
+        c.strategy({"self": _along(b, out, 1), "mat2": Shard(1)}, Shard(1), "column"),
+        c.strategy({"self": _P, "mat1": Shard(1), "mat2": Shard(0)}, _P, "contract"),
+        c.strategy({"self": _P, "mat1": _P}, _P, "partial"),
+        c.strategy({"self": _P, "mat2": _P}, _P, "partial"),
+    ]
+
+
+def _addmm_flops(c: _Call) -> int:
+    (m, k), n = c.t("mat1").shape, c.t("mat2").shape[1]
+    return 2 * m * k * n + m * n
+
+
+def _conv_matmul(x: TensorType, w: TensorType, out: TensorType, transposed: bool) -> int:
+    """2 * N * (spatial size) * numel(weight): the output's spatial size, or the input's for
+    a transposed convolution."""
+    spatial = math.prod((x if transposed else out).shape[2:])
+    return 2 * x.shape[0] * spatial * w.numel
+
+
+def _conv_flops(c: _Call) -> int:
+    out = c.outs[0]
+    f = _conv_matmul(c.t("input"), c.t("weight"), out, bool(c["transposed"]))
+    return f + (out.numel if c.t("bias") is not None else 0)
+
+
+def _conv_backward_flops(c: _Call) -> int:
+    g, x, w = c.t("grad_output"), c.t("input"), c.t("weight")
+    mask = tuple(c["output_mask"])
+    mm = _conv_matmul(x, w, g, bool(c["transposed"]))
+    return mm * bool(mask[0]) + mm * bool(mask[1]) + g.numel * bool(mask[2])
+
+
+def _conv_dims(c: _Call) -> tuple[int, int]:
+    """The weight's dims of the output and of the input channels."""
+    return (1, 0) if c["transposed"] else (0, 1)
+
+
+def _convolution(c: _Call) -> list:
+    """Batch split; with one group, output channels split the weight (and bias), input
+    channels split input and weight into partial sums (the bias a partial sum too);
+    linear in the input and in the weight with a partial bias."""
+    wo, wi = _conv_dims(c)
+    menu = [c.strategy({"input": Shard(0)}, Shard(0), "batch")]
+    if c["groups"] == 1:
+        menu += [c.strategy({"weight": Shard(wo), "bias": Shard(0)}, Shard(1), "out-channels"),
+                 c.strategy({"input": Shard(1), "weight": Shard(wi), "bias": _P}, _P,
+                            "in-channels")]
+    return menu + [c.strategy({"input": _P, "bias": _P}, _P, "partial"),
+                   c.strategy({"weight": _P, "bias": _P}, _P, "partial")]
+
+
+def _convolution_backward(c: _Call) -> list:
+    """Batch split: the weight's and bias's gradients become partial sums; with one group,
+    output channels split grad_out and the weight (the input's gradient partial), input
+    channels split input and weight (the bias's gradient whole); linear in grad_out."""
+    wo, wi = _conv_dims(c)
+    menu = [c.strategy({"grad_output": Shard(0), "input": Shard(0)}, (Shard(0), _P, _P), "batch")]
+    if c["groups"] == 1:
+        menu += [c.strategy({"grad_output": Shard(1), "weight": Shard(wo)},
+                            (_P, Shard(wo), Shard(0)), "out-channels"),
+                 c.strategy({"input": Shard(1), "weight": Shard(wi)},
+                            (Shard(1), Shard(wi), _R), "in-channels")]
+    return menu + [c.strategy({"grad_output": _P}, _P, "partial")]
+
+
+def _embedding(c: _Call) -> list:
+    """Split indices split the result; a split hidden dim carries over; the vocab split is
+    masked (each device looks up its own rows; partial sums)."""
+    idx = c.t("indices")
+    menu = [c.strategy({"indices": Shard(i)}, Shard(i), "batch")
+            for i in range(idx.rank)]
+    menu.append(c.strategy({"weight": Shard(1)}, Shard(idx.rank), "column"))
+    menu.append(c.strategy({"weight": Shard(0)}, _P, "vocab", masked=True))
+    return menu
+
+
+def _embedding_bytes(c: _Call) -> int:
+    return _nbytes(c.t("indices")) + 2 * c.outs[0].nbytes
+
+
+def _embedding_backward(c: _Call) -> list:
+    """Split indices with their grad_out rows give partial sums, the hidden dim splits, the
+    vocab split is masked; linear in grad_output. Counting index frequencies needs every
+    index, so with ``scale_grad_by_freq`` the indices stay whole."""
+    g, idx = c.t("grad_output"), c.t("indices")
+    menu = [c.strategy({"grad_output": _P}, _P, "partial"),
+            c.strategy({"grad_output": Shard(g.rank - 1)}, Shard(1), "column")]
+    if not c["scale_grad_by_freq"]:
+        menu += [c.strategy({"grad_output": Shard(i), "indices": Shard(i)}, _P, "batch")
+                 for i in range(idx.rank)]
+        menu.append(c.strategy({}, Shard(0), "vocab", masked=True))
+    return menu
+
+
+# ------------------------------------------------------------------ normalization
+
+def _layer_norm(c: _Call) -> list:
+    """Dims before the normalized ones split the input, the result, mean and rstd."""
+    x = c.t("input")
+    axis = x.rank - len(c["normalized_shape"])
+    return [c.strategy({"input": Shard(d)}, Shard(d), "batch")
+            for d in range(axis)]
+
+
+def _layer_norm_backward(c: _Call) -> list:
+    """Dims before the normalized ones split; the weight's and bias's gradients become
+    partial sums; linear in grad_out."""
+    x = c.t("input")
+    axis = x.rank - len(c["normalized_shape"])
+    menu = [c.strategy({"grad_out": Shard(d), "input": Shard(d), "mean": Shard(d),
+                        "rstd": Shard(d)}, (Shard(d), _P, _P), "batch")
+            for d in range(axis)]
+    return menu + [c.strategy({"grad_out": _P}, _P, "partial")]
+
+
+def _norm_flops(c: _Call) -> int:
+    return (6 + (c.t("weight") is not None) + (c.t("bias") is not None)) * c.t("input").numel
+
+
+def _norm_backward_flops(c: _Call) -> int:
+    mask = tuple(c["output_mask"])
+    return (11 * bool(mask[0]) + 2 * bool(mask[1]) + bool(mask[2])) * c.t("input").numel
+
+
+def _per_channel(c: _Call, t: TensorType | None, channels: int) -> Placement:
+    """Split a per-channel statistic with the channels; whole when it is not one (empty in
+    eval mode)."""
+    return Shard(0) if t is not None and t.rank == 1 and t.shape[0] == channels else _R
+
+
+def _batch_norm(c: _Call) -> list:
+    """Channels split everything per channel; in eval mode the batch splits too (the
+    running statistics are used whole)."""
+    x = c.t("input")
+    if x.rank < 2:
+        return []
+    ch = x.shape[1]
+    stats = [_per_channel(c, c.out(i), ch) for i in range(1, 5)]
+    menu = [c.strategy({"input": Shard(1), "weight": Shard(0), "bias": Shard(0),
+                        "running_mean": Shard(0), "running_var": Shard(0)},
+                       (Shard(1), *stats), "channels")]
+    if not c.args.get("training", False):
+        menu.append(c.strategy({"input": Shard(0)}, (Shard(0), _R, _R, _R, _R), "batch"))
+    return menu
+
+
+def _batch_norm_backward(c: _Call) -> list:
+    """Channels split; in eval mode the batch splits too (weight and bias gradients become
+    partial sums); linear in grad_out."""
+    x = c.t("input")
+    if x.rank < 2:
+        return []
+    ch = x.shape[1]
+    per = {n: _per_channel(c, c.t(n), ch) for n in
+           ("weight", "running_mean", "running_var", "save_mean", "save_invstd")}
+    menu = [c.strategy({"grad_out": Shard(1), "input": Shard(1), **per},
+                       (Shard(1), Shard(0), Shard(0)), "channels"),
+            c.strategy({"grad_out": _P}, _P, "partial")]
+    if not c["train"]:
+        menu.append(c.strategy({"grad_out": Shard(0), "input": Shard(0)}, (Shard(0), _P, _P),
+                               "batch"))
+    return menu
+
+
+def _group_norm(c: _Call) -> list:
+    """The batch splits everything per sample; channels split whole groups (the local
+    ``N``, ``C`` and ``group``)."""
+    x = c.t("input")
+    menu = [c.strategy({"input": Shard(0)}, Shard(0), "batch")]
+    if x.rank >= 2:
+        menu.append(c.strategy({"input": Shard(1), "weight": Shard(0), "bias": Shard(0)},
+                               Shard(1), "channels"))
+    return menu
+
+
+def _group_norm_backward(c: _Call) -> list:
+    """As the forward: the batch (weight and bias gradients partial) or whole groups of
+    channels; linear in grad_out."""
+    x = c.t("input")
+    per_sample = {"grad_out": Shard(0), "input": Shard(0), "mean": Shard(0), "rstd": Shard(0)}
+    channels = {"grad_out": Shard(1), "input": Shard(1), "mean": Shard(1), "rstd": Shard(1),
+                "weight": Shard(0)}
+    menu = [c.strategy({"grad_out": _P}, _P, "partial")]
+    menu.append(c.strategy(per_sample, (Shard(0), _P, _P), "batch"))
+    if x.rank >= 2:
+        menu.append(c.strategy(channels, (Shard(1), Shard(0), Shard(0)), "channels"))
+    return menu
+
+
+def _max_pool(c: _Call) -> list:
+    """Batch and channel dims split the values and their indices (indices count within
+    each plane)."""
+    x = c.t("self")
+    return [c.strategy({"self": Shard(d)}, Shard(d), "split")
+            for d in range(x.rank - 2)]
+
+
+def _max_pool_backward(c: _Call) -> list:
+    """Batch and channel dims split; linear in grad_output."""
+    x = c.t("self")
+    menu = [c.strategy({"grad_output": Shard(d), "self": Shard(d), "indices": Shard(d)},
+                       Shard(d), "split") for d in range(x.rank - 2)]
+    return menu + [c.strategy({"grad_output": _P}, _P, "partial")]
+
+
+def _max_pool_flops(c: _Call) -> int:
+    return c.outs[0].numel * math.prod(c["kernel_size"])
+
+
+# ------------------------------------------------------------------ attention
+
+@dataclass(frozen=True)
+class _Attention:
+    """Where one SDPA kernel's operands and results are: argument names, and result
+    positions by kind (out, lse, grads, the bias's gradient; the rest are whole: seeds,
+    offsets, sequence lengths, the debug mask when empty)."""
+
+    bias: str | None              # the mask/bias argument
+    out: int | None = None        # forward: result positions of out and logsumexp
+    lse: int | None = None
+    debug: int | None = None
+    backward: bool = False        # results: dq, dk, dv (, dbias at 3)
+    query_split: bool = False     # the query sequence may split (lse is [B, H, Sq])
+
+
+def _attention(spec: _Attention) -> Callable[[_Call], list]:
+    def fn(c: _Call) -> list:
+        """Batch and heads split q, k, v alike (also under grouped-query attention); the
+        query sequence splits when not causal (k, v whole; backward: their gradients
+        partial); the backward is linear in grad_out. With dropout it runs whole."""
+        q = c.t("query")
+        if c["dropout_p"]:
+            return []
+        scores = TensorType(q.shape[:-1] + (c.t("key").shape[-2],), q.dtype)
+        bias = c.t(spec.bias) if spec.bias else None
+        dims = [0, 1] + ([2] if spec.query_split and not c["is_causal"] else [])
+        menu = []
+        for d in dims:
+            kv = Shard(d) if d < 2 else _R
+            places = {"query": Shard(d), "key": kv, "value": kv, "out": Shard(d),
+                      "grad_out": Shard(d), "grad_out_": Shard(d), "logsumexp": Shard(d)}
+            if spec.bias:
+                places[spec.bias] = _along(bias, scores, d)
+            if spec.backward:
+                db = places[spec.bias] if spec.bias and places[spec.bias] != _R else _P
+                res = [Shard(d), kv if d < 2 else _P, kv if d < 2 else _P, db]
+            else:
+                res = [_R] * 9
+                res[spec.out] = res[spec.lse] = Shard(d)
+                dbg = c.out(spec.debug) if spec.debug is not None else None
+                if dbg is not None and dbg.rank == 4 and dbg.shape[d] == q.shape[d]:
+                    res[spec.debug] = Shard(d)
+            name = ("batch", "heads", "query")[d]
+            menu.append(c.strategy(places, res, name))
+        if spec.backward:
+            menu.append(c.strategy({"grad_out": _P, "grad_out_": _P}, _P, "partial"))
+        return menu
+    return fn
+
+
+def _attention_flops(backward: bool) -> Callable[[_Call], int]:
+    def fn(c: _Call) -> int:
+        q, k, v = c.t("query"), c.t("key"), c.t("value")
+        scores = math.prod(q.shape[:-1]) * k.shape[-2]
+        d, dv = q.shape[-1], v.shape[-1]
+        if backward:    # scores recomputed; grads of the scores, v, q and k
+            return 2 * scores * (3 * d + 2 * dv) + 4 * scores
+        return 2 * scores * (d + dv) + 5 * scores
+    return fn
+
+
+_SDPA = {
+    "_scaled_dot_product_flash_attention_for_cpu.default":
+        _Attention("attn_mask", out=0, lse=1, query_split=True),
+    "_scaled_dot_product_flash_attention_for_cpu_backward.default":
+        _Attention("attn_mask", backward=True, query_split=True),
+    "_scaled_dot_product_flash_attention.default": _Attention(None, out=0, lse=1, debug=8),
+    "_scaled_dot_product_flash_attention_backward.default": _Attention(None, backward=True),
+    "_scaled_dot_product_efficient_attention.default": _Attention("attn_bias", out=0, lse=1),
+    "_scaled_dot_product_efficient_attention_backward.default":
+        _Attention("attn_bias", backward=True),
+    "_scaled_dot_product_cudnn_attention.default":
+        _Attention("attn_bias", out=0, lse=1, debug=8),
+    "_scaled_dot_product_cudnn_attention_backward.default":
+        _Attention("attn_bias", backward=True),
+}
+
+
+# ------------------------------------------------------------------ local arguments
+
+def _local_sizes(c: _Call) -> dict[str, Any]:
+    return {"input_sizes": c.outs[0].shape}
+
+
+def _local_group_norm(c: _Call) -> dict[str, Any]:
+    x = c.t("input")
+    per_group = c["C"] // c["group"]
+    return {"N": x.shape[0], "C": x.shape[1], "group": x.shape[1] // per_group}
+
+
+def _local_num_weights(c: _Call) -> dict[str, Any]:
+    return {"num_weights": c.outs[0].shape[0]}
+
+
+_LOCAL: dict[str, Callable[[_Call], dict[str, Any]]] = {
+    "aten.slice_backward.default": _local_sizes,
+    "aten.select_backward.default": _local_sizes,
+    "aten.native_group_norm.default": _local_group_norm,
+    "aten.native_group_norm_backward.default": _local_group_norm,
+    "aten.embedding_dense_backward.default": _local_num_weights,
+}
+
+
+def local_arguments(op: Op, ins: Sequence[TensorType],
+                    outs: Sequence[TensorType]) -> dict[str, Any]:
+    """The arguments (by schema name) a device passes instead of the op's own when it runs
+    the op on its pieces, given the local types of the op's operands and results: those
+    that name a whole shape. Empty for most ops."""
+    fn = _LOCAL.get(str(op.attrs.get("target", "")))
+    return {} if fn is None else fn(_Call(op, ins, outs))
+
+
+# ------------------------------------------------------------------ the rules
+
+# creation: nothing read, the result written (empty: not even that); run whole
+_register("arange.default arange.start arange.start_step ones.default zeros.default "
+          "full.default scalar_tensor.default new_zeros.default new_ones.default "
+          "new_full.default", _zero, nbytes=_written)
+_register("empty.memory_format empty_strided.default new_empty.default", _zero, nbytes=_views)
+_register("ones_like.default full_like.default", _zero, _like(False), _written)
+_register("zeros_like.default", _zero, _like(True), _written)
+_register("empty_like.default", _zero, _like(False), _views)
+# random draws: whole (split, they would draw other numbers)
+_register("bernoulli.p bernoulli.default normal.float_float rand.default randn.default "
+          "rand_like.default randn_like.default", _per_out(1))
+_register("native_dropout.default", _per_in(3))
+
+# views and copies
+_register("slice.Tensor", _zero, _slice, _views)
+_register("select.int", _zero, _select, _views)
+_register("squeeze.dim", _zero, _squeeze, _views)
+_register("unsqueeze.default", _zero, _unsqueeze, _views)
+_register("split.Tensor unbind.int", _zero, _pieces, _views)
+_register("clone.default", _zero, _elementwise(("self",)))
+_register("_to_copy.default", _zero, _elementwise())
+_register("copy.default", _zero, _elementwise(),
+          lambda c: _nbytes(c.t("src")) + _written(c))
+_register("cat.default", _zero, _cat)
+_register("stack.default", _zero, _stack)
+_register("constant_pad_nd.default", _zero, _pad)
+_register("slice_backward.default", _zero, _slice_backward)
+_register("select_backward.default", _zero, _select_backward)
+_register("slice_scatter.default", _zero, _slice_scatter)
+_register("select_scatter.default", _zero, _select_scatter)
+_register("fill.Tensor", _zero, _like(False),
+          lambda c: _nbytes(c.t("value")) + _written(c))
+_register("gather.default", _zero, _gather,
+          lambda c: _nbytes(c.t("index")) + 2 * _written(c))
+_register("index_put.default",
+          lambda c: _numel(c.t("values")) if c["accumulate"] else 0)
+
+# elementwise
+_register("mul.Scalar div.Scalar", _per_out(1), _elementwise(("self",)))
+_register("pow.Tensor_Scalar cos.default sin.default", _per_out(1), _elementwise())
+_register("clamp.default", lambda c: _numel(c.outs[0]) * ((c["min"] is not None)
+                                                         + (c["max"] is not None)),
+          _elementwise())
+_register("masked_fill.Scalar", _per_out(1), _masked_fill)
+_register("tril.default triu.default", _per_out(1), _triangle)
+_register("gelu.default", _per_out(8), _elementwise())
+_register("gelu_backward.default", _per_out(10), _elementwise(("grad_output",)))
+_register("silu.default", _per_out(4), _elementwise())
+_register("silu_backward.default", _per_out(8), _elementwise(("grad_output",)))
+_register("tanh_backward.default", _per_out(3), _elementwise(("grad_output",)))
+_register("threshold_backward.default", _per_out(1), _elementwise(("grad_output",)))
+_register("native_dropout_backward.default", _per_out(2), _elementwise(("grad_output",)))
+
+# softmax, losses, reductions
+_register("_softmax.default _safe_softmax.default", _per_out(5), _softmax)
+_register("_log_softmax.default", _per_out(4), _softmax)
+_register("_softmax_backward_data.default", _per_out(4), _softmax_backward)
+_register("_log_softmax_backward_data.default", _per_out(3), _softmax_backward)
+_register("nll_loss_forward.default", lambda c: max(_numel(c.t("target")), 1), _nll_forward,
+          lambda c: (_nbytes(c.t("target")) + _numel(c.t("target")) * c.t("self").dtype.itemsize
+                     + _nbytes(c.t("weight")) + _written(c)))
+_register("nll_loss_backward.default", lambda c: max(_numel(c.t("target")), 1), _nll_backward,
+          lambda c: (_nbytes(c.t("grad_output")) + _nbytes(c.t("target"))
+                     + _nbytes(c.t("weight")) + _nbytes(c.t("total_weight")) + _written(c)))
+_register("mse_loss.default", _per_in(3), _mse)
+_register("mse_loss_backward.default", lambda c: 3 * c.t("self").numel, _mse_backward)
+_register("argmax.default", _per_in(1), _argmax)
+_register("_foreach_norm.Scalar", lambda c: 2 * sum(t.numel for t in c.ins))
+
+# matmul, convolution, embedding
+_register("addmm.default", _addmm_flops, _addmm)
+_register("convolution.default", _conv_flops, _convolution)
+_register("convolution_backward.default", _conv_backward_flops, _convolution_backward)
+_register("embedding.default", _zero, _embedding, _embedding_bytes)
+_register("embedding_dense_backward.default", lambda c: c.t("grad_output").numel,
+          _embedding_backward)
+
+# normalization and pooling
+_register("native_layer_norm.default", _norm_flops, _layer_norm)
+_register("native_layer_norm_backward.default", _norm_backward_flops, _layer_norm_backward)
+_register("_native_batch_norm_legit_functional.default "
+          "_native_batch_norm_legit_no_training.default", _norm_flops, _batch_norm)
+_register("native_batch_norm_backward.default", _norm_backward_flops, _batch_norm_backward)
+_register("native_group_norm.default", _norm_flops, _group_norm)
+_register("native_group_norm_backward.default", _norm_backward_flops, _group_norm_backward)
+_register("max_pool2d_with_indices.default", _max_pool_flops, _max_pool)
+_register("max_pool2d_with_indices_backward.default", lambda c: c.t("grad_output").numel,
+          _max_pool_backward,
+          lambda c: (_nbytes(c.t("grad_output")) + _nbytes(c.t("indices")) + _written(c)))
+
+# attention
+for _target, _spec in _SDPA.items():
+    _register(_target, _attention_flops(_spec.backward), _attention(_spec))
