@@ -136,6 +136,9 @@ _add("broadcast", C.collective, R.same_as_input, S.collective, {**_COLL, "root":
 _add("take_shard", C.collective, R.same_as_input, S.collective,
      {**_COLL, "dim": ("dim_or_flat", True)},
      doc="the local piece of a replicated tensor: a slice, no communication")
+_add("as_partial", C.collective, R.same_as_input, S.collective, _COLL,
+     doc="a replicated value as a partial sum: device 0 of the axis keeps it, the others "
+         "hold zeros (no communication; a row-parallel layer's bias, added once)")
 _add("send", C.collective, R.send, S.collective, {**_COLL, "peer": ("int", True)},
      effectful=True)
 _add("recv", C.collective, R.recv, S.collective, {**_COLL, "peer": ("int", True)},

@@ -62,7 +62,7 @@ class Assignment:
     def collectives(self, phase=None, graph: Graph | None = None) -> list[Reshard]:
         """The inserted collectives that move data (taking a slice moves none), optionally
         only those before ops of one phase."""
-        out = [r for r in self.reshards if r.collective != "take_shard"]
+        out = [r for r in self.reshards if r.collective not in ("take_shard", "as_partial")]
         if phase is not None and graph is not None:
             out = [r for r in out if r.op_index >= 0 and graph.ops[r.op_index].phase == phase]
         return out
@@ -76,7 +76,7 @@ def reshard_seconds(src: Placement, dst: Placement, t: TensorType, n: int, axis:
         return math.inf
     if how.collective is None:
         return 0.0
-    if how.collective == "take_shard":
+    if how.free:
         return _SLICE_S
     frac = (n - 1) / n
     sent = {"all_reduce": 2 * frac * t.nbytes, "reduce_scatter": frac * t.nbytes,

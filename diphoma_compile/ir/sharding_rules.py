@@ -168,6 +168,10 @@ def expected_collective(op: Op, src: Placement) -> tuple[Placement | None, str]:
             return None, f"take_shard takes a replicated input, found {src}"
         dim = op.attrs["dim"]
         return (FLAT if dim == "flat" else Shard(dim)), ""
+    if name == "as_partial":
+        if not isinstance(src, Replicate):
+            return None, f"as_partial takes a replicated input, found {src}"
+        return Partial("sum"), ""
     if name in ("send", "recv"):
         return src, ""
     return None, f"{name} is not a collective"

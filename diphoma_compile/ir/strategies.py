@@ -102,13 +102,13 @@ class Reshard:
     @property
     def free(self) -> bool:
         """True when no data moves (the same placement, or taking a local slice)."""
-        return self.collective in (None, "take_shard")
+        return self.collective in (None, "take_shard", "as_partial")
 
 
 def reshard(src: Placement, dst: Placement) -> Reshard | None:
     """How to bring a value from ``src`` to ``dst`` on one axis, or None when no collective
-    does (a whole or split value cannot become a partial sum, and partial sums of one kind
-    cannot become another)."""
+    does (a split value cannot become a partial sum, a whole one only a partial sum, and
+    partial sums of one kind cannot become another)."""
     if src == dst:
         return Reshard(None)
     if isinstance(src, Partial):
@@ -119,6 +119,8 @@ def reshard(src: Placement, dst: Placement) -> Reshard | None:
         return None
     if isinstance(src, Replicate) and isinstance(dst, Shard):
         return Reshard("take_shard", (("dim", dst.dim),))
+    if isinstance(src, Replicate) and dst == Partial("sum"):
+        return Reshard("as_partial")       # device 0 keeps it, the others hold zeros
     if isinstance(src, Shard) and isinstance(dst, Replicate):
         return Reshard("all_gather", (("dim", src.dim),))
     if isinstance(src, Shard) and isinstance(dst, Shard):

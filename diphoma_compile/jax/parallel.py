@@ -213,6 +213,12 @@ def _broadcast(low: PerDeviceLowering, op: Op, ins: list) -> list:
     return [lax.index_in_dim(lax.all_gather(x, axis), root, keepdims=False)]
 
 
+def _as_partial(low: PerDeviceLowering, op: Op, ins: list) -> list:
+    x = ins[0]
+    mine = lax.eq(lax.axis_index(_axis(op)), np.int32(0))
+    return [lax.select(lax.broadcast(mine, np.shape(x)), x, lax.full_like(x, 0))]
+
+
 def _all_to_all(low: PerDeviceLowering, op: Op, ins: list) -> list:
     return [lax.all_to_all(ins[0], _axis(op), split_axis=int(op.attrs["to_dim"]),
                            concat_axis=int(op.attrs["from_dim"]), tiled=True)]
@@ -220,7 +226,7 @@ def _all_to_all(low: PerDeviceLowering, op: Op, ins: list) -> list:
 
 _COLLECTIVES = {"all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter,
                 "all_gather": _all_gather, "wait": _wait, "take_shard": _take_shard,
-                "broadcast": _broadcast, "all_to_all": _all_to_all}
+                "broadcast": _broadcast, "all_to_all": _all_to_all, "as_partial": _as_partial}
 
 
 # ---------------------------------------------------------------- layouts over the mesh

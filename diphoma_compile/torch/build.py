@@ -385,10 +385,15 @@ def _broadcast(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
     return b.call(collectives.broadcast, [comm, x, int(op.attrs["root"])])
 
 
+def _as_partial(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
+    """A replicated value as a partial sum: kept on the axis's rank 0, zeros elsewhere."""
+    return b.call(collectives.as_partial, [comm, b.node(op.inputs[0])])
+
+
 # the collectives of one value; the helpers of collectives.py run them
 _COLLECTIVES: dict[str, Callable[[_Builder, Op, fx.Node], fx.Node]] = {
     "all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter, "all_gather": _all_gather,
-    "take_shard": _take_shard, "broadcast": _broadcast,
+    "take_shard": _take_shard, "broadcast": _broadcast, "as_partial": _as_partial,
 }
 
 

@@ -187,6 +187,12 @@ def all_gather(comm: Comm, x: torch.Tensor, dim: Any, shape: list[int],
     return _start(comm, _gather_launch(comm, out, src), finish, async_op)
 
 
+def as_partial(comm: Comm, x: torch.Tensor) -> torch.Tensor:
+    """A replicated tensor as one piece of a sum: rank 0 of the axis keeps it, the others
+    hold zeros (nothing is sent)."""
+    return x if comm.rank == 0 else torch.zeros_like(x)
+
+
 def take_shard(comm: Comm, x: torch.Tensor, dim: Any, local_shape: list[int]) -> torch.Tensor:
     """This rank's chunk of a replicated tensor, without communication."""
     n, r = comm.size, comm.rank

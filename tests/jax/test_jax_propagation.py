@@ -156,3 +156,30 @@ def test_the_completed_megatron_block_runs_on_two_devices_like_one(optimizer):
     # the Megatron weights are held split: each device has half of them
     q = ours[0]["MultiHeadDotProductAttention_0"]["query"]["kernel"]
     assert {s.data.shape for s in q.addressable_shards} == {(DIM, 1, 8)}
+
+
+def test_as_partial_then_all_reduce_gives_the_value_back_exactly():
+    """A replicated value as a partial sum (device 0 keeps it, the others hold zeros), summed
+    over the axis: the value itself, bit for bit, on two devices."""
+    import numpy as np
+
+    from diphoma_compile.ir import parse
+    from diphoma_compile.jax.parallel import compile_jax_parallel
+    if jax.device_count() < 2:
+        pytest.skip("needs two JAX devices")
+    graph = parse("""# diphoma-ir v1
+graph @g mesh[tp=2] (%x: f32[3,4] batch) {
+  %p: f32[3,4] {tp: P(sum)} = as_partial(%x) {axis=tp}
+  %r: f32[3,4] = all_reduce(%p) {axis=tp, op=sum}
+  %y: f32[3,4] = mul(%r, %x)
+  return (
+    %y other,
+  )
+}
+""")
+    verify(graph)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
+    run = compile_jax_parallel(graph, mesh=mesh, axis="tp")
+    x = jax.random.normal(jax.random.key(0), (3, 4))
+    (y,) = run(x)
+    assert np.array_equal(np.asarray(y), np.asarray(x * x))
