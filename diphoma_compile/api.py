@@ -31,6 +31,7 @@ from .mesh import Mesh, data_axis
 from .passes.base import PassContext
 from .passes.defaults import default_passes
 from .passes.pipeline import Pipeline
+from .report.compute import DEFAULT_DEVICE_MODEL
 from .report.plan import Plan, build_plan
 
 
@@ -162,9 +163,11 @@ def trace_step(step_fn: Callable, args: tuple, mesh: Mesh, axis: str,
 
 
 def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str | None,
-               ctx: PassContext) -> tuple[Graph, Plan]:
+               ctx: PassContext, device_model: str = DEFAULT_DEVICE_MODEL
+               ) -> tuple[Graph, Plan]:
     """The graph placed on ``mesh`` after the pipeline (``passes``, or the default one for
-    the framework and the model's gradient bytes), and its plan.
+    the framework and the model's gradient bytes), and its plan, with the step time
+    estimated on ``device_model`` (a name in ``ir.device_model.MODELS``).
 
     On a data axis of one device the default pipeline is empty: there is nothing to split
     or to exchange, and the single-device program is what runs (any rewrite, even a bucket
@@ -184,7 +187,7 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
     if runs_on_one_device(graph):
         backend = (f"the single-device program, as compile() runs it: the mesh has one "
                    f"device ({fw.name})")
-    return graph, build_plan(graph, ctx.decisions, backend=backend)
+    return graph, build_plan(graph, ctx.decisions, backend=backend, device_model=device_model)
 
 
 def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,

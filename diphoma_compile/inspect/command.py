@@ -19,7 +19,9 @@ from typing import Any
 
 from .. import framework as frameworks
 from ..framework import Framework
+from ..ir.device_model import MODELS, device_model
 from ..mesh import Mesh
+from ..report.compute import DEFAULT_DEVICE_MODEL
 from .load import Candidate, kind_of, load_file, resolve, split_target
 from .spec import InspectError, Target, inspect_axis, parse_input, parse_mesh
 
@@ -58,6 +60,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--dump-ir-after", default="", metavar="PASS|all",
                    help="print the IR after these passes (comma-separated; 'trace' is the "
                         "IR before any pass) or all")
+    p.add_argument("--device-model", default=DEFAULT_DEVICE_MODEL, metavar="NAME",
+                   help="the machine the step time is estimated on: "
+                        + ", ".join(MODELS) + f" (default {DEFAULT_DEVICE_MODEL}, whatever "
+                        "this machine has: inspect needs no devices)")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("--rows", type=int, default=60,
                    help="text tables longer than this group repeated layers (default 60)")
@@ -133,10 +139,11 @@ def build_target(args: argparse.Namespace, mesh: Mesh, axis: str) -> Target:
 
 
 def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump: Any,
-                stream: Any, clock: list | None = None,
-                verify_passes: bool = True) -> tuple[Any, Any, list]:
+                stream: Any, clock: list | None = None, verify_passes: bool = True,
+                device_model: str = DEFAULT_DEVICE_MODEL) -> tuple[Any, Any, list]:
     """Trace the step, run the pipeline for ``mesh`` (dumping as asked), and build the
-    plan, as ``ParallelStep.trace()`` does; ``clock`` collects (stage, time) pairs.
+    plan, as ``ParallelStep.trace()`` does, estimating the step time on ``device_model``;
+    ``clock`` collects (stage, time) pairs.
 
     The traced graph is checked by the frontend; ``verify_passes`` checks the graph after
     every pass too, which names the pass that broke it, and is what ``trace()`` does.
@@ -159,7 +166,7 @@ def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump:
         from ..ir import print_graph
         stream(f"# IR after trace\n{print_graph(graph.replace(mesh=mesh))}")
     ctx = PassContext(dump_after=dump, dump_stream=stream, verify=verify_passes)
-    graph, plan = run_passes(graph, fw, mesh, axis, passes, ctx)
+    graph, plan = run_passes(graph, fw, mesh, axis, passes, ctx, device_model)
     clock.append(("passes", time.perf_counter()))
     if not verify_passes and ctx.records:
         try:
@@ -189,6 +196,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     clock = [("start", time.perf_counter())]
     mesh = parse_mesh(args.mesh)
     axis = inspect_axis(mesh, args.axis)
+    device_model(args.device_model)     # an unknown name fails before the file is loaded
     dump: Any = "all" if args.dump_ir_after == "all" else frozenset(
         x.strip() for x in args.dump_ir_after.split(",") if x.strip())
     out = sys.stdout
@@ -199,7 +207,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         target = build_target(args, mesh, axis)
         clock.append(("load and build", time.perf_counter()))
         graph, plan, records = plan_target(target, mesh, axis, args.passes, dump, stream,
-                                           clock, args.verify_passes)
+                                           clock, args.verify_passes, args.device_model)
     plan = replace(plan, context=dict(target.context))
     report = plan.to_json() + "\n" if args.format == "json" else plan.to_text(args.rows)
     if args.out:

@@ -13,13 +13,15 @@ from typing import Any, TypeVar
 
 from ..ir.analysis import free_inputs, producers
 from ..ir.core import Graph, InputKind, Op, OutputKind, Phase
+from ..ir.device_model import DeviceModel
 from ..ir.ops import Category, is_view, op_def
 from ..ir.types import TensorType, Varying
 from ..passes.base import Decision, find_decision
+from .compute import DEFAULT_DEVICE_MODEL, Compute, estimate_compute
 from .text import render as render_text
 from .text import summary as summary_text
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _ROLES = (InputKind.param, InputKind.opt_state, InputKind.batch, InputKind.buffer)
 _D = TypeVar("_D")
 
@@ -98,6 +100,8 @@ class Plan:
     backend: str | None = None     # one line: how the framework's backend runs the plan
     # mesh axes of more than one device that no pass partitions over (see idle_axes())
     idle_axes: dict[str, int] = field(default_factory=dict)
+    # flops per step and per device, ops of unknown cost, step time on a device model
+    compute: Compute | None = None
 
     def decision(self, kind: type[_D]) -> _D | None:
         """What the pass whose record type is ``kind`` decided, or None when it did not run."""
@@ -121,14 +125,17 @@ class Plan:
                 "collectives": tuple(asdict(c) for c in self.collectives),
                 "memory": asdict(self.memory), "comm_bytes_per_step": self.comm_bytes_per_step,
                 "notes": self.notes, "param_count": self.param_count,
-                "context": dict(self.context), "schema": SCHEMA_VERSION}
+                "context": dict(self.context),
+                "compute": self.compute.to_dict() if self.compute else None,
+                "schema": SCHEMA_VERSION}
 
     def to_json(self, indent: int | None = 2) -> str:
         """The plan as JSON."""
         return json.dumps(self.to_dict(), indent=indent, default=str)
 
     def summary(self) -> str:
-        """The report's head: model size, mesh, passes, memory per device, communication."""
+        """The report's head: model size, mesh, passes, memory per device, communication,
+        compute."""
         return summary_text(self)
 
     def to_text(self, max_rows: int = 60) -> str:
@@ -178,9 +185,11 @@ def gradient_sources(graph: Graph, prod: dict[str, Op] | None = None,
 
 
 def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
-               backend: str | None = None) -> Plan:
+               backend: str | None = None,
+               device_model: DeviceModel | str = DEFAULT_DEVICE_MODEL) -> Plan:
     """The plan of a (transformed) graph; ``decisions`` are the passes' records
-    (``PassContext.decisions``), ``backend`` how the framework runs it."""
+    (``PassContext.decisions``), ``backend`` how the framework runs it, ``device_model``
+    what the step time is estimated on (a DeviceModel or its name)."""
     sizes = dict(graph.mesh.axes)
     types = graph.value_types()
     tensors = []
@@ -225,7 +234,8 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
     params = sum(i.value.type.numel for i in graph.inputs if i.role.kind is InputKind.param)
     return Plan(graph.name, sizes, graph.passes, tuple(tensors), tuple(collectives), memory,
                 sum(c.bytes_per_device for c in collectives), dict(decisions or {}), params,
-                backend=backend, idle_axes=idle_axes(graph))
+                backend=backend, idle_axes=idle_axes(graph),
+                compute=estimate_compute(graph, device_model))
 
 
 def idle_axes(graph: Graph) -> dict[str, int]:

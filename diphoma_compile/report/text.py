@@ -11,7 +11,7 @@ from ..passes.comm_fusion import CommFusionRecord
 from ..passes.data_parallel import DataParallelRecord
 from ..passes.schedule_comm import ScheduleCommRecord
 from ..passes.weight_update_sharding import WeightUpdateShardingRecord
-from .units import human
+from .units import flops_text, human, seconds_text
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -72,11 +72,27 @@ def _summary(plan: Plan) -> list[str]:
         + (" (" + ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) + ")"
            if kinds else ""),
     ]
+    lines += _compute_lines(plan)
     if plan.idle_axes:
         axes = ", ".join(f"{a}={n}" for a, n in plan.idle_axes.items())
         lines.append(f"unused mesh axes: {axes}: no pass in this pipeline partitions over "
                      "them, so every device along them repeats the same step on the same "
                      "tensors (the figures above hold for each)")
+    return lines
+
+
+def _compute_lines(plan: Plan) -> list[str]:
+    """Flops per device and per step, the estimated step time, ops of unknown cost."""
+    c = plan.compute
+    if c is None:
+        return []
+    lines = [f"compute: {flops_text(float(c.flops_per_device))} per device per step "
+             f"({flops_text(c.flops_per_step)} whole step); est. {seconds_text(c.total_s)}/step "
+             f"on {c.device_model} = {seconds_text(c.compute_s)} compute + "
+             f"{seconds_text(c.exposed_comm_s)} exposed communication"]
+    if c.unknown_cost_ops:
+        lines.append(f"cost unknown ({len(c.unknown_cost_ops)} framework ops no rule gives "
+                     "flops for, counted as zero): " + ", ".join(c.unknown_cost_ops))
     return lines
 
 
