@@ -90,8 +90,8 @@ class OpDef:
     def bytes_accessed(self, op: Op, ins: Sequence[TensorType],
                        outs: Sequence[TensorType]) -> int:
         """Bytes read and written by one execution (logical, whole tensors)."""
-        if self.category is Category.control:
-            return 0
+        if self.category is Category.control or self.view:
+            return 0        # a view moves nothing (backends emit it as one)
         if self.category is Category.opaque:
             rule = framework_rule(op)
             if rule is not None and rule.bytes is not None:
