@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import IRError
@@ -133,10 +133,13 @@ def _fixed_inputs(graph: Graph, fixed: Mapping[str, Placement]) -> dict[str, Pla
 
 
 def complete(graph: Graph, axis: str, fixed: Mapping[str, Placement],
-             model: DeviceModel | str = "h100-nccl", time_limit_s: float = 60.0) -> Assignment:
+             model: DeviceModel | str = "h100-nccl", time_limit_s: float = 60.0,
+             free: Iterable[str] = ()) -> Assignment:
     """Complete the placements ``fixed`` for some values into the cheapest assignment of the
     whole step on ``axis`` (an axis of the graph's mesh), solved exactly as an integer
-    program (HiGHS through scipy) under the device model's costs."""
+    program (HiGHS through scipy) under the device model's costs. Inputs named in ``free``
+    (parameters, say) are placed by the solver too, replicated or split on a dimension the
+    axis divides; their updated values and their optimizer state are placed alike."""
     model = device_model(model) if isinstance(model, str) else model
     n = graph.mesh.axis_size(axis)
     fixed = _fixed_inputs(graph, fixed)
@@ -152,12 +155,21 @@ def complete(graph: Graph, axis: str, fixed: Mapping[str, Placement],
 
     menus = [_menu(op, [types[x] for x in op.inputs], [v.type for v in op.results], axis, n)
              for op in graph.ops]
+    free_in, ties = _free_inputs(graph, set(free) - set(fixed), n)
     demands = {o.name: _output_demand(graph, o, fixed) for o in graph.outputs}
-    chosen = solve(graph, menus, fixed, demands, rc,
-                   lambda k, s: _compute_s(graph.ops[k], s, [types[x] for x in
-                                           graph.ops[k].inputs],
-                                           [v.type for v in graph.ops[k].results], n, model),
-                   time_limit_s)
+    for o in graph.outputs:
+        if o.role.kind is OutputKind.replaces and o.role.target in free_in:
+            demands[o.name] = None
+            ties.append((o.name, o.role.target))
+    chosen, chose_in = solve(
+        graph, menus, fixed, demands, rc,
+        lambda k, s: _compute_s(graph.ops[k], s, [types[x] for x in graph.ops[k].inputs],
+                                [v.type for v in graph.ops[k].results], n, model),
+        time_limit_s, free_in, ties)
+    fixed = {**fixed, **chose_in}
+    for o in graph.outputs:
+        if o.role.kind is OutputKind.replaces and o.role.target in chose_in:
+            demands[o.name] = chose_in[o.role.target]
     placements: dict[str, Placement] = {i.name: fixed.get(i.name, REPLICATE)
                                         for i in graph.inputs}
     for k, op in enumerate(graph.ops):
@@ -183,6 +195,30 @@ def complete(graph: Graph, axis: str, fixed: Mapping[str, Placement],
               if d is not None and placements[o.name] != d}
     return Assignment(axis, n, placements, chosen, tuple(steps), wanted,
                       sum(r.seconds for r in steps), compute)
+
+
+def _free_inputs(graph: Graph, free: set[str], n: int
+                 ) -> tuple[dict[str, list[Placement]], list[tuple[str, str]]]:
+    """Candidate placements of the free inputs, with optimizer state of the same shape as a
+    free parameter free too and tied to it."""
+    names = {i.name for i in graph.inputs}
+    missing = sorted(free - names)
+    if missing:
+        raise IRError(f"free placements asked for values that are not graph inputs: "
+                      f"{', '.join(missing[:5])}")
+    ties: list[tuple[str, str]] = []
+    for i in graph.inputs:
+        role = i.role
+        if (role.kind is InputKind.opt_state and role.of in free and i.name not in free
+                and i.value.type.shape == graph.input(role.of).value.type.shape):
+            free.add(i.name)
+            ties.append((i.name, role.of))
+    options = {}
+    for name in free:
+        t = graph.input(name).value.type
+        options[name] = [REPLICATE] + [Shard(d) for d in range(t.rank) if t.shape[d] % n == 0
+                                       and t.shape[d] >= n]
+    return options, ties
 
 
 def _output_demand(graph: Graph, o: Output, fixed: Mapping[str, Placement]):

@@ -113,9 +113,17 @@ def _charge_value(prog: _Program, name: str, made: dict[Placement, list[int]],
 def solve(graph: Graph, menus: Sequence[Sequence[Strategy]],
           fixed: Mapping[str, Placement], demands: Mapping[str, Placement | None],
           rc: Callable[[Placement, Placement, str], float],
-          compute: Callable[[int, Strategy], float], time_limit_s: float) -> dict[int, Strategy]:
+          compute: Callable[[int, Strategy], float], time_limit_s: float,
+          free: Mapping[str, Sequence[Placement]] | None = None,
+          ties: Sequence[tuple[str, str]] = ()
+          ) -> tuple[dict[int, Strategy], dict[str, Placement]]:
     """One strategy per top-level op of ``graph`` minimizing compute plus resharding, with
-    ``fixed`` values placed as given and outputs brought to their ``demands``."""
+    ``fixed`` values placed as given and outputs brought to their ``demands``. Inputs in
+    ``free`` take whichever of their candidate placements is cheapest; each pair in ``ties``
+    (a value, an input) must end up placed alike (an updated parameter and the parameter,
+    optimizer state and its parameter). Returns the strategies and the free inputs'
+    placements."""
+    free = dict(free or {})
     for op in graph.ops:
         if op.regions:
             raise IRError(f"sharding propagation does not enter nested regions yet "
@@ -128,8 +136,11 @@ def solve(graph: Graph, menus: Sequence[Sequence[Strategy]],
         prog.row({j: 1.0 for j in x[k]}, 1.0, 1.0)
 
     # each value's placements: producer's variables giving each, or a fixed placement
-    inputs = {i.name for i in graph.inputs}
+    inputs = {i.name for i in graph.inputs} - set(free)
     made: dict[str, dict[Placement, list[int]]] = {}
+    for name, options in free.items():
+        made[name] = {p: [prog.var(0.0, True)] for p in dict.fromkeys(options)}
+        prog.row({v[0]: 1.0 for v in made[name].values()}, 1.0, 1.0)
     for k, op in enumerate(graph.ops):
         for j, v in enumerate(op.results):
             by: dict[Placement, list[int]] = defaultdict(list)
@@ -170,5 +181,17 @@ def solve(graph: Graph, menus: Sequence[Sequence[Strategy]],
                 else:
                     prog.cost[var] += c * _US
 
+    for a, b in ties:
+        if a not in made or b not in made:
+            continue
+        for p in set(made[a]) | set(made[b]):
+            row = {var: 1.0 for var in made[a].get(p, [])}
+            for var in made[b].get(p, []):
+                row[var] = row.get(var, 0.0) - 1.0
+            prog.row(row, 0.0, 0.0)                    # y_a[p] == y_b[p]
+
     sol = prog.solve(time_limit_s)
-    return {k: menus[k][int(np.argmax([sol[v] for v in x[k]]))] for k in range(len(menus))}
+    chosen = {k: menus[k][int(np.argmax([sol[v] for v in x[k]]))] for k in range(len(menus))}
+    placed = {name: max(by, key=lambda p: sol[by[p][0]]) for name, by in made.items()
+              if name in free}
+    return chosen, placed

@@ -183,3 +183,23 @@ graph @g mesh[tp=2] (%x: f32[3,4] batch) {
     x = jax.random.normal(jax.random.key(0), (3, 4))
     (y,) = run(x)
     assert np.array_equal(np.asarray(y), np.asarray(x * x))
+
+
+def test_free_parameters_are_placed_by_the_solver(sgd_block):
+    """Only the kernels fixed; the solver places the other parameters: the column layer's
+    bias follows its split (else its gradient would be gathered), layer norms stay whole."""
+    from diphoma_compile.ir.roles import InputKind
+    kernels = {k: p for k, p in MEGATRON.items() if k != "params/Dense_0/bias"}
+    free = [i.name for i in sgd_block.inputs
+            if i.role.kind is InputKind.param and i.name not in kernels]
+    a = complete(sgd_block, "tp", kernels, free=free)
+    assert a.placements["params/Dense_0/bias"] == Shard(0)
+    assert a.placements["params/LayerNorm_0/scale"] == REPLICATE
+    assert len(a.collectives()) == 4
+    placed = apply_assignment(sgd_block, a)
+    verify(placed)
+    types = placed.value_types()
+    out = next(o for o in placed.outputs if o.role.target == "params/Dense_0/bias")
+    assert types[out.name].placement("tp") == Shard(0)
+    with pytest.raises(IRError, match="not graph inputs: dot"):
+        complete(sgd_block, "tp", {}, free=["dot"])
