@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import IRError
@@ -134,7 +134,8 @@ def _fixed_inputs(graph: Graph, fixed: Mapping[str, Placement]) -> dict[str, Pla
 
 def complete(graph: Graph, axis: str, fixed: Mapping[str, Placement],
              model: DeviceModel | str = "h100-nccl", time_limit_s: float = 60.0,
-             free: Iterable[str] = ()) -> Assignment:
+             free: Iterable[str] = (),
+             avoid: Callable[[str, str], bool] | None = None) -> Assignment:
     """Complete the placements ``fixed`` for some values into the cheapest assignment of the
     whole step on ``axis`` (an axis of the graph's mesh), solved exactly as an integer
     program (HiGHS through scipy) under the device model's costs. Inputs named in ``free``
@@ -151,6 +152,10 @@ def complete(graph: Graph, axis: str, fixed: Mapping[str, Placement],
                       f"{', '.join(unknown[:5])}", hint="name top-level values or inputs")
 
     def rc(src, dst, name) -> float:
+        how = reshard(src, dst)
+        if how is not None and avoid is not None and how.collective is not None \
+                and avoid(how.collective, name):
+            return math.inf
         return reshard_seconds(src, dst, types[name], n, axis, model)
 
     menus = [_menu(op, [types[x] for x in op.inputs], [v.type for v in op.results], axis, n)
@@ -188,6 +193,8 @@ def complete(graph: Graph, axis: str, fixed: Mapping[str, Placement],
                 steps[x, want] = _step(k, x, placements[x], want, rc)
     for o in graph.outputs:
         want = demands[o.name]
+        if want is None and isinstance(placements[o.name], Partial):
+            want = demands[o.name] = REPLICATE     # a returned value is never a partial sum
         if want is not None and placements[o.name] != want and (o.name, want) not in steps:
             steps[o.name, want] = _step(-1, o.name, placements[o.name], want, rc)
     steps = list(steps.values())

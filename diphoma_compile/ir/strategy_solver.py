@@ -21,7 +21,7 @@ from scipy.sparse import coo_array
 from ..errors import IRError
 from .core import Graph
 from .strategies import Strategy
-from .types import REPLICATE, Placement
+from .types import REPLICATE, Partial, Placement
 
 _US = 1e6   # seconds -> microseconds, to keep the solver's numbers near 1
 
@@ -166,7 +166,15 @@ def solve(graph: Graph, menus: Sequence[Sequence[Strategy]],
         else:
             _charge_value(prog, name, made[name], by_q, rc)
     for name, want in demands.items():
-        if want is None:
+        if want is None:           # returned as it is, but not as partial sums
+            for p, vars_p in made.get(name, {}).items():
+                if isinstance(p, Partial):
+                    c = rc(p, REPLICATE, name)
+                    for var in vars_p:
+                        if c == math.inf:
+                            prog.upper[var] = 0.0
+                        else:
+                            prog.cost[var] += c * _US
             continue
         if name in inputs:
             if rc(fixed.get(name, REPLICATE), want, name) == math.inf:

@@ -19,7 +19,7 @@ from ..ir.core import (Attrs, Graph, Input, InputKind, InputRole, Op, Output, Ou
                        Value)
 from ..ir.ops import op_def, random_draw
 from ..ir.sharding_rules import propagate
-from ..ir.types import VARYING, TensorType, Varying
+from ..ir.types import REPLICATE, VARYING, TensorType, Varying
 from .base import Pass, PassContext, PassFailure, register_pass
 from .dce import dce_graph
 
@@ -327,7 +327,9 @@ class _Split:
         attrs = Attrs(axis=self.ax, op=how) if reduce else Attrs(axis=self.ax, root=0)
         kind = "all_reduce" if reduce else "broadcast"
         phase = at.phase if at is not None else Phase.backward
-        return Op(kind, (n,), (Value(new, self.types[n].replicated()),), attrs,
+        # the value is whole on this axis now; its placements on other axes stay
+        t = self.types[n].with_placement(self.ax, REPLICATE)
+        return Op(kind, (n,), (Value(new, t),), attrs,
                   phase=phase, loc=at.loc if at is not None else None)
 
     def record(self) -> DataParallelRecord:

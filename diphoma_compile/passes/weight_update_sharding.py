@@ -35,13 +35,16 @@ _LAYOUTS = ("flat", "dims")
 
 
 def shard_placement(t: TensorType, n: int, layout: str) -> tuple[Placement, str]:
-    """Where a tensor's update runs: its placement and, when replicated, why."""
+    """Where a tensor's update runs: its placement and, when replicated, why. A dimension
+    another axis splits already (tensor parallelism) is not split again: which axis would
+    be the major one is a layout the backends need not guess."""
     if t.numel <= 1:
         return REPLICATE, "a scalar: cheaper to repeat than to split"
     if layout == "flat":
         return FLAT, ""
+    split = {p.dim for _, p in t.placements if isinstance(p, Shard)}
     for d, size in enumerate(t.shape):
-        if size % n == 0:
+        if d not in split and size % n == 0:
             return Shard(d), ""
     return REPLICATE, (f"no dimension of {list(t.shape)} divides {n} and layout=dims needs "
                        "even splits")

@@ -89,3 +89,23 @@ def test_as_partial_keeps_the_value_on_rank_zero_only():
     x = torch.arange(6.0).reshape(2, 3)
     assert torch.equal(as_partial(Comm("tp", 2, 0), x), x)
     assert torch.equal(as_partial(Comm("tp", 2, 1), x), torch.zeros_like(x))
+
+
+def test_tensor_parallel_pass_finds_the_pairs_of_a_pytorch_block():
+    from diphoma_compile.passes import PassContext, Pipeline, TensorParallelRecord
+    from diphoma_compile.passes.megatron import LayerPair
+    from diphoma_compile.passes.tensor_parallel import collectives_by_phase
+    torch.manual_seed(0)
+    model = Block()
+    graph = diphoma_compile.trace(step, model, torch.optim.AdamW(model.parameters()),
+                                  torch.randn(2, 8, 16))
+    ctx = PassContext()
+    placed = Pipeline.from_spec("tensor-parallel{axis=tp}").run(
+        graph.replace(mesh=Mesh({"tp": 2})), ctx)
+    verify(placed)
+    rec = ctx.decision(TensorParallelRecord)
+    assert rec.pairs == (LayerPair(("q.weight", "k.weight", "v.weight"), "o.weight"),
+                         LayerPair(("fc1.weight",), "fc2.weight"))
+    assert {p: s for p, s in rec.splits} == {**{k: str(v) for k, v in MEGATRON.items()}}
+    assert collectives_by_phase(rec) == {"forward": ["all_reduce"] * 2,
+                                         "backward": ["all_reduce"] * 2}
