@@ -38,7 +38,8 @@ Mask = Callable[[Op, Strategy, int, int, list[np.ndarray]],
                 tuple[list[np.ndarray], Callable[[list[np.ndarray]], list[np.ndarray]]]]
 
 NUMPY_OF = {DType.f32: np.float32, DType.f64: np.float64, DType.i32: np.int32,
-            DType.i64: np.int64, DType.bool: np.bool_}
+            DType.i64: np.int64, DType.u32: np.uint32, DType.u8: np.uint8,
+            DType.bool: np.bool_}
 DTYPE_OF = {np.dtype(v): k for k, v in NUMPY_OF.items()}
 
 
@@ -111,6 +112,13 @@ def pieces(x: np.ndarray, p, n: int, rng: np.random.Generator) -> tuple[np.ndarr
         else:
             ps = [rng.standard_normal(x.shape).astype(x.dtype) for _ in range(n)]
         return np.sum(ps, axis=0).astype(x.dtype), ps
+    if isinstance(p, Partial) and p.op in ("max", "min") and x.dtype.kind == "f":
+        # each element whole on one device, below (above) it on the others
+        owner = rng.integers(n, size=x.shape)
+        gap = (np.abs(rng.standard_normal((n,) + x.shape)) + 0.1).astype(x.dtype)
+        sign = -1 if p.op == "max" else 1
+        return x, [np.where(owner == k, x, x + sign * gap[k]).astype(x.dtype)
+                   for k in range(n)]
     raise AssertionError(f"no test pieces for input placement {p}")
 
 
@@ -214,6 +222,7 @@ def local_op(op: Op, ins: Sequence[TensorType], s: Strategy, n: int,
 class Checked:
     """What one case's check covered: strategies run (by n), and the failures."""
 
+    family: str = ""
     ran: list[tuple[int, Strategy]] = field(default_factory=list)
     offered: set[str] = field(default_factory=set)   # the kinds of strategy on the menu
     failures: list[str] = field(default_factory=list)
@@ -232,16 +241,40 @@ def kind(s: Strategy) -> str:
 def check_case(case: Case, run: Runner, ns: Sequence[int] = (2, 4),
                adjust: dict[str, Adjust] | None = None, mask: dict[str, Mask] | None = None,
                seed: int = 0) -> Checked:
-    """Run every candidate strategy of the case's op over each ``n`` and compare. All the
-    graphs of a case go to the runner at once (JAX compiles them as one program)."""
+    """Run every candidate strategy of the case's op over each ``n`` and compare."""
+    return check_cases([case], run, ns, adjust, mask, seed)[0]
+
+
+def check_cases(cases: Sequence[Case], run: Runner, ns: Sequence[int] = (2, 4),
+                adjust: dict[str, Adjust] | None = None, mask: dict[str, Mask] | None = None,
+                seed: int = 0) -> list[Checked]:
+    """``check_case`` of each case; all their graphs go to the runner at once (JAX
+    compiles them as one program)."""
     adjust = {**ADJUST, **(adjust or {})}
     mask = {**MASK, **(mask or {})}
+    jobs: list[Job] = []
+    checked, plans = [], []
+    for k, case in enumerate(cases):
+        done = Checked(family(case.op))
+        plans += _plan_case(case, ns, adjust, mask, np.random.default_rng(seed + k), jobs, done)
+        checked.append(done)
+    results = _run_all(run, jobs)
+    for done, where, s, (whole, devices) in plans:
+        try:
+            _compare(s, results[whole], [(results[j], fix) for j, fix in devices])
+        except Exception as e:    # noqa: BLE001 - every failure is reported with its case
+            done.failures.append(f"{where}: {type(e).__name__}: {e}")
+    return checked
+
+
+def _plan_case(case: Case, ns, adjust, mask, rng, jobs: list[Job], done: Checked) -> list:
+    """Add the case's graphs to ``jobs``; the strategies to compare once they ran."""
     op, ins = case.op, case.ins
     outs = [v.type for v in op.results]
-    rng = np.random.default_rng(seed)
-    jobs: list[Job] = [(graph_of(op, ins, case.hyper), list(case.data))]
+    base = len(jobs)
+    jobs.append((graph_of(op, ins, case.hyper), list(case.data)))
     menu = strategies_of(op, ins, outs)
-    done = Checked(offered={kind(s) for s in menu})
+    done.offered |= {kind(s) for s in menu}
     done.failures += [f"{case}: {s}: {e}" for s in menu if (e := malformed(s, ins, outs))]
     plans = []
     for n in ns:
@@ -249,16 +282,10 @@ def check_case(case: Case, run: Runner, ns: Sequence[int] = (2, 4),
             where = f"{case} under {s} over {n} devices"
             done.ran.append((n, s))
             try:
-                plans.append((where, s, _plan(case, s, n, adjust, mask, rng, jobs)))
-            except Exception as e:    # noqa: BLE001 - every failure is reported with its case
+                plans.append((done, where, s, _plan(case, s, n, adjust, mask, rng, jobs, base)))
+            except Exception as e:    # noqa: BLE001
                 done.failures.append(f"{where}: {type(e).__name__}: {e}")
-    results = _run_all(run, jobs)
-    for where, s, (whole, devices) in plans:
-        try:
-            _compare(s, results[whole], [(results[j], fix) for j, fix in devices])
-        except Exception as e:    # noqa: BLE001
-            done.failures.append(f"{where}: {type(e).__name__}: {e}")
-    return done
+    return plans
 
 
 def malformed(s: Strategy, ins: Sequence[TensorType], outs: Sequence[TensorType]) -> str:
@@ -274,12 +301,11 @@ def malformed(s: Strategy, ins: Sequence[TensorType], outs: Sequence[TensorType]
     return ""
 
 
-def _plan(case, s, n, adjust, mask, rng, jobs: list[Job]):
+def _plan(case, s, n, adjust, mask, rng, jobs: list[Job], whole: int):
     """Add the strategy's graphs to ``jobs``: (the job of the whole result, and each
     device's job with the fix of its results)."""
     op, ins = case.op, case.ins
     cut = [pieces(x, p, n, rng) for x, p in zip(case.data, s.inputs)]
-    whole = 0
     if any(isinstance(p, Partial) for p in s.inputs):
         jobs.append((graph_of(op, ins, case.hyper), [w for w, _ in cut]))
         whole = len(jobs) - 1
@@ -326,10 +352,11 @@ def assert_all(checked: Sequence[Checked]) -> None:
     ran (no case had dims it could split evenly: the check would prove nothing of it)."""
     failures = [f for c in checked for f in c.failures]
     assert not failures, f"{len(failures)} failing strategies:\n" + "\n".join(failures[:40])
-    offered = set().union(*(c.offered for c in checked))
-    ran = set().union(*(c.kinds for c in checked))
-    assert offered - {"replicate"}, "the cases offer no strategy but running whole"
-    assert offered <= ran, f"offered but never run: {sorted(offered - ran)}"
+    for name in sorted({c.family for c in checked}):
+        offered = set().union(*(c.offered for c in checked if c.family == name))
+        ran = set().union(*(c.kinds for c in checked if c.family == name))
+        assert offered - {"replicate"}, f"{name}: the cases offer no strategy but running whole"
+        assert offered <= ran, f"{name}: offered but never run: {sorted(offered - ran)}"
 
 
 # ---------------------------------------------------------------- cases of the neutral ops
@@ -352,7 +379,9 @@ def _shape(rng: np.random.Generator, rank: int, sizes=(1, 2, 3, 4, 8)) -> tuple[
     return tuple(shape)
 
 
-def _data(rng: np.random.Generator, shape, dtype=np.float32, positive=False) -> np.ndarray:
+def sample(rng: np.random.Generator, shape, dtype=np.float32, positive=False) -> np.ndarray:
+    """Random values of a dtype: normal floats (above 0.5 when ``positive``), small
+    integers, fair booleans."""
     if dtype == np.bool_:
         return rng.random(shape) < 0.5
     if np.issubdtype(dtype, np.integer):
@@ -380,17 +409,17 @@ def _t(shape, dtype=DType.f32) -> TensorType:
 def _elementwise_cases(rng) -> list[Case]:
     cases = []
     for name in UNARY:
-        x = _data(rng, _shape(rng, int(rng.integers(1, 4))), positive=name in POSITIVE)
+        x = sample(rng, _shape(rng, int(rng.integers(1, 4))), positive=name in POSITIVE)
         cases.append(Case(name, [x], [_t(x.shape)]))
     for approx in ("none", "tanh"):
-        x = _data(rng, _shape(rng, 2))
+        x = sample(rng, _shape(rng, 2))
         cases.append(Case("gelu", [x], [_t(x.shape)], {"approximate": approx}))
-    x = _data(rng, _shape(rng, 3))
+    x = sample(rng, _shape(rng, 3))
     cases.append(Case("integer_pow", [x], [_t(x.shape)], {"exponent": int(rng.choice([2, 3]))}))
-    b = _data(rng, _shape(rng, 2), np.bool_)
+    b = sample(rng, _shape(rng, 2), np.bool_)
     cases.append(Case("logical_not", [b], [_t(b.shape, DType.bool)]))
     for name in ("isfinite", "isnan"):
-        x = _data(rng, _shape(rng, 2))
+        x = sample(rng, _shape(rng, 2))
         specials = np.array([np.nan, np.inf, -np.inf], np.float32)
         x.flat[::3] = specials[np.arange(len(x.flat[::3])) % 3]
         cases.append(Case(name, [x], [_t(x.shape, DType.bool)]))
@@ -401,7 +430,7 @@ def _elementwise_cases(rng) -> list[Case]:
                 np.bool_ if name in BITWISE else np.float32
             shapes = [_operand_shape(rng, out), _operand_shape(rng, out)]
             shapes[int(rng.integers(2))] = out    # one operand has the result's shape
-            xs = [_data(rng, s, dt, positive=name in POSITIVE) for s in shapes]
+            xs = [sample(rng, s, dt, positive=name in POSITIVE) for s in shapes]
             rdt = DType.bool if name in COMPARE else DTYPE_OF[np.dtype(dt)]
             attrs = {}
             if name in ("add", "sub") and rng.random() < 0.5:
@@ -415,11 +444,11 @@ def _elementwise_cases(rng) -> list[Case]:
             out = _shape(rng, int(rng.integers(1, 4)))
             shapes = [_operand_shape(rng, out) for _ in range(3)]
             shapes[int(rng.integers(3))] = out
-            xs = [_data(rng, s, positive=name in POSITIVE and i == 2)
+            xs = [sample(rng, s, positive=name in POSITIVE and i == 2)
                   for i, s in enumerate(shapes)]
             attrs = {}
             if name == "select":
-                xs[0] = _data(rng, shapes[0], np.bool_)
+                xs[0] = sample(rng, shapes[0], np.bool_)
             if name == "clamp":
                 xs[1], xs[2] = -np.abs(xs[1]), np.abs(xs[2])   # lo <= hi
             if name == "lerp":
@@ -431,10 +460,10 @@ def _elementwise_cases(rng) -> list[Case]:
                     xs.append(np.array(-1.5, np.float32))
             cases.append(Case(name, xs, [_t(out)], attrs, hyper=(3,)))
     for src, dst in ((np.float32, DType.i32), (np.int32, DType.f32), (np.float32, DType.f64)):
-        x = _data(rng, _shape(rng, 2), src)
+        x = sample(rng, _shape(rng, 2), src)
         cases.append(Case("convert", [x * 3 if src == np.float32 else x], [_t(x.shape, dst)],
                           {"dtype": dst.value}))
-    x = _data(rng, _shape(rng, 3))
+    x = sample(rng, _shape(rng, 3))
     cases.append(Case("bitcast", [x], [_t(x.shape, DType.i32)], {"dtype": "i32"}))
     return cases
 
@@ -457,7 +486,7 @@ def _reduce_cases(rng) -> list[Case]:
                 k = 1 if draw == 0 else int(rng.integers(1, rank + 1))
                 dims = tuple(sorted(int(d) for d in rng.choice(rank, k, replace=False)))
             keep = bool(rng.random() < 0.5)
-            x = _data(rng, shape, positive=name == "reduce_prod")
+            x = sample(rng, shape, positive=name == "reduce_prod")
             attrs = {"dims": dims, "keepdim": keep}
             dt = DType.f32
             if name == "norm":
@@ -466,7 +495,7 @@ def _reduce_cases(rng) -> list[Case]:
                 dt = DType.i64
             cases.append(Case(name, [x], [_t(_reduced(shape, dims, keep), dt)], attrs))
         # kept dims that split over 2 and 4, around a reduced one
-        x = _data(rng, (4, 6, 8), positive=name == "reduce_prod")
+        x = sample(rng, (4, 6, 8), positive=name == "reduce_prod")
         attrs = {"dims": (1,), "keepdim": False, **({"ord": 2.0} if name == "norm" else {})}
         dt = DType.i64 if name in ("argmax", "argmin") else DType.f32
         cases.append(Case(name, [x], [_t((4, 8), dt)], attrs))
@@ -490,8 +519,8 @@ def _dot_cases(rng) -> list[Case]:
             rkinds = [rkinds[i] for i in rng.permutation(len(rkinds))]
         size = {"b": b, "c": c}
 
-        lhs = _data(rng, tuple(lf[i] if k == "f" else size[k][i] for k, i in lkinds))
-        rhs = _data(rng, tuple(rf[i] if k == "f" else size[k][i] for k, i in rkinds))
+        lhs = sample(rng, tuple(lf[i] if k == "f" else size[k][i] for k, i in lkinds))
+        rhs = sample(rng, tuple(rf[i] if k == "f" else size[k][i] for k, i in rkinds))
         attrs = {"lhs_contract": tuple(lkinds.index(("c", i)) for i in range(nc)),
                  "rhs_contract": tuple(rkinds.index(("c", i)) for i in range(nc))}
         if nb:
@@ -508,9 +537,9 @@ def _layout_cases(rng) -> list[Case]:
     for _ in range(4):
         shape = _shape(rng, int(rng.integers(1, 5)))
         perm = tuple(int(p) for p in rng.permutation(len(shape)))
-        cases.append(Case("transpose", [_data(rng, shape)],
+        cases.append(Case("transpose", [sample(rng, shape)],
                           [_t(tuple(shape[p] for p in perm))], {"perm": perm}))
-    x = _data(rng, (2, 4, 8))       # a permutation that is not its own inverse
+    x = sample(rng, (2, 4, 8))       # a permutation that is not its own inverse
     cases.append(Case("transpose", [x], [_t((4, 8, 2))], {"perm": (1, 2, 0)}))
     B, S, D, H = 4, 8, 8, 2
     for src, dst in (((B, S, D), (B * S, D)),            # merge batch and sequence
@@ -521,13 +550,13 @@ def _layout_cases(rng) -> list[Case]:
                      ((2, 4, 6), (48,)),                  # flatten everything
                      ((8, 1, 4), (2, 4, 4)),              # split dim 0, drop a 1
                      ((4, 4), (4, 1, 4))):                # insert a 1
-        cases.append(Case("reshape", [_data(rng, src)], [_t(dst)]))
+        cases.append(Case("reshape", [sample(rng, src)], [_t(dst)]))
     for _ in range(4):
         out = _shape(rng, int(rng.integers(1, 4)))
         r = int(rng.integers(0, len(out) + 1))
         dims = tuple(sorted(int(d) for d in rng.choice(len(out), r, replace=False)))
         src = tuple(out[d] if rng.random() < 0.7 else 1 for d in dims)
-        cases.append(Case("broadcast_in_dim", [_data(rng, src)], [_t(out)], {"dims": dims}))
+        cases.append(Case("broadcast_in_dim", [sample(rng, src)], [_t(out)], {"dims": dims}))
     for _ in range(4):
         shape = _shape(rng, int(rng.integers(1, 4)))
         starts, limits, strides, out = [], [], [], []
@@ -547,13 +576,13 @@ def _layout_cases(rng) -> list[Case]:
             attrs["strides"] = tuple(strides)
         else:
             out = [e - a for a, e in zip(starts, limits)]
-        cases.append(Case("slice", [_data(rng, shape)], [_t(out)], attrs))
+        cases.append(Case("slice", [sample(rng, shape)], [_t(out)], attrs))
     for value in (0.0, 0.0, 1.5):
         shape = _shape(rng, int(rng.integers(1, 4)))
         low = tuple(int(rng.integers(0, 3)) if rng.random() < 0.5 else 0 for _ in shape)
         high = tuple(int(rng.integers(0, 3)) if rng.random() < 0.5 else 0 for _ in shape)
         out = tuple(s + a + b for s, a, b in zip(shape, low, high))
-        cases.append(Case("pad", [_data(rng, shape)], [_t(out)],
+        cases.append(Case("pad", [sample(rng, shape)], [_t(out)],
                           {"low": low, "high": high, "value": value}))
     for k in (2, 3, 2):
         base = _shape(rng, int(rng.integers(1, 4)))
@@ -562,11 +591,11 @@ def _layout_cases(rng) -> list[Case]:
         for _ in range(k):
             s = list(base)
             s[dim] = int(rng.integers(1, 4))
-            xs.append(_data(rng, s))
+            xs.append(sample(rng, s))
         out = list(base)
         out[dim] = sum(x.shape[dim] for x in xs)
         cases.append(Case("concat", xs, [_t(out)], {"dim": dim}))
-    xs = [_data(rng, (4, 2)), _data(rng, (4, 4))]   # every piece splits along dim 1 too
+    xs = [sample(rng, (4, 2)), sample(rng, (4, 4))]   # every piece splits along dim 1 too
     cases.append(Case("concat", xs, [_t((4, 6))], {"dim": 1}))
     return cases
 
@@ -575,21 +604,21 @@ def _index_cases(rng) -> list[Case]:
     cases = []
     for table_shape, ax, idx_shape in (((8, 4), 0, (2, 4)), ((8, 4), 0, ()), ((4, 8), 1, (4,)),
                                        ((2, 8, 4), 1, (4, 2)), ((4, 6, 2), 2, (3,))):
-        table = _data(rng, table_shape)
+        table = sample(rng, table_shape)
         idx = rng.integers(0, table_shape[ax], idx_shape).astype(np.int32)
         out = table_shape[:ax] + idx_shape + table_shape[ax + 1:]
         cases.append(Case("index_select", [table, idx], [_t(out)], {"axis": ax}))
-        upd = _data(rng, out)
-        base = _data(rng, table_shape)
+        upd = sample(rng, out)
+        base = sample(rng, table_shape)
         cases.append(Case("index_add", [base, idx.astype(np.int64), upd], [_t(table_shape)],
                           {"axis": ax}))
     for src_shape, dim, idx_shape in (((4, 8), 1, (4, 4)), ((8, 4), 0, (2, 4)),
                                       ((4, 6, 4), 1, (4, 3, 4)), ((4, 8), 1, (2, 4)),
                                       ((8,), 0, (4,)), ((4, 8), 1, (4, 8))):
-        src = _data(rng, src_shape)
+        src = sample(rng, src_shape)
         idx = rng.integers(0, src_shape[dim], idx_shape).astype(np.int64)
         cases.append(Case("gather", [src, idx], [_t(idx_shape)], {"dim": dim}))
-        cases.append(Case("scatter_add", [src, idx, _data(rng, idx_shape)], [_t(src_shape)],
+        cases.append(Case("scatter_add", [src, idx, sample(rng, idx_shape)], [_t(src_shape)],
                           {"dim": dim}))
     return cases
 
