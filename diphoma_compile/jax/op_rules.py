@@ -263,8 +263,8 @@ def _fills_zero(op: Op, operand: TensorType) -> bool:
     mode = str(_param(op, "mode", ""))
     if "FILL" not in mode.upper():
         return True
-    fill = op.attrs.get("fill_value")
-    return operand.dtype.is_float and (fill is None or fill == 0 or fill != fill)
+    fill = _param(op, "fill_value")
+    return operand.dtype.is_float and (fill is None or float(fill) == 0 or fill != fill)
 
 
 def _gather(op: Op, ins: Types, outs: Types) -> list[Strategy]:
