@@ -5,8 +5,10 @@ count what the primitive touches, and every strategy they list gives the whole r
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,9 +22,8 @@ import optax  # noqa: E402
 from jax import lax  # noqa: E402
 
 import diphoma_compile  # noqa: E402
-from diphoma_compile.ir import Attrs, Graph, Op, Shard  # noqa: E402
+from diphoma_compile.ir import Graph, Shard  # noqa: E402
 from diphoma_compile.ir.analysis import graph_cost  # noqa: E402
-from diphoma_compile.ir.framework_ops import framework_rule  # noqa: E402
 from diphoma_compile.ir.opdef import op_def  # noqa: E402
 from diphoma_compile.ir.strategies import strategies_of  # noqa: E402
 from diphoma_compile.jax import op_rules  # noqa: E402, F401 - the rules under test
@@ -78,19 +79,21 @@ def test_every_opaque_op_of_the_step_has_a_rule(name):
     g = diphoma_compile.trace(step, *args)
     opaque = {str(op.attrs["target"]) for op in g.walk() if op.name == "opaque"}
     assert opaque, "the step keeps no primitive opaque: the census checks nothing"
-    assert {t for t in opaque if framework_rule(Op("opaque", attrs=Attrs(target=t))) is None} \
-        == set()
-    assert graph_cost(g)[0].unknown == ()
+    # an opaque op without a rule has unknown flops: the cost names its target
+    assert sorted(set(graph_cost(g)[0].unknown)) == []
 
 
 def test_the_jax_framework_registers_the_rules():
     # a fresh process: loading the JAX framework is what registers them
-    code = ("from diphoma_compile.framework import get; get('jax'); "
+    code = ("from diphoma_compile.framework import get; "
             "from diphoma_compile.ir.framework_ops import FRAMEWORK_OPS as F; "
-            "print(sorted(t for t in F if t.startswith('jax:'))[:3])")
+            "before = 'jax:gather' in F; get('jax'); print(before, 'jax:gather' in F)")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get(
+        "PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout
-    assert "jax:abs" in out
+                         check=True, cwd=root, env=env).stdout
+    assert out.split() == ["False", "True"]
 
 
 # ---------------------------------------------------------------- costs
