@@ -312,11 +312,14 @@ def gather_scatter(op: Op, ins, outs) -> list[Strategy]:
 
 
 def constant(op: Op, ins, outs) -> list[Strategy]:
-    """A constant is built in any split where it is needed; zeros are also a partial sum."""
+    """A constant is built in any split where it is needed, except an iota along its own
+    dim (every device would count from 0, not from its offset); zeros are also a partial
+    sum."""
     out = outs[0]
+    counted = op.attrs.get("dim") if op.name == "iota" else None
     menu = [replicated(ins, outs)]
     menu += [Strategy(tuple(REPLICATE for _ in ins), (Shard(d),), "split")
-             for d in range(out.rank)]
+             for d in range(out.rank) if d != counted]
     if op.name == "full" and op.attrs.get("value") == 0:
         menu.append(Strategy((), (Partial("sum"),), "partial"))
     return menu

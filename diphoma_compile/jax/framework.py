@@ -14,6 +14,7 @@ from ..errors import FrontendError, MeshError
 from ..ir.analysis import runs_on_one_device
 from ..ir.core import Graph
 from ..mesh import Mesh
+from . import op_rules  # noqa: F401 - registers the rules of the primitives kept opaque
 from .roles import StepSignature, batch_rows, infer_batch_argnums, path_name
 
 

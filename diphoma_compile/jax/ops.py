@@ -109,6 +109,17 @@ def _broadcast(args: list, out: TensorType) -> list:
             lax.expand_dims(a, tuple(range(out.rank - np.ndim(a)))) for a in args]
 
 
+def _to_shape(a: Any, out: TensorType, scalar_ok: bool = False) -> Any:
+    """An operand broadcast to the result's shape, for primitives that take one shape only
+    (select_n's cases, clamp's operand); a 0-d operand stays 0-d where ``scalar_ok``. An
+    operand that has the shape already is passed as it is: the frontend's own equations
+    bind the very primitive they were read from."""
+    shape = tuple(np.shape(a))
+    if shape == out.shape or (scalar_ok and shape == ()):
+        return a
+    return lax.broadcast_in_dim(a, out.shape, tuple(range(out.rank - len(shape), out.rank)))
+
+
 def _nary(fn: Callable) -> Emitter:
     return lambda op, ins, outs: [fn(*_broadcast(list(ins), outs[0]))]
 
@@ -157,7 +168,9 @@ def _to_ir_select(e: EqnView, op: str) -> list[str] | None:
 
 
 def _to_lax_select(op: Op, ins: list, outs: Sequence[TensorType]) -> list:
-    p, a, b = _broadcast(list(ins), outs[0])
+    p, a, b = ins
+    p = _to_shape(p, outs[0], scalar_ok=True)
+    a, b = _to_shape(a, outs[0]), _to_shape(b, outs[0])
     return [lax.select_n(p, b, a)]  # select picks a where p; select_n picks case 1 where p
 
 
@@ -170,7 +183,8 @@ def _to_ir_clamp(e: EqnView, op: str) -> list[str] | None:
 
 def _to_lax_clamp(op: Op, ins: list, outs: Sequence[TensorType]) -> list:
     x, lo, hi = ins
-    return [lax.clamp(lo, x, hi)]
+    return [lax.clamp(_to_shape(lo, outs[0], scalar_ok=True), _to_shape(x, outs[0]),
+                      _to_shape(hi, outs[0], scalar_ok=True))]
 
 
 # ---------------------------------------------------------------- casts

@@ -271,14 +271,15 @@ def _emit_norm(b: _Builder, op: Op) -> fx.Node:
 
 
 def _emit_dot(b: _Builder, op: Op) -> fx.Node:
-    """mm or bmm, the two contractions the aten table maps."""
+    """mm or bmm, the two contractions the aten table maps (matrices, batches of them)."""
     a = op.attrs
     lhs, rhs = (b.node(i) for i in op.inputs)
+    ranks = tuple(b.g_types[i].rank for i in op.inputs)
     lb, rb = tuple(a.get("lhs_batch", ())), tuple(a.get("rhs_batch", ()))
     lc, rc = tuple(a["lhs_contract"]), tuple(a["rhs_contract"])
-    if not lb and lc == (1,) and rc == (0,):
+    if not lb and lc == (1,) and rc == (0,) and ranks == (2, 2):
         return b.call(emit_target("dot", "default"), [lhs, rhs])   # mm
-    if lb == rb == (0,) and lc == (2,) and rc == (1,):
+    if lb == rb == (0,) and lc == (2,) and rc == (1,) and ranks == (3, 3):
         return b.call(aten.bmm.default, [lhs, rhs])
     raise UnsupportedOpError(f"the torch backend has no lowering for dot with attributes "
                              f"{dict(a)}")

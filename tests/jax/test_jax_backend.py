@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 from tests.jax_steps import mlp_batch  # noqa: E402
 
-from diphoma_compile.jax.compile import compile_jax  # noqa: E402
+from diphoma_compile.jax.compile import compile_jax, graph_function  # noqa: E402
 from diphoma_compile.errors import BackendError  # noqa: E402
 from diphoma_compile.jax.trace import trace_jax  # noqa: E402
 from diphoma_compile.ir import parse, print_graph  # noqa: E402
@@ -186,6 +186,32 @@ def test_neutral_ops_from_other_frontends_run():
     s = jax.nn.gelu(np.maximum(x, 0) + 0.5 * w, approximate=True)
     np.testing.assert_allclose(loss, s.mean(1).sum(), rtol=1e-6)
     np.testing.assert_allclose(k, s.max(1, keepdims=True), rtol=1e-6)
+
+
+BROADCASTING = """
+graph @bcast (
+  %p: bool[2,1] batch,
+  %a: f32[3] batch,
+  %b: f32[] batch,
+  %lo: f32[1,3] batch,
+) {
+  %s: f32[2,3] = select(%p, %a, %b)
+  %c: f32[2,3] = clamp(%a, %lo, %b)
+  return (%s metric, %c metric)
+}
+"""
+
+
+def test_select_and_clamp_broadcast_their_operands():
+    # the IR's select and clamp broadcast like every elementwise op (the PyTorch frontend's
+    # where and clamp do); JAX's select_n and clamp take one shape (or a 0-d bound) only
+    p = np.array([[True], [False]])
+    a = np.array([-2.0, 0.5, 3.0], np.float32)
+    b = np.array(1.0, np.float32)
+    lo = np.array([[-1.0, 0.0, 1.0]], np.float32)
+    s, c = jax.jit(graph_function(parse(BROADCASTING)))(p, a, b, lo)
+    np.testing.assert_array_equal(s, np.where(p, a, b))
+    np.testing.assert_array_equal(c, np.minimum(np.maximum(np.broadcast_to(a, (2, 3)), lo), b))
 
 
 @pytest.mark.parametrize("text, words", [

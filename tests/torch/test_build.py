@@ -72,3 +72,17 @@ graph @g (%a: f32[4] param) {
 """)
     with pytest.raises(UnsupportedOpError, match="cannot run IR op 'erf'"):
         build_module(g)
+
+
+def test_dot_of_a_matrix_and_a_vector_has_no_lowering():
+    # mm takes two matrices: a contraction of the same dims with a vector is not mm
+    g = parse("""# diphoma-ir v1
+graph @g (%a: f32[4,3] param, %v: f32[3] param) {
+  %y: f32[4] = dot(%a, %v) {lhs_contract=[1], rhs_contract=[0]}
+  return (
+    %y other,
+  )
+}
+""")
+    with pytest.raises(UnsupportedOpError, match="no lowering for dot"):
+        build_module(g)
