@@ -16,7 +16,7 @@ from diphoma_compile.ir import Phase, verify
 from diphoma_compile.ir.propagate import apply_assignment, complete, op_candidates
 from diphoma_compile.ir.types import REPLICATE, Partial, Shard
 from diphoma_compile.mesh import Mesh
-from tests.jax_steps import DIM, LinenBlock
+from tests.jax_steps import DIM, LinenBlock, assert_runs_like_one_device, squares_step
 
 ATTN = "params/MultiHeadDotProductAttention_0/"
 MEGATRON = {ATTN + "query/kernel": Shard(1), ATTN + "key/kernel": Shard(1),
@@ -29,14 +29,8 @@ def _block_step(optimizer):
     block = LinenBlock()
     x = jnp.linspace(-1.0, 1.0, 2 * 8 * DIM).reshape(2, 8, DIM)
     params = block.init(jax.random.key(0), x)["params"]
-
-    def step(params, opt_state, x):
-        def loss_fn(p):
-            return jnp.mean(block.apply({"params": p}, x) ** 2)
-        loss, g = jax.value_and_grad(loss_fn)(params)
-        u, opt_state = optimizer.update(g, opt_state, params)
-        return optax.apply_updates(params, u), opt_state, loss
-    graph = diphoma_compile.trace(step, params, optimizer.init(params), x)
+    graph = diphoma_compile.trace(squares_step(block, optimizer), params,
+                                  optimizer.init(params), x)
     return graph.replace(mesh=Mesh({"tp": 2}))
 
 
@@ -122,9 +116,6 @@ def test_the_completed_megatron_block_runs_on_two_devices_like_one(optimizer):
     """The assignment is a program: the shard_map backend runs the completed graph on a
     tensor-parallel mesh of two devices, three steps, and loss, parameters and optimizer
     state match the single-device step."""
-    import numpy as np
-
-    from diphoma_compile.jax.parallel import compile_jax_parallel
     if jax.device_count() < 2:
         pytest.skip("needs two JAX devices")
     tx = optax.sgd(0.1, momentum=0.9) if optimizer == "sgd" else optax.adamw(1e-2)
@@ -133,26 +124,11 @@ def test_the_completed_megatron_block_runs_on_two_devices_like_one(optimizer):
     # steps turn their rounding noise into whole steps of lr
     x = jax.random.normal(jax.random.key(1), (2, 8, DIM))
     params = block.init(jax.random.key(0), x)["params"]
-
-    def step(params, opt_state, x):
-        def loss_fn(p):
-            return jnp.mean(block.apply({"params": p}, x) ** 2)
-        loss, g = jax.value_and_grad(loss_fn)(params)
-        u, opt_state = tx.update(g, opt_state, params)
-        return optax.apply_updates(params, u), opt_state, loss
+    step = squares_step(block, tx)
     graph = diphoma_compile.trace(step, params, tx.init(params), x).replace(
         mesh=Mesh({"tp": 2}))
     placed = apply_assignment(graph, complete(graph, "tp", MEGATRON))
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
-    run = compile_jax_parallel(placed, mesh=mesh, axis="tp")
-    ref_state = ours = (params, tx.init(params))
-    for i in range(3):
-        xi = x * (1.0 + 0.1 * i)
-        *ref_state, ref_loss = step(*ref_state, xi)
-        *ours, loss = run(*ours, xi)
-        np.testing.assert_allclose(np.asarray(loss), np.asarray(ref_loss), rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(ref_state), jax.tree.leaves(ours)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=2e-5)
+    ours = assert_runs_like_one_device(step, params, x, placed, tx, {"tp": 2}, "tp")
     # the Megatron weights are held split: each device has half of them
     q = ours[0]["MultiHeadDotProductAttention_0"]["query"]["kernel"]
     assert {s.data.shape for s in q.addressable_shards} == {(DIM, 1, 8)}

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 
@@ -15,52 +13,26 @@ import diphoma_compile
 from diphoma_compile.errors import DiphomaError
 from diphoma_compile.ir import verify
 from diphoma_compile.ir.opdef import op_def
-from diphoma_compile.jax.parallel import compile_jax_parallel
 from diphoma_compile.mesh import Mesh
 from diphoma_compile.passes import PassContext, Pipeline, TensorParallelRecord
 from diphoma_compile.passes.megatron import LayerPair
 from diphoma_compile.passes.tensor_parallel import collectives_by_phase
-from tests.jax_steps import DIM, LinenBlock
+from tests.jax_steps import DIM, LinenBlock, assert_runs_like_one_device, squares_step
 
 ATTN = "params/MultiHeadDotProductAttention_0/"
 AR2 = ["all_reduce", "all_reduce"]
 
 
-def _step(module, tx):
-    def step(params, opt_state, x):
-        def loss_fn(p):
-            return jnp.mean(module.apply({"params": p}, x) ** 2)
-        loss, g = jax.value_and_grad(loss_fn)(params)
-        u, opt_state = tx.update(g, opt_state, params)
-        return optax.apply_updates(params, u), opt_state, loss
-    return step
-
-
 def _plan(module, tx, mesh: dict, spec: str, batch: int = 2):
     x = jax.random.normal(jax.random.key(1), (batch, 8, DIM))
     params = module.init(jax.random.key(0), x)["params"]
-    step = _step(module, tx)
+    step = squares_step(module, tx)
     local = x[: batch // mesh.get("dp", 1)]
     graph = diphoma_compile.trace(step, params, tx.init(params), local)
     ctx = PassContext()
     placed = Pipeline.from_spec(spec).run(graph.replace(mesh=Mesh(mesh)), ctx)
     verify(placed)
     return step, params, x, placed, ctx.decision(TensorParallelRecord)
-
-
-def _run_against_single_device(step, params, x, placed, tx, mesh: dict, axis: str):
-    devices = np.array(jax.devices()[:int(np.prod(list(mesh.values())))])
-    jmesh = jax.sharding.Mesh(devices.reshape(tuple(mesh.values())), tuple(mesh))
-    run = compile_jax_parallel(placed, mesh=jmesh, axis=axis)
-    ref = ours = (params, tx.init(params))
-    for i in range(3):
-        xi = x * (1.0 + 0.1 * i)
-        *ref, ref_loss = step(*ref, xi)
-        *ours, loss = run(*ours, xi)
-        np.testing.assert_allclose(np.asarray(loss), np.asarray(ref_loss), rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(ours)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=2e-5)
-    return ours
 
 
 def _fwd_bytes(graph) -> dict[str, list[int]]:
@@ -110,7 +82,7 @@ def test_tensor_parallel_block_runs_on_two_devices_like_one(name):
     tx = optax.sgd(0.1, momentum=0.9) if name == "sgd-momentum" else optax.adamw(1e-2)
     step, params, x, placed, _ = _plan(LinenBlock(), tx, {"tp": 2},
                                        "tensor-parallel{axis=tp}")
-    ours = _run_against_single_device(step, params, x, placed, tx, {"tp": 2}, "tp")
+    ours = assert_runs_like_one_device(step, params, x, placed, tx, {"tp": 2}, "tp")
     q = ours[0]["MultiHeadDotProductAttention_0"]["query"]["kernel"]
     assert {s.data.shape for s in q.addressable_shards} == {(DIM, 1, 8)}
 
@@ -121,7 +93,7 @@ def test_sequence_parallel_block_runs_on_two_devices_like_one():
     tx = optax.adamw(1e-2)
     step, params, x, placed, _ = _plan(LinenBlock(), tx, {"tp": 2},
                                        "tensor-parallel{axis=tp, sequence=true}")
-    _run_against_single_device(step, params, x, placed, tx, {"tp": 2}, "tp")
+    assert_runs_like_one_device(step, params, x, placed, tx, {"tp": 2}, "tp")
 
 
 def test_dp_by_tp_with_weight_update_sharding_runs_like_one_device():
@@ -133,7 +105,7 @@ def test_dp_by_tp_with_weight_update_sharding_runs_like_one_device():
             "schedule-comm")
     step, params, x, placed, rec = _plan(LinenBlock(), tx, {"dp": 2, "tp": 2}, spec, batch=4)
     assert collectives_by_phase(rec) == {"forward": AR2, "backward": AR2}
-    ours = _run_against_single_device(step, params, x, placed, tx, {"dp": 2, "tp": 2}, "dp")
+    ours = assert_runs_like_one_device(step, params, x, placed, tx, {"dp": 2, "tp": 2}, "dp")
     # the Megatron kernel is split over tp; its Adam moments also over dp (a free dim)
     mu = ours[1][0].mu["Dense_0"]["kernel"]
     assert {s.data.shape for s in mu.addressable_shards} == {(DIM // 2, 2 * DIM // 2)}
@@ -150,7 +122,7 @@ def test_heads_that_do_not_divide_split_the_head_dimension_instead():
     splits = dict(rec.splits)
     assert ATTN + "query/kernel" not in splits and ATTN + "key/kernel" not in splits
     assert splits[ATTN + "value/kernel"] == "S(2)" and splits[ATTN + "out/kernel"] == "S(1)"
-    _run_against_single_device(step, params, x, placed, tx, {"tp": 4}, "tp")
+    assert_runs_like_one_device(step, params, x, placed, tx, {"tp": 4}, "tp")
 
 
 class _Linear(nn.Module):
