@@ -27,10 +27,11 @@ from .errors import DiphomaError
 from .framework import Framework
 from .ir.analysis import runs_on_one_device
 from .ir.core import Graph, InputKind
-from .mesh import Mesh, data_axis
+from .mesh import Mesh, data_axis, tensor_axis
 from .passes.base import PassContext
 from .passes.defaults import default_passes
 from .passes.pipeline import Pipeline
+from .passes.tensor_parallel import TensorParallelRecord
 from .report.compute import DEFAULT_DEVICE_MODEL
 from .report.plan import Plan, build_plan
 
@@ -169,21 +170,31 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
     the framework and the model's gradient bytes), and its plan, with the step time
     estimated on ``device_model`` (a name in ``ir.device_model.MODELS``).
 
-    On a data axis of one device the default pipeline is empty: there is nothing to split
-    or to exchange, and the single-device program is what runs (any rewrite, even a bucket
-    of collectives over one device, changes how XLA fuses the step and its last bits)."""
+    The default pipeline is tensor parallelism over the mesh's tensor axis (named tp,
+    tensor or model) when it has more than one device, then data parallelism with
+    weight-update sharding over the data axis when that has more than one. On a mesh of
+    one device it is empty: there is nothing to split or to exchange, and the
+    single-device program is what runs (any rewrite, even a bucket of collectives over one
+    device, changes how XLA fuses the step and its last bits)."""
     graph = graph.replace(mesh=mesh)
     grad_bytes = sum(i.value.type.nbytes for i in graph.inputs
                      if i.role.kind is InputKind.param)
+    tp = tensor_axis(mesh)
     if passes is not None:
         spec = passes
-    elif mesh.axis_size(axis) == 1:
-        spec = ""
     else:
-        spec = default_passes(axis, grad_bytes, layout=fw.update_layout)
+        parts = []
+        if tp is not None and tp != axis and mesh.axis_size(tp) > 1:
+            parts.append(f"dce,tensor-parallel{{axis={tp}}}")
+        if mesh.axis_size(axis) > 1:
+            parts.append(default_passes(axis, grad_bytes, layout=fw.update_layout))
+        spec = ",".join(parts)
     if spec:
         graph = Pipeline.from_spec(spec).run(graph, ctx)
     backend = fw.backend
+    if not fw.runs_tensor_parallel and ctx.decision(TensorParallelRecord) is not None:
+        backend += (f"; {fw.name} cannot run this plan yet: its runtime holds no tensors "
+                    "split over a tensor-parallel axis (plan only)")
     if runs_on_one_device(graph):
         backend = (f"the single-device program, as compile() runs it: the mesh has one "
                    f"device ({fw.name})")
@@ -194,8 +205,10 @@ def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
                 axis: str | None = None,
                 batch_argnums: int | Iterable[int] | None = None) -> ParallelStep:
     """``step_fn`` as a distributed step over ``mesh`` (a diphoma Mesh, a dict of axis
-    sizes, a torch DeviceMesh or a jax.sharding.Mesh). By default: data parallelism over
-    the data axis with cross-replica weight-update sharding; ``passes`` overrides the
+    sizes, a torch DeviceMesh or a jax.sharding.Mesh). By default: tensor parallelism
+    (Megatron's layer pairs) over an axis named tp, tensor or model, and data parallelism
+    over the data axis with cross-replica weight-update sharding (``{"dp": 2, "tp": 4}``;
+    ``{"dp": 1, "tp": 4}`` for tensor parallelism alone); ``passes`` overrides the
     pipeline, ``axis`` names the data axis when the mesh has several.
 
     ``batch_argnums`` (JAX) names the step's batch arguments, which are split over the

@@ -93,6 +93,16 @@ class Mesh:
 
 
 DATA_AXIS_NAMES = ("dp", "data", "batch")
+TENSOR_AXIS_NAMES = ("tp", "tensor", "model")
+
+
+def tensor_axis(mesh: Mesh) -> str | None:
+    """The mesh axis layers are split over (tensor parallelism): one named tp, tensor or
+    model, if the mesh has one."""
+    for n in TENSOR_AXIS_NAMES:
+        if n in mesh.names:
+            return n
+    return None
 
 
 def data_axis(mesh: Mesh, axis: str | None) -> str:
@@ -105,6 +115,11 @@ def data_axis(mesh: Mesh, axis: str | None) -> str:
                             f"{', '.join(names) or 'no axes'})",
                             hint="name one of the mesh's axes, or build the mesh with it")
         return axis
+    if len(names) == 1 and names[0] in TENSOR_AXIS_NAMES:
+        raise MeshError(f"the mesh has only the tensor-parallel axis {names[0]!r}: no axis "
+                        "to split the batch over",
+                        hint=f"add a data axis of size 1, e.g. {{'dp': 1, '{names[0]}': "
+                             f"{mesh.axis_size(names[0])}}}")
     if len(names) == 1:
         return names[0]
     for n in DATA_AXIS_NAMES:

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import DiphomaError, MeshError
-from ..mesh import DATA_AXIS_NAMES, Mesh, data_axis
+from ..mesh import DATA_AXIS_NAMES, TENSOR_AXIS_NAMES, Mesh, data_axis
 
 # accepted spellings -> canonical numpy-style name (torch and jax both know these)
 DTYPES = {
@@ -96,6 +96,11 @@ def inspect_axis(mesh: Mesh, axis: str | None) -> str:
     Stricter than ``data_axis`` for a mesh of one axis: data parallelism is the only pass
     that partitions, so an axis called tp, say, would otherwise be planned as a data axis
     without a word. Other axes of a mesh of several stay in the plan, reported as idle."""
+    if axis is None and len(mesh.names) == 1 and mesh.names[0] in TENSOR_AXIS_NAMES:
+        name, size = mesh.axes[0]
+        raise MeshError(f"--mesh {name}={size}: tensor parallelism needs a data axis beside "
+                        "it (each device of the tp axis gets the same batch)",
+                        hint=f"give it a data axis of size 1: --mesh dp=1,{name}={size}")
     if axis is None and len(mesh.names) == 1 and mesh.names[0] not in DATA_AXIS_NAMES:
         name, size = mesh.axes[0]
         raise MeshError(f"--mesh {name}={size}: no pass partitions over axis {name!r} yet "

@@ -10,8 +10,12 @@ from typing import TYPE_CHECKING
 from ..passes.comm_fusion import CommFusionRecord
 from ..passes.data_parallel import DataParallelRecord
 from ..passes.schedule_comm import ScheduleCommRecord
+from ..passes.tensor_parallel import TensorParallelRecord
 from ..passes.weight_update_sharding import WeightUpdateShardingRecord
 from .units import flops_text, human, seconds_text
+
+# collectives that move no data: each device computes its piece locally
+LOCAL = ("take_shard", "as_partial")
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -47,7 +51,7 @@ def _count(n: int) -> str:
 def _summary(plan: Plan) -> list[str]:
     m = plan.memory
     mesh = ", ".join(f"{a}={n}" for a, n in plan.mesh.items()) or "one device"
-    moved = [c for c in plan.collectives if c.kind != "take_shard"]
+    moved = [c for c in plan.collectives if c.kind not in LOCAL]
     kinds = Counter(c.kind for c in moved)
     ctx = plan.context
     lines = [f"plan for @{plan.graph} on mesh {mesh}"]
@@ -110,20 +114,42 @@ def render(plan: Plan, max_rows: int = 60) -> str:
     lines += _table(_fold(rows, max_rows), ["name", "role", "type", "placement",
                                             "bytes/device"])
     lines += ["", "collectives (bytes/device: what one device sends per step):"]
-    moved = [c for c in plan.collectives if c.kind != "take_shard"]
+    moved = [c for c in plan.collectives if c.kind not in LOCAL]
     crow = [[c.kind, c.axis, c.reduction or "", c.serves or c.tensor, c.tensor,
              human(c.bytes_per_device)] for c in moved]
     lines += _table(_fold_collectives(crow, max_rows),
                     ["kind", "axis", "op", "for", "tensor", "bytes/device"]) \
         if crow else ["  none"]
-    local = len(plan.collectives) - len(moved)
-    if local:
-        lines += [f"  and {local} take_shard (each device keeps its own piece of a whole "
-                  "tensor: no traffic)"]
+    local = Counter(c.kind for c in plan.collectives if c.kind in LOCAL)
+    if local.get("take_shard"):
+        lines += [f"  and {local['take_shard']} take_shard (each device keeps its own piece "
+                  "of a whole tensor: no traffic)"]
+    if local.get("as_partial"):
+        lines += [f"  and {local['as_partial']} as_partial (a whole tensor kept on one device "
+                  "to be summed, as a row layer's bias: no traffic)"]
+    lines += _tensor_parallel_lines(plan.decision(TensorParallelRecord))
     lines += _update_lines(plan.decision(WeightUpdateShardingRecord))
     lines += _data_parallel_lines(plan.decision(DataParallelRecord))
     lines += _comm_lines(plan)
     return "\n".join(lines) + "\n"
+
+
+def _tensor_parallel_lines(tp: TensorParallelRecord | None) -> list[str]:
+    """The layer pairs tensor-parallel split, and its collectives by phase."""
+    if tp is None:
+        return []
+    lines = ["", f"tensor parallel over {tp.axis}={tp.size}: {len(tp.pairs)} layer pair(s), "
+                 "column layers split by output features, row layers by input features"]
+    for p in tp.pairs:
+        lines.append(f"  {', '.join(p.column)} -> {p.row}")
+    by_phase: dict[str, dict[str, int]] = {}
+    for phase, kind, _ in tp.collectives:
+        by_phase.setdefault(phase, {}).setdefault(kind, 0)
+        by_phase[phase][kind] += 1
+    counts = "; ".join(f"{phase}: " + ", ".join(f"{k} x{n}" for k, n in sorted(c.items()))
+                       for phase, c in by_phase.items()) or "none"
+    lines.append(f"  its collectives: {counts}")
+    return lines
 
 
 def _update_lines(wus: WeightUpdateShardingRecord | None) -> list[str]:

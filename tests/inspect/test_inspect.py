@@ -233,10 +233,14 @@ def test_by_default_only_the_final_graph_is_checked(capsys, monkeypatch):
     ([str(MODELS / "pkgmodel" / "models" / "modeling_tiny.py:TinyLM"), "--input",
       "int64[8,16]<64"], ["TinyLM(config: pkgmodel.config.TinyConfig) needs arguments",
                           "--init 'TinyLM(TinyConfig())'"]),
-    # no pass partitions over an axis called tp: not data parallelism under another name
+    # a tensor axis alone: not data parallelism under another name, and no batch axis
     ([str(MODELS / "several.py:Small"), "--input", "f32[8,16]", "--mesh", "tp=4"],
-     ["--mesh tp=4: no pass partitions over axis 'tp' yet",
-      "name it dp (--mesh dp=4), or pass --axis tp to split the batch over it"]),
+     ["--mesh tp=4: tensor parallelism needs a data axis beside it",
+      "--mesh dp=1,tp=4"]),
+    # no pass partitions over an axis called pp yet
+    ([str(MODELS / "several.py:Small"), "--input", "f32[8,16]", "--mesh", "pp=4"],
+     ["--mesh pp=4: no pass partitions over axis 'pp' yet",
+      "name it dp (--mesh dp=4), or pass --axis pp to split the batch over it"]),
     ([str(MODELS / "several.py:Small"), "--input", "f32[8,16]", "--mesh", "a=2,b=2"],
      ["cannot tell which of the mesh axes a, b is the data axis", "pass --axis NAME"]),
     ([str(MODELS / "loose" / "relative.py")],
@@ -270,16 +274,31 @@ def test_nothing_needs_memory_or_devices_for_a_wide_mesh(capsys):
 
 
 def test_a_mesh_axis_no_pass_uses_is_reported_as_idle(capsys):
-    """tp=2 before any pass partitions over it: the plan says so instead of staying silent."""
+    """pp=2 before any pass partitions over it: the plan says so instead of staying silent."""
     argv = [GPT, "--init", ONE_LAYER, "--input", "int64[8,16]<64", "--input", "int64[8,16]<64"]
-    rc, out, _ = inspect(capsys, *argv, "--mesh", "dp=4,tp=2")
+    rc, out, _ = inspect(capsys, *argv, "--mesh", "dp=4,pp=2")
     assert rc == 0
-    assert "unused mesh axes: tp=2: no pass in this pipeline partitions over them" in out
-    p = plan_json(capsys, *argv, "--mesh", "dp=4,tp=2")
-    assert p["notes"]["idle_axes"] == {"tp": 2}
+    assert "unused mesh axes: pp=2: no pass in this pipeline partitions over them" in out
+    p = plan_json(capsys, *argv, "--mesh", "dp=4,pp=2")
+    assert p["notes"]["idle_axes"] == {"pp": 2}
     single = plan_json(capsys, *argv, "--mesh", "dp=4")
     assert "idle_axes" not in single["notes"]
     assert p["memory"] == single["memory"]       # the same work on each tp device
+
+
+def test_a_tensor_axis_plans_megatrons_pairs(capsys):
+    """dp=2,tp=2: the MLPs' layer pairs split over tp (the fused query/key/value projection
+    is not a pair the dataflow can split by heads), two all-reduces per pair and step."""
+    argv = [GPT, "--init", ONE_LAYER, "--input", "int64[8,16]<64", "--input", "int64[8,16]<64"]
+    p = plan_json(capsys, *argv, "--mesh", "dp=2,tp=2")
+    tp = p["notes"]["tensor-parallel"]
+    assert tp["pairs"] == [{"column": ["transformer.h.0.mlp.c_fc.weight"],
+                            "row": "transformer.h.0.mlp.c_proj.weight"}]
+    assert [c["kind"] for c in tp["collectives"]] == ["all_reduce"] * 2
+    assert "idle_axes" not in p["notes"]
+    rc, out, _ = inspect(capsys, *argv, "--mesh", "dp=2,tp=2")
+    assert "tensor parallel over tp=2: 1 layer pair(s)" in out
+    assert "torch cannot run this plan yet" in out
 
 
 def test_a_single_axis_not_named_for_data_needs_axis(capsys):

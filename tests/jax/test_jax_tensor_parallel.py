@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
+import numpy as np
 import optax
 import pytest
 
@@ -134,3 +135,56 @@ class _Linear(nn.Module):
 def test_a_model_with_no_layer_pair_is_a_clear_error():
     with pytest.raises(DiphomaError, match="no column/row layer pair"):
         _plan(_Linear(), optax.sgd(0.1), {"tp": 2}, "tensor-parallel{axis=tp}")
+
+
+class _Stack(nn.Module):
+    """Two pre-norm transformer blocks with four heads (a flax transformer without its
+    embedding: continuous inputs)."""
+
+    width: int = 32
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(2):
+            h = nn.LayerNorm()(x)
+            x = x + nn.MultiHeadDotProductAttention(num_heads=4, use_bias=False)(h)
+            h = nn.Dense(4 * self.width)(nn.LayerNorm()(x))
+            x = x + nn.Dense(self.width)(nn.gelu(h))
+        return x
+
+
+@pytest.mark.parametrize("name", ["sgd-momentum", "adamw"])
+def test_parallelize_dp2_tp4_matches_one_device_and_holds_a_third_of_the_model(name):
+    """The public API on eight devices: the default pipeline splits the layer pairs over tp
+    and the batch over dp; three steps match the single-device step, and each device holds
+    at most 0.40 of the parameters."""
+    if jax.device_count() != 8:
+        pytest.skip("needs exactly eight JAX devices")
+    tx = optax.sgd(0.1, momentum=0.9) if name == "sgd-momentum" else optax.adamw(1e-2)
+    model = _Stack()
+    x = jax.random.normal(jax.random.key(1), (4, 8, 32))
+    params = model.init(jax.random.key(0), x)["params"]
+    step = squares_step(model, tx)
+    par = diphoma_compile.parallelize(step, {"dp": 2, "tp": 4})
+    ref = ours = (params, tx.init(params))
+    for i in range(3):
+        xi = x * (1.0 + 0.1 * i)
+        *ref, ref_loss = step(*ref, xi)
+        *ours, loss = par(*ours, xi)
+        np.testing.assert_allclose(np.asarray(loss), np.asarray(ref_loss), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(ours)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=2e-5)
+    rec = par.plan.decision(TensorParallelRecord)
+    assert len(rec.pairs) == 4 and collectives_by_phase(rec)["forward"] == ["all_reduce"] * 4
+    dev = jax.devices()[0]
+    held = sum(s.data.nbytes for leaf in jax.tree.leaves(ours[0])
+               for s in leaf.addressable_shards if s.device == dev)
+    whole = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    assert held / whole <= 0.40, held / whole
+
+
+def test_a_mesh_with_only_a_tensor_axis_asks_for_a_data_axis():
+    from diphoma_compile.errors import MeshError
+    with pytest.raises(MeshError, match="only the tensor-parallel axis 'tp'") as e:
+        diphoma_compile.parallelize(lambda *a: a, {"tp": 8})
+    assert "{'dp': 1, 'tp': 8}" in e.value.hint

@@ -109,3 +109,18 @@ def test_tensor_parallel_pass_finds_the_pairs_of_a_pytorch_block():
     assert {p: s for p, s in rec.splits} == {**{k: str(v) for k, v in MEGATRON.items()}}
     assert collectives_by_phase(rec) == {"forward": ["all_reduce"] * 2,
                                          "backward": ["all_reduce"] * 2}
+
+
+def test_torch_plans_tensor_parallelism_but_refuses_to_run_it():
+    """The plan is made (and says torch cannot run it); running it is a clear error, not a
+    per-rank program that would hold whole weights where the plan split them."""
+    from diphoma_compile.errors import BackendError
+    torch.manual_seed(0)
+    model = Block()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    par = diphoma_compile.parallelize(step, {"dp": 1, "tp": 2})
+    par.trace(model, opt, torch.randn(2, 8, 16))
+    assert "torch cannot run this plan yet" in par.plan.backend
+    assert "tensor parallel over tp=2: 2 layer pair(s)" in par.plan.to_text()
+    with pytest.raises(BackendError, match="splits tensors over tp"):
+        par(model, opt, torch.randn(2, 8, 16))
