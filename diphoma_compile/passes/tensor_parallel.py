@@ -24,7 +24,7 @@ from ..ir.opdef import is_view
 from ..ir.propagate import apply_assignment, complete
 from .base import Pass, PassContext, PassFailure, register_pass
 from .data_parallel import require_axis
-from .megatron import LayerPair, find_pairs
+from .megatron import LayerPair, find_pairs, undivided
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,8 @@ class TensorParallelRecord:
     splits: tuple[tuple[str, str], ...]          # parameter -> placement, for every split one
     collectives: tuple[tuple[str, str, str], ...]   # (phase, collective, value)
     solve_seconds: float
+    # weights a pair would split but for the axis size: (param, shape, the dim it would split)
+    undivided: tuple[tuple[str, tuple[int, ...], int], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's ``notes["tensor-parallel"]``."""
@@ -45,7 +47,9 @@ class TensorParallelRecord:
                 "splits": dict(self.splits),
                 "collectives": [{"phase": ph, "kind": k, "value": v}
                                 for ph, k, v in self.collectives],
-                "solve_seconds": round(self.solve_seconds, 3)}
+                "solve_seconds": round(self.solve_seconds, 3),
+                "undivided": [{"param": p, "shape": list(shape), "dim": d}
+                              for p, shape, d in self.undivided]}
 
 
 @register_pass
@@ -61,12 +65,16 @@ class TensorParallel(Pass):
     def __call__(self, graph: Graph, ctx: PassContext) -> Graph:
         n = require_axis(graph, self.axis, self.name)
         pairs, seeds = find_pairs(graph, n)
+        whole = tuple(undivided(graph, n))
         if not pairs:
+            sizes = "; ".join(f"{p} {list(shape)}: dim {d} ({shape[d]}) does not divide "
+                              f"{n}" for p, shape, d in whole[:4])
             raise PassFailure(
-                f"{self.name}: no column/row layer pair to split over {self.axis}={n}",
+                f"{self.name}: no column/row layer pair to split over {self.axis}={n}"
+                + (f" ({sizes})" if sizes else ""),
                 hint="tensor parallelism splits matmul pairs (an MLP, attention's "
-                     "projections) whose sizes the axis divides; check the heads and hidden "
-                     "sizes, or drop the axis")
+                     "projections) on dimensions the axis divides: make the heads and hidden "
+                     "sizes multiples of it, use a smaller axis, or drop it")
         params = [i.name for i in graph.inputs
                   if i.role.kind is InputKind.param and i.name not in seeds]
         model = device_model(self.device_model)
@@ -89,7 +97,7 @@ class TensorParallel(Pass):
                        and graph.ops[r.op_index].phase else "output", r.collective, r.value)
                       for r in a.collectives())
         ctx.decisions[self.name] = TensorParallelRecord(self.axis, n, tuple(pairs), splits,
-                                                        moved, seconds)
+                                                        moved, seconds, whole)
         return out
 
 

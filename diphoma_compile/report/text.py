@@ -149,6 +149,9 @@ def _tensor_parallel_lines(tp: TensorParallelRecord | None) -> list[str]:
     counts = "; ".join(f"{phase}: " + ", ".join(f"{k} x{n}" for k, n in sorted(c.items()))
                        for phase, c in by_phase.items()) or "none"
     lines.append(f"  its collectives: {counts}")
+    for p, shape, d in tp.undivided:
+        lines.append(f"  kept whole: {p} {list(shape)}: dim {d} ({shape[d]}) does not divide "
+                     f"{tp.size}")
     return lines
 
 

@@ -123,6 +123,9 @@ def test_heads_that_do_not_divide_split_the_head_dimension_instead():
     splits = dict(rec.splits)
     assert ATTN + "query/kernel" not in splits and ATTN + "key/kernel" not in splits
     assert splits[ATTN + "value/kernel"] == "S(2)" and splits[ATTN + "out/kernel"] == "S(1)"
+    # the plan says why: the heads dim (2) does not divide 4
+    assert {(p, d) for p, _, d in rec.undivided} >= {(ATTN + "query/kernel", 1),
+                                                      (ATTN + "key/kernel", 1)}
     assert_runs_like_one_device(step, params, x, placed, tx, {"tp": 4}, "tp")
 
 
@@ -130,6 +133,22 @@ class _Linear(nn.Module):
     @nn.compact
     def __call__(self, x):
         return nn.Dense(DIM)(x)
+
+
+class _OddMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(DIM)(nn.gelu(nn.Dense(30)(x)))
+
+
+def test_a_hidden_size_that_does_not_divide_names_the_tensors_and_sizes():
+    with pytest.raises(DiphomaError, match=r"no column/row layer pair to split over tp=4 "
+                                           r"\(params/Dense_\d/kernel \[\d+, \d+\]: dim \d "
+                                           r"\(30\) does not divide 4"):
+        _plan(_OddMLP(), optax.sgd(0.1), {"tp": 4}, "tensor-parallel{axis=tp}")
+    # over two devices the pair splits
+    *_, rec = _plan(_OddMLP(), optax.sgd(0.1), {"tp": 2}, "tensor-parallel{axis=tp}")
+    assert len(rec.pairs) == 1 and rec.undivided == ()
 
 
 def test_a_model_with_no_layer_pair_is_a_clear_error():
