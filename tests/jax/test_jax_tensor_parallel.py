@@ -199,6 +199,7 @@ def test_parallelize_dp2_tp4_matches_one_device_and_holds_a_third_of_the_model(n
     held = sum(s.data.nbytes for leaf in jax.tree.leaves(ours[0])
                for s in leaf.addressable_shards if s.device == dev)
     whole = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    print(f"parameters held per device: {held / whole:.3f} of the model")
     assert held / whole <= 0.40, held / whole
 
 
