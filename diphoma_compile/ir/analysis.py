@@ -195,3 +195,54 @@ def runs_on_one_device(graph: Graph) -> bool:
     it has no collective (a runner then needs no process group, no shard_map)."""
     return graph.mesh.size == 1 and not any(
         op_def(op.name).category is Category.collective for op in graph.walk())
+
+
+@dataclass(frozen=True)
+class Peak:
+    """The most bytes one device holds while a step runs: the graph's inputs (held by the
+    caller throughout) plus the values live at the busiest op, views counted at their base."""
+
+    bytes: int
+    index: int          # the top-level op at the peak (-1: the inputs alone)
+    inputs_bytes: int   # what the inputs hold (the memory at rest, before the step)
+
+
+def peak_memory(graph: Graph) -> Peak:
+    """Liveness over the program as it runs, per device: each value that owns storage lives
+    from the op that makes it to its last use (through any view of it), or to the end when
+    the step returns it; inputs live throughout; views own nothing."""
+    from .opdef import is_view
+    sizes = dict(graph.mesh.axes)
+    inputs = sum(i.value.type.local_nbytes(sizes) for i in graph.inputs)
+    input_names = {i.name for i in graph.inputs}
+    base: dict[str, str] = {}
+    born: dict[str, int] = {}
+    size: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for k, op in enumerate(graph.ops):
+        view = is_view(op) and bool(op.inputs)
+        for n in free_inputs(op):
+            b = base.get(n, n)
+            last[b] = k
+        for v in op.results:
+            if view:
+                base[v.name] = base.get(op.inputs[0], op.inputs[0])
+            else:
+                born[v.name] = k
+                size[v.name] = v.type.local_nbytes(sizes)
+                last.setdefault(v.name, k)
+    end = len(graph.ops)
+    for o in graph.outputs:
+        last[base.get(o.name, o.name)] = end
+    delta = [0] * (end + 2)
+    for name, k in born.items():
+        if name in input_names:
+            continue
+        delta[k] += size[name]
+        delta[min(max(last.get(name, k), k), end - 1) + 1] -= size[name]
+    running, best, at = 0, 0, -1
+    for k in range(end):
+        running += delta[k]
+        if running > best:
+            best, at = running, k
+    return Peak(inputs + best, at, inputs)

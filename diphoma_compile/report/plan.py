@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
-from ..ir.analysis import free_inputs, producers
+from ..ir.analysis import free_inputs, peak_memory, producers
 from ..ir.core import Graph, InputKind, Op, OutputKind, Phase
 from ..ir.device_model import DeviceModel
 from ..ir.ops import Category, is_view, op_def
@@ -21,7 +21,7 @@ from .compute import DEFAULT_DEVICE_MODEL, Compute, estimate_compute
 from .text import render as render_text
 from .text import summary as summary_text
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 _ROLES = (InputKind.param, InputKind.opt_state, InputKind.batch, InputKind.buffer)
 _D = TypeVar("_D")
 
@@ -78,6 +78,10 @@ class Memory:
     # an estimate: forward values that backward reads (views counted once, at their base)
     activations: int = 0
     single_device_activations: int = 0
+    # the most one device holds while the step runs: its inputs (held throughout) plus the
+    # values live at the busiest op, by liveness over the program (analysis.peak_memory)
+    peak: int = 0
+    peak_at: str = ""          # the op at the peak: "#k name (phase)"
 
 
 @dataclass(frozen=True)
@@ -334,8 +338,14 @@ def _memory(graph: Graph, sizes: dict[str, int], grads: dict[str, str],
     if not grads:   # an untransformed step: a gradient per trainable parameter
         g_local = g_whole = per["param"]
     act_local, act_whole = saved_activations(graph, sizes, types)
+    peak = peak_memory(graph)
+    at = ""
+    if peak.index >= 0:
+        op = graph.ops[peak.index]
+        name = op.attrs.get("target", op.name) if op.name == "opaque" else op.name
+        at = f"#{peak.index} {name}" + (f" ({op.phase.value})" if op.phase else "")
     return Memory(per["param"], g_local, per["opt_state"], whole["param"], g_whole,
-                  whole["opt_state"], act_local, act_whole)
+                  whole["opt_state"], act_local, act_whole, peak.bytes, at)
 
 
 def saved_activations(graph: Graph, sizes: dict[str, int],

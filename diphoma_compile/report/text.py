@@ -71,6 +71,8 @@ def _summary(plan: Plan) -> list[str]:
         f"{_ratio(m.activations, m.single_device_activations)}"
         "  (estimate: forward values kept for backward)",
         f"  total            {human(m.params + m.grads + m.opt_state + m.activations)}",
+        f"  peak             {human(m.peak)} while the step runs (liveness over the program: "
+        f"what the step holds plus the values live at its busiest op, {m.peak_at or 'none'})",
         f"communication per step per device: {human(plan.comm_bytes_per_step)} in "
         f"{sum(kinds.values())} collectives"
         + (" (" + ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) + ")"

@@ -150,7 +150,7 @@ def test_golden_text_and_json_reports(capsys, golden):
     assert rc == 0, err
     golden("inspect_gpt.json", js)
     data = json.loads(js)
-    assert data["schema"] == 2
+    assert data["schema"] == 3
     # the text groups the two layers; the JSON lists every tensor
     assert "transformer.h.#.attn.c_attn.weight (x2)" in text
     assert {"transformer.h.0.attn.c_attn.weight", "transformer.h.1.attn.c_attn.weight"} <= \

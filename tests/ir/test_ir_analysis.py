@@ -331,3 +331,23 @@ def test_comm_bytes_scale_with_axis_size(n: int) -> None:
     assert rs == ag == int((n - 1) / n * padded)
     if padded == 1024:
         assert ar == pytest.approx(rs + ag, abs=1)  # all_reduce = reduce_scatter + all_gather
+
+
+def test_peak_memory_counts_views_at_their_base_and_holds_inputs_throughout():
+    from diphoma_compile.ir.analysis import peak_memory
+    g = parse("""# diphoma-ir v1
+graph @p (%x: f32[10] batch) {
+  %a: f32[10] = neg(%x)
+  %v: f32[2,5] = reshape(%a)
+  %b: f32[10] = exp(%x)
+  %w: f32[10] = reshape(%v)
+  %c: f32[10] = add(%w, %b)
+  %d: f32[] = reduce_sum(%c) {dims=[0]}
+  return (%d other)
+}
+""")
+    p = peak_memory(g)
+    # %a (40 B, alive through its views until %c) + %b (40) + %c (40) at the add, with the
+    # input's 40 held throughout; the reshapes own nothing
+    assert p.inputs_bytes == 40
+    assert p.bytes == 40 + 120 and g.ops[p.index].name == "add"

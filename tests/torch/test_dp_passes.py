@@ -138,7 +138,7 @@ def test_plan_text_and_json_agree():
     g, ctx = run(traced("adamw"), default_passes("dp", layout="flat"))
     plan = build_plan(g, ctx.decisions)
     text, data = plan.to_text(), plan.to_dict()
-    assert data["schema"] == 2 and data["mesh"] == {"dp": N}
+    assert data["schema"] == 3 and data["mesh"] == {"dp": N}
     assert len(data["collectives"]) == len(plan.collectives)
     assert "optimizer state" in text and "reduce_scatter" in text
     assert "gradient of fc1.weight" in text and "new value of fc1.weight" in text
