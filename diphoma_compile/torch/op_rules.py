@@ -279,14 +279,20 @@ def _listed(c: _Call, name: str, shift_from: int | None) -> list:
     out = c.outs[0]
     dim = _dim(c["dim"], out.rank)
     menu = []
+    # cat skips empty 1-d operands whatever the others' rank (an empty cache in a key/value
+    # concatenation): they stay whole in every split
+    rank = out.rank - (shift_from is not None)
+    skipped = [shift_from is None and t.rank == 1 and t.numel == 0 and rank != 1
+               for t in tensors]
     for d in range(out.rank):
         src = d if shift_from is None or d < shift_from else d - 1
         if d == dim:
             continue
-        if any(t.rank != out.rank - (shift_from is not None) or t.shape[src] != out.shape[d]
-               for t in tensors):
-            continue     # cat's legacy empty 1-d operands
-        menu.append(c.strategy({name: Shard(src)}, Shard(d), "split"))
+        if any(not skip and (t.rank != rank or t.shape[src] != out.shape[d])
+               for t, skip in zip(tensors, skipped)):
+            continue
+        menu.append(c.strategy({name: [_R if skip else Shard(src) for skip in skipped]},
+                               Shard(d), "split"))
     menu.append(c.strategy({name: _P}, _P, "partial"))
     return menu
 

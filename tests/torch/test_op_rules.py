@@ -495,7 +495,9 @@ SAMPLES: dict[str, list] = {
     "_to_copy.default": [lambda r: ([r(2, 4)], {"dtype": torch.float32})],
     "copy.default": [_one((2, 4, 6), (4, 6))],
     "cat.default": [lambda r: ([[r(2, 4), r(2, 6)], 1], {}),
-                    lambda r: ([[r(2, 4), r(2, 4)]], {})],
+                    lambda r: ([[r(2, 4), r(2, 4)]], {}),
+                    # an empty 1-d operand (a key/value cache before its first entry)
+                    lambda r: ([[r(0), r(2, 4, 6)], -2], {})],
     "stack.default": [lambda r: ([[r(2, 4), r(2, 4)], 1], {})],
     "constant_pad_nd.default": [_one((2, 4, 6), extra=[[1, 1]]),
                                 _one((2, 4, 6), extra=[[0, 0, 1, 2], 3.0])],
