@@ -198,7 +198,8 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
     if runs_on_one_device(graph):
         backend = (f"the single-device program, as compile() runs it: the mesh has one "
                    f"device ({fw.name})")
-    return graph, build_plan(graph, ctx.decisions, backend=backend, device_model=device_model)
+    return graph, build_plan(graph, ctx.decisions, backend=backend, device_model=device_model,
+                             in_place=fw.in_place_updates(graph))
 
 
 def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,

@@ -48,6 +48,11 @@ class Framework(Protocol):
         """A callable running the per-device ``graph`` over ``mesh``; the single-device
         program where ``runs_on_one_device(graph)``."""
 
+    def in_place_updates(self, graph: Graph) -> set[str]:
+        """The graph's new parameter/state values its backend writes into the replaced
+        input's storage where they are made (not held to the end of the step)."""
+        ...
+
     def module_kinds(self) -> dict[str, tuple[type, ...]]:
         """``diphoma inspect``: the model base classes of this framework, by kind name."""
 

@@ -277,7 +277,7 @@ def _plan_case(case: Case, ns, adjust, mask, rng, jobs: list[Job], done: Checked
     done.failures += [f"{case}: {s}: {e}" for s in menu if (e := malformed(s, ins, outs))]
     plans = []
     for n in ns:
-        for s in candidates(op, ins, outs, n):
+        for s in candidates(op, ins, outs, n, masked=True):
             where = f"{case} under {s} over {n} devices"
             done.ran.append((n, s))
             try:

@@ -4,6 +4,7 @@ flops and bytes. Each is a pure function of the graph; passes call what they nee
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import networkx as nx
@@ -207,10 +208,12 @@ class Peak:
     inputs_bytes: int   # what the inputs hold (the memory at rest, before the step)
 
 
-def peak_memory(graph: Graph) -> Peak:
+def peak_memory(graph: Graph, in_place: Collection[str] = ()) -> Peak:
     """Liveness over the program as it runs, per device: each value that owns storage lives
     from the op that makes it to its last use (through any view of it), or to the end when
-    the step returns it; inputs live throughout; views own nothing."""
+    the step returns it; inputs live throughout; views own nothing. Values in ``in_place``
+    are copied into the input they replace where they are made (the backend's in-place
+    updates): they are not held to the end."""
     from .opdef import is_view
     sizes = dict(graph.mesh.axes)
     inputs = sum(i.value.type.local_nbytes(sizes) for i in graph.inputs)
@@ -233,7 +236,8 @@ def peak_memory(graph: Graph) -> Peak:
                 last.setdefault(v.name, k)
     end = len(graph.ops)
     for o in graph.outputs:
-        last[base.get(o.name, o.name)] = end
+        if o.name not in in_place:
+            last[base.get(o.name, o.name)] = end
     delta = [0] * (end + 2)
     for name, k in born.items():
         if name in input_names:

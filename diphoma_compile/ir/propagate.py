@@ -25,9 +25,9 @@ from .core import Attrs, Graph, Input, Op, Output, Value
 from .device_model import DeviceModel, device_model
 from .opdef import Category, op_def
 from .roles import InputKind, OutputKind
-from .strategies import Strategy, candidates, replicated, reshard
+from .strategies import Strategy, candidates, linear_collective, replicated, reshard
 from .strategy_solver import solve
-from .types import REPLICATE, Partial, Placement, Replicate, Shard, TensorType
+from .types import REPLICATE, Partial, Placement, Shard, TensorType
 
 # taking a local slice moves no data, but is not free of choice: a split nobody needed
 # would only make gathers later, so it costs a little
@@ -99,8 +99,9 @@ def _menu(op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType], axis: s
         rank = min((t.rank for t in ins), default=0)
         menu += [Strategy(tuple(Shard(d) for _ in ins), tuple(Shard(d) for _ in outs))
                  for d in range(rank)]
-        menu.append(Strategy(tuple(Partial("sum") for _ in ins),
-                             tuple(Partial("sum") for _ in outs)))
+        if linear_collective(op):
+            menu.append(Strategy(tuple(Partial("sum") for _ in ins),
+                                 tuple(Partial("sum") for _ in outs)))
         return [s for s in menu if _fits(s, ins, outs, n)]
     menu = candidates(op, ins, outs, n)
     if not ins:     # a constant is built where it is needed; as a partial sum it only costs
@@ -117,7 +118,7 @@ def _compute_s(op: Op, s: Strategy, ins, outs, n: int, model: DeviceModel) -> fl
     d = op_def(op.name)
     flops = d.flops(op, ins, outs) or 0
     nbytes = d.bytes_accessed(op, ins, outs)
-    split = any(not isinstance(p, Replicate) for p in s.inputs + s.outputs)
+    split = any(isinstance(p, Shard) for p in s.inputs + s.outputs)   # partial: whole work
     return model.compute_s(flops, nbytes) / (n if split else 1)
 
 
@@ -160,7 +161,7 @@ def complete(graph: Graph, axis: str, fixed: Mapping[str, Placement],
 
     menus = [_menu(op, [types[x] for x in op.inputs], [v.type for v in op.results], axis, n)
              for op in graph.ops]
-    free_in, ties = _free_inputs(graph, set(free) - set(fixed), n)
+    free_in, ties = _free_inputs(graph, set(free) - set(fixed), n, set(fixed))
     demands = {o.name: _output_demand(graph, o, fixed) for o in graph.outputs}
     for o in graph.outputs:
         if o.role.kind is OutputKind.replaces and o.role.target in free_in:
@@ -204,7 +205,7 @@ def complete(graph: Graph, axis: str, fixed: Mapping[str, Placement],
                       sum(r.seconds for r in steps), compute)
 
 
-def _free_inputs(graph: Graph, free: set[str], n: int
+def _free_inputs(graph: Graph, free: set[str], n: int, fixed: set[str]
                  ) -> tuple[dict[str, list[Placement]], list[tuple[str, str]]]:
     """Candidate placements of the free inputs, with optimizer state of the same shape as a
     free parameter free too and tied to it."""
@@ -217,6 +218,7 @@ def _free_inputs(graph: Graph, free: set[str], n: int
     for i in graph.inputs:
         role = i.role
         if (role.kind is InputKind.opt_state and role.of in free and i.name not in free
+                and i.name not in fixed
                 and i.value.type.shape == graph.input(role.of).value.type.shape):
             free.add(i.name)
             ties.append((i.name, role.of))

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from .core import Op
 from .opdef import op_def
-from .strategies import strategies_of
+from .strategies import linear_collective, strategies_of
 from .types import (FLAT, FLAT_DIRTY, REPLICATE, VARYING, FlatShard, Partial, Placement,
                     Replicate, Shard, TensorType, Varying)
 
@@ -112,6 +112,8 @@ def collective(op: Op, ins, outs, axis: str):
         return None  # checked by verify_collective against the collective's semantics
     if not ins:
         return tuple(REPLICATE for _ in outs)
+    if any(isinstance(t.placement(axis), Partial) for t in ins) and not linear_collective(op):
+        return None     # a max of partial sums is not a partial sum of the max
     if len(ins) == len(outs):
         return tuple(t.placement(axis) for t in ins)
     return tuple(ins[0].placement(axis) for _ in outs)

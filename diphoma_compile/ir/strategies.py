@@ -85,9 +85,17 @@ def fits_axis(s: Strategy, ins: Sequence[TensorType], outs: Sequence[TensorType]
 
 
 def candidates(op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType],
-               n: int) -> list[Strategy]:
-    """The strategies that can run over an axis of ``n`` devices (for a solver)."""
-    return [s for s in strategies_of(op, ins, outs) if fits_axis(s, ins, outs, n)]
+               n: int, masked: bool = False) -> list[Strategy]:
+    """The strategies that can run over an axis of ``n`` devices (for a solver); masked
+    ones only when asked (no backend runs them yet)."""
+    return [s for s in strategies_of(op, ins, outs) if fits_axis(s, ins, outs, n)
+            and (masked or not s.masked)]
+
+
+def linear_collective(op: Op) -> bool:
+    """True when a collective commutes with sums over another axis (partial sums there
+    pass through it): all but the reductions by max and min."""
+    return str(op.attrs.get("op", "sum")) not in ("max", "min")
 
 
 # ---------------------------------------------------------------- resharding

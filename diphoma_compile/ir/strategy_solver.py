@@ -67,8 +67,9 @@ class _Program:
 
 def _charge_input(prog: _Program, name: str, p: Placement,
                   by_q: dict[Placement, list[list[int]]], rc) -> None:
-    """An input's placement is fixed: each consumer strategy pays its reshard (a graph input
-    is resharded once per use; inputs are few)."""
+    """An input's placement is fixed: each consumer strategy pays its reshard (an
+    approximation: ``apply_assignment`` reshards an input once per placement, so an input
+    several consumers need moved is priced more than it costs; inputs are few)."""
     for q, uses in by_q.items():
         c = rc(p, q, name)
         for vars_q in uses:

@@ -64,6 +64,10 @@ class JaxFramework:
             return JaxOneDeviceStep(graph, extra, mesh=user_mesh)
         return JaxParallelStep(graph, extra, mesh=user_mesh, axis=axis)
 
+    def in_place_updates(self, graph: Graph) -> set[str]:
+        """None: the JAX backend donates no buffers (yet), so old and new values coexist."""
+        return set()
+
     def module_kinds(self) -> dict[str, tuple[type, ...]]:
         """``flax-module`` (linen) and ``nnx-module``, when the file imported flax."""
         out: dict[str, tuple[type, ...]] = {}

@@ -67,12 +67,13 @@ def _static_values(graph: Graph) -> set[str]:
     return static
 
 
-def _through_chain(chain: Sequence[Op], q: Placement,
-                   types: dict[str, TensorType]) -> Placement | None:
-    """The parameter's placement that gives placement ``q`` at the end of a view chain."""
+def _through_chain(chain: Sequence[Op], q: Placement, types: dict[str, TensorType],
+                   n: int) -> Placement | None:
+    """The parameter's placement that gives placement ``q`` at the end of a view chain
+    (splits the axis size ``n`` divides only)."""
     for op in reversed(chain):
         ins, outs = [types[x] for x in op.inputs], [v.type for v in op.results]
-        back = [s.inputs[0] for s in candidates(op, ins, outs, 1) if s.outputs[0] == q]
+        back = [s.inputs[0] for s in candidates(op, ins, outs, n) if s.outputs[0] == q]
         if not back:
             return None
         q = back[0]
@@ -129,7 +130,9 @@ def find_pairs(graph: Graph, n: int) -> tuple[list[LayerPair], dict[str, Placeme
                     options.setdefault(k, []).append((s, w))
     choice = {k: 0 for k in options}
     rows: dict[int, tuple[Strategy, frozenset[int]]] = {}
+    failed: set[int] = set()
     for _ in range(8):
+        used = dict(choice)       # this round's choices: the pairs are built from these
         tracked: dict[str, tuple[Placement, frozenset[int]]] = {}
         rows, failed = {}, set()
         for k, op in enumerate(graph.ops):
@@ -162,14 +165,19 @@ def find_pairs(graph: Graph, n: int) -> tuple[list[LayerPair], dict[str, Placeme
             choice[k] += 1
             if choice[k] >= len(options[k]):
                 del choice[k]
+    choice = used
     pairs, seeds = [], {}
     for k, (s, srcs) in sorted(rows.items()):
+        if srcs & failed:
+            continue      # the search did not settle for these columns: leave them whole
         cols = sorted(c for c in srcs if c in choice)
+        if not cols:
+            continue
         w_row = next(w for w in weights[k] if isinstance(s.inputs[w.position], Shard))
-        fixed = {w_row.param: _through_chain(w_row.chain, s.inputs[w_row.position], types)}
+        fixed = {w_row.param: _through_chain(w_row.chain, s.inputs[w_row.position], types, n)}
         for c in cols:
             cs, cw = options[c][choice[c]]
-            fixed[cw.param] = _through_chain(cw.chain, cs.inputs[cw.position], types)
+            fixed[cw.param] = _through_chain(cw.chain, cs.inputs[cw.position], types, n)
         if None in fixed.values() or any(seeds.get(p, q) != q for p, q in fixed.items()):
             continue        # a weight seen through views no split passes, or split two ways
         seeds.update(fixed)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..ir.core import Graph, InputKind
+from ..errors import IRError
 from ..ir.device_model import device_model
 from ..ir.opdef import is_view
 from ..ir.propagate import apply_assignment, complete
@@ -87,7 +88,14 @@ class TensorParallel(Pass):
             # sequence parallelism activations are never all-reduced
             return (collective == "all_gather" and value in weights) or (
                 self.sequence and collective == "all_reduce" and activation(value))
-        a = complete(graph, self.axis, seeds, model, free=params, avoid=avoid)
+        try:
+            a = complete(graph, self.axis, seeds, model, free=params, avoid=avoid)
+        except IRError:
+            # a split weight is also needed whole somewhere (a framework op that runs whole
+            # only): gather it there rather than fail
+            a = complete(graph, self.axis, seeds, model, free=params,
+                         avoid=lambda c, v: self.sequence and c == "all_reduce"
+                         and activation(v))
         seconds = time.perf_counter() - t0
         out = apply_assignment(graph, a)
         splits = tuple(sorted((i.name, str(a.placements[i.name])) for i in graph.inputs

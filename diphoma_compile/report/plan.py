@@ -7,7 +7,7 @@ single-device figures. The JSON schema is documented in docs/plan.md."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
@@ -190,10 +190,12 @@ def gradient_sources(graph: Graph, prod: dict[str, Op] | None = None,
 
 def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
                backend: str | None = None,
-               device_model: DeviceModel | str = DEFAULT_DEVICE_MODEL) -> Plan:
+               device_model: DeviceModel | str = DEFAULT_DEVICE_MODEL,
+               in_place: Collection[str] = ()) -> Plan:
     """The plan of a (transformed) graph; ``decisions`` are the passes' records
     (``PassContext.decisions``), ``backend`` how the framework runs it, ``device_model``
-    what the step time is estimated on (a DeviceModel or its name)."""
+    what the step time is estimated on (a DeviceModel or its name), ``in_place`` the new
+    values the backend writes into their inputs' storage (for the peak)."""
     sizes = dict(graph.mesh.axes)
     types = graph.value_types()
     tensors = []
@@ -234,7 +236,7 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
             op.name, axis, value, _serves(op, grads, loss, metrics),
             op.attrs.get("op"), d.comm_bytes(op, ins, outs, sizes.get(axis, 1)),
             op.phase.value if op.phase else None, owner.of_op(op)))
-    memory = _memory(graph, sizes, sources, types)
+    memory = _memory(graph, sizes, sources, types, in_place)
     params = sum(i.value.type.numel for i in graph.inputs if i.role.kind is InputKind.param)
     return Plan(graph.name, sizes, graph.passes, tuple(tensors), tuple(collectives), memory,
                 sum(c.bytes_per_device for c in collectives), dict(decisions or {}), params,
@@ -325,7 +327,7 @@ def _serves(op: Op, grads: dict[str, str], loss: set[str], metrics: set[str]) ->
 
 
 def _memory(graph: Graph, sizes: dict[str, int], grads: dict[str, str],
-            types: dict[str, TensorType]) -> Memory:
+            types: dict[str, TensorType], in_place: Collection[str] = ()) -> Memory:
     per = {k: 0 for k in ("param", "opt_state")}
     whole = dict(per)
     for i in graph.inputs:
@@ -338,7 +340,7 @@ def _memory(graph: Graph, sizes: dict[str, int], grads: dict[str, str],
     if not grads:   # an untransformed step: a gradient per trainable parameter
         g_local = g_whole = per["param"]
     act_local, act_whole = saved_activations(graph, sizes, types)
-    peak = peak_memory(graph)
+    peak = peak_memory(graph, in_place)
     at = ""
     if peak.index >= 0:
         op = graph.ops[peak.index]

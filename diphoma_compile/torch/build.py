@@ -25,7 +25,8 @@ import torch
 import torch.fx as fx
 
 from ..errors import BackendError, UnsupportedOpError
-from ..ir.core import Graph, InputKind, Op
+from ..ir.analysis import free_inputs
+from ..ir.core import Graph, InputKind, Op, OutputKind
 from ..ir.ops import Category, op_def
 from ..ir.types import DType, TensorType
 from . import collectives
@@ -45,7 +46,8 @@ def _py_name(name: str) -> str:
 
 
 class _Builder:
-    def __init__(self, graph: Graph, comms: dict[str, collectives.Comm] | None = None) -> None:
+    def __init__(self, graph: Graph, comms: dict[str, collectives.Comm] | None = None,
+                 in_place: bool = True) -> None:
         self.g = graph
         self.fx = fx.Graph()
         self.env: dict[str, Any] = {}       # IR name -> fx node or Python scalar
@@ -63,6 +65,7 @@ class _Builder:
                 self.uses[name] = self.uses.get(name, 0) + 1
         for o in graph.outputs:
             self.uses[o.name] = self.uses.get(o.name, 0) + 1
+        self.in_place = updates_in_place(graph) if in_place else {}
 
     def build(self) -> fx.GraphModule:
         for i in self.g.inputs:
@@ -70,9 +73,19 @@ class _Builder:
             if i.role.kind is InputKind.hyper and i.value.type.shape == ():
                 self.set_host(i.name, self.call(aten._local_scalar_dense.default,
                                                 [self.env[i.name]]), i.value.type.dtype)
+        written: dict[str, str] = {}
         for op in self.g.ops:
             self.op(op)
-        self.fx.output(tuple(self.env[o.name] for o in self.g.outputs))
+            for v in op.results:
+                target = self.in_place.get(v.name)
+                node = self.env.get(v.name)
+                if target is not None and isinstance(node, fx.Node) \
+                        and v.name not in self.pending:
+                    # the input is read no more: its storage takes the new value now, and
+                    # the new tensor dies here instead of living to the end of the step
+                    self.call(aten.copy_.default, [self.env[target], node])
+                    written[v.name] = target
+        self.fx.output(tuple(self.env[written.get(o.name, o.name)] for o in self.g.outputs))
         self.fx.lint()
         root = torch.nn.Module()
         for axis, comm in self.comms.items():
@@ -539,10 +552,50 @@ def _getitem(x, i):
     return x[i]
 
 
-def build_module(graph: Graph,
-                 comms: dict[str, collectives.Comm] | None = None) -> fx.GraphModule:
+def build_module(graph: Graph, comms: dict[str, collectives.Comm] | None = None,
+                 in_place: bool = True) -> fx.GraphModule:
     """A GraphModule taking the graph's inputs in order and returning its outputs.
 
     ``comms`` gives the process group of each mesh axis the graph's collectives run on; the
-    module holds them as ``comm_<axis>`` attributes."""
-    return _Builder(graph, comms).build()
+    module holds them as ``comm_<axis>`` attributes. With ``in_place``, an output that
+    replaces an input (a parameter, optimizer state, a buffer) is copied into that input's
+    storage as soon as it is made, when nothing reads the input after that, and the module
+    returns the (updated) input for it: no second copy of the model lives through the
+    update. The caller's tensors are then updated by the call itself."""
+    return _Builder(graph, comms, in_place).build()
+
+
+def updates_in_place(graph: Graph) -> dict[str, str]:
+    """Value -> the input it replaces, for new values that can be written into the input's
+    storage where they are made: the input (and every value that may alias it) is read by
+    no later op and not returned, the value owns its storage, and the types agree."""
+    inputs = {i.name: i.value.type for i in graph.inputs}
+    types = graph.value_types()
+    alias: dict[str, set[str]] = {n: {n} for n in inputs}   # value -> inputs it may alias
+    last: dict[str, int] = {}
+    made: dict[str, int] = {}
+    for k, op in enumerate(graph.ops):
+        for n in free_inputs(op):
+            for base in alias.get(n, ()):
+                last[base] = k
+        if not _makes_storage(op):
+            bases = set().union(*(alias.get(n, set()) for n in op.inputs)) if op.inputs \
+                else set()
+            for v in op.results:
+                alias[v.name] = bases
+        for v in op.results:
+            made[v.name] = k
+    end = len(graph.ops)
+    for o in graph.outputs:
+        for base in alias.get(o.name, ()):
+            last[base] = end
+    out: dict[str, str] = {}
+    returned = [o.name for o in graph.outputs]
+    for o in graph.outputs:
+        target = o.role.target if o.role.kind is OutputKind.replaces else None
+        if (target is None or o.name not in made or returned.count(o.name) != 1
+                or alias.get(o.name) or target in out.values()):
+            continue
+        if last.get(target, -1) <= made[o.name] and types[o.name] == inputs[target]:
+            out[o.name] = target
+    return out

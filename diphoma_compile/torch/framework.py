@@ -72,6 +72,11 @@ class TorchFramework:
             group = user_mesh.get_group(axis)
         return TorchDistStep(graph, extra, mesh, group=group, axis=axis)
 
+    def in_place_updates(self, graph: Graph) -> set[str]:
+        """New values build_module copies into their input's storage where they are made."""
+        from .build import updates_in_place
+        return set(updates_in_place(graph))
+
     def module_kinds(self) -> dict[str, tuple[type, ...]]:
         """``torch-module``: subclasses of nn.Module."""
         return {"torch-module": (torch.nn.Module,)}

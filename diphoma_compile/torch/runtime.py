@@ -134,14 +134,20 @@ class TorchStep:
                 effect()    # a scheduler stepped before opt.step(): the program reads its lr
         inputs = self._gather(tensors)
         with torch.no_grad():
-            outs = self.module(*inputs)
+            outs = list(self.module(*inputs))
+            n_user = self._n_user
+            # the program wrote these into the input's own storage already (build_module's
+            # in-place updates): nothing to write back
+            done = {k for k in range(n_user, len(outs))
+                    if _is_input(outs[k], self._given(cap.outputs[k], inputs))}
             # An output that is (a view of) an input would change while earlier outputs are
             # written back (state = param.clone() reads the param before the update): copy.
             held = {t.untyped_storage().data_ptr() for t in inputs}
-            outs = [o.clone() if o.untyped_storage().data_ptr() in held else o for o in outs]
-            n_user = self._n_user
-            for slot, new in zip(cap.outputs[n_user:], outs[n_user:]):
-                self._write(slot, new)
+            outs = [o if k in done or o.untyped_storage().data_ptr() not in held else o.clone()
+                    for k, o in enumerate(outs)]
+            for k in range(n_user, len(outs)):
+                if k not in done:
+                    self._write(cap.outputs[k], outs[k])
         for pi, p in enumerate(cap.params):
             if pi not in self._with_grad:
                 p.grad = None
@@ -149,6 +155,13 @@ class TorchStep:
             if effect.when == "after":
                 effect()
         return pytree.tree_unflatten(list(outs[:n_user]), cap.user_out_spec)
+
+    def _given(self, slot: Slot, inputs: list[torch.Tensor]) -> torch.Tensor | None:
+        """The tensor the program was given for the state ``slot`` replaces, if any."""
+        for s, t in zip(self.captured.inputs, inputs):
+            if s.kind == slot.kind and s.key == slot.key and s.owner == slot.owner:
+                return t
+        return None
 
     def _write(self, slot: Slot, new: torch.Tensor) -> None:
         cap = self.captured
@@ -159,6 +172,13 @@ class TorchStep:
             cap.optimizers[slot.owner].state[cap.params[pi]][key].copy_(new)
         elif slot.kind == "grad":
             cap.params[slot.key[0]].grad = new
+
+
+def _is_input(out: torch.Tensor, given: torch.Tensor | None) -> bool:
+    """True when an output is the very tensor (storage, offset, shape) given as input."""
+    return (given is not None and out.untyped_storage().data_ptr()
+            == given.untyped_storage().data_ptr() and out.data_ptr() == given.data_ptr()
+            and out.shape == given.shape)
 
 
 def _get_attr(mod: torch.nn.Module, qualname: str) -> torch.Tensor:

@@ -134,6 +134,6 @@ def test_a_wrong_strategy_fails_its_check(monkeypatch):
     import tests.strategy_props as props
     case = next(c for c in CASES if c.name == "transpose" and c.attrs["perm"] == (1, 2, 0))
     wrong = Strategy((Shard(0),), (Shard(0),), "split")
-    monkeypatch.setattr(props, "candidates", lambda op, ins, outs, n: [wrong])
+    monkeypatch.setattr(props, "candidates", lambda op, ins, outs, n, masked=False: [wrong])
     checked = check_case(case, run_torch)
     assert checked.failures and "S(0)) -> (S(0)) [split] over 2 devices" in checked.failures[0]
