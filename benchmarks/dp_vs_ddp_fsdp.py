@@ -17,6 +17,17 @@ prints one row per variant:
               diphoma reports pstep.memory_report().opt_state_bytes;
   param MB    parameter bytes held by one rank, counted the same way;
   vs DDP      the ratio to the DDP row (below 1 is better);
+  peak MB     the peak resident memory a rank reaches in the steps after the first, above
+              what it held before the model was built (the largest over ranks): the
+              high-water mark is reset after step 1 (/proc/self/clear_refs) and freed
+              tensors leave the resident set (MALLOC_MMAP_THRESHOLD_=65536 is set for the
+              ranks). Variants run one after another in the same ranks: run one variant per
+              launch (--variants ddp, ...) for figures that cannot see each other's leftovers;
+  step MB     the same high-water mark above what the rank held between steps (after step 1):
+              the step's own transient memory;
+  plan MB     diphoma's planned transient per device, beside step MB: the plan's peak
+              (pstep.plan.memory.peak: liveness over the per-rank program) less the
+              parameters and optimizer state the step holds throughout;
   loss        the last step's loss, averaged over ranks (variants should agree closely).
 Variants: ddp, fsdp2, diphoma (the default pipeline: data parallelism, weight-update
 sharding, comm-fusion with a bucket a quarter of the gradient bytes, schedule-comm),
@@ -73,6 +84,25 @@ def _param_bytes(model: torch.nn.Module) -> int:
     return sum(_local(p).nbytes for p in model.parameters())  # parameters() skips tied copies
 
 
+def _rss() -> int:
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _high_water() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_high_water() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:    # not Linux, or not allowed: the peak then covers the whole run
+        pass
+
+
 def _build(variant: str, cfg: GPTConfig, world: int, lr: float):
     """(step callable, model, optimizer, memory function) for one variant."""
     torch.manual_seed(0)
@@ -102,24 +132,37 @@ def _build(variant: str, cfg: GPTConfig, world: int, lr: float):
 
 def _run(variant: str, a: argparse.Namespace, cfg: GPTConfig, batches: list) -> dict:
     world = dist.get_world_size()
+    gc.collect()
+    before = _rss()
     step, model, opt, memory = _build(variant, cfg, world, a.lr)
     times, loss = [], None
-    for idx, targets in batches:
+    for i, (idx, targets) in enumerate(batches):
         dist.barrier()
         t0 = time.perf_counter()
         loss = step(model, opt, idx, targets)
         dist.barrier()
         times.append(time.perf_counter() - t0)
+        if i == 0:
+            gc.collect()
+            _reset_high_water()
+            between = _rss()          # what a rank holds between steps
+    peak = _high_water() - before
+    transient = _high_water() - between
     # the slowest rank's time per step, and the loss averaged over ranks
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     lv = torch.tensor([float(loss.detach())], dtype=torch.float64)
     dist.all_reduce(lv)
     opt_b, par_b = memory()
-    mem = torch.tensor([opt_b, par_b], dtype=torch.int64)
+    planned = 0
+    if hasattr(step, "plan"):       # the plan's peak above what the step holds (its inputs)
+        m = step.plan.memory
+        planned = m.peak - m.params - m.opt_state
+    mem = torch.tensor([opt_b, par_b, peak, transient, planned], dtype=torch.int64)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
     out = {"median": statistics.median(t[a.warmup:].tolist()), "first": t[0].item(),
-           "opt": mem[0].item(), "param": mem[1].item(), "loss": lv.item() / world}
+           "opt": mem[0].item(), "param": mem[1].item(), "peak": mem[2].item(),
+           "transient": mem[3].item(), "plan": mem[4].item(), "loss": lv.item() / world}
     if a.profile and variant.startswith("diphoma"):
         out["profile"] = str(step.profile(model, opt, *batches[-1], steps=a.steps))
     return out
@@ -164,14 +207,18 @@ def _report(a: argparse.Namespace, cfg: GPTConfig, results: dict) -> None:
     def ratio(r: dict, key: str) -> str:
         return f"{r[key] / base[key]:.2f}x" if base and base[key] else "-"
     print(f"{'variant':<16} {'s/step':>8} {'vs DDP':>7} {'first s':>8} {'opt MB':>8} "
-          f"{'vs DDP':>7} {'param MB':>9} {'vs DDP':>7} {'loss':>10}")
+          f"{'vs DDP':>7} {'param MB':>9} {'vs DDP':>7} {'peak MB':>8} {'vs DDP':>7} "
+          f"{'step MB':>8} {'vs DDP':>7} {'plan MB':>8} {'loss':>10}")
     for v, r in results.items():
         if isinstance(r, str):
             print(f"{v}: unavailable ({r})")
             continue
+        plan = f"{r['plan'] / 1e6:>8.2f}" if r["plan"] else f"{'-':>8}"
         print(f"{v:<16} {r['median']:>8.3f} {ratio(r, 'median'):>7} {r['first']:>8.2f} "
               f"{r['opt'] / 1e6:>8.2f} {ratio(r, 'opt'):>7} {r['param'] / 1e6:>9.2f} "
-              f"{ratio(r, 'param'):>7} {r['loss']:>10.5f}")
+              f"{ratio(r, 'param'):>7} {r['peak'] / 1e6:>8.2f} {ratio(r, 'peak'):>7} "
+              f"{r['transient'] / 1e6:>8.2f} {ratio(r, 'transient'):>7} "
+              f"{plan} {r['loss']:>10.5f}")
     for v, r in results.items():
         if isinstance(r, dict) and "profile" in r:
             print(f"{v} profile (rank 0): {r['profile']}")
@@ -218,6 +265,7 @@ def main() -> None:
     if bad or a.batch % a.nproc or a.warmup < 1 or a.steps < 1:
         p.error(f"variants from {VARIANTS}; --batch divisible by --nproc; warmup, steps >= 1"
                 + (f" (unknown: {bad})" if bad else ""))
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")   # freed tensors leave the RSS
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(_free_port())
     mp.spawn(_worker, args=(a.nproc, a), nprocs=a.nproc, join=True)
