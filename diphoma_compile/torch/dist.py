@@ -448,7 +448,8 @@ def _check_world(graph: Graph, mesh: Mesh, group: Any, axis: str,
         if not big:
             raise BackendError(
                 f"torch.distributed is not initialized, and the plan for the one-device mesh "
-                f"still has collectives over {', '.join(sorted(coll))} (the passes were given)",
+                f"still has collectives over it ({', '.join(sorted(coll))}; the passes were "
+                "given)",
                 hint="leave passes= unset on a one-device mesh (the single-device program "
                      "runs), or call torch.distributed.init_process_group first")
         what = ", ".join(f"mesh axis {n!r}" for n, _ in big)
