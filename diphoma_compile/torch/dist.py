@@ -1,12 +1,17 @@
-"""The per-rank runtime of a data-parallel torch step: one process per device, gloo or NCCL.
+"""The per-rank runtime of a distributed torch step: one process per device, gloo or NCCL,
+one process group per mesh axis.
 
-``TorchDistStep`` runs the program ``build.py`` makes of a graph placed over one mesh axis
-(after ``data-parallel`` and ``weight-update-sharding``). Each rank passes its own local
-batch (the DDP convention). Parameters stay whole and identical on every rank; optimizer
-state placed ``F``/``Fx``/``S(d)`` is kept *sharded inside the optimizer's own state dict*:
-``opt.state[p][key]`` holds this rank's 1-D flat chunk (or dim chunk), so the optimizer holds
-1/N of it. A gradient that the graph leaves sharded is not written to ``p.grad`` (a rank
-holds only a piece of it, as under FSDP/ZeRO): ``p.grad`` is None after such a step."""
+``TorchDistStep`` runs the program ``build.py`` makes of a graph placed over a mesh (after
+``tensor-parallel``, ``data-parallel`` and ``weight-update-sharding``). Each rank passes its
+own local batch (the DDP convention; the ranks of one data index pass the same one).
+Parameters stay whole and identical over the data axis; a parameter placed ``S(d)`` on a
+tensor-parallel axis is this rank's chunk, held as the module's parameter between steps
+(FSDP2's convention; ``state_dict()`` gathers the whole model). Optimizer state placed
+``F``/``Fx``/``S(d)`` is kept *sharded inside the optimizer's own state dict*:
+``opt.state[p][key]`` holds this rank's 1-D flat chunk (or dim chunk, or the flat chunk of
+its tensor-parallel chunk). A gradient that the graph leaves sharded further than its
+parameter is not written to ``p.grad`` (a rank holds only a piece of it, as under
+FSDP/ZeRO): ``p.grad`` is None after such a step."""
 
 from __future__ import annotations
 
@@ -62,7 +67,8 @@ def _median(xs: list[float]) -> float:
 
 class TorchDistStep(TorchStep):
     """A callable with the user's step signature that runs this rank's part of a
-    data-parallel program and keeps this rank's optimizer-state shards in the optimizer."""
+    distributed program, holding this rank's tensor-parallel parameter shards in the module
+    and its optimizer-state shards in the optimizer."""
 
     def __init__(self, graph: Graph, captured: Captured, mesh: Any = None, group: Any = None,
                  axis: str = "dp", sync_module_states: bool = True,

@@ -1,8 +1,9 @@
 """The data-parallel, weight-update-sharded torch step on 4 gloo ranks against the
 single-device step on the global batch (and PyTorch DDP for AdamW): loss, parameters and
 gathered optimizer state after ten steps; bytes sent equal the plan's; optimizer state per
-rank is 1/N; wrong worlds and meshes fail before any collective. One launch for all (the
-session fixtures ``runs`` and ``cases`` in conftest.py)."""
+rank is 1/N; wrong worlds and meshes fail before any collective; tensor parallelism (dp=1 x
+tp=4, dp=2 x tp=2) against one device, with each rank holding its shards. One launch for
+all (the session fixtures ``runs`` and ``cases`` in conftest.py)."""
 
 from __future__ import annotations
 
