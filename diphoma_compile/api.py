@@ -130,6 +130,15 @@ class ParallelStep:
                                hint="under jax.jit, use jax.profiler")
         return self._runner.profile(*args, steps=steps)
 
+    def state_dict(self) -> Any:
+        """PyTorch: the module's whole state dict on every rank, tensor-parallel shards
+        gathered (a collective: every rank calls it; after the first call). Between steps
+        the module's own parameters are this rank's shards, as under FSDP2."""
+        if not hasattr(self.runner, "state_dict"):
+            raise DiphomaError(f"state_dict() is not available for {self.framework} steps",
+                               hint="a JAX step returns its parameters; read them there")
+        return self.runner.state_dict()
+
     def memory_report(self) -> Any:
         """Bytes of parameters and optimizer state this process holds, measured from the
         live tensors (after the first call)."""

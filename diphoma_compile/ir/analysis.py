@@ -173,7 +173,8 @@ def op_cost(op: Op, types: dict[str, TensorType], axis_sizes: dict[str, int]) ->
     flops = d.flops(op, ins, outs)
     unknown = () if flops is not None else (str(op.attrs.get("target", op.name)),)
     cost = OpCost(flops or 0, d.bytes_accessed(op, ins, outs),
-                  d.comm_bytes(op, ins, outs, axis_sizes.get(axis, 1) if axis else 1), unknown)
+                  d.comm_bytes(op, ins, outs, axis_sizes.get(axis, 1) if axis else 1,
+                               axis_sizes), unknown)
     for r in op.regions:
         for inner in r.ops:
             cost = cost + op_cost(inner, types, axis_sizes)

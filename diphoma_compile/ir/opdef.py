@@ -7,7 +7,7 @@ from __future__ import annotations
 import difflib
 import enum
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import UnknownOpError
@@ -99,26 +99,33 @@ class OpDef:
         return sum(t.nbytes for t in ins) + sum(t.nbytes for t in outs)
 
     def comm_bytes(self, op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType],
-                   axis_size: int) -> int:
-        """Bytes one device sends for a collective (ring algorithms); 0 for other ops."""
+                   axis_size: int, sizes: Mapping[str, int] | None = None) -> int:
+        """Bytes one device sends for a collective (ring algorithms); 0 for other ops.
+        ``sizes`` (every mesh axis's size) counts a value split over other axes too at the
+        size of its piece (a tensor-parallel shard's gradient reduced over the data axis)."""
         if self.category is not Category.collective or axis_size <= 1:
             return 0
         n = axis_size
         frac = (n - 1) / n
-        axis = {str(op.attrs.get("axis")): n}
+        name = str(op.attrs.get("axis"))
+        others = {a: k for a, k in (sizes or {}).items() if a != name}
+        axis = {**others, name: n}
+
+        def piece(t: TensorType) -> int:     # what one device holds of t, on other axes
+            return t.local_nbytes(others)
         if self.name == "all_reduce":
-            return int(2 * frac * sum(t.nbytes for t in ins))
+            return int(2 * frac * sum(piece(t) for t in ins))
         if self.name == "reduce_scatter":
             # the padded whole: n pieces of the results' local size
             return int(frac * n * sum(t.local_nbytes(axis) for t in outs))
         if self.name == "all_to_all":
-            return int(frac * ins[0].nbytes)
+            return int(frac * piece(ins[0]))
         if self.name == "all_gather":
             return int(frac * n * sum(t.local_nbytes(axis) for t in ins))
         if self.name == "broadcast":   # a pipelined ring: all but the last rank forward
-            return int(frac * ins[0].nbytes)
+            return int(frac * piece(ins[0]))
         if self.name == "send":
-            return ins[0].nbytes
+            return piece(ins[0])
         return 0
 
 

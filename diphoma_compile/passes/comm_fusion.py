@@ -152,7 +152,8 @@ def _comm_bytes(ops: list[Op], types: dict[str, TensorType], sizes: dict[str, in
     for op in ops:
         ins = [types[n] for n in op.inputs]
         outs = [v.type for v in op.results]
-        total += op_def(op.name).comm_bytes(op, ins, outs, sizes.get(op.attrs.get("axis"), 1))
+        total += op_def(op.name).comm_bytes(op, ins, outs, sizes.get(op.attrs.get("axis"), 1),
+                                              sizes)
     return total
 
 

@@ -234,7 +234,7 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
             value += f" (+{len(op.inputs) - 1})"
         collectives.append(CollectivePlan(
             op.name, axis, value, _serves(op, grads, loss, metrics),
-            op.attrs.get("op"), d.comm_bytes(op, ins, outs, sizes.get(axis, 1)),
+            op.attrs.get("op"), d.comm_bytes(op, ins, outs, sizes.get(axis, 1), sizes),
             op.phase.value if op.phase else None, owner.of_op(op)))
     memory = _memory(graph, sizes, sources, types, in_place)
     params = sum(i.value.type.numel for i in graph.inputs if i.role.kind is InputKind.param)

@@ -383,8 +383,10 @@ def _reduce_scatter(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
 def _all_gather(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
     """The whole value from every rank's piece."""
     x = b.node(op.inputs[0])
+    # the result's shape on this rank: still split over any other axis (a tensor-parallel
+    # shard gathered over the data axis)
     return b.call(collectives.all_gather,
-                  [comm, x, op.attrs["dim"], list(op.result.type.shape)], _async(op))
+                  [comm, x, op.attrs["dim"], b.local(op.result.type)], _async(op))
 
 
 def _take_shard(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
@@ -423,7 +425,7 @@ def _bucket(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
                        [b.local(v.type) for v in op.results]], asy)
     if op.name == "all_gather":
         return b.call(collectives.all_gather_bucket,
-                      [comm, xs, a["dim"], [list(v.type.shape) for v in op.results]], asy)
+                      [comm, xs, a["dim"], [b.local(v.type) for v in op.results]], asy)
     raise UnsupportedOpError(f"the torch backend has no bucketed {op.name}")
 
 

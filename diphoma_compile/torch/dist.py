@@ -1,12 +1,17 @@
-"""The per-rank runtime of a data-parallel torch step: one process per device, gloo or NCCL.
+"""The per-rank runtime of a distributed torch step: one process per device, gloo or NCCL,
+one process group per mesh axis.
 
-``TorchDistStep`` runs the program ``build.py`` makes of a graph placed over one mesh axis
-(after ``data-parallel`` and ``weight-update-sharding``). Each rank passes its own local
-batch (the DDP convention). Parameters stay whole and identical on every rank; optimizer
-state placed ``F``/``Fx``/``S(d)`` is kept *sharded inside the optimizer's own state dict*:
-``opt.state[p][key]`` holds this rank's 1-D flat chunk (or dim chunk), so the optimizer holds
-1/N of it. A gradient that the graph leaves sharded is not written to ``p.grad`` (a rank
-holds only a piece of it, as under FSDP/ZeRO): ``p.grad`` is None after such a step."""
+``TorchDistStep`` runs the program ``build.py`` makes of a graph placed over a mesh (after
+``tensor-parallel``, ``data-parallel`` and ``weight-update-sharding``). Each rank passes its
+own local batch (the DDP convention; the ranks of one data index pass the same one).
+Parameters stay whole and identical over the data axis; a parameter placed ``S(d)`` on a
+tensor-parallel axis is this rank's chunk, held as the module's parameter between steps
+(FSDP2's convention; ``state_dict()`` gathers the whole model). Optimizer state placed
+``F``/``Fx``/``S(d)`` is kept *sharded inside the optimizer's own state dict*:
+``opt.state[p][key]`` holds this rank's 1-D flat chunk (or dim chunk, or the flat chunk of
+its tensor-parallel chunk). A gradient that the graph leaves sharded further than its
+parameter is not written to ``p.grad`` (a rank holds only a piece of it, as under
+FSDP/ZeRO): ``p.grad`` is None after such a step."""
 
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from ..mesh import Mesh
 from ..report.memory import MemoryReport
 from . import collectives
 from .build import build_module
+from .groups import coordinates, new_axis_groups
 from .runtime import TorchStep
 from .state import Captured, Slot
 
@@ -61,26 +67,35 @@ def _median(xs: list[float]) -> float:
 
 class TorchDistStep(TorchStep):
     """A callable with the user's step signature that runs this rank's part of a
-    data-parallel program and keeps this rank's optimizer-state shards in the optimizer."""
+    distributed program, holding this rank's tensor-parallel parameter shards in the module
+    and its optimizer-state shards in the optimizer."""
 
     def __init__(self, graph: Graph, captured: Captured, mesh: Any = None, group: Any = None,
-                 axis: str = "dp", sync_module_states: bool = True) -> None:
+                 axis: str = "dp", sync_module_states: bool = True,
+                 groups: dict[str, Any] | None = None) -> None:
         self.mesh = Mesh.of(mesh) if mesh is not None else graph.mesh
         self.axis = axis
-        size, rank = _check_world(graph, self.mesh, group, axis)
+        where = _check_world(graph, self.mesh, group, axis, groups)
         # one device and nothing to exchange: the step runs in this process, no group needed
         self.alone = runs_on_one_device(graph) and not (dist.is_available()
                                                         and dist.is_initialized())
-        self.comm = collectives.Comm(axis, size, rank, group)
+        self.comms = {a: collectives.Comm(a, n, r, g) for a, (n, r, g) in where.items()}
+        self.comm = self.comms[axis]
         # for collectives outside the step (resharding, gathering state): not counted in
         # the step's bytes
-        self._side = collectives.Comm(axis, size, rank, group)
+        self._sides = {a: collectives.Comm(a, n, r, g) for a, (n, r, g) in where.items()}
+        self._side = self._sides[axis]
         self.calls = 0
         self._check_binding(graph, captured)
-        super().__init__(graph, captured, build_module(graph, {axis: self.comm}))
+        super().__init__(graph, captured, build_module(graph, self.comms))
         self._state_type: dict[tuple[int, str], TensorType] = {
             s.key: i.value.type for i, s in zip(graph.inputs, captured.inputs)
             if s.kind == "opt_state"}
+        # each parameter's type as the step reads it: by param index, by (module, name)
+        params = [(i.value.type, s) for i, s in zip(graph.inputs, captured.inputs)
+                  if s.kind == "param"]
+        self._param_type = {pi: t for pi, (t, _) in enumerate(params)}
+        self._param_type_at = {(s.owner, s.key[0]): t for t, s in params}
         self._param_names = [s.name for s in captured.inputs if s.kind == "param"]
         self._check_outputs()
         # gradients the graph leaves sharded are not written back: p.grad stays None
@@ -88,6 +103,7 @@ class TorchDistStep(TorchStep):
         self._check_equal_shares(graph)
         if sync_module_states:
             self._broadcast_module_states()
+        self._shard_params()
 
     # ------------------------------------------------------------------ checks
     def _check_equal_shares(self, graph: Graph) -> None:
@@ -134,29 +150,51 @@ class TorchDistStep(TorchStep):
         return t.placement(self.axis)
 
     def _check_outputs(self) -> None:
+        """Parameters are written back in the placement they are read in (whole, or this
+        rank's tensor-parallel shard); a gradient so too, or not at all when the graph
+        leaves it sharded further (reduce-scattered over the data axis)."""
         self._sharded_grads: set[int] = set()
         types = self.graph.value_types()
+        axes = list(self.comms)
         for out, slot in zip(self.graph.outputs, self.captured.outputs):
-            p = self._placement(types[out.name])
+            t = types[out.name]
             if slot is None or slot.kind == "opt_state":
                 continue   # the user's results (R or V); state keeps its input's placement
             if slot.kind == "grad":
-                if isinstance(p, (Shard, FlatShard)):
+                p_type = self._param_type[slot.key[0]]
+                if all(t.placement(a) == p_type.placement(a) for a in axes):
+                    continue
+                if any(isinstance(t.placement(a), (Shard, FlatShard)) for a in axes) and all(
+                        isinstance(t.placement(a), (Shard, FlatShard, Replicate))
+                        for a in axes):
                     self._sharded_grads.add(slot.key[0])
-                elif not isinstance(p, Replicate):
-                    raise BackendError(f"the gradient output {out.name} is placed {p} on "
-                                       f"{self.axis!r}; a gradient is written back whole (R) "
-                                       "or not at all (S/F)")
-            elif not isinstance(p, (Replicate, Varying)) or (
-                    slot.kind == "param" and not isinstance(p, Replicate)):
-                raise BackendError(f"the new {slot.kind} {slot.name} is placed {p} on "
-                                   f"{self.axis!r}; parameters are written back whole",
-                                   hint="the program must all_gather new parameters")
+                    continue
+                p = next(t.placement(a) for a in axes
+                         if t.placement(a) != p_type.placement(a))
+                raise BackendError(f"the gradient output {out.name} is placed {p}; a "
+                                   "gradient is written back as its parameter is held (R, "
+                                   "or its tensor-parallel shard) or not at all (S/F)")
+            if slot.kind == "param":
+                p_type = self._param_type_at.get((slot.owner, slot.key[0]))
+                if p_type is None or _held(t) != _held(p_type):
+                    raise BackendError(f"the new parameter {slot.name} is placed {t}, but it "
+                                       f"is read as {p_type}; parameters are written back as "
+                                       "they are held",
+                                       hint="the program must all_gather new parameters")
+                continue
+            for a in axes:
+                p = t.placement(a)
+                if not isinstance(p, (Replicate, Varying)):
+                    raise BackendError(f"the new {slot.kind} {slot.name} is placed {p} on "
+                                       f"{a!r}; it is written back whole",
+                                       hint="the program must all_gather it")
         for o in self.graph.outputs:
-            if o.role.kind is OutputKind.loss and not isinstance(
-                    self._placement(types[o.name]), Replicate):
-                raise BackendError(f"the loss {o.name} is not replicated over {self.axis!r}",
-                                   hint="all_reduce{op=avg} the loss")
+            if o.role.kind is not OutputKind.loss:
+                continue
+            for a in axes:
+                if not isinstance(types[o.name].placement(a), Replicate):
+                    raise BackendError(f"the loss {o.name} is not replicated over {a!r}",
+                                       hint="all_reduce{op=avg} the loss")
 
     # ------------------------------------------------------------------ state shards
     def _state_shape(self, pi: int, key: str, shape: torch.Size) -> tuple[int, ...]:
@@ -182,10 +220,32 @@ class TorchDistStep(TorchStep):
         return shard
 
     def _shard_of(self, t: torch.Tensor, typ: TensorType) -> torch.Tensor:
-        p = self._placement(typ)
-        local = list(typ.local_shape(dict(self.mesh.axes)))
-        dim = "flat" if isinstance(p, FlatShard) else p.dim
-        return collectives.take_shard(self._side, t.detach(), dim, local)
+        """This rank's piece of the whole tensor ``t`` of type ``typ``: its chunk along each
+        split dimension, then, of that, its flat chunk (no communication)."""
+        t = t.detach()
+        for a, p in typ.placements:
+            if isinstance(p, Shard) and a in self._sides:
+                t = collectives.take_shard(self._sides[a], t, p.dim, [])
+        flat = _flat_axis(typ, self._sides)
+        if flat is not None:
+            t = collectives.take_shard(self._sides[flat], t, "flat",
+                                       list(typ.local_shape(dict(self.mesh.axes))))
+        return t
+
+    def _whole_of(self, t: torch.Tensor, typ: TensorType) -> torch.Tensor:
+        """The whole tensor of type ``typ`` from every rank's piece ``t`` (collectives over
+        the axes it is split on: every rank must call it)."""
+        out, moved = t.detach(), False
+        flat = _flat_axis(typ, self._sides)
+        if flat is not None:
+            split_only = typ.local_shape({a: n for a, n in self.mesh.axes
+                                          if isinstance(typ.placement(a), Shard)})
+            out, moved = collectives.all_gather(self._sides[flat], out, "flat",
+                                                list(split_only)), True
+        for a, p in reversed(typ.placements):
+            if isinstance(p, Shard) and a in self._sides:
+                out, moved = collectives.all_gather(self._sides[a], out, p.dim, []), True
+        return out if moved else out.clone()
 
     def _write(self, slot: Slot, new: torch.Tensor) -> None:
         if slot.kind == "grad" and slot.key[0] in self._sharded_grads:
@@ -202,21 +262,73 @@ class TorchDistStep(TorchStep):
 
     @property
     def comm_bytes(self) -> int:
-        """Bytes this rank sent in the step's collectives so far (ring model)."""
-        return self.comm.bytes_sent
+        """Bytes this rank sent in the step's collectives so far (ring model), over every
+        mesh axis."""
+        return sum(c.bytes_sent for c in self.comms.values())
 
     def _broadcast_module_states(self) -> None:
-        # as DDP does at construction: every rank starts from rank 0's parameters/buffers
-        if self.comm.size == 1:
-            return
+        # as DDP does at construction: every rank starts from the mesh's first rank's
+        # parameters and buffers (broadcast over each axis in turn reaches every rank)
         seen: set[int] = set()
+        tensors = []
+        for m in self.captured.modules:
+            for t in list(m.parameters()) + list(m.buffers()):
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    tensors.append(t)
+        whole = {id(p): tuple(p.shape) == self._param_type[pi].shape
+                 for pi, p in enumerate(self.captured.params) if pi in self._param_type}
         with torch.no_grad():
-            for m in self.captured.modules:
-                for t in list(m.parameters()) + list(m.buffers()):
-                    if id(t) not in seen:
-                        seen.add(id(t))
-                        dist.broadcast(t.data, src=self.comm.global_rank(0),
-                                       group=self.comm.group)
+            for a, comm in self.comms.items():
+                if comm.size == 1:
+                    continue
+                for t in tensors:
+                    # a parameter already held as its shard (a step built before) keeps it
+                    if a != self.axis and not whole.get(id(t), True):
+                        continue
+                    dist.broadcast(t.data, src=comm.global_rank(0), group=comm.group)
+
+    def _shard_params(self) -> None:
+        """Make each parameter placed ``S(d)`` on a tensor-parallel axis the rank's chunk of
+        itself, as FSDP2 does: between steps the module's parameters ARE this rank's shards
+        (its own forward outside the step is then not meaningful); ``state_dict()`` gathers
+        them."""
+        sizes = dict(self.mesh.axes)
+        for pi, p in enumerate(self.captured.params):
+            typ = self._param_type.get(pi)
+            if typ is None or not _held(typ):
+                continue
+            bad = [f"{a}: {q}" for a, q in _held(typ).items() if not isinstance(q, Shard)]
+            if bad:
+                raise BackendError(f"the parameter {self._param_names[pi]} is read placed "
+                                   f"{', '.join(bad)}; the torch runtime holds parameters "
+                                   "whole or split along a dimension (S(d)) only",
+                                   hint="shard optimizer state over the data axis, not the "
+                                        "parameters themselves")
+            local = typ.local_shape(sizes)
+            if tuple(p.shape) == local:
+                continue            # already this rank's shard
+            if tuple(p.shape) != typ.shape:
+                raise BackendError(f"the parameter {self._param_names[pi]} has shape "
+                                   f"{tuple(p.shape)}; the plan holds {typ.shape} split to "
+                                   f"{local}", hint="trace the step again")
+            with torch.no_grad():
+                p.data = self._shard_of(p.data, typ).clone()
+            p.grad = None
+
+    def state_dict(self, module: int = 0) -> dict[str, torch.Tensor]:
+        """The whole state dict of the step's ``module``-th module (parameters gathered from
+        every rank's tensor-parallel shard, buffers as held) on every rank: a collective,
+        every rank must call it. For checkpoints and comparisons."""
+        cap = self.captured
+        gathered: dict[str, torch.Tensor] = {}
+        slots = [s for s in cap.inputs if s.kind == "param"]
+        for pi, slot in enumerate(slots):
+            typ = self._param_type[pi]
+            if slot.owner == module and _held(typ):
+                gathered[slot.key[0]] = self._whole_of(cap.params[pi], typ)
+        return {k: gathered[k] if k in gathered else v.detach().clone()
+                for k, v in cap.modules[module].state_dict().items()}
 
     # ------------------------------------------------------------------ reports
     def profile(self, *args: Any, steps: int = 5) -> StepProfile:
@@ -227,17 +339,19 @@ class TorchDistStep(TorchStep):
         every rank must call it."""
         def timed(force: bool) -> tuple[float, float]:
             walls, blocked = [], []
-            self.comm.force_sync = force
+            for c in self.comms.values():
+                c.force_sync = force
             try:
                 for _ in range(steps):
                     if not self.alone:
-                        dist.barrier(group=self.comm.group)
-                    b0, t0 = self.comm.blocked_s, time.perf_counter()
+                        dist.barrier(group=self._barrier_group())
+                    b0, t0 = self._blocked(), time.perf_counter()
                     self(*args)
                     walls.append(time.perf_counter() - t0)
-                    blocked.append(self.comm.blocked_s - b0)
+                    blocked.append(self._blocked() - b0)
             finally:
-                self.comm.force_sync = False
+                for c in self.comms.values():
+                    c.force_sync = False
             return _median(walls), _median(blocked)
         if steps < 1:
             raise ValueError("profile needs at least one step")
@@ -247,8 +361,17 @@ class TorchDistStep(TorchStep):
                            comm_s=comm_s, exposed_comm_s=exposed,
                            hidden_comm_s=max(comm_s - exposed, 0.0), steps=steps)
 
+    def _blocked(self) -> float:
+        return sum(c.blocked_s for c in self.comms.values())
+
+    def _barrier_group(self) -> Any:
+        # one axis: its group; several: every rank of the mesh (WORLD, or the user's mesh)
+        big = [c for c in self.comms.values() if c.size > 1]
+        return big[0].group if len(big) == 1 else None
+
     def memory_report(self) -> MemoryReport:
-        """Bytes of parameters, optimizer state and gradients this process holds now."""
+        """Bytes of parameters, optimizer state and gradients this process holds now
+        (tensor-parallel shards and optimizer-state shards as held)."""
         cap = self.captured
         params = [p for m in cap.modules for p in m.parameters()]
         state = [v for opt in cap.optimizers for st in opt.state.values()
@@ -265,15 +388,7 @@ class TorchDistStep(TorchStep):
             if slot.kind != "opt_state":
                 continue
             pi, key = slot.key
-            t = self._state(slot).detach()
-            typ = self._state_type[slot.key]
-            p = self._placement(typ)
-            if isinstance(p, FlatShard):
-                t = collectives.all_gather(self._side, t, "flat", list(typ.shape))
-            elif isinstance(p, Shard):
-                t = collectives.all_gather(self._side, t, p.dim, list(typ.shape))
-            else:
-                t = t.clone()
+            t = self._whole_of(self._state(slot), self._state_type[slot.key])
             out.setdefault(self._param_names[pi], {})[key] = t
         return out
 
@@ -286,9 +401,30 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def _check_world(graph: Graph, mesh: Mesh, group: Any, axis: str) -> tuple[int, int]:
-    """The axis size and this rank's index on it, after checking that the mesh, the graph
-    and the running process group agree (before any collective runs)."""
+def _held(t: TensorType) -> dict[str, Placement]:
+    """The axes a value is not replicated over, and how it is placed on each."""
+    return {a: p for a, p in t.placements if not isinstance(p, Replicate)}
+
+
+def _flat_axis(typ: TensorType, comms: dict[str, Any]) -> str | None:
+    """The one axis a value is flat-sharded over (None: none); BackendError for two."""
+    flat = [a for a, p in typ.placements if isinstance(p, FlatShard) and a in comms]
+    if len(flat) > 1:
+        raise BackendError(f"a value of type {typ} is flat-sharded over {len(flat)} axes; "
+                           "the torch runtime keeps flat shards of one axis",
+                           hint="shard the optimizer state over the data axis only")
+    return flat[0] if flat else None
+
+
+def _check_world(graph: Graph, mesh: Mesh, group: Any, axis: str,
+                 groups: dict[str, Any] | None = None) -> dict[str, tuple[int, int, Any]]:
+    """Each mesh axis's size, this rank's index on it and its process group, after checking
+    that the mesh, the graph and the running process group agree (before any collective
+    runs, except the ``new_group`` calls that make the groups of a mesh of several axes).
+
+    ``groups`` (a torch DeviceMesh's, by axis) are used as they are; otherwise a mesh with
+    one axis of more than one device runs on ``group`` (default WORLD), and one with
+    several gets a group per axis (``groups.new_axis_groups``) among ``group``'s ranks."""
     if axis not in mesh:
         have = ", ".join(mesh.names) or "none"
         raise MeshError(f"the mesh {mesh} has no axis {axis!r} (axes: {have})",
@@ -300,37 +436,60 @@ def _check_world(graph: Graph, mesh: Mesh, group: Any, axis: str) -> tuple[int, 
                         f"{graph.mesh or 'empty'})",
                         hint=f"run the data-parallel{{axis={axis}}} pass on a graph whose mesh "
                              "has that axis")
-    if graph.mesh.axis_size(axis) != size:
-        raise MeshError(f"the graph was transformed for {graph.mesh} but runs on {mesh}",
-                        hint="run the passes for the mesh you run on")
-    others = [n for n, s in mesh.axes if n != axis and s > 1]
-    if others:
-        raise BackendError(f"the torch runtime runs one mesh axis ({axis!r}); the mesh also "
-                           f"has {', '.join(others)}", hint="use a one-axis mesh for now")
+    for name, n in mesh.axes:
+        if (name in graph.mesh and graph.mesh.axis_size(name) != n) or (
+                name not in graph.mesh and n > 1):
+            raise MeshError(f"the graph was transformed for {graph.mesh} but runs on {mesh}",
+                            hint="run the passes for the mesh you run on")
     coll = {str(op.attrs.get("axis")) for op in graph.ops
             if op.name in OPS and OPS[op.name].category is Category.collective}
-    if coll - {axis}:
-        raise BackendError(f"the graph has collectives over {sorted(coll - {axis})}, not "
-                           f"only {axis!r}")
+    if coll - set(mesh.names):
+        raise BackendError(f"the graph has collectives over {sorted(coll - set(mesh.names))}, "
+                           f"which the mesh {mesh} does not have")
+    big = [(name, n) for name, n in mesh.axes if n > 1]
+    one = {name: (1, 0, None) for name, n in mesh.axes if n == 1}
     if not (dist.is_available() and dist.is_initialized()):
-        if size == 1 and group is None and not coll:
-            return 1, 0      # a mesh of one device: the single-device program, in-process
-        if size == 1:
+        if not big and group is None and not coll:
+            return one      # a mesh of one device: the single-device program, in-process
+        if not big:
             raise BackendError(
                 f"torch.distributed is not initialized, and the plan for the one-device mesh "
-                f"axis {axis!r} still has collectives over it (the passes were given)",
+                f"still has collectives over it ({', '.join(sorted(coll))}; the passes were "
+                "given)",
                 hint="leave passes= unset on a one-device mesh (the single-device program "
                      "runs), or call torch.distributed.init_process_group first")
+        what = ", ".join(f"mesh axis {n!r}" for n, _ in big)
         raise BackendError(
-            f"torch.distributed is not initialized, and the step runs on {size} processes "
-            f"(mesh axis {axis!r})",
-            hint=f"run under torchrun --nproc_per_node={size} and call "
+            f"torch.distributed is not initialized, and the step runs on {mesh.size} "
+            f"processes ({what})",
+            hint=f"run under torchrun --nproc_per_node={mesh.size} and call "
                  "torch.distributed.init_process_group('gloo' or 'nccl') before building "
                  "the step")
+    if groups:
+        out = dict(one)
+        for name, n in big:
+            g = groups.get(name)
+            world = dist.get_world_size(g)
+            if world != n:
+                raise MeshError(f"mesh axis {name!r} has {n} devices but its process group "
+                                f"has {world} processes",
+                                hint="build the DeviceMesh with the mesh's axis sizes")
+            out[name] = (n, dist.get_rank(g), g)
+        return out
     world = dist.get_world_size(group)
-    if world != size:
-        raise MeshError(f"mesh axis {axis!r} has {size} devices but the process group has "
+    if len(big) <= 1:
+        name, n = big[0] if big else (axis, size)
+        if world != n:
+            raise MeshError(f"mesh axis {name!r} has {n} devices but the process group has "
+                            f"{world} processes",
+                            hint=f"run under torchrun --nproc_per_node={n}, or transform the "
+                                 f"step for Mesh({{{name!r}: {world}}})")
+        return {**one, name: (n, dist.get_rank(group), group)}
+    if world != mesh.size:
+        raise MeshError(f"the mesh {mesh} has {mesh.size} devices but the process group has "
                         f"{world} processes",
-                        hint=f"run under torchrun --nproc_per_node={size}, or transform the "
-                             f"step for Mesh({{{axis!r}: {world}}})")
-    return size, dist.get_rank(group)
+                        hint=f"run under torchrun --nproc_per_node={mesh.size}, or plan for "
+                             f"a mesh of {world} devices")
+    me = coordinates(mesh, dist.get_rank(group))
+    made = new_axis_groups(mesh, group)
+    return {**one, **{name: (n, me[name], made[name]) for name, n in big}}

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..errors import BackendError, FrontendError
+from ..errors import FrontendError
 from ..ir.core import Graph
 from ..mesh import Mesh
 
@@ -19,7 +19,7 @@ class TorchFramework:
     name = "torch"
     packages = ("torch",)
     update_layout = "flat"
-    runs_tensor_parallel = False   # the per-rank runtime holds data-axis shards only (yet)
+    runs_tensor_parallel = True    # one process group per mesh axis; tp shards held as params
     backend = ("torch.distributed per-rank program; collectives run as planned (buckets "
                "packed, async ones waited where first needed)")
 
@@ -55,22 +55,15 @@ class TorchFramework:
 
     def parallel_runner(self, graph: Graph, extra: Any, user_mesh: Any, mesh: Mesh,
                         axis: str) -> Callable:
-        """The per-rank program on the axis's process group (a DeviceMesh's, or WORLD); on
-        a mesh of one device with no collective, in this process without a process group."""
+        """The per-rank program with a process group per mesh axis (a DeviceMesh's own
+        groups; WORLD for a mesh with one axis of several devices; ``new_group`` per axis
+        otherwise, ranks laid out row-major as ``init_device_mesh`` does). On a mesh of one
+        device with no collective, in this process without a process group."""
         from .dist import TorchDistStep
-        other = sorted({a for a, n in mesh.axes if a != axis and n > 1
-                        and _placed_on(graph, a)})
-        if other:
-            raise BackendError(
-                f"the torch backend runs data parallelism over {axis!r} only; this plan also "
-                f"splits tensors over {', '.join(other)} (tensor parallelism), which its "
-                "per-rank runtime cannot hold yet",
-                hint="plan it with diphoma inspect, run it with JAX, or give the mesh only "
-                     "a data axis")
-        group = None
-        if hasattr(user_mesh, "get_group"):     # a torch DeviceMesh: its axis's group
-            group = user_mesh.get_group(axis)
-        return TorchDistStep(graph, extra, mesh, group=group, axis=axis)
+        groups = None
+        if hasattr(user_mesh, "get_group"):     # a torch DeviceMesh: its axes' groups
+            groups = {a: user_mesh.get_group(a) for a, n in mesh.axes if n > 1}
+        return TorchDistStep(graph, extra, mesh, axis=axis, groups=groups)
 
     def in_place_updates(self, graph: Graph) -> set[str]:
         """New values build_module copies into their input's storage where they are made."""
@@ -85,12 +78,6 @@ class TorchFramework:
         """The module building inspect's step from a torch model file."""
         from . import inspect_target
         return inspect_target
-
-
-def _placed_on(graph: Graph, axis: str) -> bool:
-    """True when a value is split over ``axis`` or a collective runs over it."""
-    values = [i.value for i in graph.inputs] + [v for op in graph.walk() for v in op.results]
-    return any(axis in dict(v.type.placements) for v in values)
 
 
 FRAMEWORK = TorchFramework()

@@ -8,7 +8,11 @@ PyTorch DDP beside it. The functions return plain data; the tests assert on it.
 To add a check: write ``run_x(rank, world) -> plain data`` decorated with ``@check("x")``;
 the session's one launch runs it on every rank (after the checks registered above it), and
 a test reads rank r's result as ``runs[r]["x"]`` (the ``runs`` fixture, conftest.py). To
-add a training case, add it to CASES (and its model to MODELS); it lands in ``cases``."""
+add a training case, add it to CASES (and its model to MODELS); it lands in ``cases``.
+
+The ``tp`` check runs tensor parallelism (dp=1 x tp=4 and dp=2 x tp=2) through
+``parallelize``, which makes a process group per mesh axis: ranks 0, 1 are dp index 0 and
+ranks 2, 3 dp index 1 (row-major, as init_device_mesh lays them out)."""
 
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch"))
 import gpt as gpt_example  # noqa: E402  (examples/gpt.py)
 from models import ResNetStem, classify_step, image_batches  # noqa: E402
 from models import classify_step as mlp_step  # noqa: E402
+from test_propagation_torch import Block  # noqa: E402
 
 from diphoma_compile.torch import collectives  # noqa: E402
 from diphoma_compile.torch.dist import TorchDistStep  # noqa: E402
@@ -252,7 +257,7 @@ def comm_bytes(step: TorchDistStep, graph) -> dict:
         if d.category is Category.collective:
             kinds[op.name] += 1
             by_table += d.comm_bytes(op, [types[n] for n in op.inputs],
-                                     [v.type for v in op.results], sizes[op.attrs["axis"]])
+                                     [v.type for v in op.results], sizes[op.attrs["axis"]], sizes)
     return {"counted": step.comm_bytes, "calls": step.calls,
             "plan": build_plan(graph).comm_bytes_per_step, "table": by_table,
             "kinds_counted": dict(step.comm.calls),
@@ -540,6 +545,93 @@ def run_errors(rank: int, world: int) -> dict:
                 out[name] = {"raised": None, "calls": calls}
             except DiphomaError as e:
                 out[name] = {"raised": type(e).__name__, "message": str(e), "calls": calls}
+    return out
+
+
+# ------------------------------------------------------------------ tensor parallelism
+
+TP_MESHES = {"dp1-tp4": {"dp": 1, "tp": 4}, "dp2-tp2": {"dp": 2, "tp": 2}}
+TP_STEPS, TP_LOCAL = 3, 2          # steps; sequences per data-parallel rank
+
+
+class TwoBlocks(nn.Module):
+    """Two pre-norm transformer blocks (tests/torch/test_propagation_torch.py's Block) of
+    width 32 with 4 heads, so that tp=4 splits heads and MLP evenly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b1, self.b2 = Block(32, 4), Block(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b2(self.b1(x))
+
+
+def squares_step(model, opt, x):
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@check("tp")
+def run_tensor_parallel(rank: int, world: int) -> dict:
+    """parallelize over dp=1 x tp=4 and dp=2 x tp=2 (default passes: tensor parallelism,
+    then data parallelism with weight-update sharding), SGD+momentum and AdamW, TP_STEPS
+    steps, against the single-device step on the global batch (rank 0)."""
+    return {f"{m}-{o}": run_tp_case(rank, mesh, o) for m, mesh in TP_MESHES.items()
+            for o in ("sgdm", "adamw")}
+
+
+def state_rel_by_key(state: dict[str, dict[str, torch.Tensor]], ref, ref_opt) -> dict:
+    """Per state key (momentum_buffer, exp_avg, ...): the largest deviation over every
+    parameter, relative to the largest value of that key (a key's biases with gradient
+    zero in exact arithmetic hold only rounding noise, so a per-tensor ratio says nothing)."""
+    dev: dict[str, float] = {}
+    scale: dict[str, float] = {}
+    for name, q in ref.named_parameters():
+        for key, v in ref_opt.state[q].items():
+            if key != "step":
+                dev[key] = max(dev.get(key, 0.0), max_abs(state[name][key], v))
+                scale[key] = max(scale.get(key, 0.0), v.abs().max().item())
+    return {k: dev[k] / max(scale[k], 1e-30) for k in dev}
+
+
+def run_tp_case(rank: int, axes: dict[str, int], opt_name: str) -> dict:
+    import diphoma_compile
+    dp, tp = axes["dp"], axes["tp"]
+    torch.manual_seed(0)
+    model = TwoBlocks()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = OPTS[opt_name](model.parameters()), OPTS[opt_name](ref.parameters())
+    g = torch.Generator().manual_seed(31)
+    batches = [torch.randn(dp * TP_LOCAL, 8, 32, generator=g) for _ in range(TP_STEPS)]
+    row = rank // tp                  # this rank's dp index (ranks laid out row-major)
+    step = diphoma_compile.parallelize(squares_step, diphoma_compile.Mesh(axes))
+    losses, ref_losses = [], []
+    for b in batches:
+        losses.append(step(model, opt, b[row * TP_LOCAL:(row + 1) * TP_LOCAL]).item())
+        if rank == 0:
+            ref_losses.append(squares_step(ref, ref_opt, b).item())
+    runner = step.runner
+    full = step.state_dict()                      # collectives: every rank
+    gathered = runner.gather_optimizer_state()
+    out = {"losses": losses, "backend": step.plan.backend,
+           "memory": step.memory_report().to_dict(),
+           "full_param_bytes": sum(p.numel() * p.element_size() for p in ref.parameters()),
+           "q_shape": tuple(model.b1.q.weight.shape), "o_shape": tuple(model.b1.o.weight.shape),
+           "kinds": {a: dict(c.calls) for a, c in runner.comms.items()},
+           "counted": runner.comm_bytes, "plan": step.plan.comm_bytes_per_step,
+           "calls": runner.calls,
+           "full": torch.cat([v.reshape(-1) for v in full.values()])}
+    if rank == 0:
+        ref_sd = ref.state_dict()
+        out["ref_losses"] = ref_losses
+        out["keys_equal"] = list(full) == list(ref_sd)
+        out["param_abs"] = {k: max_abs(full[k], v) for k, v in ref_sd.items()}
+        out["param_scale"] = max(v.abs().max().item() for v in ref_sd.values())
+        out["state"] = compare_state(gathered, ref, ref_opt)
+        out["state_rel"] = state_rel_by_key(gathered, ref, ref_opt)
     return out
 
 

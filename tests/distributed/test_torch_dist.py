@@ -1,8 +1,9 @@
 """The data-parallel, weight-update-sharded torch step on 4 gloo ranks against the
 single-device step on the global batch (and PyTorch DDP for AdamW): loss, parameters and
 gathered optimizer state after ten steps; bytes sent equal the plan's; optimizer state per
-rank is 1/N; wrong worlds and meshes fail before any collective. One launch for all (the
-session fixtures ``runs`` and ``cases`` in conftest.py)."""
+rank is 1/N; wrong worlds and meshes fail before any collective; tensor parallelism (dp=1 x
+tp=4, dp=2 x tp=2) against one device, with each rank holding its shards. One launch for
+all (the session fixtures ``runs`` and ``cases`` in conftest.py)."""
 
 from __future__ import annotations
 
@@ -168,6 +169,63 @@ def test_resnet_stem(runs, opt_name):
     for what in ("param", "state", "buffer"):
         assert r0[what]["rel"] <= 1e-5, (what, r0[what])
     assert r0["state"]["keys"] > 0
+
+
+TP_CASES = [f"{m}-{o}" for m in dist_checks.TP_MESHES for o in ("sgdm", "adamw")]
+
+
+@pytest.mark.parametrize("case", TP_CASES)
+def test_tensor_parallel_matches_single_device(runs, case):
+    """Megatron's splits over tp (and dp with weight-update sharding) against the
+    single-device step on the global batch, three steps: the loss every step within 1e-5
+    relative; then the whole parameters (state_dict(), gathered) and optimizer state.
+    SGD+momentum: parameters within 1e-5 of their largest value. AdamW: within 1e-5
+    absolute (DDP cannot run on a dp=1 x tp=4 mesh, so there is no DDP distance to scale),
+    except the keys' biases: softmax ignores a shift shared by every key, so their exact
+    gradient is zero and Adam turns the rounding noise into steps of up to lr each, in any
+    implementation that sums in another order; they are held to that bound."""
+    r0 = runs[0]["tp"][case]
+    steps, lr = dist_checks.TP_STEPS, 1e-2
+    assert len(r0["losses"]) == steps
+    for a, b in zip(r0["losses"], r0["ref_losses"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (r0["losses"], r0["ref_losses"])
+    assert r0["keys_equal"]
+    devs = r0["param_abs"]
+    if "sgdm" in case:
+        assert max(devs.values()) <= 1e-5 * r0["param_scale"], devs
+    else:
+        for name, d in devs.items():
+            bound = steps * lr * 1.1 if name.endswith("k.bias") else 1e-5
+            assert d <= bound, (name, d)
+    assert r0["state"]["keys"] > 0 and r0["state"]["steps_equal"]
+    for key, d in r0["state_rel"].items():
+        assert d <= 1e-5, (key, r0["state_rel"])
+
+
+@pytest.mark.parametrize("case", TP_CASES)
+def test_tensor_parallel_ranks_hold_shards(runs, case):
+    """Between steps the module's parameters are the rank's shards (FSDP2's convention);
+    state_dict() gathers the same whole model on every rank; bytes sent equal the plan's."""
+    tp = dist_checks.TP_MESHES[case.rsplit("-", 1)[0]]["tp"]
+    r0 = runs[0]["tp"][case]
+    for r in runs:
+        res = r["tp"][case]
+        assert res["losses"] == r0["losses"]
+        assert torch.equal(res["full"], r0["full"]), "ranks gather different models"
+        assert res["q_shape"] == (32 // tp, 32) and res["o_shape"] == (32, 32 // tp)
+        # Megatron: two all-reduces forward, two backward, per block
+        assert res["kinds"]["tp"] == {"all_reduce": 8 * res["calls"]}, res["kinds"]
+        assert res["counted"] == res["calls"] * res["plan"], (res["counted"], res["plan"])
+        assert "cannot run" not in res["backend"]
+        assert res["memory"]["grad_bytes"] == 0
+
+
+def test_tensor_parallel_four_ways_holds_under_two_fifths_of_the_parameters(runs):
+    for case in ("dp1-tp4-sgdm", "dp1-tp4-adamw"):
+        for r in runs:
+            res = r["tp"][case]
+            share = res["memory"]["param_bytes"] / res["full_param_bytes"]
+            assert share <= 0.40, (case, share)
 
 
 ERRORS = {

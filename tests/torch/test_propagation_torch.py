@@ -111,16 +111,22 @@ def test_tensor_parallel_pass_finds_the_pairs_of_a_pytorch_block():
                                          "backward": ["all_reduce"] * 2}
 
 
-def test_torch_plans_tensor_parallelism_but_refuses_to_run_it():
-    """The plan is made (and says torch cannot run it); running it is a clear error, not a
-    per-rank program that would hold whole weights where the plan split them."""
-    from diphoma_compile.errors import BackendError
+def test_torch_plans_tensor_parallelism_and_needs_a_process_group_to_run_it():
+    """The plan is made for the torch runtime (which runs it: tests/distributed); run
+    outside torch.distributed, it says how to launch the mesh's processes."""
+    from diphoma_compile.errors import BackendError, DiphomaError
     torch.manual_seed(0)
     model = Block()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     par = diphoma_compile.parallelize(step, {"dp": 1, "tp": 2})
     par.trace(model, opt, torch.randn(2, 8, 16))
-    assert "torch cannot run this plan yet" in par.plan.backend
+    assert "cannot run" not in par.plan.backend
+    assert par.plan.backend.startswith("torch.distributed per-rank program")
     assert "tensor parallel over tp=2: 2 layer pair(s)" in par.plan.to_text()
-    with pytest.raises(BackendError, match="splits tensors over tp"):
+    with pytest.raises(DiphomaError, match="has not run yet"):
+        par.state_dict()
+    with pytest.raises(BackendError, match="not initialized") as e:
         par(model, opt, torch.randn(2, 8, 16))
+    assert "torchrun --nproc_per_node=2" in str(e.value)
+    # nothing was split: the module keeps its whole parameters
+    assert tuple(model.q.weight.shape) == (16, 16)
