@@ -635,6 +635,50 @@ def run_tp_case(rank: int, axes: dict[str, int], opt_name: str) -> dict:
     return out
 
 
+@check("tp_hf")
+def run_tensor_parallel_hf(rank: int, world: int) -> dict:
+    """A Hugging Face OPT model (separate q/k/v projections, as people bring it) under
+    parallelize over dp=1 x tp=4 with SGD+momentum, TP_STEPS steps, against the single-device
+    step (rank 0): losses, the gathered parameters, and the bytes each rank holds."""
+    import diphoma_compile
+    try:
+        import transformers
+    except ImportError:          # the dev extra is not installed: nothing to check
+        return {}
+    torch.manual_seed(0)
+    model = transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, ffn_dim=128,
+        num_attention_heads=4, max_position_embeddings=32, word_embed_proj_dim=32,
+        dropout=0.0, attention_dropout=0.0))
+    ref = copy.deepcopy(model)
+    opt, ref_opt = OPTS["sgdm"](model.parameters()), OPTS["sgdm"](ref.parameters())
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 64, (2, 16), generator=g) for _ in range(TP_STEPS)]
+
+    def lm_step(model, opt, ids):
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return out.loss
+    step = diphoma_compile.parallelize(lm_step, diphoma_compile.Mesh({"dp": 1, "tp": 4}))
+    losses, ref_losses = [], []
+    for b in batches:
+        losses.append(step(model, opt, b).item())
+        if rank == 0:
+            ref_losses.append(lm_step(ref, ref_opt, b).item())
+    full = step.state_dict()
+    out = {"losses": losses, "pairs": len(step.plan.notes["tensor-parallel"]["pairs"]),
+           "held": sum(p.numel() * p.element_size() for p in model.parameters()),
+           "whole": sum(p.numel() * p.element_size() for p in ref.parameters())}
+    if rank == 0:
+        ref_sd = ref.state_dict()
+        out["ref_losses"] = ref_losses
+        out["param_abs"] = max(max_abs(full[k], v) for k, v in ref_sd.items())
+        out["param_scale"] = max(v.abs().max().item() for v in ref_sd.values())
+    return out
+
+
 # ------------------------------------------------------------------ the launch
 
 def run_all(rank: int, world: int) -> dict:
