@@ -61,8 +61,10 @@ class ParallelStep:
 
     def __init__(self, step_fn: Callable, mesh: Any, *, passes: str | None = None,
                  axis: str | None = None,
-                 batch_argnums: int | Iterable[int] | None = None) -> None:
+                 batch_argnums: int | Iterable[int] | None = None,
+                 donate: bool = False) -> None:
         self.step_fn = step_fn
+        self.donate = bool(donate)
         self.user_mesh = mesh
         self.mesh = Mesh.of(mesh)
         self.axis = data_axis(self.mesh, axis)
@@ -110,7 +112,7 @@ class ParallelStep:
             if self._graph is None:
                 self.trace(*args)
             self._runner = self._fw.parallel_runner(self._graph, self._extra, self.user_mesh,
-                                                    self.mesh, self.axis)
+                                                    self.mesh, self.axis, self.donate)
         return self._runner(*args)
 
     @property
@@ -213,7 +215,8 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
 
 def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
                 axis: str | None = None,
-                batch_argnums: int | Iterable[int] | None = None) -> ParallelStep:
+                batch_argnums: int | Iterable[int] | None = None,
+                donate: bool = False) -> ParallelStep:
     """``step_fn`` as a distributed step over ``mesh`` (a diphoma Mesh, a dict of axis
     sizes, a torch DeviceMesh or a jax.sharding.Mesh). By default: tensor parallelism
     (Megatron's layer pairs) over an axis named tp, tensor or model, and data parallelism
@@ -224,6 +227,12 @@ def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
     ``batch_argnums`` (JAX) names the step's batch arguments, which are split over the
     data axis; by default they are argument 2 and every later array argument with as many
     rows as it (keys and single numbers are not batch). A mesh of one device runs the
-    single-device program."""
+    single-device program.
+
+    ``donate=True`` (JAX) lets the step consume the parameter and optimizer-state arrays it
+    is given, as ``jax.jit(donate_argnums=...)`` does: their buffers hold the new values,
+    so the old and new model do not both live through the step; the caller must not use
+    the arrays passed in again (``params, opt_state, loss = step(params, opt_state, b)``).
+    PyTorch steps write new values into the live tensors in any case."""
     return ParallelStep(step_fn, mesh, passes=passes, axis=axis,
-                        batch_argnums=batch_argnums)
+                        batch_argnums=batch_argnums, donate=donate)

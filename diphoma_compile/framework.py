@@ -44,7 +44,7 @@ class Framework(Protocol):
         """A single-device callable running ``graph`` with the step's signature."""
 
     def parallel_runner(self, graph: Graph, extra: Any, user_mesh: Any, mesh: Mesh,
-                        axis: str) -> Callable:
+                        axis: str, donate: bool = False) -> Callable:
         """A callable running the per-device ``graph`` over ``mesh``; the single-device
         program where ``runs_on_one_device(graph)``."""
 

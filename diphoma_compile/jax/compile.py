@@ -154,14 +154,21 @@ def _check_leaf(name: str, want: TensorType, leaf: Any) -> None:
                                 "example arguments it was traced with")
 
 
+def donated(graph: Graph) -> tuple[int, ...]:
+    """The input positions a donating step consumes: parameters and optimizer state (their
+    buffers hold the new values), as ``jax.jit(donate_argnums=...)`` users donate them."""
+    return tuple(k for k, i in enumerate(graph.inputs)
+                 if i.role.kind in (InputKind.param, InputKind.opt_state))
+
+
 class JaxStep:
     """A compiled graph: call it like the user's step; it runs under jax.jit."""
 
-    def __init__(self, graph: Graph, out_tree: Any = None) -> None:
+    def __init__(self, graph: Graph, out_tree: Any = None, donate: bool = False) -> None:
         self.graph = graph
         self.out_tree = out_tree if out_tree is not None else output_tree(graph)
         self.fn = graph_function(graph)
-        self.jitted = jax.jit(self.fn)
+        self.jitted = jax.jit(self.fn, donate_argnums=donated(graph) if donate else ())
 
     def leaves(self, args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         """(input leaves, the treedef of each argument); as many leaves as graph inputs."""

@@ -56,13 +56,13 @@ class JaxFramework:
         return compile_jax(graph, out_tree=extra)
 
     def parallel_runner(self, graph: Graph, extra: Any, user_mesh: Any, mesh: Mesh,
-                        axis: str) -> Callable:
+                        axis: str, donate: bool = False) -> Callable:
         """jax.jit over shard_map on the user's mesh (or one made from ``mesh``); on a mesh
         of one device, the single-device program under jax.jit, as ``compile`` runs it."""
         from .parallel import JaxOneDeviceStep, JaxParallelStep
         if runs_on_one_device(graph):
-            return JaxOneDeviceStep(graph, extra, mesh=user_mesh)
-        return JaxParallelStep(graph, extra, mesh=user_mesh, axis=axis)
+            return JaxOneDeviceStep(graph, extra, mesh=user_mesh, donate=donate)
+        return JaxParallelStep(graph, extra, mesh=user_mesh, axis=axis, donate=donate)
 
     def in_place_updates(self, graph: Graph) -> set[str]:
         """None: the JAX backend donates no buffers (yet), so old and new values coexist."""

@@ -26,7 +26,7 @@ from ..ir.core import Graph, InputKind, Op, OutputKind
 from ..ir.types import FlatShard, Placement, Replicate, Shard, TensorType, Varying
 from ..mesh import Mesh
 from ..report.memory import MemoryReport
-from .compile import JaxStep, Lowering, dtype_matches, graph_function
+from .compile import JaxStep, Lowering, donated, dtype_matches, graph_function
 from .ops import emitter
 from .trees import output_tree
 
@@ -336,7 +336,7 @@ class JaxParallelStep(MeasuredRunner):
     the global batch; parameters come back replicated, optimizer state stays sharded."""
 
     def __init__(self, graph: Graph, out_tree: Any = None, *, mesh: Any = None,
-                 axis: str | None = None) -> None:
+                 axis: str | None = None, donate: bool = False) -> None:
         self.graph = graph
         self.out_tree = out_tree if out_tree is not None else output_tree(graph)
         self.mesh = jax_mesh(mesh if mesh is not None else graph.mesh)
@@ -355,7 +355,8 @@ class JaxParallelStep(MeasuredRunner):
         body = jax.shard_map(self.fn, mesh=self.mesh, in_specs=self.in_specs,
                              out_specs=self.out_specs, check_vma=False)
         self.jitted = jax.jit(body, in_shardings=self.in_shardings,
-                              out_shardings=self.out_shardings)
+                              out_shardings=self.out_shardings,
+                              donate_argnums=donated(graph) if donate else ())
         self.device_count = self.mesh.size
         self._last: tuple = ()
 
@@ -411,8 +412,9 @@ class JaxOneDeviceStep(MeasuredRunner):
     """``parallelize`` on a mesh of one device: the single-device program under jax.jit,
     exactly as ``compile`` runs it, on the mesh's device (a jax Mesh's, else the default)."""
 
-    def __init__(self, graph: Graph, out_tree: Any = None, *, mesh: Any = None) -> None:
-        super().__init__(graph, out_tree)
+    def __init__(self, graph: Graph, out_tree: Any = None, *, mesh: Any = None,
+                 donate: bool = False) -> None:
+        super().__init__(graph, out_tree, donate)
         self.device = mesh.devices.flat[0] if isinstance(mesh, jax.sharding.Mesh) else None
         self.device_count = 1
         self._last: tuple = ()

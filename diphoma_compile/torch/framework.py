@@ -54,11 +54,12 @@ class TorchFramework:
         return TorchStep(graph, extra)
 
     def parallel_runner(self, graph: Graph, extra: Any, user_mesh: Any, mesh: Mesh,
-                        axis: str) -> Callable:
+                        axis: str, donate: bool = False) -> Callable:
         """The per-rank program with a process group per mesh axis (a DeviceMesh's own
         groups; WORLD for a mesh with one axis of several devices; ``new_group`` per axis
         otherwise, ranks laid out row-major as ``init_device_mesh`` does). On a mesh of one
-        device with no collective, in this process without a process group."""
+        device with no collective, in this process without a process group. ``donate``
+        changes nothing: the program writes new values into the live tensors anyway."""
         from .dist import TorchDistStep
         groups = None
         if hasattr(user_mesh, "get_group"):     # a torch DeviceMesh: its axes' groups
