@@ -31,7 +31,6 @@ from .mesh import Mesh, data_axis, tensor_axis
 from .passes.base import PassContext
 from .passes.defaults import default_passes
 from .passes.pipeline import Pipeline
-from .passes.tensor_parallel import TensorParallelRecord
 from .report.compute import DEFAULT_DEVICE_MODEL
 from .report.plan import Plan, build_plan
 
@@ -203,9 +202,6 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
     if spec:
         graph = Pipeline.from_spec(spec).run(graph, ctx)
     backend = fw.backend
-    if not fw.runs_tensor_parallel and ctx.decision(TensorParallelRecord) is not None:
-        backend += (f"; {fw.name} cannot run this plan yet: its runtime holds no tensors "
-                    "split over a tensor-parallel axis (plan only)")
     if runs_on_one_device(graph):
         backend = (f"the single-device program, as compile() runs it: the mesh has one "
                    f"device ({fw.name})")

@@ -27,7 +27,6 @@ class Framework(Protocol):
     packages: tuple[str, ...]       # top-level modules whose use marks a user file as ours
     update_layout: str              # weight-update sharding layout its backend runs (flat|dims)
     backend: str                    # one line for the plan: how the program runs
-    runs_tensor_parallel: bool      # its runner holds tensors split over a non-data axis
 
     def owns(self, args: tuple) -> bool:
         """True when a step's example arguments are this framework's."""

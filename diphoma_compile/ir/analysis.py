@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import networkx as nx
 
 from .core import Graph, Op, walk_ops
-from .ops import Category, op_def
+from .ops import Category, is_view, op_def
 from .types import TensorType
 
 
@@ -209,29 +209,34 @@ class Peak:
     inputs_bytes: int   # what the inputs hold (the memory at rest, before the step)
 
 
+def view_bases(graph: Graph) -> dict[str, str]:
+    """Each top-level value that is a view (``is_view``) -> the value owning its storage."""
+    base: dict[str, str] = {}
+    for op in graph.ops:
+        if is_view(op) and op.inputs:
+            for v in op.results:
+                base[v.name] = base.get(op.inputs[0], op.inputs[0])
+    return base
+
+
 def peak_memory(graph: Graph, in_place: Collection[str] = ()) -> Peak:
     """Liveness over the program as it runs, per device: each value that owns storage lives
     from the op that makes it to its last use (through any view of it), or to the end when
     the step returns it; inputs live throughout; views own nothing. Values in ``in_place``
     are copied into the input they replace where they are made (the backend's in-place
     updates): they are not held to the end."""
-    from .opdef import is_view
     sizes = dict(graph.mesh.axes)
     inputs = sum(i.value.type.local_nbytes(sizes) for i in graph.inputs)
     input_names = {i.name for i in graph.inputs}
-    base: dict[str, str] = {}
+    base = view_bases(graph)
     born: dict[str, int] = {}
     size: dict[str, int] = {}
     last: dict[str, int] = {}
     for k, op in enumerate(graph.ops):
-        view = is_view(op) and bool(op.inputs)
         for n in free_inputs(op):
-            b = base.get(n, n)
-            last[b] = k
+            last[base.get(n, n)] = k
         for v in op.results:
-            if view:
-                base[v.name] = base.get(op.inputs[0], op.inputs[0])
-            else:
+            if v.name not in base:
                 born[v.name] = k
                 size[v.name] = v.type.local_nbytes(sizes)
                 last.setdefault(v.name, k)

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..errors import DiphomaError
+from .opdef import is_local
 
 
 @dataclass(frozen=True)
@@ -26,8 +27,7 @@ class Link:
 # ring steps of each collective over n devices (the latency it pays)
 _STEPS = {"all_reduce": lambda n: 2 * (n - 1), "reduce_scatter": lambda n: n - 1,
           "all_gather": lambda n: n - 1, "all_to_all": lambda n: n - 1,
-          "broadcast": lambda n: n - 1, "send": lambda n: 1, "recv": lambda n: 0,
-          "take_shard": lambda n: 0, "as_partial": lambda n: 0}
+          "broadcast": lambda n: n - 1, "send": lambda n: 1, "recv": lambda n: 0}
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class DeviceModel:
 
     def collective_s(self, name: str, sent_bytes: float, n: int, axis: str | None) -> float:
         """Seconds for a collective over ``n`` devices that sends ``sent_bytes`` per device."""
-        if n <= 1 or name in ("take_shard", "as_partial"):
+        if n <= 1 or is_local(name):
             return 0.0
         link = self.link_of(axis)
         steps = _STEPS.get(name, lambda k: k - 1)(n)

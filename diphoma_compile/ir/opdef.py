@@ -67,6 +67,7 @@ class OpDef:
     linear_in: tuple[int, ...] = () # linear in each of these operands alone (mul: 0 and 1)
     partial: str | None = None      # reducing a split dim leaves partial results of this kind
     view: bool = False              # the result may alias its first operand (no storage)
+    local: bool = False             # a collective each device computes alone: moves no data
     strategies: Callable | None = None  # strategies.StrategyFn; None: runs whole only
 
     def flops(self, op: Op, ins: Sequence[TensorType],
@@ -184,6 +185,13 @@ def random_draw(op: Op) -> str | None:
     if op_def(op.name).category is Category.rng:
         return "key" if op.inputs or "seed" in op.attrs else "global"
     return None
+
+
+def is_local(name: str) -> bool:
+    """True for the collectives that move no data (each device computes its piece alone:
+    take_shard, as_partial), which costs, plans and reports count as free."""
+    d = OPS.get(name)
+    return d is not None and d.local
 
 
 def is_view(op: Op) -> bool:

@@ -12,11 +12,13 @@ from . import sharding_rules as S
 from . import strategies as T
 from .core import Attrs, Op, Value
 from .opdef import (ELEMENTWISE, OPS, AttrKind, Category, OpDef, check_attr, is_effectful,
-                    is_elementwise, is_pure, is_view, op_def, random_draw, register_op)
+                    is_elementwise, is_local, is_pure, is_view, op_def, random_draw,
+                    register_op)
 from .types import TensorType
 
 __all__ = ["ELEMENTWISE", "OPS", "AttrKind", "Category", "OpDef", "check_attr", "is_effectful",
-           "is_elementwise", "is_pure", "is_view", "op_def", "random_draw", "register_op"]
+           "is_elementwise", "is_local", "is_pure", "is_view", "op_def", "random_draw",
+           "register_op"]
 
 
 def _add(names: str, category: Category, shape_rule, sharding_rule, attrs=None,
@@ -134,9 +136,9 @@ _add("all_to_all", C.collective, R.same_as_input, S.collective,
      {**_COLL, "from_dim": ("int", True), "to_dim": ("int", True)})
 _add("broadcast", C.collective, R.same_as_input, S.collective, {**_COLL, "root": ("int", True)})
 _add("take_shard", C.collective, R.same_as_input, S.collective,
-     {**_COLL, "dim": ("dim_or_flat", True)},
+     {**_COLL, "dim": ("dim_or_flat", True)}, local=True,
      doc="the local piece of a replicated tensor: a slice, no communication")
-_add("as_partial", C.collective, R.same_as_input, S.collective, _COLL,
+_add("as_partial", C.collective, R.same_as_input, S.collective, _COLL, local=True,
      doc="a replicated value as a partial sum: device 0 of the axis keeps it, the others "
          "hold zeros (no communication; a row-parallel layer's bias, added once)")
 _add("send", C.collective, R.send, S.collective, {**_COLL, "peer": ("int", True)},

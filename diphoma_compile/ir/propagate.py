@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from ..errors import IRError
 from .core import Attrs, Graph, Input, Op, Output, Value
 from .device_model import DeviceModel, device_model
-from .opdef import Category, op_def
+from .opdef import Category, is_local, op_def
 from .roles import InputKind, OutputKind
-from .strategies import Strategy, candidates, linear_collective, replicated, reshard
+from .strategies import (Strategy, candidates, fits_axis, linear_collective, replicated,
+                         reshard)
 from .strategy_solver import solve
 from .types import REPLICATE, Partial, Placement, Shard, TensorType
 
@@ -62,7 +63,7 @@ class Assignment:
     def collectives(self, phase=None, graph: Graph | None = None) -> list[Reshard]:
         """The inserted collectives that move data (taking a slice moves none), optionally
         only those before ops of one phase."""
-        out = [r for r in self.reshards if r.collective not in ("take_shard", "as_partial")]
+        out = [r for r in self.reshards if not is_local(r.collective)]
         if phase is not None and graph is not None:
             out = [r for r in out if r.op_index >= 0 and graph.ops[r.op_index].phase == phase]
         return out
@@ -102,16 +103,11 @@ def _menu(op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType], axis: s
         if linear_collective(op):
             menu.append(Strategy(tuple(Partial("sum") for _ in ins),
                                  tuple(Partial("sum") for _ in outs)))
-        return [s for s in menu if _fits(s, ins, outs, n)]
+        return [s for s in menu if fits_axis(s, ins, outs, n)]
     menu = candidates(op, ins, outs, n)
     if not ins:     # a constant is built where it is needed; as a partial sum it only costs
         menu = [s for s in menu if not any(isinstance(p, Partial) for p in s.outputs)]
     return menu or [replicated(ins, outs)]
-
-
-def _fits(s: Strategy, ins, outs, n: int) -> bool:
-    return all(not isinstance(p, Shard) or (p.dim < t.rank and t.shape[p.dim] % n == 0)
-               for p, t in list(zip(s.inputs, ins)) + list(zip(s.outputs, outs)))
 
 
 def _compute_s(op: Op, s: Strategy, ins, outs, n: int, model: DeviceModel) -> float:
@@ -122,14 +118,27 @@ def _compute_s(op: Op, s: Strategy, ins, outs, n: int, model: DeviceModel) -> fl
     return model.compute_s(flops, nbytes) / (n if split else 1)
 
 
+def _signatures(graph: Graph) -> list[tuple[list[TensorType], list[TensorType]]]:
+    """Each top-level op's operand and result types."""
+    types = graph.value_types()
+    return [([types[x] for x in op.inputs], [v.type for v in op.results]) for op in graph.ops]
+
+
+def _state_like_param(graph: Graph) -> list[tuple[str, str]]:
+    """(optimizer state, its parameter) for state shaped like its parameter: the state that
+    follows the parameter's placement."""
+    shapes = {i.name: i.value.type.shape for i in graph.inputs}
+    return [(i.name, i.role.of) for i in graph.inputs
+            if i.role.kind is InputKind.opt_state and i.role.of in shapes
+            and i.value.type.shape == shapes[i.role.of]]
+
+
 def _fixed_inputs(graph: Graph, fixed: Mapping[str, Placement]) -> dict[str, Placement]:
     """The fixed placements, with optimizer state following its parameter (same shape)."""
     out = dict(fixed)
-    for i in graph.inputs:
-        role = i.role
-        if (i.name not in out and role.kind is InputKind.opt_state and role.of in fixed
-                and i.value.type.shape == graph.input(role.of).value.type.shape):
-            out[i.name] = fixed[role.of]
+    for state, param in _state_like_param(graph):
+        if state not in out and param in fixed:
+            out[state] = fixed[param]
     return out
 
 
@@ -159,8 +168,8 @@ def complete(graph: Graph, axis: str, fixed: Mapping[str, Placement],
             return math.inf
         return reshard_seconds(src, dst, types[name], n, axis, model)
 
-    menus = [_menu(op, [types[x] for x in op.inputs], [v.type for v in op.results], axis, n)
-             for op in graph.ops]
+    sigs = _signatures(graph)
+    menus = [_menu(op, ins, outs, axis, n) for op, (ins, outs) in zip(graph.ops, sigs)]
     free_in, ties = _free_inputs(graph, set(free) - set(fixed), n, set(fixed))
     demands = {o.name: _output_demand(graph, o, fixed) for o in graph.outputs}
     for o in graph.outputs:
@@ -169,8 +178,7 @@ def complete(graph: Graph, axis: str, fixed: Mapping[str, Placement],
             ties.append((o.name, o.role.target))
     chosen, chose_in = solve(
         graph, menus, fixed, demands, rc,
-        lambda k, s: _compute_s(graph.ops[k], s, [types[x] for x in graph.ops[k].inputs],
-                                [v.type for v in graph.ops[k].results], n, model),
+        lambda k, s: _compute_s(graph.ops[k], s, *sigs[k], n, model),
         time_limit_s, free_in, ties)
     fixed = {**fixed, **chose_in}
     for o in graph.outputs:
@@ -187,8 +195,7 @@ def complete(graph: Graph, axis: str, fixed: Mapping[str, Placement],
     compute = 0.0
     for k, op in enumerate(graph.ops):
         s = chosen[k]
-        compute += _compute_s(op, s, [types[x] for x in op.inputs],
-                              [v.type for v in op.results], n, model)
+        compute += _compute_s(op, s, *sigs[k], n, model)
         for x, want in zip(op.inputs, s.inputs):
             if placements[x] != want and (x, want) not in steps:
                 steps[x, want] = _step(k, x, placements[x], want, rc)
@@ -215,13 +222,10 @@ def _free_inputs(graph: Graph, free: set[str], n: int, fixed: set[str]
         raise IRError(f"free placements asked for values that are not graph inputs: "
                       f"{', '.join(missing[:5])}")
     ties: list[tuple[str, str]] = []
-    for i in graph.inputs:
-        role = i.role
-        if (role.kind is InputKind.opt_state and role.of in free and i.name not in free
-                and i.name not in fixed
-                and i.value.type.shape == graph.input(role.of).value.type.shape):
-            free.add(i.name)
-            ties.append((i.name, role.of))
+    for state, param in _state_like_param(graph):
+        if param in free and state not in free and state not in fixed:
+            free.add(state)
+            ties.append((state, param))
     options = {}
     for name in free:
         t = graph.input(name).value.type
@@ -252,21 +256,15 @@ def op_candidates(graph: Graph, axis: str, model: DeviceModel | str = "h100-nccl
     (communication depends on the neighbours' choices: ``reshard_seconds`` prices it)."""
     model = device_model(model) if isinstance(model, str) else model
     n = graph.mesh.axis_size(axis)
-    types = graph.value_types()
-    out = []
-    for op in graph.ops:
-        ins = [types[x] for x in op.inputs]
-        outs = [v.type for v in op.results]
-        out.append([(s, _compute_s(op, s, ins, outs, n, model))
-                    for s in _menu(op, ins, outs, axis, n)])
-    return out
+    return [[(s, _compute_s(op, s, ins, outs, n, model)) for s in _menu(op, ins, outs, axis, n)]
+            for op, (ins, outs) in zip(graph.ops, _signatures(graph))]
 
 
 def apply_assignment(graph: Graph, a: Assignment) -> Graph:
     """The graph with the assignment's placements in its types and its collectives
     inserted (each before the op that needs it)."""
     names = graph.fresh_names()
-    placed = {x: p for x, p in a.placements.items()}
+    placed = a.placements
 
     def typed(name: str, t: TensorType) -> TensorType:
         return t.with_placement(a.axis, placed[name])
@@ -292,7 +290,6 @@ def apply_assignment(graph: Graph, a: Assignment) -> Graph:
         for v in results:
             types[v.name] = v.type
         ops.append(op.replace(inputs=inputs_k, results=results))
-    outputs = list(graph.outputs)
     for r in before.get(-1, ()):
         new = _collective(r, types, names, a.axis, None)
         ops.append(new)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from .core import Op
 from .framework_ops import framework_rule
-from .opdef import op_def
+from .opdef import is_local, op_def
 from .types import REPLICATE, FlatShard, Partial, Placement, Replicate, Shard, TensorType
 
 
@@ -110,7 +110,7 @@ class Reshard:
     @property
     def free(self) -> bool:
         """True when no data moves (the same placement, or taking a local slice)."""
-        return self.collective in (None, "take_shard", "as_partial")
+        return self.collective is None or is_local(self.collective)
 
 
 def reshard(src: Placement, dst: Placement) -> Reshard | None:

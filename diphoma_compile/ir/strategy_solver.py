@@ -41,6 +41,14 @@ class _Program:
         self.integer.append(1 if integer else 0)
         return len(self.cost) - 1
 
+    def pay(self, variables, seconds: float) -> None:
+        """Each variable, when chosen, costs ``seconds`` more; inf: it cannot be chosen."""
+        for var in variables:
+            if seconds == math.inf:
+                self.upper[var] = 0.0
+            else:
+                self.cost[var] += seconds * _US
+
     def row(self, coef: dict[int, float], lo: float, hi: float) -> None:
         self.rows.append((coef, lo, hi))
 
@@ -73,11 +81,7 @@ def _charge_input(prog: _Program, name: str, p: Placement,
     for q, uses in by_q.items():
         c = rc(p, q, name)
         for vars_q in uses:
-            for var in vars_q:
-                if c == math.inf:
-                    prog.upper[var] = 0.0
-                else:
-                    prog.cost[var] += c * _US
+            prog.pay(vars_q, c)
 
 
 def _charge_value(prog: _Program, name: str, made: dict[Placement, list[int]],
@@ -170,12 +174,7 @@ def solve(graph: Graph, menus: Sequence[Sequence[Strategy]],
         if want is None:           # returned as it is, but not as partial sums
             for p, vars_p in made.get(name, {}).items():
                 if isinstance(p, Partial):
-                    c = rc(p, REPLICATE, name)
-                    for var in vars_p:
-                        if c == math.inf:
-                            prog.upper[var] = 0.0
-                        else:
-                            prog.cost[var] += c * _US
+                    prog.pay(vars_p, rc(p, REPLICATE, name))
             continue
         if name in inputs:
             if rc(fixed.get(name, REPLICATE), want, name) == math.inf:
@@ -183,12 +182,7 @@ def solve(graph: Graph, menus: Sequence[Sequence[Strategy]],
                               f"{fixed.get(name, REPLICATE)} and cannot become {want}")
             continue
         for p, vars_p in made[name].items():
-            c = rc(p, want, name)
-            for var in vars_p:
-                if c == math.inf:
-                    prog.upper[var] = 0.0
-                else:
-                    prog.cost[var] += c * _US
+            prog.pay(vars_p, rc(p, want, name))
 
     for a, b in ties:
         if a not in made or b not in made:

@@ -24,7 +24,6 @@ class JaxFramework:
     name = "jax"
     packages = ("jax", "jaxlib", "flax", "optax")
     update_layout = "dims"       # shardings need even splits of whole dimensions
-    runs_tensor_parallel = True  # shard_map takes any axis's splits
     backend = ("jax.jit over jax.shard_map with NamedSharding in/out; the collectives are "
                "explicit, so buckets run as planned (XLA's combiner thresholds are not used)")
 

@@ -80,14 +80,15 @@ def _through_chain(chain: Sequence[Op], q: Placement, types: dict[str, TensorTyp
     return q
 
 
-def undivided(graph: Graph, n: int) -> list[tuple[str, tuple[int, ...], int]]:
+def undivided(graph: Graph, n: int, here: dict[str, Placement]
+              ) -> list[tuple[str, tuple[int, ...], int]]:
     """The weights that a pair would split on an axis of any size but not on one of ``n``
-    devices: (parameter, its shape, the dimension the pair splits), because that dimension
-    does not divide by ``n`` (heads that do not divide, say)."""
+    devices, given the splits ``find_pairs(graph, n)`` made (``here``): (parameter, its
+    shape, the dimension the pair splits), because that dimension does not divide by ``n``
+    (heads that do not divide, say)."""
     if n <= 1:
         return []
     _, anywhere = find_pairs(graph, 1)
-    _, here = find_pairs(graph, n)
     shapes = {i.name: i.value.type.shape for i in graph.inputs}
     return [(p, shapes[p], q.dim) for p, q in anywhere.items()
             if p not in here and isinstance(q, Shard) and shapes[p][q.dim] % n]

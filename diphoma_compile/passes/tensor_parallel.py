@@ -66,7 +66,7 @@ class TensorParallel(Pass):
     def __call__(self, graph: Graph, ctx: PassContext) -> Graph:
         n = require_axis(graph, self.axis, self.name)
         pairs, seeds = find_pairs(graph, n)
-        whole = tuple(undivided(graph, n))
+        whole = tuple(undivided(graph, n, seeds))
         if not pairs:
             sizes = "; ".join(f"{p} {list(shape)}: dim {d} ({shape[d]}) does not divide "
                               f"{n}" for p, shape, d in whole[:4])

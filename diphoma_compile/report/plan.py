@@ -11,10 +11,10 @@ from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
-from ..ir.analysis import free_inputs, peak_memory, producers
+from ..ir.analysis import free_inputs, peak_memory, producers, view_bases
 from ..ir.core import Graph, InputKind, Op, OutputKind, Phase
 from ..ir.device_model import DeviceModel
-from ..ir.ops import Category, is_view, op_def
+from ..ir.ops import Category, op_def
 from ..ir.types import TensorType, Varying
 from ..passes.base import Decision, find_decision
 from .compute import DEFAULT_DEVICE_MODEL, Compute, estimate_compute
@@ -356,12 +356,8 @@ def saved_activations(graph: Graph, sizes: dict[str, int],
     between the two), per device and on one device running the whole batch. A view counts
     at its base, once; parameters and other graph inputs are not activations. An estimate:
     it follows program order and knows nothing of recomputation or a backend's fusion."""
-    base: dict[str, str] = {}
+    base = view_bases(graph)
     made = producers(graph)
-    for op in graph.ops:
-        view = is_view(op) and bool(op.inputs)
-        for v in op.results:
-            base[v.name] = base.get(op.inputs[0], op.inputs[0]) if view else v.name
     saved: set[str] = set()
     for op in graph.ops:
         if op.phase is not Phase.backward:

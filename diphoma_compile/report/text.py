@@ -12,10 +12,8 @@ from ..passes.data_parallel import DataParallelRecord
 from ..passes.schedule_comm import ScheduleCommRecord
 from ..passes.tensor_parallel import TensorParallelRecord
 from ..passes.weight_update_sharding import WeightUpdateShardingRecord
+from ..ir.opdef import is_local
 from .units import flops_text, human, seconds_text
-
-# collectives that move no data: each device computes its piece locally
-LOCAL = ("take_shard", "as_partial")
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -51,7 +49,7 @@ def _count(n: int) -> str:
 def _summary(plan: Plan) -> list[str]:
     m = plan.memory
     mesh = ", ".join(f"{a}={n}" for a, n in plan.mesh.items()) or "one device"
-    moved = [c for c in plan.collectives if c.kind not in LOCAL]
+    moved = [c for c in plan.collectives if not is_local(c.kind)]
     kinds = Counter(c.kind for c in moved)
     ctx = plan.context
     lines = [f"plan for @{plan.graph} on mesh {mesh}"]
@@ -116,13 +114,13 @@ def render(plan: Plan, max_rows: int = 60) -> str:
     lines += _table(_fold(rows, max_rows), ["name", "role", "type", "placement",
                                             "bytes/device"])
     lines += ["", "collectives (bytes/device: what one device sends per step):"]
-    moved = [c for c in plan.collectives if c.kind not in LOCAL]
+    moved = [c for c in plan.collectives if not is_local(c.kind)]
     crow = [[c.kind, c.axis, c.reduction or "", c.serves or c.tensor, c.tensor,
              human(c.bytes_per_device)] for c in moved]
     lines += _table(_fold_collectives(crow, max_rows),
                     ["kind", "axis", "op", "for", "tensor", "bytes/device"]) \
         if crow else ["  none"]
-    local = Counter(c.kind for c in plan.collectives if c.kind in LOCAL)
+    local = Counter(c.kind for c in plan.collectives if is_local(c.kind))
     if local.get("take_shard"):
         lines += [f"  and {local['take_shard']} take_shard (each device keeps its own piece "
                   "of a whole tensor: no traffic)"]

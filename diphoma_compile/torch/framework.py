@@ -19,7 +19,6 @@ class TorchFramework:
     name = "torch"
     packages = ("torch",)
     update_layout = "flat"
-    runs_tensor_parallel = True    # one process group per mesh axis; tp shards held as params
     backend = ("torch.distributed per-rank program; collectives run as planned (buckets "
                "packed, async ones waited where first needed)")
 

@@ -13,7 +13,7 @@ import pytest
 import diphoma_compile
 from diphoma_compile.errors import DiphomaError
 from diphoma_compile.ir import verify
-from diphoma_compile.ir.opdef import op_def
+from diphoma_compile.ir.opdef import is_local, op_def
 from diphoma_compile.mesh import Mesh
 from diphoma_compile.passes import PassContext, Pipeline, TensorParallelRecord
 from diphoma_compile.passes.megatron import LayerPair
@@ -43,7 +43,7 @@ def _fwd_bytes(graph) -> dict[str, list[int]]:
     for op in graph.ops:
         d = op_def(op.name)
         if op.phase is not None and op.phase.value == "forward" and d.category.value == \
-                "collective" and op.name not in ("take_shard", "as_partial"):   # local
+                "collective" and not is_local(op.name):   # local pieces move nothing
             out.setdefault(op.name, []).append(
                 d.comm_bytes(op, [types[x] for x in op.inputs], [v.type for v in op.results],
                              sizes.get(op.attrs.get("axis"), 1)))
