@@ -40,7 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch"))
 import gpt as gpt_example  # noqa: E402  (examples/gpt.py)
 from models import ResNetStem, classify_step, image_batches  # noqa: E402
 from models import classify_step as mlp_step  # noqa: E402
+from models import hf_lm_step  # noqa: E402
 from test_propagation_torch import Block  # noqa: E402
+from test_propagation_torch import step as squares_step  # noqa: E402
 
 from diphoma_compile.torch import collectives  # noqa: E402
 from diphoma_compile.torch.dist import TorchDistStep  # noqa: E402
@@ -566,14 +568,6 @@ class TwoBlocks(nn.Module):
         return self.b2(self.b1(x))
 
 
-def squares_step(model, opt, x):
-    loss = model(x).pow(2).mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
-
-
 @check("tp")
 def run_tensor_parallel(rank: int, world: int) -> dict:
     """parallelize over dp=1 x tp=4 and dp=2 x tp=2 (default passes: tensor parallelism,
@@ -654,19 +648,12 @@ def run_tensor_parallel_hf(rank: int, world: int) -> dict:
     opt, ref_opt = OPTS["sgdm"](model.parameters()), OPTS["sgdm"](ref.parameters())
     g = torch.Generator().manual_seed(5)
     batches = [torch.randint(0, 64, (2, 16), generator=g) for _ in range(TP_STEPS)]
-
-    def lm_step(model, opt, ids):
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return out.loss
-    step = diphoma_compile.parallelize(lm_step, diphoma_compile.Mesh({"dp": 1, "tp": 4}))
+    step = diphoma_compile.parallelize(hf_lm_step, diphoma_compile.Mesh({"dp": 1, "tp": 4}))
     losses, ref_losses = [], []
     for b in batches:
         losses.append(step(model, opt, b).item())
         if rank == 0:
-            ref_losses.append(lm_step(ref, ref_opt, b).item())
+            ref_losses.append(hf_lm_step(ref, ref_opt, b).item())
     full = step.state_dict()
     out = {"losses": losses, "pairs": len(step.plan.notes["tensor-parallel"]["pairs"]),
            "held": sum(p.numel() * p.element_size() for p in model.parameters()),

@@ -102,6 +102,15 @@ def lm_step(model, opt, batch):
     return loss
 
 
+def hf_lm_step(model, opt, ids):
+    """A Hugging Face causal LM's own loss on a batch of token ids (labels = the ids)."""
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return out.loss
+
+
 OPTIMIZERS = {
     "sgd": lambda ps, fe: torch.optim.SGD(ps, lr=0.05, foreach=fe),
     "sgd_momentum": lambda ps, fe: torch.optim.SGD(ps, lr=0.05, momentum=0.9, foreach=fe),

@@ -15,22 +15,15 @@ from diphoma_compile.ir import verify  # noqa: E402
 from diphoma_compile.mesh import Mesh  # noqa: E402
 from diphoma_compile.passes import PassContext, Pipeline, TensorParallelRecord  # noqa: E402
 from diphoma_compile.passes.tensor_parallel import collectives_by_phase  # noqa: E402
+from models import hf_lm_step  # noqa: E402
 
 LAYERS = 2
-
-
-def lm_step(model, opt, ids):
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return out.loss
 
 
 def _plan(model, tp: int = 4):
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (2, 16))
-    graph = diphoma_compile.trace(lm_step, model, torch.optim.AdamW(model.parameters()), ids)
+    graph = diphoma_compile.trace(hf_lm_step, model, torch.optim.AdamW(model.parameters()), ids)
     ctx = PassContext()
     placed = Pipeline.from_spec("tensor-parallel{axis=tp}").run(
         graph.replace(mesh=Mesh({"tp": tp})), ctx)
