@@ -6,11 +6,14 @@ parallelism does (GSPMD: the same step under jax.jit with the batch sharded). Su
 devices' gradients in another order changes the last bits, and AdamW magnifies that where
 gradients are tiny, under any data-parallel reduction.
 
-    python examples/jax_gpt_parallel.py [--steps 5] [--devices 8]
+    python examples/jax_gpt_parallel.py [--steps 5] [--devices 8] [--tp 1]
 
 The step is written for one device; ``parallelize`` takes the global batch, gives each
 device its share, keeps parameters whole, splits the AdamW state over the devices (1/N
-each), reduce-scatters gradients and all-gathers new parameters, all inside one jax.jit."""
+each), reduce-scatters gradients and all-gathers new parameters, all inside one jax.jit.
+With ``--tp N`` the devices form a mesh dp x tp and each block's attention and MLP are also
+split over tp (Megatron's layer pairs, found in the traced step): every device holds its
+share of those weights, and the plan lists the pairs and their all-reduces."""
 
 from __future__ import annotations
 
@@ -85,9 +88,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--devices", type=int, default=8, help="virtual CPU devices (default 8)")
     p.add_argument("--batch", type=int, default=32, help="global batch (default 32)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="devices per tensor-parallel group (default 1: data parallelism only)")
     a = p.parse_args()
-    devices = jax.devices()[:a.devices]
-    mesh = jax.sharding.Mesh(np.array(devices), ("dp",))
+    if a.tp < 1 or a.devices % a.tp:
+        p.error(f"--tp {a.tp} must divide --devices {a.devices}")
+    devices = np.array(jax.devices()[:a.devices])
+    mesh = (jax.sharding.Mesh(devices, ("dp",)) if a.tp == 1 else
+            jax.sharding.Mesh(devices.reshape(a.devices // a.tp, a.tp), ("dp", "tp")))
     params = jax.jit(model.init)(jax.random.key(0), make_batch(2, 0)["idx"])["params"]
     opt_state = jax.jit(tx.init)(params)
     pstep = diphoma_compile.parallelize(train_step, mesh)
