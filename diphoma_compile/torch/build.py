@@ -47,8 +47,12 @@ def _py_name(name: str) -> str:
 
 class _Builder:
     def __init__(self, graph: Graph, comms: dict[str, collectives.Comm] | None = None,
-                 in_place: bool = True) -> None:
+                 in_place: bool = True, device: torch.device | None = None) -> None:
         self.g = graph
+        # where tensors the program makes go: the parameters' device (a CPU program names
+        # none, as eager code does not)
+        self.device = {} if device is None or torch.device(device).type == "cpu" \
+            else {"device": torch.device(device)}
         self.fx = fx.Graph()
         self.env: dict[str, Any] = {}       # IR name -> fx node or Python scalar
         self.scalars: dict[str, Any] = {}   # IR name of a 0-d full -> its value
@@ -337,7 +341,8 @@ def _emit_literal(b: _Builder, op: Op) -> fx.Node:
     if b.local(t) != list(t.shape):
         raise BackendError(f"a sharded literal ({t}) has no lowering",
                            hint="make the literal replicated and take_shard it")
-    out = b.call(torch.tensor, [list(op.attrs["data"])], {"dtype": DTYPE_TO_TORCH[t.dtype]})
+    out = b.call(torch.tensor, [list(op.attrs["data"])],
+                 {"dtype": DTYPE_TO_TORCH[t.dtype], **b.device})
     return b.call(aten.reshape.default, [out, list(t.shape)])
 
 
@@ -345,7 +350,7 @@ def _emit_full(b: _Builder, op: Op) -> fx.Node:
     """A filled tensor of the local shape (a 0-d one is a host scalar instead)."""
     t = op.result.type
     return b.call(aten.full.default, [b.local(t), op.attrs["value"]],
-                  {"dtype": DTYPE_TO_TORCH[t.dtype]})
+                  {"dtype": DTYPE_TO_TORCH[t.dtype], **b.device})
 
 
 def _emit_opaque(b: _Builder, op: Op) -> fx.Node:
@@ -555,7 +560,8 @@ def _getitem(x, i):
 
 
 def build_module(graph: Graph, comms: dict[str, collectives.Comm] | None = None,
-                 in_place: bool = True) -> fx.GraphModule:
+                 in_place: bool = True, device: torch.device | None = None
+                 ) -> fx.GraphModule:
     """A GraphModule taking the graph's inputs in order and returning its outputs.
 
     ``comms`` gives the process group of each mesh axis the graph's collectives run on; the
@@ -563,8 +569,10 @@ def build_module(graph: Graph, comms: dict[str, collectives.Comm] | None = None,
     replaces an input (a parameter, optimizer state, a buffer) is copied into that input's
     storage as soon as it is made, when nothing reads the input after that, and the module
     returns the (updated) input for it: no second copy of the model lives through the
-    update. The caller's tensors are then updated by the call itself."""
-    return _Builder(graph, comms, in_place).build()
+    update. The caller's tensors are then updated by the call itself. Tensors the program
+    makes (constants, padding) are made on ``device`` (default: the CPU); 0-d ones stay on
+    the CPU, which every device's kernels read as scalars, as eager's do."""
+    return _Builder(graph, comms, in_place, device).build()
 
 
 def updates_in_place(graph: Graph) -> dict[str, str]:

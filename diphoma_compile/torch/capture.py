@@ -22,7 +22,7 @@ from unittest import mock
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensorMode, dispatch_functionalize
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -33,7 +33,8 @@ from ..errors import FrontendError
 from ..ir.core import Phase
 from .effects import INTERNAL_PATHS, HostWatch, StaleValue
 from .ops import draws_random
-from .state import LR_DTYPE, Captured, Slot, hyper_value, is_state, settings_of, sign
+from .state import (LR_DTYPE, Captured, Slot, StateKey, hyper_value, is_state, settings_of,
+                    sign)
 
 aten = torch.ops.aten
 def cycled_keys(opt: torch.optim.Optimizer) -> list[tuple[str, int | None]]:
@@ -309,7 +310,7 @@ class Step:
         self.arg_slots = [Slot("arg", 0, (i,), _arg_path_name(path, by_pos) or f"arg{i}")
                           for i, (path, leaf) in enumerate(leaves)
                           if isinstance(leaf, torch.Tensor)]
-        self.state_keys: list[list[tuple[str, torch.Size, torch.dtype]]] = []
+        self.state_keys: list[list[StateKey]] = []
         self.user_spec: pytree.TreeSpec | None = None
         self.n_user = 0
         self.grads_left: list[int] = []    # params whose .grad the step leaves set
@@ -359,7 +360,7 @@ class Step:
         return groups
 
     # --------------------------------------------------------------- optimizer state
-    def live_state_keys(self) -> list[list[tuple[str, torch.Size, torch.dtype]]] | None:
+    def live_state_keys(self) -> list[list[StateKey]] | None:
         """State layout from the optimizers' live state, None when they have none yet."""
         keys, empty, full = [], 0, 0
         owner = self._owner_of_param()
@@ -370,8 +371,8 @@ class Step:
                 empty += 1
             else:
                 full += 1
-            keys.append([(k, v.shape, v.dtype) for k, v in sorted(st.items())
-                         if isinstance(v, torch.Tensor)])
+            keys.append([(k, v.shape, v.dtype, _device_of_state(v, p))
+                         for k, v in sorted(st.items()) if isinstance(v, torch.Tensor)])
             bad = [k for k, v in st.items() if not isinstance(v, torch.Tensor)]
             if bad:
                 raise FrontendError(f"optimizer state {bad[0]!r} of {self.param_slots[pi].name}"
@@ -388,7 +389,7 @@ class Step:
         """One slot per optimizer state tensor: ``<param>.<key>``."""
         owner = {pi: oi for oi, gs in enumerate(self.groups) for g in gs for pi in g}
         return [Slot("opt_state", owner[pi], (pi, k), f"{self.param_slots[pi].name}.{k}")
-                for pi, keys in enumerate(self.state_keys) for k, _, _ in keys]
+                for pi, keys in enumerate(self.state_keys) for k, *_ in keys]
 
     # --------------------------------------------------------------- the flat function
     def __call__(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -409,7 +410,7 @@ class Step:
         state: dict = defaultdict(dict)
         it = iter(ss)
         for pi, keys in enumerate(self.state_keys):
-            for k, _, _ in keys:
+            for k, *_ in keys:
                 state[ps[pi]][k] = next(it)
         with contextlib.ExitStack() as stack:
             for mi, m in enumerate(self.modules):
@@ -437,7 +438,7 @@ class Step:
                                     hint="return loss, not loss.item()")
         self.n_user = len(out_leaves)
         new_state = [state[ps[pi]][k] for pi, keys in enumerate(self.state_keys)
-                     for k, _, _ in keys]
+                     for k, *_ in keys]
         # gradients the step leaves in .grad (zero_grad before backward) are outputs too
         self.grads_left = [pi for pi, p in enumerate(ps) if p.grad is not None]
         return (*[t.detach() for t in out_leaves], *ps,
@@ -528,7 +529,7 @@ class Step:
         return now if isinstance(now, torch.Tensor) else traced
 
 
-def _discover_state(step: Step) -> list[list[tuple[str, torch.Size, torch.dtype]]]:
+def _discover_state(step: Step) -> list[list[StateKey]]:
     """The state layout a fresh optimizer creates in its first step(), learned by running
     only the optimizers on parameters with zero gradients: meta tensors first (no memory,
     and no dispatch through Python), fake tensors when the optimizer cannot run on meta
@@ -542,7 +543,7 @@ def _discover_state(step: Step) -> list[list[tuple[str, torch.Size, torch.dtype]
 
 
 def _run_optimizers(step: Step, make: Callable[[torch.Tensor], torch.Tensor],
-                    mode: Any) -> list[list[tuple[str, torch.Size, torch.dtype]]]:
+                    mode: Any) -> list[list[StateKey]]:
     ps = [make(p).requires_grad_(p.requires_grad) for p in step.params]
     state: dict = defaultdict(dict)
     with mode, contextlib.ExitStack() as stack:
@@ -555,19 +556,53 @@ def _run_optimizers(step: Step, make: Callable[[torch.Tensor], torch.Tensor],
                                                 [{} for _ in opt.param_groups]))
         for opt in step.opts:
             opt.step()
-    return [[(k, v.shape, v.dtype) for k, v in sorted(state[fp].items())
+    return [[(k, v.shape, v.dtype, _device_of_state(v, fp)) for k, v in sorted(state[fp].items())
              if isinstance(v, torch.Tensor)] for fp in ps]
 
 
+def _device_of_state(v: torch.Tensor, p: torch.Tensor) -> torch.device | None:
+    """Where a state tensor lives: None for its parameter's device (moments, momentum
+    buffers), else its own (Adam's ``step`` count stays a CPU scalar next to CUDA
+    moments unless the optimizer is capturable)."""
+    return None if v.device == p.device else v.device
+
+
 def _fake_of(fake: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
-    """A fake copy of ``t``. A meta tensor (a model built on the meta device, to plan
-    without allocating it) becomes a fake CPU tensor, so that it mixes with the CPU
-    tensors the model's own code makes (``torch.arange(t)``) as real parameters would."""
+    """A fake copy of ``t`` on ``t``'s device. A meta tensor (a model built on the meta
+    device, to plan without allocating it) becomes a fake CPU tensor, so that it mixes with
+    the CPU tensors the model's own code makes (``torch.arange(t)``) as real parameters
+    would. A fake tensor of another fake mode (a model made under FakeTensorMode on a
+    device this machine lacks, e.g. CUDA) keeps its device."""
     t = t.detach()
-    if t.is_meta:
-        with fake:
-            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+    if t.is_meta or isinstance(t, FakeTensor):
+        return _fake_empty(fake, t.shape, t.stride(), t.dtype, t.device)
     return fake.from_tensor(t)
+
+
+def _fake_empty(fake: FakeTensorMode, shape: Any, stride: Any, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """A fake tensor of this shape on ``device`` (meta: CPU), made without the device."""
+    if device.type == "meta":
+        device = torch.device("cpu")
+    meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    return fake.fake_tensor_converter.from_meta_and_device(fake, meta, device)
+
+
+def compute_device(tensors: list[torch.Tensor]) -> torch.device:
+    """The one device the step's parameters and buffers live on (CPU when it has none);
+    FrontendError when they live on several: the traced program runs on one device."""
+    devices = {}
+    for t in tensors:
+        d = t.device
+        devices.setdefault(torch.device("cpu") if d.type == "meta" else d, t)
+    if len(devices) > 1:
+        names = ", ".join(str(d) for d in devices)
+        raise FrontendError(f"the step's parameters and buffers live on several devices "
+                            f"({names}); a traced step runs on one device",
+                            hint="move the whole model to one device (model.to(device)) "
+                                 "before tracing; use parallelize() to spread a step over "
+                                 "several")
+    return next(iter(devices), torch.device("cpu"))
 
 
 def fake_inputs(step: Step) -> list[torch.Tensor]:
@@ -578,13 +613,25 @@ def fake_inputs(step: Step) -> list[torch.Tensor]:
 
     def f(t: torch.Tensor) -> torch.Tensor:
         return _fake_of(fake, t)
-    # optimizer state starts as meta tensors: no memory for it, even at 124M parameters
-    states = [torch.empty(shape, dtype=dt, device="meta") for keys in step.state_keys
-              for _, shape, dt in keys]
+    # optimizer state is made without memory, even at 124M parameters, on the device
+    # its parameter (or, for a CPU step count, its own live tensor) has
+    states = [_fake_empty(fake, shape, _contiguous(shape), dt,
+                          device if device is not None else p.device)
+              for p, keys in zip(step.params, step.state_keys)
+              for _, shape, dt, device in keys]
     hyper = [torch.zeros((), dtype=LR_DTYPE) for _ in step.hyper_slots]
-    return ([f(p) for p in step.params] + [f(b) for b in step.buffers] + [f(t) for t in states]
+    return ([f(p) for p in step.params] + [f(b) for b in step.buffers] + states
             + [f(t) for t in hyper]
             + [f(t) for t in step.arg_leaves if isinstance(t, torch.Tensor)])
+
+
+def _contiguous(shape: Any) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, acc = [], 1
+    for d in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= max(int(d), 1)
+    return tuple(reversed(strides))
 
 
 def _trace(step: Step, inputs: list[torch.Tensor], rec: _Recorder) -> fx.GraphModule:
@@ -674,6 +721,25 @@ def _unchecked_symbolic_floats() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _device_errors(device: torch.device) -> Iterator[None]:
+    """A FrontendError for tensors of two devices meeting in one op while the step is
+    traced (a batch left on the CPU next to a CUDA model), instead of fake-tensor internals."""
+    try:
+        yield
+    except RuntimeError as e:
+        text = str(e)
+        if not any(m in text for m in ("found two different devices",
+                                       "Expected all tensors to be on the same device",
+                                       "Unhandled FakeTensor Device Propagation")):
+            raise
+        raise FrontendError(
+            f"the step mixes tensors of two devices in one operation (its parameters live on "
+            f"{device}): {text.splitlines()[0][:300]}",
+            hint=f"move every tensor the step computes with to {device} (the batch: "
+                 f"x.to({str(device)!r})) before calling it") from None
+
+
 def capture(step_fn: Callable, *args: Any) -> Captured:
     """Trace ``step_fn(*args)`` into a functional aten graph without running it for real."""
     modules, opts = find_state(step_fn, args)
@@ -688,12 +754,13 @@ def capture(step_fn: Callable, *args: Any) -> Captured:
                 "which the tracer cannot break into the IR's per-tensor ops",
                 hint="build the optimizer without fused=True (the default or foreach=True)")
     step = Step(step_fn, args, modules, opts)
+    device = compute_device(step.params + step.buffers)
     live = step.live_state_keys()
     step.state_keys = live if live is not None else _discover_state(step)
     rec = _Recorder(step_fn)
     inputs = fake_inputs(step)
     watch = HostWatch(step_fn, args, modules, opts, lambda: rec.draws)
-    with watch.watching():
+    with watch.watching(), _device_errors(device):
         gm = _trace(step, inputs, rec)
     effects = watch.effects()
     if step.grads_left and not step.cleared_first:
@@ -715,5 +782,5 @@ def capture(step_fn: Callable, *args: Any) -> Captured:
     return Captured(gm, slots, outputs, step.user_spec, modules, opts, step.params,
                     step.state_keys, rec.phase, rec.loc, getattr(step_fn, "__name__", "step"),
                     settings_of(modules, opts, live), step.cleared_first, effects,
-                    step.hyper_signs)
+                    step.hyper_signs, device)
 

@@ -87,7 +87,7 @@ class TorchDistStep(TorchStep):
         self._side = self._sides[axis]
         self.calls = 0
         self._check_binding(graph, captured)
-        super().__init__(graph, captured, build_module(graph, self.comms))
+        super().__init__(graph, captured, build_module(graph, self.comms, device=captured.device))
         self._state_type: dict[tuple[int, str], TensorType] = {
             s.key: i.value.type for i, s in zip(graph.inputs, captured.inputs)
             if s.kind == "opt_state"}

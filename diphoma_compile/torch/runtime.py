@@ -25,7 +25,8 @@ class TorchStep:
                  module: fx.GraphModule | None = None) -> None:
         self.graph = graph
         self.captured = captured
-        self.module = module if module is not None else build_module(graph)
+        self.module = module if module is not None else build_module(graph,
+                                                                      device=captured.device)
         sizes = dict(graph.mesh.axes)   # a rank is called with its own piece of the batch
         self._arg_types = [(tuple(i.value.type.local_shape(sizes)), i.value.type.dtype)
                            for i, s in zip(graph.inputs, captured.inputs) if s.kind == "arg"]
@@ -61,9 +62,9 @@ class TorchStep:
                     "ordinary later step) would start from zeros and drift from eager",
                     hint="run one eager step (or load a checkpoint) so the optimizer has its "
                          "state, then call the compiled step")
-            for k, shape, dtype in cap.state_keys[pi]:
+            for k, shape, dtype, device in cap.state_keys[pi]:
                 st[k] = torch.zeros(self._state_shape(pi, k, shape), dtype=dtype,
-                                    device=p.device)
+                                    device=p.device if device is None else device)
         if key not in st:
             raise DiphomaError(f"the optimizer state of {slot.name.rsplit('.', 1)[0]} has no "
                                f"{key!r} (it has {sorted(st)})",

@@ -19,6 +19,11 @@ from .effects import HostEffect
 LR_DTYPE = torch.float64  # a Python float hyperparameter is a double: keep it one
 
 
+# one optimizer state tensor: key, shape, dtype, and its device when that is not its
+# parameter's (None: the parameter's)
+StateKey = tuple[str, torch.Size, torch.dtype, "torch.device | None"]
+
+
 @dataclass(frozen=True)
 class Slot:
     """Where a flat graph input comes from, or where an output goes."""
@@ -42,7 +47,7 @@ class Captured:
     modules: list[torch.nn.Module]
     optimizers: list[torch.optim.Optimizer]
     params: list[torch.Tensor]         # live parameters, in the order of param slots
-    state_keys: list[list[tuple[str, torch.Size, torch.dtype]]]  # per param: its state
+    state_keys: list[list[StateKey]]   # per param: its state
     phase: dict[str, Phase] = field(default_factory=dict)   # fx node name -> phase
     loc: dict[str, str] = field(default_factory=dict)       # fx node name -> "file:line"
     name: str = "step"
@@ -53,6 +58,8 @@ class Captured:
     # sign (-1, 0, 1) of each hyperparameter input but lr at trace time: the optimizer may
     # branch on it (momentum != 0), so the trace holds only while it keeps that sign
     hyper_signs: dict[str, int] = field(default_factory=dict)
+    # the device the parameters and buffers live on: constants the program makes go there
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
 _LIVE_KEYS = {"params", "lr", "initial_lr"}   # read per call, or not used by step()
