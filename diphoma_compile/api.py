@@ -43,13 +43,18 @@ def trace(step_fn: Callable, *example_args: Any, **options: Any) -> Graph:
     return frameworks.of_args(example_args).trace(step_fn, example_args, **options)[0]
 
 
-def compile(step_fn: Callable, *example_args: Any, passes: str = "") -> Any:
+def compile(step_fn: Callable, *example_args: Any, passes: str = "",
+            codegen: str | None = None) -> Any:
     """A callable with ``step_fn``'s signature that runs the traced (and transformed) step.
 
-    For PyTorch it updates the live module and optimizer exactly as the eager step would."""
+    For PyTorch it updates the live module and optimizer exactly as the eager step would.
+    ``codegen`` (PyTorch) picks the code generator: ``"fx"`` (the eager step's own kernel
+    calls, bit for bit) or ``"inductor"`` (compiled on the first call, results within
+    rounding of eager's); None picks the default (docs/torch.md). JAX steps run under
+    jax.jit."""
     fw = frameworks.of_args(example_args)
     # the runner keeps this step's own argument and output structure, whatever passes do
-    graph, extra = fw.trace(step_fn, example_args)
+    graph, extra = fw.trace(step_fn, example_args, codegen=codegen)
     if passes:
         graph = Pipeline.from_spec(passes).run(graph, PassContext())
     return fw.compile(graph, extra)
@@ -61,8 +66,9 @@ class ParallelStep:
     def __init__(self, step_fn: Callable, mesh: Any, *, passes: str | None = None,
                  axis: str | None = None,
                  batch_argnums: int | Iterable[int] | None = None,
-                 donate: bool = False) -> None:
+                 donate: bool = False, codegen: str | None = None) -> None:
         self.step_fn = step_fn
+        self.codegen = codegen
         self.donate = bool(donate)
         self.user_mesh = mesh
         self.mesh = Mesh.of(mesh)
@@ -81,7 +87,8 @@ class ParallelStep:
         """Trace and plan for these arguments without running anything; returns self.
         ``ctx`` (a PassContext) asks for IR dumps and collects pass timings."""
         self._fw, graph, self._extra = trace_step(self.step_fn, example_args, self.mesh,
-                                                  self.axis, self.batch_argnums)
+                                                  self.axis, self.batch_argnums,
+                                                  codegen=self.codegen)
         self.framework = self._fw.name
         self._graph, self._plan = run_passes(graph, self._fw, self.mesh, self.axis,
                                              self.passes, ctx or PassContext())
@@ -140,6 +147,12 @@ class ParallelStep:
                                hint="a JAX step returns its parameters; read them there")
         return self.runner.state_dict()
 
+    @property
+    def compile_s(self) -> float | None:
+        """PyTorch: seconds the code generator spent compiling on the first call (None for
+        the fx code generator)."""
+        return getattr(self.runner, "compile_s", None)
+
     def memory_report(self) -> Any:
         """Bytes of parameters and optimizer state this process holds, measured from the
         live tensors (after the first call)."""
@@ -163,13 +176,14 @@ def argnums(batch_argnums: int | Iterable[int] | None) -> tuple[int, ...] | None
 
 
 def trace_step(step_fn: Callable, args: tuple, mesh: Mesh, axis: str,
-               batch_argnums: tuple[int, ...] | None = None
-               ) -> tuple[Framework, Graph, Any]:
+               batch_argnums: tuple[int, ...] | None = None, *,
+               codegen: str | None = None) -> tuple[Framework, Graph, Any]:
     """(framework, the step's IR traced per device, what the backend needs besides it):
     PyTorch at the local batch each rank passes; JAX at the global batch / N, the batch
     being the arguments ``batch_argnums`` (None: inferred by the framework)."""
     fw = frameworks.of_args(args)
-    graph, extra = fw.trace_local(step_fn, args, mesh, axis, batch_argnums=batch_argnums)
+    graph, extra = fw.trace_local(step_fn, args, mesh, axis, batch_argnums=batch_argnums,
+                                  codegen=codegen)
     return fw, graph, extra
 
 
@@ -212,7 +226,7 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
 def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
                 axis: str | None = None,
                 batch_argnums: int | Iterable[int] | None = None,
-                donate: bool = False) -> ParallelStep:
+                donate: bool = False, codegen: str | None = None) -> ParallelStep:
     """``step_fn`` as a distributed step over ``mesh`` (a diphoma Mesh, a dict of axis
     sizes, a torch DeviceMesh or a jax.sharding.Mesh). By default: tensor parallelism
     (Megatron's layer pairs) over an axis named tp, tensor or model, and data parallelism
@@ -229,6 +243,9 @@ def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
     is given, as ``jax.jit(donate_argnums=...)`` does: their buffers hold the new values,
     so the old and new model do not both live through the step; the caller must not use
     the arrays passed in again (``params, opt_state, loss = step(params, opt_state, b)``).
-    PyTorch steps write new values into the live tensors in any case."""
+    PyTorch steps write new values into the live tensors in any case.
+
+    ``codegen`` (PyTorch) is the per-rank program's code generator, as for ``compile``;
+    under Inductor the collectives are ``_c10d_functional`` ops it may fuse around."""
     return ParallelStep(step_fn, mesh, passes=passes, axis=axis,
-                        batch_argnums=batch_argnums, donate=donate)
+                        batch_argnums=batch_argnums, donate=donate, codegen=codegen)

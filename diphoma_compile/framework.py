@@ -35,9 +35,11 @@ class Framework(Protocol):
         """The step's IR, and what a runner needs besides it (traced at these arguments)."""
 
     def trace_local(self, step_fn: Callable, args: tuple, mesh: Mesh, axis: str, *,
-                    batch_argnums: tuple[int, ...] | None = None) -> tuple[Graph, Any]:
+                    batch_argnums: tuple[int, ...] | None = None,
+                    codegen: str | None = None) -> tuple[Graph, Any]:
         """The step traced per device of ``axis``, for ``parallelize``; ``batch_argnums``
-        names the batch arguments (None: the framework's convention decides)."""
+        names the batch arguments (None: the framework's convention decides); ``codegen``
+        the code generator the program is for (None: the framework's default)."""
 
     def compile(self, graph: Graph, extra: Any) -> Callable:
         """A single-device callable running ``graph`` with the step's signature."""

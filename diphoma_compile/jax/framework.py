@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..errors import FrontendError, MeshError
+from ..errors import BackendError, FrontendError, MeshError
 from ..ir.analysis import runs_on_one_device
 from ..ir.core import Graph
 from ..mesh import Mesh
@@ -34,12 +34,15 @@ class JaxFramework:
     def trace(self, step_fn: Callable, args: tuple, **options: Any) -> tuple[Graph, Any]:
         """The step's IR and the PyTreeDef of its result."""
         from .trace import trace_jax_with_tree
+        _check_codegen(options.pop("codegen", None))
         return trace_jax_with_tree(step_fn, *args, **options)
 
     def trace_local(self, step_fn: Callable, args: tuple, mesh: Mesh, axis: str, *,
-                    batch_argnums: tuple[int, ...] | None = None) -> tuple[Graph, Any]:
+                    batch_argnums: tuple[int, ...] | None = None,
+                    codegen: str | None = None) -> tuple[Graph, Any]:
         """The step at the per-device batch: each batch leaf's dim 0 divided by N. The batch
         is ``batch_argnums``, or argument 2 and the later arguments with its rows."""
+        _check_codegen(codegen)
         n = mesh.axis_size(axis)
         if batch_argnums is None:
             nums = infer_batch_argnums(args)
@@ -151,3 +154,10 @@ def check_rows_pair(step_fn: Callable, args: tuple, nums: Sequence[int], n: int)
 
 
 FRAMEWORK = JaxFramework()
+
+
+def _check_codegen(codegen: str | None) -> None:
+    """A JAX step is compiled by XLA under jax.jit: ``codegen`` is None (or "xla")."""
+    if codegen not in (None, "xla"):
+        raise BackendError(f"codegen={codegen!r} is for PyTorch steps; a JAX step is "
+                           "compiled by XLA (jax.jit)", hint="leave codegen unset")

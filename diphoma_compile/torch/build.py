@@ -47,8 +47,12 @@ def _py_name(name: str) -> str:
 
 class _Builder:
     def __init__(self, graph: Graph, comms: dict[str, collectives.Comm] | None = None,
-                 in_place: bool = True, device: torch.device | None = None) -> None:
+                 in_place: bool = True, device: torch.device | None = None,
+                 host_reads: bool = True) -> None:
         self.g = graph
+        # whether 0-d tensors may be read into Python numbers (.item()); a code generator
+        # wants none: a host read cuts its graph and bakes the value in
+        self.host_reads = host_reads
         # where tensors the program makes go: the parameters' device (a CPU program names
         # none, as eager code does not)
         self.device = {} if device is None or torch.device(device).type == "cpu" \
@@ -74,7 +78,7 @@ class _Builder:
     def build(self) -> fx.GraphModule:
         for i in self.g.inputs:
             self.env[i.name] = self.fx.placeholder(_py_name(i.name))
-            if i.role.kind is InputKind.hyper and i.value.type.shape == ():
+            if i.role.kind is InputKind.hyper and i.value.type.shape == () and self.host_reads:
                 self.set_host(i.name, self.call(aten._local_scalar_dense.default,
                                                 [self.env[i.name]]), i.value.type.dtype)
         written: dict[str, str] = {}
@@ -136,7 +140,7 @@ class _Builder:
         elif not op.inputs:
             return False
         elif op.name == "convert" and op.inputs[0] not in self.scalars:
-            if t.dtype not in _HOST_DTYPES:
+            if t.dtype not in _HOST_DTYPES or not self.host_reads:
                 return False
             # .item(): read a 0-d tensor into a Python number
             value = self.call(aten._local_scalar_dense.default, [self.node(op.inputs[0])])
@@ -560,8 +564,8 @@ def _getitem(x, i):
 
 
 def build_module(graph: Graph, comms: dict[str, collectives.Comm] | None = None,
-                 in_place: bool = True, device: torch.device | None = None
-                 ) -> fx.GraphModule:
+                 in_place: bool = True, device: torch.device | None = None,
+                 host_reads: bool = True) -> fx.GraphModule:
     """A GraphModule taking the graph's inputs in order and returning its outputs.
 
     ``comms`` gives the process group of each mesh axis the graph's collectives run on; the
@@ -571,8 +575,10 @@ def build_module(graph: Graph, comms: dict[str, collectives.Comm] | None = None,
     returns the (updated) input for it: no second copy of the model lives through the
     update. The caller's tensors are then updated by the call itself. Tensors the program
     makes (constants, padding) are made on ``device`` (default: the CPU); 0-d ones stay on
-    the CPU, which every device's kernels read as scalars, as eager's do."""
-    return _Builder(graph, comms, in_place, device).build()
+    the CPU, which every device's kernels read as scalars, as eager's do. Without
+    ``host_reads`` no 0-d tensor is read into a Python number (for a code generator: the
+    graph must be traced with the optimizers' tensor math, ``capture(tensor_hyper=True)``)."""
+    return _Builder(graph, comms, in_place, device, host_reads).build()
 
 
 def updates_in_place(graph: Graph) -> dict[str, str]:

@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import FrontendError
 from ..ir.core import Phase
+from .codegen import resolve as resolve_codegen
 from .effects import INTERNAL_PATHS, HostWatch, StaleValue
 from .ops import draws_random
 from .state import (LR_DTYPE, Captured, Slot, StateKey, hyper_value, is_state, settings_of,
@@ -316,6 +317,7 @@ class Step:
         self.grads_left: list[int] = []    # params whose .grad the step leaves set
         self.cleared_first = False         # zero_grad came before the first backward
         self.backward_seen = False
+        self.tensor_hyper = False          # hyperparameters as tensors (tensor_hyper())
 
     def _add_module_tensors(self, names: dict[int, str]) -> dict[int, int]:
         """Slots for the modules' parameters and buffers (each tensor once, named after the
@@ -419,6 +421,8 @@ class Step:
                                 if s.owner == mi})
                 stack.enter_context(_reparametrize_module(m, tensors, tie_weights=True))
             stack.enter_context(self._watch_grad_clearing())
+            if self.tensor_hyper:
+                stack.enter_context(_tensor_optimizer_math(self.opts))
             values = self._hyper_values(hyper)
             bound = []
             for oi, opt in enumerate(self.opts):
@@ -479,9 +483,10 @@ class Step:
         values: list[list[dict[str, Any]]] = [[{} for _ in gs] for gs in self.groups]
         for slot, t in zip(self.hyper_slots, hyper):
             gi, key, idx = slot.key
-            v = t.item()
+            # for a code generator: the value stays a 0-d tensor, so no .item() cuts the graph
+            v = t if self.tensor_hyper else t.item()
             s = self.hyper_signs.get(slot.name)
-            if s is not None:
+            if s is not None and not self.tensor_hyper:
                 torch._check(v > 0 if s > 0 else v < 0 if s < 0 else v == 0)
             group = values[slot.owner][gi]
             if idx is None:
@@ -722,6 +727,27 @@ def _unchecked_symbolic_floats() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _tensor_optimizer_math(opts: list[torch.optim.Optimizer]) -> Iterator[None]:
+    """The optimizers' code as torch.compile traces it: learning rates and step counts stay
+    tensors (``capturable`` Adam-style math, ``torch.compiler.is_compiling()`` true), so
+    the graph reads no value on the host and a code generator compiles it once, whatever
+    the learning rate and step count are later."""
+    saved = [[g.get("capturable") for g in o.param_groups] for o in opts]
+    try:
+        for o in opts:
+            for g in o.param_groups:
+                if "capturable" in g:
+                    g["capturable"] = True
+        with mock.patch("torch.compiler.is_compiling", lambda: True):
+            yield
+    finally:
+        for o, gs in zip(opts, saved):
+            for g, c in zip(o.param_groups, gs):
+                if c is not None:
+                    g["capturable"] = c
+
+
+@contextlib.contextmanager
 def _device_errors(device: torch.device) -> Iterator[None]:
     """A FrontendError for tensors of two devices meeting in one op while the step is
     traced (a batch left on the CPU next to a CUDA model), instead of fake-tensor internals."""
@@ -740,8 +766,11 @@ def _device_errors(device: torch.device) -> Iterator[None]:
                  f"x.to({str(device)!r})) before calling it") from None
 
 
-def capture(step_fn: Callable, *args: Any) -> Captured:
-    """Trace ``step_fn(*args)`` into a functional aten graph without running it for real."""
+def capture(step_fn: Callable, *args: Any, codegen: str | None = "fx") -> Captured:
+    """Trace ``step_fn(*args)`` into a functional aten graph without running it for real,
+    for the code generator ``codegen`` (None: the default for the parameters' device). For
+    Inductor the optimizers' learning rates and step counts stay tensors in the graph
+    (their math is torch.compile's, not eager's, bit for bit)."""
     modules, opts = find_state(step_fn, args)
     if not opts:
         raise FrontendError("the step uses no torch.optim optimizer (none among its "
@@ -755,6 +784,8 @@ def capture(step_fn: Callable, *args: Any) -> Captured:
                 hint="build the optimizer without fused=True (the default or foreach=True)")
     step = Step(step_fn, args, modules, opts)
     device = compute_device(step.params + step.buffers)
+    codegen = resolve_codegen(codegen, device)
+    step.tensor_hyper = codegen == "inductor"
     live = step.live_state_keys()
     step.state_keys = live if live is not None else _discover_state(step)
     rec = _Recorder(step_fn)
@@ -782,5 +813,5 @@ def capture(step_fn: Callable, *args: Any) -> Captured:
     return Captured(gm, slots, outputs, step.user_spec, modules, opts, step.params,
                     step.state_keys, rec.phase, rec.loc, getattr(step_fn, "__name__", "step"),
                     settings_of(modules, opts, live), step.cleared_first, effects,
-                    step.hyper_signs, device)
+                    step.hyper_signs, device, codegen)
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 _REDUCE = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
+_FUNCTIONAL_OP = {"sum": "sum", "avg": "sum", "max": "max", "min": "min"}
 
 # torch >= 2.13 names the single-tensor forms *_single; older releases *_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -42,6 +43,9 @@ class Comm(torch.nn.Module):
         self.calls: Counter[str] = Counter()   # collective kind -> how many ran
         self.blocked_s = 0.0                   # time spent waiting for collectives
         self.force_sync = False                # wait for every collective at once
+        # _c10d_functional ops instead of torch.distributed calls, for a code generator
+        # (Inductor) that traces the program: bytes are then counted once, at the trace
+        self.functional = False
 
     def global_rank(self, group_rank: int) -> int:
         """The world rank of the group's ``group_rank``-th member (for src/dst arguments)."""
@@ -74,7 +78,7 @@ class Pending:
 def _start(comm: Comm, launch: Any, finish: Any, async_op: bool) -> Any:
     """Run ``launch(async_op)`` (which returns a work handle or None) and finish now, or
     hand back a Pending to finish at the wait."""
-    go_async = async_op and not comm.force_sync and comm.size > 1
+    go_async = async_op and not comm.force_sync and not comm.functional and comm.size > 1
     t0 = time.perf_counter()
     work = launch(go_async)
     comm.blocked_s += time.perf_counter() - t0
@@ -85,6 +89,14 @@ def _start(comm: Comm, launch: Any, finish: Any, async_op: bool) -> Any:
 def wait(p: Any) -> Any:
     """The result of a collective started with ``async_op=True``."""
     return p.wait() if isinstance(p, Pending) else p
+
+
+def _functional(comm: Comm, kind: str, x: torch.Tensor, *args: Any) -> torch.Tensor:
+    """The ``_c10d_functional`` collective ``kind`` of ``x`` on the axis's group, waited
+    for (Inductor schedules the wait; every functional collective needs its wait_tensor)."""
+    group = comm.group if comm.group is not None else dist.group.WORLD
+    fc = torch.ops._c10d_functional
+    return fc.wait_tensor(getattr(fc, kind)(x, *args, group.group_name))
 
 
 def _frac(comm: Comm) -> float:
@@ -117,7 +129,9 @@ def all_reduce(comm: Comm, x: torch.Tensor, op: str, owned: bool = False,
     comm._count("all_reduce", int(2 * _frac(comm) * (t.numel() * t.element_size())))
 
     def launch(a: bool) -> Any:
-        if comm.size > 1:
+        if comm.size > 1 and comm.functional:
+            t.copy_(_functional(comm, "all_reduce", t, _FUNCTIONAL_OP[op]))
+        elif comm.size > 1:
             return dist.all_reduce(t, op=_reduce_op(op), group=comm.group, async_op=a)
         return None
 
@@ -149,18 +163,25 @@ def reduce_scatter(comm: Comm, x: torch.Tensor, op: str, dim: Any,
 
 def _scatter_launch(comm: Comm, out: torch.Tensor, src: torch.Tensor, op: str) -> Any:
     def launch(a: bool) -> Any:
-        if comm.size > 1:
+        if comm.size > 1 and comm.functional:
+            out.copy_(_functional(comm, "reduce_scatter_tensor", src, _FUNCTIONAL_OP[op],
+                                  comm.size))
+        elif comm.size > 1:
             return _reduce_scatter(out, src, op=_reduce_op(op), group=comm.group, async_op=a)
-        out.copy_(src)
+        else:
+            out.copy_(src)
         return None
     return launch
 
 
 def _gather_launch(comm: Comm, out: torch.Tensor, src: torch.Tensor) -> Any:
     def launch(a: bool) -> Any:
-        if comm.size > 1:
+        if comm.size > 1 and comm.functional:
+            out.copy_(_functional(comm, "all_gather_into_tensor", src, comm.size))
+        elif comm.size > 1:
             return _all_gather(out, src, group=comm.group, async_op=a)
-        out.copy_(src)
+        else:
+            out.copy_(src)
         return None
     return launch
 
@@ -207,7 +228,9 @@ def take_shard(comm: Comm, x: torch.Tensor, dim: Any, local_shape: list[int]) ->
 def broadcast(comm: Comm, x: torch.Tensor, root: int) -> torch.Tensor:
     """Rank ``root``'s ``x`` on every rank (only the root sends)."""
     t = x.clone(memory_format=torch.contiguous_format)
-    if comm.size > 1:
+    if comm.size > 1 and comm.functional:
+        t = _functional(comm, "broadcast", t, comm.global_rank(root))
+    elif comm.size > 1:
         dist.broadcast(t, src=comm.global_rank(root), group=comm.group)
     # a pipelined ring broadcast: every rank but the last forwards the message
     comm._count("broadcast", int(_frac(comm) * t.numel() * t.element_size()))
@@ -235,7 +258,9 @@ def all_reduce_bucket(comm: Comm, xs: list[torch.Tensor], op: str,
     comm._count("all_reduce", int(2 * _frac(comm) * (buf.numel() * buf.element_size())))
 
     def launch(a: bool) -> Any:
-        if comm.size > 1:
+        if comm.size > 1 and comm.functional:
+            buf.copy_(_functional(comm, "all_reduce", buf, _FUNCTIONAL_OP[op]))
+        elif comm.size > 1:
             return dist.all_reduce(buf, op=_reduce_op(op), group=comm.group, async_op=a)
         return None
 

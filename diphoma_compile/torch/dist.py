@@ -30,7 +30,7 @@ from ..ir.types import FlatShard, Placement, Replicate, Shard, TensorType, Varyi
 from ..mesh import Mesh
 from ..report.memory import MemoryReport
 from . import collectives
-from .build import build_module
+from .codegen import program
 from .groups import coordinates, new_axis_groups
 from .runtime import TorchStep
 from .state import Captured, Slot
@@ -87,7 +87,7 @@ class TorchDistStep(TorchStep):
         self._side = self._sides[axis]
         self.calls = 0
         self._check_binding(graph, captured)
-        super().__init__(graph, captured, build_module(graph, self.comms, device=captured.device))
+        super().__init__(graph, captured, program(graph, captured, self.comms))
         self._state_type: dict[tuple[int, str], TensorType] = {
             s.key: i.value.type for i, s in zip(graph.inputs, captured.inputs)
             if s.kind == "opt_state"}

@@ -30,13 +30,15 @@ class TorchFramework:
     def trace(self, step_fn: Callable, args: tuple, **options: Any) -> tuple[Graph, Any]:
         """The step's IR and its capture (which the runtime binds to the live state)."""
         from .trace import trace_torch
+        codegen = options.pop("codegen", None)
         if options:
             raise FrontendError(f"trace options {sorted(options)} are for JAX steps",
                                 hint="a PyTorch step is traced from its arguments alone")
-        return trace_torch(step_fn, *args)
+        return trace_torch(step_fn, *args, codegen=codegen)
 
     def trace_local(self, step_fn: Callable, args: tuple, mesh: Mesh, axis: str, *,
-                    batch_argnums: tuple[int, ...] | None = None) -> tuple[Graph, Any]:
+                    batch_argnums: tuple[int, ...] | None = None,
+                    codegen: str | None = None) -> tuple[Graph, Any]:
         """As ``trace``: each rank passes its own local batch, as under DDP. Every tensor
         among the arguments is batch, so ``batch_argnums`` is refused."""
         if batch_argnums is not None:
@@ -45,7 +47,7 @@ class TorchFramework:
                 "arguments are all its batch (each rank passes its own local batch, as under "
                 "DDP) and nothing is split", hint="drop batch_argnums=; keep a tensor that is "
                                                   "not batch in the step's closure or module")
-        return self.trace(step_fn, args)
+        return self.trace(step_fn, args, codegen=codegen)
 
     def compile(self, graph: Graph, extra: Any) -> Callable:
         """A step that updates the live module and optimizer as the eager step would."""

@@ -13,7 +13,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import DiphomaError
 from ..ir.core import Graph
-from .build import build_module
+from .codegen import program
 from .state import LR_DTYPE, Captured, Slot, hyper_value, is_state, settings_of, sign
 from .ops import DTYPE_TO_TORCH
 
@@ -25,8 +25,9 @@ class TorchStep:
                  module: fx.GraphModule | None = None) -> None:
         self.graph = graph
         self.captured = captured
-        self.module = module if module is not None else build_module(graph,
-                                                                      device=captured.device)
+        # the fx GraphModule, or it under Inductor (codegen.py)
+        self.module = module if module is not None else program(graph, captured)
+        self.codegen = captured.codegen
         sizes = dict(graph.mesh.axes)   # a rank is called with its own piece of the batch
         self._arg_types = [(tuple(i.value.type.local_shape(sizes)), i.value.type.dtype)
                            for i, s in zip(graph.inputs, captured.inputs) if s.kind == "arg"]
@@ -40,6 +41,12 @@ class TorchStep:
                             if s.kind == "opt_state" and i.name in read}
         self._live = frozenset((s.owner, s.key[1], s.key[2]) for s in captured.inputs
                                if s.kind == "hyper" and s.key[1] != "lr")
+
+    @property
+    def compile_s(self) -> float | None:
+        """Seconds the code generator spent compiling on the first call (None for fx, or
+        before the first call)."""
+        return getattr(self.module, "compile_s", None)
 
     @property
     def code(self) -> str:

@@ -60,6 +60,7 @@ class Captured:
     hyper_signs: dict[str, int] = field(default_factory=dict)
     # the device the parameters and buffers live on: constants the program makes go there
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    codegen: str = "fx"    # the code generator the graph was traced for (codegen.py)
 
 
 _LIVE_KEYS = {"params", "lr", "initial_lr"}   # read per call, or not used by step()

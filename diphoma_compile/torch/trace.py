@@ -16,6 +16,7 @@ from ..errors import DiphomaError, FrontendError
 from ..ir.core import Graph
 from ..ir.verify import verify
 from .capture import capture
+from .codegen import check_codegen
 from .effects import INTERNAL_PATHS
 from .importer import import_captured
 from .state import Captured
@@ -71,10 +72,15 @@ def explain(exc: Exception) -> FrontendError:
                          hint="see the chained exception for the full traceback")
 
 
-def trace_torch(step_fn: Callable, *example_args: Any) -> tuple[Graph, Captured]:
-    """Trace a PyTorch training step; return its IR graph and the capture a runtime binds."""
+def trace_torch(step_fn: Callable, *example_args: Any, codegen: str | None = "fx"
+                ) -> tuple[Graph, Captured]:
+    """Trace a PyTorch training step; return its IR graph and the capture a runtime binds.
+    ``codegen`` names the code generator the program is for (None: the default for the
+    parameters' device; ``codegen.py``): Inductor's is traced with the optimizers' tensor
+    math."""
+    check_codegen(codegen)
     try:
-        cap = capture(step_fn, *example_args)
+        cap = capture(step_fn, *example_args, codegen=codegen)
     except DiphomaError:
         raise
     except Exception as e:  # torch raises many types while tracing; name the user's line

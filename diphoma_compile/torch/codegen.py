@@ -1,0 +1,104 @@
+"""The code generators of the torch backend: what turns the built fx GraphModule into the
+program that runs.
+
+- ``fx``: the GraphModule itself, interpreted by Python; it makes the eager step's own aten
+  calls, so results equal eager's bit for bit (the reference the parity tests use).
+- ``inductor``: the GraphModule handed to ``torch._inductor.compile_fx`` on the first call
+  (shapes are fixed by the trace, so it compiles once and never again). Its kernels fuse
+  and reorder elementwise math, so results differ from eager's in the last bits. The step
+  is traced for it with the optimizers' tensor math (no ``.item()`` on the learning rate or
+  step count, which would cut the graph and bake the value in) and collectives are
+  ``_c10d_functional`` ops, each with its ``wait_tensor``.
+
+The default (``codegen=None``) is ``default_codegen()``: see docs/torch.md for the rule
+and the measurements behind it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..errors import BackendError
+
+CODEGENS = ("fx", "inductor")
+log = logging.getLogger("diphoma_compile")
+
+
+def check_codegen(codegen: str | None) -> str | None:
+    """``codegen`` if it names a code generator (or is None); DiphomaError otherwise."""
+    if codegen is not None and codegen not in CODEGENS:
+        raise BackendError(f"codegen={codegen!r} is not a code generator of the torch "
+                           f"backend", hint=f"pass one of {', '.join(CODEGENS)}, or None for "
+                                            "the default")
+    return codegen
+
+
+def default_codegen(device: torch.device) -> str:
+    """The code generator ``codegen=None`` picks for a step on ``device``: ``fx`` everywhere.
+
+    Inductor runs a GPT-2-style step 1.3x faster than eager on the CPU, but compiling it
+    takes from tens of seconds (a tiny model, warm cache) to about a minute (GPT-2 small,
+    cold cache) on a 2-core machine, which a short run or a test never wins back, and its
+    results are not eager's bit for bit. So it is asked for (``codegen="inductor"``), not
+    given by default; the numbers are in docs/torch.md."""
+    return "fx"
+
+
+def resolve(codegen: str | None, device: torch.device) -> str:
+    """The code generator to use: ``codegen``, or the default for ``device``."""
+    return check_codegen(codegen) or default_codegen(device)
+
+
+class InductorProgram:
+    """A GraphModule compiled by Inductor on its first call, with that call's inputs as the
+    example (every later call has the same shapes: the runtime checks its arguments)."""
+
+    def __init__(self, gm: fx.GraphModule, label: str = "step") -> None:
+        self.gm = gm
+        self.label = label
+        self.compiled: Callable | None = None
+        self.compile_s: float | None = None   # seconds the first call spent compiling
+
+    @property
+    def code(self) -> str:
+        """The fx program handed to Inductor, as Python source."""
+        return self.gm.code
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        if self.compiled is None:
+            self.compile(list(inputs))
+        return self.compiled(*inputs)
+
+    def compile(self, inputs: list[torch.Tensor]) -> None:
+        """Compile the program for these example inputs (once)."""
+        from torch._inductor.compile_fx import compile_fx
+        t0 = time.perf_counter()
+        try:
+            self.compiled = compile_fx(self.gm, inputs)
+        except Exception as e:   # Inductor raises many kinds; say which code generator
+            raise BackendError(f"Inductor could not compile the {self.label} program: "
+                               f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}",
+                               hint="run it with codegen='fx' (the reference code "
+                                    "generator)") from e
+        self.compile_s = time.perf_counter() - t0
+        log.info("diphoma_compile: Inductor compiled the %s program in %.1f s",
+                 self.label, self.compile_s)
+
+
+def program(graph: Any, captured: Any, comms: dict | None = None) -> Any:
+    """The runnable program of ``graph`` for the code generator it was traced for
+    (``captured.codegen``): the fx GraphModule, or it under Inductor. For Inductor the
+    module updates nothing in place (the runtime writes results back), reads no 0-d tensor
+    on the host, and its collectives are functional."""
+    from .build import build_module
+    if captured.codegen != "inductor":
+        return build_module(graph, comms, device=captured.device)
+    for c in (comms or {}).values():
+        c.functional = True
+    gm = build_module(graph, comms, in_place=False, device=captured.device, host_reads=False)
+    return InductorProgram(gm, graph.name)
