@@ -367,6 +367,44 @@ def run_parallelize(rank: int, world: int) -> dict:
     return out
 
 
+@check("inductor")
+def run_inductor(rank: int, world: int) -> dict:
+    """parallelize(codegen="inductor"): the per-rank program compiled by Inductor, its
+    collectives _c10d_functional ops, against the single-device eager step (AdamW, weight-
+    update sharding); the learning rate changes after two steps."""
+    import diphoma_compile
+    torch.manual_seed(0)
+    model = OddMLP()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = OPTS["adamw"](model.parameters()), OPTS["adamw"](ref.parameters())
+    step = diphoma_compile.parallelize(mlp_clipped_step, {"dp": world}, codegen="inductor")
+    losses, ref_losses = [], []
+    for k, b in enumerate(mlp_batches(world, seed=5)):
+        if k == 2:
+            for g in opt.param_groups + ref_opt.param_groups:
+                g["lr"] *= 0.5
+        losses.append(step(model, opt, *local(b, rank, world)).item())
+        if rank == 0:
+            ref_losses.append(mlp_clipped_step(ref, ref_opt, *b).item())
+    runner = step.runner
+    out = {"codegen": runner.codegen, "compile_s": step.compile_s, "losses": losses,
+           "calls": dict(runner.comm.calls),
+           "functional": "_c10d_functional" in _compiled_source(runner.module)}
+    gathered = runner.gather_optimizer_state()
+    if rank == 0:
+        out.update(ref_losses=ref_losses, param=compare_params(model, ref),
+                   state=compare_state(gathered, ref, ref_opt))
+    return out
+
+
+def _compiled_source(program: Any) -> str:
+    """What Inductor made of a compiled program: its graph after Inductor's passes and the
+    code it generated ("" where this torch keeps neither on the compiled function)."""
+    fn = getattr(program, "compiled", None)
+    return "".join(str(getattr(fn, k, "") or "") for k in
+                   ("inductor_post_grad_graph_str", "runnable_graph_str", "source_code"))
+
+
 def scheduled_step(model, opt, sched, batch):
     """A StepLR stepped inside the step: it runs on the host after each call."""
     loss = mlp_step(model, opt, batch)
