@@ -305,6 +305,11 @@ class MeasuredRunner(JaxStep):
         self._last = tuple(outs)
         return outs
 
+    def _kept(self, result: Any) -> Any:
+        # the output tree's leaves are the graph's outputs, in order
+        self._last = tuple(jax.tree.leaves(result))
+        return result
+
     def _state_outputs(self) -> dict[InputKind, list[int]]:
         kinds = {i.name: i.role.kind for i in self.graph.inputs}
         found: dict[InputKind, list[int]] = {InputKind.param: [], InputKind.opt_state: []}
@@ -339,6 +344,7 @@ class JaxParallelStep(MeasuredRunner):
                  axis: str | None = None, donate: bool = False) -> None:
         self.graph = graph
         self.out_tree = out_tree if out_tree is not None else output_tree(graph)
+        self._tree_jit = None    # the leaves are laid out over the mesh first (flatten)
         self.mesh = jax_mesh(mesh if mesh is not None else graph.mesh)
         self.axis = axis if axis is not None else _data_axis(graph)
         self.sizes = {str(k): int(v) for k, v in self.mesh.shape.items()}
@@ -416,6 +422,8 @@ class JaxOneDeviceStep(MeasuredRunner):
                  donate: bool = False) -> None:
         super().__init__(graph, out_tree, donate)
         self.device = mesh.devices.flat[0] if isinstance(mesh, jax.sharding.Mesh) else None
+        if self.device is not None:
+            self._tree_jit = None     # the leaves are put on the mesh's device first
         self.device_count = 1
         self._last: tuple = ()
 
