@@ -54,7 +54,7 @@ def compile(step_fn: Callable, *example_args: Any, passes: str = "",
     jax.jit."""
     fw = frameworks.of_args(example_args)
     # the runner keeps this step's own argument and output structure, whatever passes do
-    graph, extra = fw.trace(step_fn, example_args, codegen=codegen)
+    graph, extra = fw.trace(step_fn, example_args, codegen=codegen or "auto")
     if passes:
         graph = Pipeline.from_spec(passes).run(graph, PassContext())
     return fw.compile(graph, extra)
@@ -88,7 +88,7 @@ class ParallelStep:
         ``ctx`` (a PassContext) asks for IR dumps and collects pass timings."""
         self._fw, graph, self._extra = trace_step(self.step_fn, example_args, self.mesh,
                                                   self.axis, self.batch_argnums,
-                                                  codegen=self.codegen)
+                                                  codegen=self.codegen or "auto")
         self.framework = self._fw.name
         self._graph, self._plan = run_passes(graph, self._fw, self.mesh, self.axis,
                                              self.passes, ctx or PassContext())
@@ -180,7 +180,9 @@ def trace_step(step_fn: Callable, args: tuple, mesh: Mesh, axis: str,
                codegen: str | None = None) -> tuple[Framework, Graph, Any]:
     """(framework, the step's IR traced per device, what the backend needs besides it):
     PyTorch at the local batch each rank passes; JAX at the global batch / N, the batch
-    being the arguments ``batch_argnums`` (None: inferred by the framework)."""
+    being the arguments ``batch_argnums`` (None: inferred by the framework). ``codegen``:
+    the code generator the program is for; "auto" lets the framework choose by the step's
+    size, None plans with its reference program."""
     fw = frameworks.of_args(args)
     graph, extra = fw.trace_local(step_fn, args, mesh, axis, batch_argnums=batch_argnums,
                                   codegen=codegen)

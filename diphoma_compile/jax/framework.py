@@ -158,6 +158,6 @@ FRAMEWORK = JaxFramework()
 
 def _check_codegen(codegen: str | None) -> None:
     """A JAX step is compiled by XLA under jax.jit: ``codegen`` is None (or "xla")."""
-    if codegen not in (None, "xla"):
+    if codegen not in (None, "auto", "xla"):
         raise BackendError(f"codegen={codegen!r} is for PyTorch steps; a JAX step is "
                            "compiled by XLA (jax.jit)", hint="leave codegen unset")

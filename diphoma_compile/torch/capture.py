@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import FrontendError
 from ..ir.core import Phase
-from .codegen import resolve as resolve_codegen
+from .codegen import check_codegen
 from .effects import INTERNAL_PATHS, HostWatch, StaleValue
 from .ops import draws_random
 from .state import (LR_DTYPE, Captured, Slot, StateKey, hyper_value, is_state, settings_of,
@@ -768,7 +768,7 @@ def _device_errors(device: torch.device) -> Iterator[None]:
 
 def capture(step_fn: Callable, *args: Any, codegen: str | None = "fx") -> Captured:
     """Trace ``step_fn(*args)`` into a functional aten graph without running it for real,
-    for the code generator ``codegen`` (None: the default for the parameters' device). For
+    for the code generator ``codegen`` (None: fx). For
     Inductor the optimizers' learning rates and step counts stay tensors in the graph
     (their math is torch.compile's, not eager's, bit for bit)."""
     modules, opts = find_state(step_fn, args)
@@ -784,7 +784,7 @@ def capture(step_fn: Callable, *args: Any, codegen: str | None = "fx") -> Captur
                 hint="build the optimizer without fused=True (the default or foreach=True)")
     step = Step(step_fn, args, modules, opts)
     device = compute_device(step.params + step.buffers)
-    codegen = resolve_codegen(codegen, device)
+    codegen = "inductor" if check_codegen(codegen) == "inductor" else "fx"
     step.tensor_hyper = codegen == "inductor"
     live = step.live_state_keys()
     step.state_keys = live if live is not None else _discover_state(step)

@@ -15,7 +15,10 @@ and the measurements behind it."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
+import shutil
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,28 +33,39 @@ log = logging.getLogger("diphoma_compile")
 
 
 def check_codegen(codegen: str | None) -> str | None:
-    """``codegen`` if it names a code generator (or is None); DiphomaError otherwise."""
-    if codegen is not None and codegen not in CODEGENS:
+    """``codegen`` if it names a code generator (or is None or "auto", the default);
+    DiphomaError otherwise."""
+    if codegen not in (None, "auto") and codegen not in CODEGENS:
         raise BackendError(f"codegen={codegen!r} is not a code generator of the torch "
                            f"backend", hint=f"pass one of {', '.join(CODEGENS)}, or None for "
                                             "the default")
     return codegen
 
 
-def default_codegen(device: torch.device) -> str:
-    """The code generator ``codegen=None`` picks for a step on ``device``: ``fx`` everywhere.
+# Inductor by default from this many flops per step: a 4-layer GPT-2-style step (d=256,
+# 1,024 tokens; about 3e10) runs in 0.68x eager's time under Inductor on 2 CPU cores and
+# compiles in one to two minutes; a step below this takes milliseconds, and compiling it
+# (seconds to tens of seconds for a tiny model) is never won back in a short run or a test
+INDUCTOR_MIN_FLOPS = 1e10
 
-    Inductor runs a GPT-2-style step 1.3x faster than eager on the CPU, but compiling it
-    takes from tens of seconds (a tiny model, warm cache) to about a minute (GPT-2 small,
-    cold cache) on a 2-core machine, which a short run or a test never wins back, and its
-    results are not eager's bit for bit. So it is asked for (``codegen="inductor"``), not
-    given by default; the numbers are in docs/torch.md."""
+
+def inductor_available(device: torch.device) -> bool:
+    """Whether Inductor can generate code for ``device`` here: a C++ compiler for the CPU,
+    Triton for CUDA."""
+    if device.type == "cpu":
+        return any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "c++", "clang++"))
+    if device.type == "cuda":
+        return importlib.util.find_spec("triton") is not None
+    return False
+
+
+def default_codegen(device: torch.device, flops: float = 0.0) -> str:
+    """The code generator ``codegen=None`` picks for a step of ``flops`` per call on
+    ``device``: Inductor for a step of at least INDUCTOR_MIN_FLOPS where it can generate
+    code for the device, fx otherwise (docs/torch.md has the measurements)."""
+    if flops >= INDUCTOR_MIN_FLOPS and inductor_available(device):
+        return "inductor"
     return "fx"
-
-
-def resolve(codegen: str | None, device: torch.device) -> str:
-    """The code generator to use: ``codegen``, or the default for ``device``."""
-    return check_codegen(codegen) or default_codegen(device)
 
 
 class InductorProgram:

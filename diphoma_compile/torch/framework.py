@@ -30,6 +30,7 @@ class TorchFramework:
     def trace(self, step_fn: Callable, args: tuple, **options: Any) -> tuple[Graph, Any]:
         """The step's IR and its capture (which the runtime binds to the live state)."""
         from .trace import trace_torch
+        # trace() alone plans with the reference program; compile() passes its codegen
         codegen = options.pop("codegen", None)
         if options:
             raise FrontendError(f"trace options {sorted(options)} are for JAX steps",

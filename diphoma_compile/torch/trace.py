@@ -13,10 +13,11 @@ from typing import Any
 import torch
 
 from ..errors import DiphomaError, FrontendError
+from ..ir.analysis import graph_cost
 from ..ir.core import Graph
 from ..ir.verify import verify
 from .capture import capture
-from .codegen import check_codegen
+from .codegen import check_codegen, default_codegen
 from .effects import INTERNAL_PATHS
 from .importer import import_captured
 from .state import Captured
@@ -72,13 +73,25 @@ def explain(exc: Exception) -> FrontendError:
                          hint="see the chained exception for the full traceback")
 
 
-def trace_torch(step_fn: Callable, *example_args: Any, codegen: str | None = "fx"
+def trace_torch(step_fn: Callable, *example_args: Any, codegen: str | None = None
                 ) -> tuple[Graph, Captured]:
     """Trace a PyTorch training step; return its IR graph and the capture a runtime binds.
-    ``codegen`` names the code generator the program is for (None: the default for the
-    parameters' device; ``codegen.py``): Inductor's is traced with the optimizers' tensor
-    math."""
+    ``codegen`` names the code generator the program is for (None: fx; "auto": the
+    default for the step's size and device, ``codegen.default_codegen``): Inductor's is
+    traced with the optimizers' tensor math."""
     check_codegen(codegen)
+    graph, cap = _trace(step_fn, example_args, codegen if codegen not in (None, "auto")
+                        else "fx")
+    if codegen == "auto":
+        # the default depends on the step's size: traced again, for Inductor, when it
+        # is big enough (tracing takes seconds where compiling takes a minute)
+        chosen = default_codegen(cap.device, graph_cost(graph)[0].flops)
+        if chosen != "fx":
+            graph, cap = _trace(step_fn, example_args, chosen)
+    return graph, cap
+
+
+def _trace(step_fn: Callable, example_args: tuple, codegen: str) -> tuple[Graph, Captured]:
     try:
         cap = capture(step_fn, *example_args, codegen=codegen)
     except DiphomaError:

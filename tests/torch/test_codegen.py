@@ -75,3 +75,27 @@ def test_jax_refuses_torch_code_generators():
     with pytest.raises(DiphomaError, match="XLA"):
         diphoma_compile.compile(step, {"w": jnp.ones(2)}, (), jnp.ones((2, 2)),
                                 codegen="inductor")
+
+
+def test_default_rule_by_step_size(monkeypatch):
+    from diphoma_compile.torch import codegen
+    from diphoma_compile.torch.trace import trace_torch
+    cpu = torch.device("cpu")
+    big = "inductor" if codegen.inductor_available(cpu) else "fx"
+    assert codegen.default_codegen(cpu, codegen.INDUCTOR_MIN_FLOPS) == big
+    assert codegen.default_codegen(cpu, codegen.INDUCTOR_MIN_FLOPS / 2) == "fx"
+    assert codegen.default_codegen(torch.device("meta"), 1e15) == "fx"
+    torch.manual_seed(0)
+    model = MLP()
+    opt = OPTIMIZERS["adamw"](model.parameters(), True)
+    b = mlp_batches(1)[0]
+    # a tiny step stays on fx; the same step counted as big is traced for Inductor
+    _, cap = trace_torch(classify_step, model, opt, b, codegen="auto")
+    assert cap.codegen == "fx"
+    monkeypatch.setattr(codegen, "inductor_available", lambda device: True)
+    monkeypatch.setattr(codegen, "INDUCTOR_MIN_FLOPS", 0.0)
+    _, cap = trace_torch(classify_step, model, opt, b, codegen="auto")
+    assert cap.codegen == "inductor"
+    # trace() alone plans with the reference program
+    g = diphoma_compile.trace(classify_step, model, opt, b)
+    assert g == trace_torch(classify_step, model, opt, b)[0]
