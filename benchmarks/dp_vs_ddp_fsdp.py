@@ -31,7 +31,9 @@ prints one row per variant:
   loss        the last step's loss, averaged over ranks (variants should agree closely).
 Variants: ddp, fsdp2, diphoma (the default pipeline: data parallelism, weight-update
 sharding, comm-fusion with a bucket a quarter of the gradient bytes, schedule-comm),
-diphoma-unfused (one collective per tensor, synchronous), and diphoma-bX for each X in
+diphoma-unfused (one collective per tensor, synchronous), diphoma-fx and diphoma-inductor
+(the default pipeline with that code generator; plain diphoma lets parallelize choose:
+Inductor for a step of 1e10 flops or more, which this GPT's is), and diphoma-bX for each X in
 --buckets (fusion with X MB buckets: the sweep). --profile adds, per diphoma variant, the
 time in computation and communication and the part of communication hidden (after the
 timed steps; it runs 2 x --steps more steps).
@@ -58,7 +60,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT, GPTConfig, make_batch, train_step  # noqa: E402
 
-VARIANTS = ("ddp", "fsdp2", "diphoma", "diphoma-unfused")
+VARIANTS = ("ddp", "fsdp2", "diphoma", "diphoma-unfused", "diphoma-fx", "diphoma-inductor")
 BASE = "dce,data-parallel,weight-update-sharding,dce"
 
 
@@ -121,8 +123,9 @@ def _build(variant: str, cfg: GPTConfig, world: int, lr: float):
     if not variant.startswith("diphoma"):
         return train_step, model, opt, lambda: (_state_bytes(opt), _param_bytes(model))
     import diphoma_compile
+    codegen = {"diphoma-fx": "fx", "diphoma-inductor": "inductor"}.get(variant)
     pstep = diphoma_compile.parallelize(train_step, diphoma_compile.Mesh({"dp": world}),
-                                        passes=_passes(variant))
+                                        passes=_passes(variant), codegen=codegen)
 
     def memory() -> tuple[int, int]:
         rep = pstep.memory_report()

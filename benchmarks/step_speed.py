@@ -55,7 +55,7 @@ def _interleave(variants: dict, steps: int, sync) -> dict[str, dict]:
     for k in range(steps + 1):
         order = names[k % len(names):] + names[:k % len(names)]
         for n in order:
-            dt, loss = _timed(lambda n=n: variants[n](k), sync)
+            dt, loss = _timed(lambda n=n, k=k: variants[n](k), sync)
             if k == 0:
                 rows[n]["first"] = dt
             else:
