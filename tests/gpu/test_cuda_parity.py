@@ -99,7 +99,9 @@ def test_parallelize_one_device_matches_compile(kind, opt_name, foreach):
 
 
 def test_inductor_close_to_eager():
-    model, opt, twin, twin_opt = pair("gpt", "adamw", True)
+    # SGD with momentum: Adam would divide the rounding noise of gradients that are exactly
+    # zero in eager (the attention keys' bias) by itself, moving those weights by up to lr
+    model, opt, twin, twin_opt = pair("gpt", "sgd_momentum", True)
     batches = [to_device(b) for b in lm_batches(STEPS)]
     eager = train(lambda m, o, b: lm_step, twin, twin_opt, batches)
     ours = train(lambda m, o, b: diphoma_compile.compile(lm_step, m, o, b, codegen="inductor"),
