@@ -78,7 +78,8 @@ class ShardParams(Pass):
         for p in sorted(params):
             piece = pieces.get(p)
             if piece is None:
-                whole.append((p, "its update runs whole (a scalar, or not split)"))
+                whole.append((p, "weight-update-sharding kept its update whole (its notes "
+                                 "say why)"))
                 continue
             gather = made.get(new_of.get(p, ""))
             place = piece.result.type.placement(self.axis)
