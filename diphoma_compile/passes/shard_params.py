@@ -12,7 +12,10 @@ the start.
 
 Between steps a device holds 1/N of the parameters, as it already held 1/N of the optimizer
 state; the step holds whole only the parameters in use, at the price of a second all-gather
-of every parameter (forward and backward), as FSDP pays."""
+of every parameter (forward and backward), as FSDP pays. ``backward=keep`` gathers once, in
+forward, and keeps the whole copy through backward: the communication of the default plan
+with the gather moved to the start of the next step's forward, where it overlaps it
+(weight-update-sharding's ``gather=next-forward``); the step's peak is the default plan's."""
 
 from __future__ import annotations
 
@@ -38,11 +41,16 @@ class ShardParamsRecord:
     sharded: Mapping[str, str]
     whole: tuple[tuple[str, str], ...]
     gathers: Mapping[str, int]           # phase -> all-gathers placed before uses
+    backward: str = "regather"
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's ``notes["shard-params"]`` (docs/plan.md)."""
         return {"axis": self.axis, "sharded": dict(self.sharded),
-                "whole": [list(w) for w in self.whole], "gathers": dict(self.gathers)}
+                "whole": [list(w) for w in self.whole], "gathers": dict(self.gathers),
+                "backward": self.backward}
+
+
+_BACKWARD = ("regather", "keep")
 
 
 @register_pass
@@ -52,9 +60,15 @@ class ShardParams(Pass):
 
     name = "shard-params"
     axis: str = "dp"
+    backward: str = "regather"      # or "keep": backward reads the forward's gather
 
     def __call__(self, graph: Graph, ctx: PassContext) -> Graph:
         n = require_axis(graph, self.axis, self.name)
+        if self.backward not in _BACKWARD:
+            raise PassFailure(f"{self.name}: backward={self.backward!r} is not one of "
+                              f"{', '.join(_BACKWARD)}",
+                              hint="regather: gather again for backward (FSDP); keep: hold "
+                                   "the forward's whole copy through backward")
         if n == 1:
             return graph
         params = {i.name for i in graph.inputs if i.role.kind is InputKind.param}
@@ -116,7 +130,7 @@ class ShardParams(Pass):
         remade: dict[str, str] = {}
 
         def gather_of(p: str, at: Op) -> str:
-            key = (p, at.phase)
+            key = (p, at.phase if self.backward == "regather" else None)
             if key not in gathered:
                 t = graph.input(p).value.type
                 v = Value(names(f"{p}.whole"), t.with_placement(ax, REPLICATE))
@@ -144,7 +158,7 @@ class ShardParams(Pass):
         for op in (o for o in graph.ops if id(o) not in dropped):
             # ops reading the whole parameter (the update reads the take_shard's piece)
             mapping = {x: gather_of(x, op) for x in dict.fromkeys(op.inputs) if x in sharded}
-            if op.phase is Phase.backward:
+            if op.phase is Phase.backward and self.backward == "regather":
                 mapping.update((x, again(x, op)) for x in op.inputs if x in views
                                and views[x][1][0].phase is Phase.forward)
             ops.append(op.replace(inputs=tuple(mapping.get(x, x) for x in op.inputs))
@@ -160,7 +174,7 @@ class ShardParams(Pass):
                       {i.name: i.value.type for i in inputs}, ax)
         outputs = tuple(type(o)(returned.get(o.name, o.name), o.role) for o in graph.outputs)
         ctx.decisions[self.name] = ShardParamsRecord(
-            ax, {p: str(q) for p, q in sharded.items()}, tuple(whole), counts)
+            ax, {p: str(q) for p, q in sharded.items()}, tuple(whole), counts, self.backward)
         return graph.replace(inputs=inputs, ops=tuple(ops), outputs=outputs)
 
 

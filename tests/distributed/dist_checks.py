@@ -666,6 +666,10 @@ def run_tensor_parallel_hf(rank: int, world: int) -> dict:
     return out
 
 
+NEXT_FORWARD = ("dce,data-parallel{axis=dp},weight-update-sharding{axis=dp, "
+                "gather=next-forward},dce,comm-fusion{bucket-mb=1},schedule-comm")
+
+
 @check("shard_params")
 def run_shard_params(rank: int, world: int) -> dict:
     """parallelize(..., shard_params=True) on the GPT example (tied embeddings) with AdamW and
@@ -678,12 +682,13 @@ def run_shard_params(rank: int, world: int) -> dict:
         make, steps, batches = MODELS[name]
         step_fn = steps[clipped]
         runs = {}
-        for shard in (False, True):
+        for shard in (False, True, "next-forward"):
             torch.manual_seed(0)
             model = make()
             opt = OPTS[opt_name](model.parameters())
-            step = diphoma_compile.parallelize(step_fn, diphoma_compile.Mesh({"dp": world}),
-                                               shard_params=shard)
+            step = diphoma_compile.parallelize(
+                step_fn, diphoma_compile.Mesh({"dp": world}), shard_params=shard is True,
+                passes=NEXT_FORWARD if shard == "next-forward" else None)
             losses = [step(model, opt, *local(b, rank, world)).item()
                       for b in batches(world)]
             runs[shard] = {
@@ -705,6 +710,10 @@ def run_shard_params(rank: int, world: int) -> dict:
                "notes": held["notes"], "memory": held["memory"],
                "counted": held["counted"], "plan": held["plan"], "calls": held["calls"],
                "full": torch.cat([v.reshape(-1).float() for v in held["full"].values()])}
+        nxt = runs["next-forward"]
+        res["next"] = {"losses": nxt["losses"], "held": nxt["held"], "notes": nxt["notes"],
+                       "same_params": all(torch.equal(nxt["full"][k], v)
+                                          for k, v in whole["full"].items())}
         if rank == 0:
             torch.manual_seed(0)
             ref = make()

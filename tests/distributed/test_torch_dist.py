@@ -385,3 +385,16 @@ def test_shard_params_matches_the_whole_parameter_plan_bit_for_bit(runs, name):
     notes = r0["notes"]
     assert notes["whole"] == [] and notes["gathers"]["forward"] == len(notes["sharded"])
     assert notes["gathers"]["backward"] > 0
+
+
+@pytest.mark.parametrize("name", ["gpt", "mlp"])
+def test_gather_at_next_forward_matches_the_default_plan_bit_for_bit(runs, name):
+    """weight-update-sharding{gather=next-forward}: the new pieces are the parameters
+    between steps (a quarter of the bytes per rank) and each is gathered once, before its
+    first forward use in the next step; the same losses and parameters as the default."""
+    for r in runs:
+        res = r["shard_params"][name]
+        nxt = res["next"]
+        assert nxt["same_params"] and nxt["losses"] == res["whole_losses"]
+        assert nxt["held"] == res["held"]
+        assert nxt["notes"]["backward"] == "keep" and "backward" not in nxt["notes"]["gathers"]

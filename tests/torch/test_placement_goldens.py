@@ -109,3 +109,25 @@ def test_shard_params_needs_a_sharded_update():
     with pytest.raises(diphoma_compile.DiphomaError, match="weight-update-sharding"):
         Pipeline.from_spec("dce,data-parallel{axis=dp},shard-params{axis=dp}").run(
             graph.replace(mesh=Mesh({"dp": 2})), PassContext())
+
+
+def test_gather_at_next_forward_golden(golden):
+    # weight-update-sharding{gather=next-forward}: the new pieces are returned as they are;
+    # each parameter is gathered once, before its first use, and kept through backward
+    torch.manual_seed(0)
+    model = MLP()
+    graph = diphoma_compile.trace(step, model, torch.optim.AdamW(model.parameters(), lr=0.1),
+                                  torch.randn(8, 8))
+    ctx = PassContext()
+    out = Pipeline.from_spec("dce,data-parallel{axis=dp},"
+                             "weight-update-sharding{axis=dp, gather=next-forward},dce").run(
+        graph.replace(mesh=Mesh({"dp": 2})), ctx)
+    verify(out)
+    rec = ctx.decisions["shard-params"]
+    assert rec.backward == "keep" and rec.gathers == {"forward": 4}
+    assert ".again" not in str(out)
+    golden("torch_mlp_adamw.wus-next-forward.ir", str(out))
+    with pytest.raises(diphoma_compile.DiphomaError, match="gather='later' is not one of"):
+        Pipeline.from_spec("dce,data-parallel{axis=dp},"
+                           "weight-update-sharding{axis=dp, gather=later}").run(
+            graph.replace(mesh=Mesh({"dp": 2})), PassContext())
