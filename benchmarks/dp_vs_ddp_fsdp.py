@@ -19,7 +19,9 @@ prints one row per variant:
   param MB    parameter bytes held by one rank, counted the same way;
   vs DDP      the ratio to the DDP row (below 1 is better);
   peak MB     the peak resident memory a rank reaches in the steps after the first, above
-              what it held before the model was built (the largest over ranks): the
+              what it held before the model was built (the largest over ranks; every
+              variant has imported torch's DDP and FSDP and diphoma_compile by then, so a
+              diphoma figure includes what tracing and compiling leave, not the imports): the
               high-water mark is reset after step 1 (/proc/self/clear_refs) and freed
               tensors leave the resident set (MALLOC_MMAP_THRESHOLD_=65536 is set for the
               ranks). Variants run one after another in the same ranks: run one variant per
@@ -60,6 +62,12 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT, GPTConfig, make_batch, train_step  # noqa: E402
+
+# every variant's ranks load the same libraries before the baseline of the memory figures,
+# so that peak MB compares what each variant's step makes, not which packages it imported
+import diphoma_compile  # noqa: E402,F401
+from torch.distributed.fsdp import fully_shard  # noqa: E402,F401
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402,F401
 
 VARIANTS = ("ddp", "fsdp2", "diphoma", "diphoma-shard", "diphoma-unfused")
 BASE = "dce,data-parallel,weight-update-sharding,dce"
