@@ -66,10 +66,17 @@ class ParallelStep:
     def __init__(self, step_fn: Callable, mesh: Any, *, passes: str | None = None,
                  axis: str | None = None,
                  batch_argnums: int | Iterable[int] | None = None,
-                 donate: bool = False, codegen: str | None = None) -> None:
+                 donate: bool = False, shard_params: bool = False,
+                 codegen: str | None = None) -> None:
+        if shard_params and passes is not None:
+            raise DiphomaError("shard_params=True picks the default pipeline's passes, but "
+                               f"passes={passes!r} was given too",
+                               hint="add shard-params{axis=dp} after weight-update-sharding "
+                                    "in your passes instead")
         self.step_fn = step_fn
         self.codegen = codegen
         self.donate = bool(donate)
+        self.shard_params = bool(shard_params)
         self.user_mesh = mesh
         self.mesh = Mesh.of(mesh)
         self.axis = data_axis(self.mesh, axis)
@@ -91,7 +98,8 @@ class ParallelStep:
                                                   codegen=self.codegen or "auto")
         self.framework = self._fw.name
         self._graph, self._plan = run_passes(graph, self._fw, self.mesh, self.axis,
-                                             self.passes, ctx or PassContext())
+                                             self.passes, ctx or PassContext(),
+                                             shard_params=self.shard_params)
         return self
 
     @property
@@ -190,8 +198,8 @@ def trace_step(step_fn: Callable, args: tuple, mesh: Mesh, axis: str,
 
 
 def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str | None,
-               ctx: PassContext, device_model: str = DEFAULT_DEVICE_MODEL
-               ) -> tuple[Graph, Plan]:
+               ctx: PassContext, device_model: str = DEFAULT_DEVICE_MODEL,
+               shard_params: bool = False) -> tuple[Graph, Plan]:
     """The graph placed on ``mesh`` after the pipeline (``passes``, or the default one for
     the framework and the model's gradient bytes), and its plan, with the step time
     estimated on ``device_model`` (a name in ``ir.device_model.MODELS``).
@@ -213,7 +221,8 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
         if tp is not None and tp != axis and mesh.axis_size(tp) > 1:
             parts.append(f"dce,tensor-parallel{{axis={tp}}}")
         if mesh.axis_size(axis) > 1:
-            parts.append(default_passes(axis, grad_bytes, layout=fw.update_layout))
+            parts.append(default_passes(axis, grad_bytes, layout=fw.update_layout,
+                                        shard_params=shard_params))
         spec = ",".join(parts)
     if spec:
         graph = Pipeline.from_spec(spec).run(graph, ctx)
@@ -228,7 +237,8 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
 def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
                 axis: str | None = None,
                 batch_argnums: int | Iterable[int] | None = None,
-                donate: bool = False, codegen: str | None = None) -> ParallelStep:
+                donate: bool = False, shard_params: bool = False,
+                codegen: str | None = None) -> ParallelStep:
     """``step_fn`` as a distributed step over ``mesh`` (a diphoma Mesh, a dict of axis
     sizes, a torch DeviceMesh or a jax.sharding.Mesh). By default: tensor parallelism
     (Megatron's layer pairs) over an axis named tp, tensor or model, and data parallelism
@@ -247,7 +257,15 @@ def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
     the arrays passed in again (``params, opt_state, loss = step(params, opt_state, b)``).
     PyTorch steps write new values into the live tensors in any case.
 
+    ``shard_params=True`` holds the parameters sharded over the data axis too (ZeRO-3 /
+    FSDP class, the ``shard-params`` pass): each device keeps its piece between steps and
+    gathers each whole parameter where the step reads it, in forward and again in
+    backward. PyTorch: the module's parameters between steps are the rank's flat 1-D
+    pieces (as FSDP2 holds its shards); ``ParallelStep.state_dict()`` gathers the whole
+    model on every rank.
+
     ``codegen`` (PyTorch) is the per-rank program's code generator, as for ``compile``;
     under Inductor the collectives are ``_c10d_functional`` ops it may fuse around."""
     return ParallelStep(step_fn, mesh, passes=passes, axis=axis,
-                        batch_argnums=batch_argnums, donate=donate, codegen=codegen)
+                        batch_argnums=batch_argnums, donate=donate, shard_params=shard_params,
+                        codegen=codegen)

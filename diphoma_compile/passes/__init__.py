@@ -2,7 +2,7 @@
 (pipeline), the default pipeline (defaults) and the built-in passes, one module each."""
 
 from . import (  # noqa: F401  (registers the built-in passes)
-    comm_fusion, cse, data_parallel, dce, schedule_comm, tensor_parallel,
+    comm_fusion, cse, data_parallel, dce, schedule_comm, shard_params, tensor_parallel,
     weight_update_sharding)
 from .base import (ENTRY_POINT_GROUP, Decision, Pass, PassContext, PassFailure, PassRecord,
                    available_passes, get_pass, register_pass, unregister_pass)
@@ -10,12 +10,12 @@ from .comm_fusion import CommFusionRecord
 from .data_parallel import DataParallelRecord
 from .pipeline import Pipeline
 from .schedule_comm import ScheduleCommRecord
+from .shard_params import ShardParamsRecord
 from .spec import parse_spec
 from .tensor_parallel import TensorParallelRecord
 from .weight_update_sharding import WeightUpdateShardingRecord
 
 __all__ = ["ENTRY_POINT_GROUP", "CommFusionRecord", "DataParallelRecord", "Decision", "Pass",
            "PassContext", "PassFailure", "PassRecord", "Pipeline", "ScheduleCommRecord",
-           "TensorParallelRecord", "WeightUpdateShardingRecord", "available_passes", "get_pass",
-           "parse_spec",
-           "register_pass", "unregister_pass"]
+           "ShardParamsRecord", "TensorParallelRecord", "WeightUpdateShardingRecord",
+           "available_passes", "get_pass", "parse_spec", "register_pass", "unregister_pass"]

@@ -221,6 +221,7 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
     metrics = {o.name for o in graph.outputs if o.role.kind is OutputKind.metric}
     metrics |= {waited[n] for n in metrics if n in waited}
     owner = _Owners(graph, grads, loss, metrics, waited, prod, types)
+    params = {i.name for i in graph.inputs if i.role.kind is InputKind.param}
     collectives = []
     for op in graph.walk():
         d = op_def(op.name)
@@ -233,7 +234,7 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
         if len(op.inputs) > 1:
             value += f" (+{len(op.inputs) - 1})"
         collectives.append(CollectivePlan(
-            op.name, axis, value, _serves(op, grads, loss, metrics),
+            op.name, axis, value, _serves(op, grads, loss, metrics, params),
             op.attrs.get("op"), d.comm_bytes(op, ins, outs, sizes.get(axis, 1), sizes),
             op.phase.value if op.phase else None, owner.of_op(op)))
     memory = _memory(graph, sizes, sources, types, in_place)
@@ -303,9 +304,10 @@ class _Owners:
         return None
 
 
-def _serves(op: Op, grads: dict[str, str], loss: set[str], metrics: set[str]) -> str:
+def _serves(op: Op, grads: dict[str, str], loss: set[str], metrics: set[str],
+            params: Collection[str] = ()) -> str:
     if len(op.results) > 1:
-        parts = [_serves(op.replace(inputs=(i,), results=(v,)), grads, loss, metrics)
+        parts = [_serves(op.replace(inputs=(i,), results=(v,)), grads, loss, metrics, params)
                  for i, v in zip(op.inputs, op.results)]
         kinds = sorted({p.split(" of ")[0] for p in parts if p})
         return f"bucket of {len(parts)}: " + ", ".join(kinds)
@@ -323,7 +325,11 @@ def _serves(op: Op, grads: dict[str, str], loss: set[str], metrics: set[str]) ->
         return "partial sum (e.g. a gradient norm)"
     if op.name == "take_shard":
         return "local piece, no communication"
-    return ""
+    if op.name == "all_gather" and op.inputs and op.inputs[0] in params:
+        return f"whole value of {op.inputs[0]} (held as pieces)"
+    # what else moves: activations and their gradients (tensor parallelism)
+    return {Phase.forward: "activation", Phase.backward: "activation gradient"}.get(
+        op.phase, "")
 
 
 def _memory(graph: Graph, sizes: dict[str, int], grads: dict[str, str],

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from ..passes.comm_fusion import CommFusionRecord
 from ..passes.data_parallel import DataParallelRecord
 from ..passes.schedule_comm import ScheduleCommRecord
+from ..passes.shard_params import ShardParamsRecord
 from ..passes.tensor_parallel import TensorParallelRecord
 from ..passes.weight_update_sharding import WeightUpdateShardingRecord
 from ..ir.opdef import is_local
@@ -129,6 +130,7 @@ def render(plan: Plan, max_rows: int = 60) -> str:
                   "to be summed, as a row layer's bias: no traffic)"]
     lines += _tensor_parallel_lines(plan.decision(TensorParallelRecord))
     lines += _update_lines(plan.decision(WeightUpdateShardingRecord))
+    lines += _shard_params_lines(plan.decision(ShardParamsRecord))
     lines += _data_parallel_lines(plan.decision(DataParallelRecord))
     lines += _comm_lines(plan)
     return "\n".join(lines) + "\n"
@@ -169,6 +171,19 @@ def _update_lines(wus: WeightUpdateShardingRecord | None) -> list[str]:
     if wus.grads_left_sharded:
         lines += ["", "gradient outputs left sharded (no full .grad): "
                   + ", ".join(wus.grads_left_sharded)]
+    return lines
+
+
+def _shard_params_lines(sp: ShardParamsRecord | None) -> list[str]:
+    """Which parameters are held as pieces, and where they are gathered."""
+    if sp is None:
+        return []
+    where = ", ".join(f"{phase} {n}" for phase, n in sp.gathers.items()) or "none"
+    how = ("again before backward (FSDP)" if sp.backward == "regather" else
+           "once, kept through backward (gathered at the next step's forward)")
+    lines = ["", f"parameters held as pieces over {sp.axis}: {len(sp.sharded)} of them, "
+                 f"gathered where read, {how}; all-gathers: {where}"]
+    lines += [f"  kept whole: {p}: {why}" for p, why in sp.whole]
     return lines
 
 
