@@ -5,6 +5,7 @@ become FrontendErrors that name the construct and the line of the user's code.""
 
 from __future__ import annotations
 
+import logging
 import os
 import traceback
 from collections.abc import Callable
@@ -21,6 +22,8 @@ from .codegen import check_codegen, default_codegen
 from .effects import INTERNAL_PATHS
 from .importer import import_captured
 from .state import Captured
+
+log = logging.getLogger("diphoma_compile")
 
 
 def _user_frame(exc: BaseException) -> str | None:
@@ -87,19 +90,34 @@ def trace_torch(step_fn: Callable, *example_args: Any, codegen: str | None = Non
         # is big enough (tracing takes seconds where compiling takes a minute)
         chosen = default_codegen(cap.device, graph_cost(graph)[0].flops)
         if chosen != "fx":
-            graph, cap = _trace(step_fn, example_args, chosen)
+            try:
+                graph, cap = _trace(step_fn, example_args, chosen)
+            except DiphomaError as e:
+                # a step Inductor's trace cannot take runs on the reference program
+                log.info("diphoma_compile: the step stays on the fx code generator: %s", e)
     return graph, cap
 
 
 def _trace(step_fn: Callable, example_args: tuple, codegen: str) -> tuple[Graph, Captured]:
     try:
         cap = capture(step_fn, *example_args, codegen=codegen)
-    except DiphomaError:
-        raise
+    except DiphomaError as e:
+        raise _for_inductor(e, codegen) from e
     except Exception as e:  # torch raises many types while tracing; name the user's line
-        raise explain(e) from e
+        raise _for_inductor(explain(e), codegen) from e
     graph = import_captured(cap)
     return verify(graph), cap
+
+
+def _for_inductor(err: DiphomaError, codegen: str) -> DiphomaError:
+    """``err``, saying so when the trace for Inductor failed where the fx one may not: its
+    optimizer hyperparameters are tensors, which the optimizer's code may branch on (SGD's
+    ``momentum != 0`` under a OneCycleLR that cycles momentum)."""
+    if codegen != "inductor":
+        return err
+    return FrontendError(f"tracing the step for codegen='inductor' failed (its optimizer "
+                         f"hyperparameters are traced as tensors): {err}",
+                         hint="run it with codegen='fx'")
 
 
 def is_torch_step(args: tuple) -> bool:

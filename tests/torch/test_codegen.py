@@ -99,3 +99,27 @@ def test_default_rule_by_step_size(monkeypatch):
     # trace() alone plans with the reference program
     g = diphoma_compile.trace(classify_step, model, opt, b)
     assert g == trace_torch(classify_step, model, opt, b)[0]
+
+
+def test_inductor_trace_of_a_cycled_momentum_says_use_fx(monkeypatch):
+    from diphoma_compile.torch import codegen
+    from diphoma_compile.torch.trace import trace_torch
+    torch.manual_seed(0)
+    model = MLP()
+    opt = OPTIMIZERS["sgd_momentum"](model.parameters(), True)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=100)
+
+    def step(m, o, b):
+        loss = classify_step(m, o, b)
+        sched.step()
+        return loss
+    b = mlp_batches(1)[0]
+    # SGD branches on its momentum, a tensor in Inductor's trace: a clear error ...
+    with pytest.raises(DiphomaError, match="codegen='inductor'") as e:
+        trace_torch(step, model, opt, b, codegen="inductor")
+    assert "codegen='fx'" in e.value.hint
+    # ... and the default falls back to fx where it would have picked Inductor
+    monkeypatch.setattr(codegen, "inductor_available", lambda device: True)
+    monkeypatch.setattr(codegen, "INDUCTOR_MIN_FLOPS", 0.0)
+    _, cap = trace_torch(step, model, opt, b, codegen="auto")
+    assert cap.codegen == "fx"
