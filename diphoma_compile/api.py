@@ -27,10 +27,12 @@ from .errors import DiphomaError
 from .framework import Framework
 from .ir.analysis import runs_on_one_device
 from .ir.core import Graph, InputKind
-from .mesh import Mesh, data_axis, tensor_axis
+from .mesh import Mesh, data_axis, pipeline_axis, tensor_axis
 from .passes.base import PassContext
 from .passes.defaults import default_passes
 from .passes.pipeline import Pipeline
+from .passes.pipeline_parallel import PipelineParallel
+from .passes.spec import parse_spec
 from .report.compute import DEFAULT_DEVICE_MODEL
 from .report.plan import Plan, build_plan
 
@@ -61,7 +63,8 @@ class ParallelStep:
     def __init__(self, step_fn: Callable, mesh: Any, *, passes: str | None = None,
                  axis: str | None = None,
                  batch_argnums: int | Iterable[int] | None = None,
-                 donate: bool = False) -> None:
+                 donate: bool = False, microbatches: int | None = None,
+                 schedule: str = "1f1b") -> None:
         self.step_fn = step_fn
         self.donate = bool(donate)
         self.user_mesh = mesh
@@ -69,6 +72,7 @@ class ParallelStep:
         self.axis = data_axis(self.mesh, axis)
         self.passes = passes
         self.batch_argnums = argnums(batch_argnums)
+        self.pipeline = pipeline_settings(self.mesh, passes, microbatches, schedule)
         self.framework: str | None = None
         self._fw: Framework | None = None
         self._graph: Graph | None = None
@@ -80,11 +84,13 @@ class ParallelStep:
     def trace(self, *example_args: Any, ctx: PassContext | None = None) -> ParallelStep:
         """Trace and plan for these arguments without running anything; returns self.
         ``ctx`` (a PassContext) asks for IR dumps and collects pass timings."""
+        mb = self.pipeline.microbatches if self.pipeline is not None else 1
         self._fw, graph, self._extra = trace_step(self.step_fn, example_args, self.mesh,
-                                                  self.axis, self.batch_argnums)
+                                                  self.axis, self.batch_argnums, mb)
         self.framework = self._fw.name
         self._graph, self._plan = run_passes(graph, self._fw, self.mesh, self.axis,
-                                             self.passes, ctx or PassContext())
+                                             self.passes, ctx or PassContext(),
+                                             pipeline=self.pipeline)
         return self
 
     @property
@@ -163,19 +169,37 @@ def argnums(batch_argnums: int | Iterable[int] | None) -> tuple[int, ...] | None
 
 
 def trace_step(step_fn: Callable, args: tuple, mesh: Mesh, axis: str,
-               batch_argnums: tuple[int, ...] | None = None
+               batch_argnums: tuple[int, ...] | None = None, microbatches: int = 1
                ) -> tuple[Framework, Graph, Any]:
     """(framework, the step's IR traced per device, what the backend needs besides it):
     PyTorch at the local batch each rank passes; JAX at the global batch / N, the batch
-    being the arguments ``batch_argnums`` (None: inferred by the framework)."""
+    being the arguments ``batch_argnums`` (None: inferred by the framework); under a
+    pipeline of M microbatches, at one microbatch."""
     fw = frameworks.of_args(args)
-    graph, extra = fw.trace_local(step_fn, args, mesh, axis, batch_argnums=batch_argnums)
+    kw = {"microbatches": microbatches} if microbatches != 1 else {}
+    graph, extra = fw.trace_local(step_fn, args, mesh, axis, batch_argnums=batch_argnums,
+                                  **kw)
     return fw, graph, extra
 
 
+def pipeline_settings(mesh: Mesh, passes: str | None, microbatches: int | None,
+                      schedule: str) -> PipelineParallel | None:
+    """The pipeline pass a plan will run: the one ``passes`` names, or, by default, one
+    over the mesh's pipeline axis (named pp, pipe or pipeline) when it has several devices,
+    with ``microbatches`` (default: the axis size) and ``schedule``; None without one."""
+    if passes is not None:
+        found = [p for p in parse_spec(passes) if isinstance(p, PipelineParallel)]
+        return found[-1] if found else None
+    pp = pipeline_axis(mesh)
+    if pp is None or mesh.axis_size(pp) == 1:
+        return None
+    m = mesh.axis_size(pp) if microbatches is None else microbatches
+    return PipelineParallel(axis=pp, microbatches=m, schedule=schedule)
+
+
 def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str | None,
-               ctx: PassContext, device_model: str = DEFAULT_DEVICE_MODEL
-               ) -> tuple[Graph, Plan]:
+               ctx: PassContext, device_model: str = DEFAULT_DEVICE_MODEL,
+               pipeline: PipelineParallel | None = None) -> tuple[Graph, Plan]:
     """The graph placed on ``mesh`` after the pipeline (``passes``, or the default one for
     the framework and the model's gradient bytes), and its plan, with the step time
     estimated on ``device_model`` (a name in ``ir.device_model.MODELS``).
@@ -196,7 +220,13 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
         parts = []
         if tp is not None and tp != axis and mesh.axis_size(tp) > 1:
             parts.append(f"dce,tensor-parallel{{axis={tp}}}")
-        if mesh.axis_size(axis) > 1:
+        data = pipeline is None or axis != pipeline.axis
+        if pipeline is not None:
+            # per-microbatch collectives over dp, no buckets: a bucket would mix stages
+            if data and mesh.axis_size(axis) > 1:
+                parts.append(default_passes(axis, layout=fw.update_layout))
+            parts.append(pipeline.spec())
+        elif mesh.axis_size(axis) > 1:
             parts.append(default_passes(axis, grad_bytes, layout=fw.update_layout))
         spec = ",".join(parts)
     if spec:
@@ -212,7 +242,8 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
 def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
                 axis: str | None = None,
                 batch_argnums: int | Iterable[int] | None = None,
-                donate: bool = False) -> ParallelStep:
+                donate: bool = False, microbatches: int | None = None,
+                schedule: str = "1f1b") -> ParallelStep:
     """``step_fn`` as a distributed step over ``mesh`` (a diphoma Mesh, a dict of axis
     sizes, a torch DeviceMesh or a jax.sharding.Mesh). By default: tensor parallelism
     (Megatron's layer pairs) over an axis named tp, tensor or model, and data parallelism
@@ -229,6 +260,12 @@ def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
     is given, as ``jax.jit(donate_argnums=...)`` does: their buffers hold the new values,
     so the old and new model do not both live through the step; the caller must not use
     the arrays passed in again (``params, opt_state, loss = step(params, opt_state, b)``).
-    PyTorch steps write new values into the live tensors in any case."""
+    PyTorch steps write new values into the live tensors in any case.
+
+    A mesh axis named pp (or pipe, pipeline) cuts the step into that many pipeline stages
+    (``pipeline{axis=pp, microbatches=M, schedule=...}``, docs/pipeline.md): each rank
+    passes its whole local batch, which runs as ``microbatches`` M microbatches (default:
+    the axis size) on ``schedule`` (``1f1b`` or ``gpipe``)."""
     return ParallelStep(step_fn, mesh, passes=passes, axis=axis,
-                        batch_argnums=batch_argnums, donate=donate)
+                        batch_argnums=batch_argnums, donate=donate,
+                        microbatches=microbatches, schedule=schedule)

@@ -35,9 +35,12 @@ class Framework(Protocol):
         """The step's IR, and what a runner needs besides it (traced at these arguments)."""
 
     def trace_local(self, step_fn: Callable, args: tuple, mesh: Mesh, axis: str, *,
-                    batch_argnums: tuple[int, ...] | None = None) -> tuple[Graph, Any]:
+                    batch_argnums: tuple[int, ...] | None = None,
+                    microbatches: int = 1) -> tuple[Graph, Any]:
         """The step traced per device of ``axis``, for ``parallelize``; ``batch_argnums``
-        names the batch arguments (None: the framework's convention decides)."""
+        names the batch arguments (None: the framework's convention decides); with
+        ``microbatches`` M > 1, at one microbatch (the per-device batch / M), as a
+        pipeline runs it."""
 
     def compile(self, graph: Graph, extra: Any) -> Callable:
         """A single-device callable running ``graph`` with the step's signature."""

@@ -37,9 +37,15 @@ class JaxFramework:
         return trace_jax_with_tree(step_fn, *args, **options)
 
     def trace_local(self, step_fn: Callable, args: tuple, mesh: Mesh, axis: str, *,
-                    batch_argnums: tuple[int, ...] | None = None) -> tuple[Graph, Any]:
+                    batch_argnums: tuple[int, ...] | None = None,
+                    microbatches: int = 1) -> tuple[Graph, Any]:
         """The step at the per-device batch: each batch leaf's dim 0 divided by N. The batch
-        is ``batch_argnums``, or argument 2 and the later arguments with its rows."""
+        is ``batch_argnums``, or argument 2 and the later arguments with its rows.
+        Microbatches (pipeline parallelism) are not supported on JAX yet."""
+        if microbatches != 1:
+            raise FrontendError("pipeline parallelism (a pp axis, microbatches) is not "
+                                "supported for JAX steps yet",
+                                hint="drop the pp axis from the mesh, or use a PyTorch step")
         n = mesh.axis_size(axis)
         if batch_argnums is None:
             nums = infer_batch_argnums(args)
