@@ -5,8 +5,9 @@ and received.
 The forward ops are cut, in program order, at the S - 1 places that balance the stages'
 flops among the places where fewest bytes cross (layer boundaries: the residual stream).
 A backward op runs on the stage of the latest forward activations it reads (its forward
-op's stage, which holds them); one that reads none follows the gradients it reads. An update op runs on the stage of
-the parameter it updates (the lowest stage that reads the parameter in forward). Values
+op's stage, which holds them); one that reads none runs on the highest stage that reads its
+results. An update op runs on the stage of the parameter it updates (the lowest stage that
+reads the parameter in forward). Values
 that depend only on the batch, hyperparameters and constants (label shifts, masks, the
 learning rate's scalar math) are computed again on each stage that reads them rather than
 sent. Every other value read on another stage than its own becomes a ``send`` on its stage
@@ -182,7 +183,13 @@ class _Cut:
         for k in range(len(fwd) + 1):
             live += delta[k]
             crossing[k] = live
-        inner = [crossing[k] for k in range(1, len(fwd))]
+        pre = [0]
+        for c in cost:
+            pre.append(pre[-1] + c)
+        # the narrowest crossing away from the ends (after the loss only a scalar crosses)
+        lo, hi = pre[-1] / (2 * self.n), pre[-1] * (1 - 1 / (2 * self.n))
+        inner = [crossing[k] for k in range(1, len(fwd)) if lo <= pre[k] <= hi] or \
+            [crossing[k] for k in range(1, len(fwd))]
         low = min(inner) if inner else 0
         # the layer boundaries: where no more than the residual stream (and a little) lives
         points = [k for k in range(1, len(fwd)) if crossing[k] <= low * 1.5 + 64]

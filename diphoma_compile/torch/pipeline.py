@@ -264,7 +264,7 @@ class TorchPipelineStep(TorchDistStep):
         cap = self.captured
         slots = [s for s in cap.inputs if s.kind == "param"]
         owner = self._owners()
-        out: dict[str, torch.Tensor] = {}
+        by_id: dict[int, torch.Tensor] = {}
         for pi, slot in enumerate(slots):
             typ = self._param_type[pi]
             p = cap.params[pi]
@@ -273,10 +273,12 @@ class TorchPipelineStep(TorchDistStep):
             if self.pp.size > 1:
                 dist.broadcast(buf, src=self.pp.global_rank(owner[slot.name]),
                                group=self.pp.group)
-            if slot.owner == module:
-                out[slot.key[0]] = buf
-        return {k: out[k] if k in out else v.detach().clone()
-                for k, v in cap.modules[module].state_dict().items()}
+            by_id[id(p)] = buf
+        # a tied parameter is in the state dict under each of its names
+        mod = cap.modules[module]
+        named = dict(mod.named_parameters(remove_duplicate=False))
+        return {k: by_id[id(named[k])] if k in named and id(named[k]) in by_id
+                else v.detach().clone() for k, v in mod.state_dict().items()}
 
     def _owners(self) -> dict[str, int]:
         """Param name -> the lowest stage that reads it (one all_gather of a bitmap)."""
