@@ -375,10 +375,12 @@ class _Cut:
         for name, src, dst, ph in self.sent:
             if ph is Phase.backward and dst > src:
                 raise PassFailure(
-                    f"pipeline: the backward value %{name} is made on stage {src} and read "
-                    f"on the later stage {dst}; a schedule runs a microbatch's backward from "
-                    "the last stage to the first", op=self.made.get(name),
-                    hint="use fewer stages, or report the model")
+                    f"pipeline: cannot cut the step into {self.n} stages: the backward "
+                    f"value %{name} would be made on stage {src} and read on the later "
+                    f"stage {dst}, but a schedule runs a microbatch's backward from the last "
+                    "stage to the first", op=self.made.get(name),
+                    hint="use fewer stages (each should hold whole layers), or a deeper "
+                         "model")
 
     def record(self, schedule: str, microbatches: int) -> PipelineRecord:
         """What this run decided, for the plan."""
