@@ -225,6 +225,8 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
             # per-microbatch collectives over dp, no buckets: a bucket would mix stages
             if data and mesh.axis_size(axis) > 1:
                 parts.append(default_passes(axis, layout=fw.update_layout))
+            else:
+                parts.append("dce")
             parts.append(pipeline.spec())
         elif mesh.axis_size(axis) > 1:
             parts.append(default_passes(axis, grad_bytes, layout=fw.update_layout))

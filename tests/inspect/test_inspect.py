@@ -406,3 +406,27 @@ def test_collectives_name_the_tensors_they_move(capsys):
     sums = [c for c in alone["collectives"] if c["serves"].startswith("partial sum")]
     assert sums and all(c["belongs_to"][0] in params for c in sums)
     assert len({c["belongs_to"][0] for c in sums}) == len(sums)
+
+
+@pytest.mark.parametrize("mesh, grid", [("pp=2", ["all: 0 1"]),
+                                        ("dp=2,pp=2", ["dp=0: 0 1", "dp=1: 2 3"])])
+def test_pipeline_plan_shows_stages_schedule_and_rank_grid(capsys, mesh, grid):
+    """--mesh with a pp axis plans pipeline stages: each stage's layers, parameters and
+    flops, the schedule and its bubble, and which ranks run which stage (row-major)."""
+    rc, out, err = inspect(capsys, GPT, "--init", TINY_GPT, "--input", "int64[8,16]<64",
+                           "--input", "int64[8,16]<64", "--mesh", mesh)
+    assert rc == 0, err
+    assert "pipeline{axis=pp, stages=auto, microbatches=2, schedule=1f1b}" in out
+    assert "pipeline over pp=2: schedule 1f1b, 2 microbatch(es), bubble 33.3%" in out
+    head = next(line for line in out.splitlines() if line.strip().startswith("stage "))
+    assert head.split() == ["stage", "layers", "params", "param", "bytes", "flops/microbatch"]
+    rows = out.split(head, 1)[1].strip("\n").splitlines()[:2]
+    assert rows[0].split()[0] == "0" and "transformer.h.0" in rows[0]
+    assert rows[1].split()[0] == "1" and "transformer.ln_f" in rows[1]
+    assert "tied: transformer.wte.weight held on stages 0, 1" in out
+    for line in grid:
+        assert f"    {line}\n" in out
+    plan = plan_json(capsys, GPT, "--init", TINY_GPT, "--input", "int64[8,16]<64",
+                     "--input", "int64[8,16]<64", "--mesh", mesh)
+    stages = plan["notes"]["pipeline"]["stages"]
+    assert [s["index"] for s in stages] == [0, 1] and all(s["flops"] > 0 for s in stages)
