@@ -16,7 +16,8 @@ from .tensor_parallel import TensorParallelRecord
 from .weight_update_sharding import WeightUpdateShardingRecord
 
 __all__ = ["ENTRY_POINT_GROUP", "CommFusionRecord", "DataParallelRecord", "Decision", "Pass",
-           "PassContext", "PassFailure", "PassRecord", "Pipeline", "PipelineRecord", "ScheduleCommRecord",
+           "PassContext", "PassFailure", "PassRecord", "Pipeline", "PipelineRecord",
+           "ScheduleCommRecord",
            "TensorParallelRecord", "WeightUpdateShardingRecord", "available_passes", "get_pass",
            "parse_spec",
            "register_pass", "unregister_pass"]
