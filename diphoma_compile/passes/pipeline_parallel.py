@@ -373,6 +373,14 @@ class _Cut:
         """Values cross stages only the ways a pipeline schedule orders: forward ones to
         later stages, backward ones to earlier stages (gradients flow back)."""
         for name, src, dst, ph in self.sent:
+            if ph is Phase.update:
+                raise PassFailure(
+                    f"pipeline: the optimizer update combines values of several stages "
+                    f"(%{name} is made on stage {src} and read on stage {dst}): a global "
+                    "gradient-norm clip or another update over all parameters at once is "
+                    "not supported under a pipeline yet", op=self.made.get(name),
+                    hint="drop the global clip (or clip each parameter's gradient on its "
+                         "own), or leave the pp axis out of the mesh")
             if ph is Phase.backward and dst > src:
                 raise PassFailure(
                     f"pipeline: cannot cut the step into {self.n} stages: the backward "

@@ -18,6 +18,7 @@ receives the new value. ``state_dict()`` gathers the whole model on every rank."
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,9 @@ class TorchPipelineStep(TorchDistStep):
         self.actions = schedule_actions(opts.schedule, self.pp.size, opts.microbatches)[
             self.stage]
         self._cut(graph)
+        # seconds in this stage's programs and in whole steps: 1 - compute / wall is the
+        # share this rank waited (the measured bubble, with the transfers)
+        self.compute_s = self.wall_s = 0.0
         return self._run
 
     # ------------------------------------------------------------------ building
@@ -200,6 +204,13 @@ class TorchPipelineStep(TorchDistStep):
             self.pp.bytes_sent += t.numel() * t.element_size()
 
     def _run(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        t0 = time.perf_counter()
+        try:
+            return self._schedule(*inputs)
+        finally:
+            self.wall_s += time.perf_counter() - t0
+
+    def _schedule(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         g = self.graph
         m = self.microbatches
         given = {i.name: t for i, t in zip(g.inputs, inputs)}
@@ -213,7 +224,9 @@ class TorchPipelineStep(TorchDistStep):
             self._recv(seg.recvs, mb, env)
             args = [env[n] if n in env else chunks[n][mb] if n in chunks else given[n]
                     for n in seg.inputs]
+            t1 = time.perf_counter()
             env.update(zip(seg.outputs, seg.module(*args)))
+            self.compute_s += time.perf_counter() - t1
             self._send(seg.sends, mb, env)
             for n in seg.outputs + [r[0] for r in seg.recvs]:
                 if n in self.acc:
@@ -224,7 +237,9 @@ class TorchPipelineStep(TorchDistStep):
         seg = self.segs["U"]
         self._recv(seg.recvs, m, env)
         args = [env[n] if n in env else given[n] for n in seg.inputs]
+        t1 = time.perf_counter()
         env.update(zip(seg.outputs, seg.module(*args)))
+        self.compute_s += time.perf_counter() - t1
         self._send(seg.sends, m, env)
         self._recv(list(self.writes.values()), m, env)
         for w, _ in self._pending:

@@ -237,10 +237,10 @@ def test_by_default_only_the_final_graph_is_checked(capsys, monkeypatch):
     ([str(MODELS / "several.py:Small"), "--input", "f32[8,16]", "--mesh", "tp=4"],
      ["--mesh tp=4: tensor parallelism needs a data axis beside it",
       "--mesh dp=1,tp=4"]),
-    # no pass partitions over an axis called pp yet
-    ([str(MODELS / "several.py:Small"), "--input", "f32[8,16]", "--mesh", "pp=4"],
-     ["--mesh pp=4: no pass partitions over axis 'pp' yet",
-      "name it dp (--mesh dp=4), or pass --axis pp to split the batch over it"]),
+    # no pass partitions over an axis called ep yet (pp: the pipeline pass)
+    ([str(MODELS / "several.py:Small"), "--input", "f32[8,16]", "--mesh", "ep=4"],
+     ["--mesh ep=4: no pass partitions over axis 'ep' yet",
+      "name it dp (--mesh dp=4), or pass --axis ep to split the batch over it"]),
     ([str(MODELS / "several.py:Small"), "--input", "f32[8,16]", "--mesh", "a=2,b=2"],
      ["cannot tell which of the mesh axes a, b is the data axis", "pass --axis NAME"]),
     ([str(MODELS / "loose" / "relative.py")],

@@ -18,6 +18,7 @@ from diphoma_compile.passes import PassContext, Pipeline, PipelineRecord  # noqa
 from diphoma_compile.torch.pipeline_schedule import schedule_actions  # noqa: E402
 
 from models import GPT, MLP, classify_step, mlp_batches  # noqa: E402
+from models import lm_step as lm_step_clipped  # noqa: E402
 
 
 def lm_step(model, opt, batch):
@@ -99,6 +100,21 @@ def test_a_model_too_small_to_split_is_refused(stages, words):
         run(g, "dce,pipeline")
     assert words in str(e.value), str(e.value)
     assert "hint: use" in str(e.value)
+
+
+def test_a_global_gradient_clip_is_refused():
+    """clip_grad_norm_ sums every stage's gradients: the update would need values of all
+    stages at once, which the schedule cannot order (refused rather than deadlocked)."""
+    torch.manual_seed(0)
+    model = GPT(vocab=16, d=8, layers=2, heads=2, block=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seq = torch.randint(0, 16, (2, 5))
+    g = diphoma_compile.trace(lm_step_clipped, model, opt,
+                              {"idx": seq[:, :-1], "targets": seq[:, 1:]})
+    with pytest.raises(PassError) as e:
+        run(g.replace(mesh=Mesh({"pp": 2})), "dce,pipeline")
+    assert "combines values of several stages" in str(e.value)
+    assert "gradient-norm clip" in str(e.value)
 
 
 def test_parallelize_picks_the_pipeline_pass_from_the_axis_name():
