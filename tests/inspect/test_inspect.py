@@ -274,13 +274,13 @@ def test_nothing_needs_memory_or_devices_for_a_wide_mesh(capsys):
 
 
 def test_a_mesh_axis_no_pass_uses_is_reported_as_idle(capsys):
-    """pp=2 before any pass partitions over it: the plan says so instead of staying silent."""
+    """ep=2 (no pass partitions over it yet): the plan says so instead of staying silent."""
     argv = [GPT, "--init", ONE_LAYER, "--input", "int64[8,16]<64", "--input", "int64[8,16]<64"]
-    rc, out, _ = inspect(capsys, *argv, "--mesh", "dp=4,pp=2")
+    rc, out, _ = inspect(capsys, *argv, "--mesh", "dp=4,ep=2")
     assert rc == 0
-    assert "unused mesh axes: pp=2: no pass in this pipeline partitions over them" in out
-    p = plan_json(capsys, *argv, "--mesh", "dp=4,pp=2")
-    assert p["notes"]["idle_axes"] == {"pp": 2}
+    assert "unused mesh axes: ep=2: no pass in this pipeline partitions over them" in out
+    p = plan_json(capsys, *argv, "--mesh", "dp=4,ep=2")
+    assert p["notes"]["idle_axes"] == {"ep": 2}
     single = plan_json(capsys, *argv, "--mesh", "dp=4")
     assert "idle_axes" not in single["notes"]
     assert p["memory"] == single["memory"]       # the same work on each tp device
