@@ -70,7 +70,7 @@ class _Stage(nn.Module):
 def _model(args) -> GPT:
     torch.manual_seed(0)
     cfg = GPTConfig(block_size=args.seq, vocab_size=args.vocab, n_layer=args.nproc, n_head=4,
-                    n_embd=args.embd, dropout=0.0)
+                    n_embd=args.embd)
     model = GPT(cfg)
     model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())   # untied
     return model
@@ -98,7 +98,7 @@ def _diphoma(rank: int, args, batches) -> dict:
 
     def one() -> float:
         idx, tgt = next(it)
-        return float(step(model, opt, idx, tgt))
+        return step(model, opt, idx, tgt).item()
     one()          # trace and build
     runner = step.runner
     runner.compute_s = runner.wall_s = 0.0
