@@ -13,7 +13,7 @@ import numpy as np
 from ..errors import FrontendError, MeshError
 from ..ir.analysis import runs_on_one_device
 from ..ir.core import Graph
-from ..mesh import Mesh
+from ..mesh import Mesh, pipeline_axis
 from . import op_rules  # noqa: F401 - registers the rules of the primitives kept opaque
 from .roles import StepSignature, batch_rows, infer_batch_argnums, path_name
 
@@ -42,7 +42,8 @@ class JaxFramework:
         """The step at the per-device batch: each batch leaf's dim 0 divided by N. The batch
         is ``batch_argnums``, or argument 2 and the later arguments with its rows.
         Microbatches (pipeline parallelism) are not supported on JAX yet."""
-        if microbatches != 1:
+        pp = pipeline_axis(mesh)
+        if microbatches != 1 or (pp is not None and mesh.axis_size(pp) > 1):
             raise FrontendError("pipeline parallelism (a pp axis, microbatches) is not "
                                 "supported for JAX steps yet",
                                 hint="drop the pp axis from the mesh, or use a PyTorch step")
