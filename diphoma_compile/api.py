@@ -27,10 +27,12 @@ from .errors import DiphomaError
 from .framework import Framework
 from .ir.analysis import runs_on_one_device
 from .ir.core import Graph, InputKind
-from .mesh import Mesh, data_axis, tensor_axis
+from .mesh import Mesh, data_axis, pipeline_axis, tensor_axis
 from .passes.base import PassContext
 from .passes.defaults import default_passes
 from .passes.pipeline import Pipeline
+from .passes.pipeline_parallel import PipelineParallel
+from .passes.spec import parse_spec
 from .report.compute import DEFAULT_DEVICE_MODEL
 from .report.plan import Plan, build_plan
 
@@ -67,7 +69,8 @@ class ParallelStep:
                  axis: str | None = None,
                  batch_argnums: int | Iterable[int] | None = None,
                  donate: bool = False, shard_params: bool = False,
-                 codegen: str | None = None) -> None:
+                 codegen: str | None = None, microbatches: int | None = None,
+                 schedule: str = "1f1b") -> None:
         if shard_params and passes is not None:
             raise DiphomaError("shard_params=True picks the default pipeline's passes, but "
                                f"passes={passes!r} was given too",
@@ -82,6 +85,10 @@ class ParallelStep:
         self.axis = data_axis(self.mesh, axis)
         self.passes = passes
         self.batch_argnums = argnums(batch_argnums)
+        self.pipeline = pipeline_settings(self.mesh, passes, microbatches, schedule)
+        if self.pipeline is not None and codegen not in (None, "fx"):
+            raise DiphomaError(f"codegen={codegen!r} does not run pipeline stages yet",
+                               hint="leave codegen unset (the stages run as fx programs)")
         self.framework: str | None = None
         self._fw: Framework | None = None
         self._graph: Graph | None = None
@@ -93,13 +100,16 @@ class ParallelStep:
     def trace(self, *example_args: Any, ctx: PassContext | None = None) -> ParallelStep:
         """Trace and plan for these arguments without running anything; returns self.
         ``ctx`` (a PassContext) asks for IR dumps and collects pass timings."""
+        mb = self.pipeline.microbatches if self.pipeline is not None else 1
         self._fw, graph, self._extra = trace_step(self.step_fn, example_args, self.mesh,
-                                                  self.axis, self.batch_argnums,
-                                                  codegen=self.codegen or "auto")
+                                                  self.axis, self.batch_argnums, mb,
+                                                  codegen=self.codegen or (
+                                                      "fx" if self.pipeline else "auto"))
         self.framework = self._fw.name
         self._graph, self._plan = run_passes(graph, self._fw, self.mesh, self.axis,
                                              self.passes, ctx or PassContext(),
-                                             shard_params=self.shard_params)
+                                             shard_params=self.shard_params,
+                                             pipeline=self.pipeline)
         return self
 
     @property
@@ -184,22 +194,40 @@ def argnums(batch_argnums: int | Iterable[int] | None) -> tuple[int, ...] | None
 
 
 def trace_step(step_fn: Callable, args: tuple, mesh: Mesh, axis: str,
-               batch_argnums: tuple[int, ...] | None = None, *,
+               batch_argnums: tuple[int, ...] | None = None, microbatches: int = 1, *,
                codegen: str | None = None) -> tuple[Framework, Graph, Any]:
     """(framework, the step's IR traced per device, what the backend needs besides it):
     PyTorch at the local batch each rank passes; JAX at the global batch / N, the batch
-    being the arguments ``batch_argnums`` (None: inferred by the framework). ``codegen``:
-    the code generator the program is for; "auto" lets the framework choose by the step's
-    size, None plans with its reference program."""
+    being the arguments ``batch_argnums`` (None: inferred by the framework); under a
+    pipeline of M microbatches, at one microbatch. ``codegen``: the code generator the
+    program is for; "auto" lets the framework choose by the step's size, None plans with
+    its reference program."""
     fw = frameworks.of_args(args)
+    kw = {"microbatches": microbatches} if microbatches != 1 else {}
     graph, extra = fw.trace_local(step_fn, args, mesh, axis, batch_argnums=batch_argnums,
-                                  codegen=codegen)
+                                  codegen=codegen, **kw)
     return fw, graph, extra
+
+
+def pipeline_settings(mesh: Mesh, passes: str | None, microbatches: int | None,
+                      schedule: str) -> PipelineParallel | None:
+    """The pipeline pass a plan will run: the one ``passes`` names, or, by default, one
+    over the mesh's pipeline axis (named pp, pipe or pipeline) when it has several devices,
+    with ``microbatches`` (default: the axis size) and ``schedule``; None without one."""
+    if passes is not None:
+        found = [p for p in parse_spec(passes) if isinstance(p, PipelineParallel)]
+        return found[-1] if found else None
+    pp = pipeline_axis(mesh)
+    if pp is None or mesh.axis_size(pp) == 1:
+        return None
+    m = mesh.axis_size(pp) if microbatches is None else microbatches
+    return PipelineParallel(axis=pp, microbatches=m, schedule=schedule)
 
 
 def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str | None,
                ctx: PassContext, device_model: str = DEFAULT_DEVICE_MODEL,
-               shard_params: bool = False) -> tuple[Graph, Plan]:
+               shard_params: bool = False,
+               pipeline: PipelineParallel | None = None) -> tuple[Graph, Plan]:
     """The graph placed on ``mesh`` after the pipeline (``passes``, or the default one for
     the framework and the model's gradient bytes), and its plan, with the step time
     estimated on ``device_model`` (a name in ``ir.device_model.MODELS``).
@@ -220,7 +248,16 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
         parts = []
         if tp is not None and tp != axis and mesh.axis_size(tp) > 1:
             parts.append(f"dce,tensor-parallel{{axis={tp}}}")
-        if mesh.axis_size(axis) > 1:
+        data = pipeline is None or axis != pipeline.axis
+        if pipeline is not None:
+            # per-microbatch collectives over dp, no buckets: a bucket would mix stages
+            if data and mesh.axis_size(axis) > 1:
+                parts.append(default_passes(axis, layout=fw.update_layout,
+                                            shard_params=shard_params))
+            else:
+                parts.append("dce")
+            parts.append(pipeline.spec())
+        elif mesh.axis_size(axis) > 1:
             parts.append(default_passes(axis, grad_bytes, layout=fw.update_layout,
                                         shard_params=shard_params))
         spec = ",".join(parts)
@@ -238,7 +275,8 @@ def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
                 axis: str | None = None,
                 batch_argnums: int | Iterable[int] | None = None,
                 donate: bool = False, shard_params: bool = False,
-                codegen: str | None = None) -> ParallelStep:
+                codegen: str | None = None, microbatches: int | None = None,
+                schedule: str = "1f1b") -> ParallelStep:
     """``step_fn`` as a distributed step over ``mesh`` (a diphoma Mesh, a dict of axis
     sizes, a torch DeviceMesh or a jax.sharding.Mesh). By default: tensor parallelism
     (Megatron's layer pairs) over an axis named tp, tensor or model, and data parallelism
@@ -265,7 +303,12 @@ def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
     model on every rank.
 
     ``codegen`` (PyTorch) is the per-rank program's code generator, as for ``compile``;
-    under Inductor the collectives are ``_c10d_functional`` ops it may fuse around."""
+    under Inductor the collectives are ``_c10d_functional`` ops it may fuse around.
+
+    A mesh axis named pp (or pipe, pipeline) cuts the step into that many pipeline stages
+    (``pipeline{axis=pp, microbatches=M, schedule=...}``, docs/pipeline.md): each rank
+    passes its whole local batch, which runs as ``microbatches`` M microbatches (default:
+    the axis size) on ``schedule`` (``1f1b`` or ``gpipe``)."""
     return ParallelStep(step_fn, mesh, passes=passes, axis=axis,
                         batch_argnums=batch_argnums, donate=donate, shard_params=shard_params,
-                        codegen=codegen)
+                        codegen=codegen, microbatches=microbatches, schedule=schedule)

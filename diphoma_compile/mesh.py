@@ -105,6 +105,17 @@ def tensor_axis(mesh: Mesh) -> str | None:
     return None
 
 
+PIPELINE_AXIS_NAMES = ("pp", "pipe", "pipeline")
+
+
+def pipeline_axis(mesh: Mesh) -> str | None:
+    """The mesh axis the step is cut into stages over: one named pp, pipe or pipeline."""
+    for n in PIPELINE_AXIS_NAMES:
+        if n in mesh.names:
+            return n
+    return None
+
+
 def data_axis(mesh: Mesh, axis: str | None) -> str:
     """The mesh axis the batch is split over: ``axis``, the only axis, or one named like
     dp/data/batch; MeshError naming the axes otherwise."""

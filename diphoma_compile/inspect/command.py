@@ -20,7 +20,7 @@ from typing import Any
 from .. import framework as frameworks
 from ..framework import Framework
 from ..ir.device_model import MODELS, device_model
-from ..mesh import Mesh
+from ..mesh import Mesh, pipeline_axis
 from ..report.compute import DEFAULT_DEVICE_MODEL
 from .load import Candidate, kind_of, load_file, resolve, split_target
 from .spec import InspectError, Target, inspect_axis, parse_input, parse_mesh
@@ -125,7 +125,8 @@ def build_target(args: argparse.Namespace, mesh: Mesh, axis: str) -> Target:
     # "model.py:" when --init alone says what to build: the model's class completes it
     label = f"{Path(path).name}:{name or (cand.name if cand else '')}"
     fw = _framework(module, cand, args.init, kinds).inspect_target()
-    n = mesh.axis_size(axis)
+    # a pipeline axis alone splits no batch: every stage sees the whole of it
+    n = 1 if axis == pipeline_axis(mesh) else mesh.axis_size(axis)
     if cand is not None and cand.kind == "step" and args.init is None:
         own = [o for o, given in (("--input", specs), ("--loss", args.loss != "auto"),
                                   ("--optimizer", args.optimizer != "adamw")) if given]
@@ -152,9 +153,11 @@ def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump:
     clock = clock if clock is not None else []
     from ..errors import IRVerifyError, PassError
     from ..ir.verify import verify
-    from ..api import run_passes, trace_step
+    from ..api import pipeline_settings, run_passes, trace_step
     from ..passes import PassContext
-    fw, graph, _ = trace_step(target.step, target.args, mesh, axis)
+    pipeline = pipeline_settings(mesh, passes, None, "1f1b")
+    fw, graph, _ = trace_step(target.step, target.args, mesh, axis, None,
+                              pipeline.microbatches if pipeline is not None else 1)
     clock.append(("trace", time.perf_counter()))
     for name in unread_inputs(graph, target.inputs):
         given = target.inputs[name]
@@ -166,7 +169,8 @@ def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump:
         from ..ir import print_graph
         stream(f"# IR after trace\n{print_graph(graph.replace(mesh=mesh))}")
     ctx = PassContext(dump_after=dump, dump_stream=stream, verify=verify_passes)
-    graph, plan = run_passes(graph, fw, mesh, axis, passes, ctx, device_model)
+    graph, plan = run_passes(graph, fw, mesh, axis, passes, ctx, device_model,
+                             pipeline=pipeline)
     clock.append(("passes", time.perf_counter()))
     if not verify_passes and ctx.records:
         try:

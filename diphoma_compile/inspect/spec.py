@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import DiphomaError, MeshError
-from ..mesh import DATA_AXIS_NAMES, TENSOR_AXIS_NAMES, Mesh, data_axis
+from ..mesh import DATA_AXIS_NAMES, PIPELINE_AXIS_NAMES, TENSOR_AXIS_NAMES, Mesh, data_axis
 
 # accepted spellings -> canonical numpy-style name (torch and jax both know these)
 DTYPES = {
@@ -101,6 +101,8 @@ def inspect_axis(mesh: Mesh, axis: str | None) -> str:
         raise MeshError(f"--mesh {name}={size}: tensor parallelism needs a data axis beside "
                         "it (each device of the tp axis gets the same batch)",
                         hint=f"give it a data axis of size 1: --mesh dp=1,{name}={size}")
+    if axis is None and len(mesh.names) == 1 and mesh.names[0] in PIPELINE_AXIS_NAMES:
+        return mesh.names[0]       # pipeline stages alone: the batch is not split
     if axis is None and len(mesh.names) == 1 and mesh.names[0] not in DATA_AXIS_NAMES:
         name, size = mesh.axes[0]
         raise MeshError(f"--mesh {name}={size}: no pass partitions over axis {name!r} yet "

@@ -141,10 +141,11 @@ _add("take_shard", C.collective, R.same_as_input, S.collective,
 _add("as_partial", C.collective, R.same_as_input, S.collective, _COLL, local=True,
      doc="a replicated value as a partial sum: device 0 of the axis keeps it, the others "
          "hold zeros (no communication; a row-parallel layer's bias, added once)")
-_add("send", C.collective, R.send, S.collective, {**_COLL, "peer": ("int", True)},
-     effectful=True)
-_add("recv", C.collective, R.recv, S.collective, {**_COLL, "peer": ("int", True)},
-     effectful=True)
+# a pipeline's point-to-point pairs: peer is the other end's index on the axis; tag pairs
+# a send with its recv (several values may cross between two stages)
+_P2P = {**_COLL, "peer": ("int", True), "tag": ("int", False)}
+_add("send", C.collective, R.send, S.collective, _P2P, effectful=True)
+_add("recv", C.collective, R.recv, S.collective, _P2P, effectful=True)
 
 # quantization ---------------------------------------------------------------------------------
 _Q = {"bits": ("int", True), "group_size": ("int", True)}

@@ -110,6 +110,8 @@ def collective(op: Op, ins, outs, axis: str):
     """Collectives change the placement on their own axis; other axes pass through."""
     if op.attrs.get("axis") == axis:
         return None  # checked by verify_collective against the collective's semantics
+    if op.name == "recv":       # what the peer sent, placed there as declared here
+        return tuple(t.placement(axis) for t in outs)
     if not ins:
         return tuple(REPLICATE for _ in outs)
     if any(isinstance(t.placement(axis), Partial) for t in ins) and not linear_collective(op):

@@ -13,7 +13,7 @@ import numpy as np
 from ..errors import BackendError, FrontendError, MeshError
 from ..ir.analysis import runs_on_one_device
 from ..ir.core import Graph
-from ..mesh import Mesh
+from ..mesh import Mesh, pipeline_axis
 from . import op_rules  # noqa: F401 - registers the rules of the primitives kept opaque
 from .roles import StepSignature, batch_rows, infer_batch_argnums, path_name
 
@@ -39,10 +39,16 @@ class JaxFramework:
 
     def trace_local(self, step_fn: Callable, args: tuple, mesh: Mesh, axis: str, *,
                     batch_argnums: tuple[int, ...] | None = None,
-                    codegen: str | None = None) -> tuple[Graph, Any]:
+                    codegen: str | None = None, microbatches: int = 1) -> tuple[Graph, Any]:
         """The step at the per-device batch: each batch leaf's dim 0 divided by N. The batch
-        is ``batch_argnums``, or argument 2 and the later arguments with its rows."""
+        is ``batch_argnums``, or argument 2 and the later arguments with its rows.
+        Microbatches (pipeline parallelism) are not supported on JAX yet."""
         _check_codegen(codegen)
+        pp = pipeline_axis(mesh)
+        if microbatches != 1 or (pp is not None and mesh.axis_size(pp) > 1):
+            raise FrontendError("pipeline parallelism (a pp axis, microbatches) is not "
+                                "supported for JAX steps yet",
+                                hint="drop the pp axis from the mesh, or use a PyTorch step")
         n = mesh.axis_size(axis)
         if batch_argnums is None:
             nums = infer_batch_argnums(args)

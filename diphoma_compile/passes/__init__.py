@@ -2,13 +2,15 @@
 (pipeline), the default pipeline (defaults) and the built-in passes, one module each."""
 
 from . import (  # noqa: F401  (registers the built-in passes)
-    comm_fusion, cse, data_parallel, dce, schedule_comm, shard_params, tensor_parallel,
+    comm_fusion, cse, data_parallel, dce, pipeline_parallel, schedule_comm, shard_params,
+    tensor_parallel,
     weight_update_sharding)
 from .base import (ENTRY_POINT_GROUP, Decision, Pass, PassContext, PassFailure, PassRecord,
                    available_passes, get_pass, register_pass, unregister_pass)
 from .comm_fusion import CommFusionRecord
 from .data_parallel import DataParallelRecord
 from .pipeline import Pipeline
+from .pipeline_parallel import PipelineRecord
 from .schedule_comm import ScheduleCommRecord
 from .shard_params import ShardParamsRecord
 from .spec import parse_spec
@@ -16,6 +18,7 @@ from .tensor_parallel import TensorParallelRecord
 from .weight_update_sharding import WeightUpdateShardingRecord
 
 __all__ = ["ENTRY_POINT_GROUP", "CommFusionRecord", "DataParallelRecord", "Decision", "Pass",
-           "PassContext", "PassFailure", "PassRecord", "Pipeline", "ScheduleCommRecord",
-           "ShardParamsRecord", "TensorParallelRecord", "WeightUpdateShardingRecord",
-           "available_passes", "get_pass", "parse_spec", "register_pass", "unregister_pass"]
+           "PassContext", "PassFailure", "PassRecord", "Pipeline", "PipelineRecord",
+           "ScheduleCommRecord", "ShardParamsRecord", "TensorParallelRecord",
+           "WeightUpdateShardingRecord", "available_passes", "get_pass", "parse_spec",
+           "register_pass", "unregister_pass"]

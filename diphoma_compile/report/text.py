@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from ..passes.comm_fusion import CommFusionRecord
 from ..passes.data_parallel import DataParallelRecord
+from ..passes.pipeline_parallel import PipelineRecord
 from ..passes.schedule_comm import ScheduleCommRecord
 from ..passes.shard_params import ShardParamsRecord
 from ..passes.tensor_parallel import TensorParallelRecord
@@ -132,8 +133,57 @@ def render(plan: Plan, max_rows: int = 60) -> str:
     lines += _update_lines(plan.decision(WeightUpdateShardingRecord))
     lines += _shard_params_lines(plan.decision(ShardParamsRecord))
     lines += _data_parallel_lines(plan.decision(DataParallelRecord))
+    lines += pipeline_lines(plan.decision(PipelineRecord), plan.mesh)
     lines += _comm_lines(plan)
     return "\n".join(lines) + "\n"
+
+
+def _layer_groups(layers: tuple[str, ...]) -> str:
+    """Module names folded to their numbered layer (``h.0.attn.c_attn`` -> ``h.0``)."""
+    out: list[str] = []
+    for name in layers:
+        parts = name.split(".")
+        k = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+        short = ".".join(parts[:k + 1]) if k is not None else name
+        if short not in out:
+            out.append(short)
+    return ", ".join(out)
+
+
+def pipeline_lines(pp: PipelineRecord | None, mesh: dict[str, int]) -> list[str]:
+    """The stages (layers, parameters, flops), the schedule and its bubble, the rank grid."""
+    if pp is None:
+        return []
+    n = len(pp.stages)
+    lines = ["", f"pipeline over {pp.axis}={n}: schedule {pp.schedule}, {pp.microbatches} "
+                 f"microbatch(es), bubble {pp.bubble:.1%} of each rank's step "
+                 "((S - 1) / (M + S - 1), equal stages)"]
+    rows = [[str(s.index), _layer_groups(s.layers), str(len(s.params)), human(s.param_bytes),
+             flops_text(s.flops)] for s in pp.stages]
+    lines += _table(rows, ["stage", "layers", "params", "param bytes", "flops/microbatch"])
+    if pp.sent_bytes:
+        lines.append("  activations crossing each cut per microbatch: "
+                     + ", ".join(human(b) for b in pp.sent_bytes))
+    for p, stages in pp.tied.items():
+        lines.append(f"  tied: {p} held on stages {', '.join(map(str, stages))} (gradients "
+                     f"summed on stage {stages[0]}, which updates it and sends the new value)")
+    # ranks row-major over the mesh's axes, as init_device_mesh lays them out
+    axes = list(mesh.items())
+    size = 1
+    for _, k in axes:
+        size *= k
+    groups: dict[str, list[int]] = {}
+    for r in range(size):
+        coord, stride = {}, size
+        for a, k in axes:
+            stride //= k
+            coord[a] = (r // stride) % k
+        key = ", ".join(f"{a}={v}" for a, v in coord.items() if a != pp.axis) or "all"
+        groups.setdefault(key, []).append(r)
+    lines.append(f"  rank grid (row-major over {', '.join(a for a, _ in axes)}): ranks of "
+                 f"stages 0..{n - 1}")
+    lines += [f"    {k}: {' '.join(map(str, v))}" for k, v in groups.items()]
+    return lines
 
 
 def _tensor_parallel_lines(tp: TensorParallelRecord | None) -> list[str]:

@@ -87,7 +87,7 @@ class TorchDistStep(TorchStep):
         self._side = self._sides[axis]
         self.calls = 0
         self._check_binding(graph, captured)
-        super().__init__(graph, captured, program(graph, captured, self.comms))
+        super().__init__(graph, captured, self._program(graph))
         self._state_type: dict[tuple[int, str], TensorType] = {
             s.key: i.value.type for i, s in zip(graph.inputs, captured.inputs)
             if s.kind == "opt_state"}
@@ -104,6 +104,11 @@ class TorchDistStep(TorchStep):
         if sync_module_states:
             self._broadcast_module_states()
         self._shard_params()
+
+    def _program(self, graph: Graph) -> Any:
+        """This rank's program: a callable from the graph's inputs to its outputs (fx, or
+        Inductor's code when the step was traced for it)."""
+        return program(graph, self.captured, self.comms)
 
     # ------------------------------------------------------------------ checks
     def _check_equal_shares(self, graph: Graph) -> None:

@@ -39,15 +39,20 @@ class TorchFramework:
 
     def trace_local(self, step_fn: Callable, args: tuple, mesh: Mesh, axis: str, *,
                     batch_argnums: tuple[int, ...] | None = None,
-                    codegen: str | None = None) -> tuple[Graph, Any]:
+                    codegen: str | None = None, microbatches: int = 1) -> tuple[Graph, Any]:
         """As ``trace``: each rank passes its own local batch, as under DDP. Every tensor
-        among the arguments is batch, so ``batch_argnums`` is refused."""
+        among the arguments is batch, so ``batch_argnums`` is refused. With
+        ``microbatches`` M, traced at the first 1/M of every tensor's rows (a pipeline runs
+        the step once per microbatch)."""
         if batch_argnums is not None:
             raise FrontendError(
                 f"batch_argnums={batch_argnums} is for JAX steps: a PyTorch step's tensor "
                 "arguments are all its batch (each rank passes its own local batch, as under "
                 "DDP) and nothing is split", hint="drop batch_argnums=; keep a tensor that is "
                                                   "not batch in the step's closure or module")
+        if microbatches > 1:
+            from .trace import microbatch_args
+            args = microbatch_args(args, microbatches)
         return self.trace(step_fn, args, codegen=codegen)
 
     def compile(self, graph: Graph, extra: Any) -> Callable:
@@ -62,11 +67,14 @@ class TorchFramework:
         otherwise, ranks laid out row-major as ``init_device_mesh`` does). On a mesh of one
         device with no collective, in this process without a process group. ``donate``
         changes nothing: the program writes new values into the live tensors anyway."""
+        from ..passes.pipeline_parallel import pipeline_of
         from .dist import TorchDistStep
+        from .pipeline import TorchPipelineStep
         groups = None
         if hasattr(user_mesh, "get_group"):     # a torch DeviceMesh: its axes' groups
             groups = {a: user_mesh.get_group(a) for a, n in mesh.axes if n > 1}
-        return TorchDistStep(graph, extra, mesh, axis=axis, groups=groups)
+        kind = TorchPipelineStep if pipeline_of(graph) is not None else TorchDistStep
+        return kind(graph, extra, mesh, axis=axis, groups=groups)
 
     def in_place_updates(self, graph: Graph) -> set[str]:
         """New values build_module copies into their input's storage where they are made."""

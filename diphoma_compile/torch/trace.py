@@ -127,3 +127,23 @@ def is_torch_step(args: tuple) -> bool:
     leaves = torch.utils._pytree.tree_leaves(args, is_leaf=lambda x: isinstance(
         x, (torch.nn.Module, torch.optim.Optimizer)))
     return any(torchy(x) for x in leaves)
+
+
+def microbatch_args(args: tuple, microbatches: int) -> tuple:
+    """``args`` with every tensor cut to its first 1/M rows (one microbatch, to trace);
+    MeshError when a tensor's rows do not divide into M."""
+    from torch.utils import _pytree as pytree
+
+    from ..errors import MeshError
+
+    def cut(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or isinstance(x, torch.nn.Parameter):
+            return x
+        rows = x.shape[0] if x.dim() else 0
+        if rows == 0 or rows % microbatches:
+            raise MeshError(f"a batch tensor of shape {tuple(x.shape)} cannot be cut into "
+                            f"{microbatches} equal microbatches along its first dimension",
+                            hint=f"pass a local batch whose rows divide by {microbatches}, "
+                                 "or choose microbatches= that divides them")
+        return x[: rows // microbatches]
+    return tuple(pytree.tree_map(cut, list(args)))

@@ -837,6 +837,71 @@ def run_tensor_parallel_gpt2(rank: int, world: int) -> dict:
     return out
 
 
+# ------------------------------------------------------------------ pipeline parallelism
+
+PP_CASES = {"pp4-sgdm-1f1b": ({"pp": 4}, "sgdm", "1f1b"),
+            "pp4-adamw-1f1b": ({"pp": 4}, "adamw", "1f1b"),
+            "pp4-sgdm-gpipe": ({"pp": 4}, "sgdm", "gpipe"),
+            "dp2-pp2-sgdm-1f1b": ({"dp": 2, "pp": 2}, "sgdm", "1f1b"),
+            "dp2-pp2-adamw-gpipe": ({"dp": 2, "pp": 2}, "adamw", "gpipe")}
+PP_STEPS, PP_LOCAL, PP_MICRO = 3, 4, 4   # steps; sequences per dp rank; microbatches
+
+
+def tiny_gpt2() -> nn.Module:
+    """A Hugging Face GPT-2 of four small layers with its tied embedding and LM head."""
+    import transformers
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=4,
+                                  n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+@check("pp")
+def run_pipeline(rank: int, world: int) -> dict:
+    """parallelize over pp=4 and dp=2 x pp=2 (default passes: the pipeline pass from the
+    axis name; data parallelism with weight-update sharding over dp), a tiny Hugging Face
+    GPT-2 with tied embeddings, PP_STEPS steps of PP_MICRO microbatches, against the
+    single-device step on the global batch (rank 0)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:          # the dev extra is not installed: nothing to check
+        return {}
+    return {name: run_pp_case(rank, *case) for name, case in PP_CASES.items()}
+
+
+def run_pp_case(rank: int, axes: dict[str, int], opt_name: str, schedule: str) -> dict:
+    import diphoma_compile
+    dp, pp = axes.get("dp", 1), axes["pp"]
+    torch.manual_seed(0)
+    model = tiny_gpt2()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = OPTS[opt_name](model.parameters()), OPTS[opt_name](ref.parameters())
+    g = torch.Generator().manual_seed(7)
+    batches = [torch.randint(0, 64, (dp * PP_LOCAL, 16), generator=g) for _ in range(PP_STEPS)]
+    row = rank // pp                  # this rank's dp index (ranks laid out row-major)
+    step = diphoma_compile.parallelize(hf_lm_step, diphoma_compile.Mesh(axes),
+                                       microbatches=PP_MICRO, schedule=schedule)
+    losses, ref_losses = [], []
+    for b in batches:
+        losses.append(step(model, opt, b[row * PP_LOCAL:(row + 1) * PP_LOCAL]).item())
+        if rank == 0:
+            ref_losses.append(hf_lm_step(ref, ref_opt, b).item())
+    full = step.state_dict()           # a collective: every rank
+    rec = step.plan.notes["pipeline"]
+    out = {"losses": losses, "passes": list(step.graph.passes),
+           "memory": step.memory_report().to_dict(),
+           "whole": sum(p.numel() * p.element_size() for p in ref.parameters()),
+           "stage": step.runner.stage, "actions": list(step.runner.actions),
+           "tied": rec["tied"], "full": torch.cat([v.reshape(-1) for v in full.values()])}
+    if rank == 0:
+        ref_sd = ref.state_dict()
+        out["ref_losses"] = ref_losses
+        out["keys_equal"] = list(full) == list(ref_sd)
+        out["param_abs"] = max(max_abs(full[k], v) for k, v in ref_sd.items())
+        out["param_scale"] = max(v.abs().max().item() for v in ref_sd.values())
+    return out
+
+
 # ------------------------------------------------------------------ the launch
 
 def run_all(rank: int, world: int) -> dict:

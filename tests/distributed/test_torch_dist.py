@@ -411,3 +411,52 @@ def test_gather_at_next_forward_matches_the_default_plan_bit_for_bit(runs, name)
         assert nxt["same_params"] and nxt["losses"] == res["whole_losses"]
         assert nxt["held"] == res["held"]
         assert nxt["notes"]["backward"] == "keep" and "backward" not in nxt["notes"]["gathers"]
+
+
+PP_CASES = list(dist_checks.PP_CASES)
+
+
+@pytest.mark.parametrize("case", PP_CASES)
+def test_pipeline_matches_single_device(runs, case):
+    """A tiny Hugging Face GPT-2 (tied embedding and LM head) cut into pipeline stages by
+    parallelize's pp axis, against the single-device step on the global batch: losses
+    within 1e-5 every step on every rank (each returns the global batch's loss);
+    SGD+momentum parameters within 1e-5 of the largest; AdamW within 1e-4 (Adam turns
+    rounding noise of the microbatch sums into steps of up to lr)."""
+    r0 = runs[0]["pp"]
+    if not r0:
+        pytest.skip("transformers is not installed")
+    r0 = r0[case]
+    assert len(r0["losses"]) == dist_checks.PP_STEPS
+    for r in runs:
+        for a, b in zip(r["pp"][case]["losses"], r0["ref_losses"], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (r["pp"][case]["losses"], r0["ref_losses"])
+        assert torch.equal(r["pp"][case]["full"], r0["full"]), "ranks gather different models"
+    assert r0["keys_equal"]
+    bound = 1e-5 * r0["param_scale"] if "sgdm" in case else 1e-4
+    assert r0["param_abs"] <= bound, (r0["param_abs"], bound)
+    assert any(p.startswith("pipeline{axis=pp") for p in r0["passes"])
+    assert r0["tied"] == {"transformer.wte.weight": [0, dist_checks.PP_CASES[case][0]["pp"] - 1]}
+
+
+def test_pipeline_four_stages_hold_under_two_fifths_of_the_parameters(runs):
+    if not runs[0]["pp"]:
+        pytest.skip("transformers is not installed")
+    for case in ("pp4-sgdm-1f1b", "pp4-adamw-1f1b"):
+        for r in runs:
+            res = r["pp"][case]
+            share = res["memory"]["param_bytes"] / res["whole"]
+            assert share <= 0.40, (case, r["pp"][case]["stage"], share)
+
+
+def test_pipeline_ranks_run_their_stage_of_the_schedule(runs):
+    """Ranks are row-major: in dp=2 x pp=2 ranks 0, 2 run stage 0 and ranks 1, 3 stage 1;
+    each runs the schedule's actions for its stage."""
+    if not runs[0]["pp"]:
+        pytest.skip("transformers is not installed")
+    assert [r["pp"]["dp2-pp2-sgdm-1f1b"]["stage"] for r in runs] == [0, 1, 0, 1]
+    assert [r["pp"]["pp4-sgdm-1f1b"]["stage"] for r in runs] == [0, 1, 2, 3]
+    last = [tuple(a) for a in runs[3]["pp"]["pp4-sgdm-1f1b"]["actions"]]
+    assert last == [(k, m) for m in range(dist_checks.PP_MICRO) for k in "FB"]
+    first = [tuple(a) for a in runs[0]["pp"]["pp4-sgdm-gpipe"]["actions"]]
+    assert first == [("F", m) for m in range(4)] + [("B", m) for m in range(4)]

@@ -237,10 +237,10 @@ def test_by_default_only_the_final_graph_is_checked(capsys, monkeypatch):
     ([str(MODELS / "several.py:Small"), "--input", "f32[8,16]", "--mesh", "tp=4"],
      ["--mesh tp=4: tensor parallelism needs a data axis beside it",
       "--mesh dp=1,tp=4"]),
-    # no pass partitions over an axis called pp yet
-    ([str(MODELS / "several.py:Small"), "--input", "f32[8,16]", "--mesh", "pp=4"],
-     ["--mesh pp=4: no pass partitions over axis 'pp' yet",
-      "name it dp (--mesh dp=4), or pass --axis pp to split the batch over it"]),
+    # no pass partitions over an axis called ep yet (pp: the pipeline pass)
+    ([str(MODELS / "several.py:Small"), "--input", "f32[8,16]", "--mesh", "ep=4"],
+     ["--mesh ep=4: no pass partitions over axis 'ep' yet",
+      "name it dp (--mesh dp=4), or pass --axis ep to split the batch over it"]),
     ([str(MODELS / "several.py:Small"), "--input", "f32[8,16]", "--mesh", "a=2,b=2"],
      ["cannot tell which of the mesh axes a, b is the data axis", "pass --axis NAME"]),
     ([str(MODELS / "loose" / "relative.py")],
@@ -274,13 +274,13 @@ def test_nothing_needs_memory_or_devices_for_a_wide_mesh(capsys):
 
 
 def test_a_mesh_axis_no_pass_uses_is_reported_as_idle(capsys):
-    """pp=2 before any pass partitions over it: the plan says so instead of staying silent."""
+    """ep=2 (no pass partitions over it yet): the plan says so instead of staying silent."""
     argv = [GPT, "--init", ONE_LAYER, "--input", "int64[8,16]<64", "--input", "int64[8,16]<64"]
-    rc, out, _ = inspect(capsys, *argv, "--mesh", "dp=4,pp=2")
+    rc, out, _ = inspect(capsys, *argv, "--mesh", "dp=4,ep=2")
     assert rc == 0
-    assert "unused mesh axes: pp=2: no pass in this pipeline partitions over them" in out
-    p = plan_json(capsys, *argv, "--mesh", "dp=4,pp=2")
-    assert p["notes"]["idle_axes"] == {"pp": 2}
+    assert "unused mesh axes: ep=2: no pass in this pipeline partitions over them" in out
+    p = plan_json(capsys, *argv, "--mesh", "dp=4,ep=2")
+    assert p["notes"]["idle_axes"] == {"ep": 2}
     single = plan_json(capsys, *argv, "--mesh", "dp=4")
     assert "idle_axes" not in single["notes"]
     assert p["memory"] == single["memory"]       # the same work on each tp device
@@ -410,3 +410,27 @@ def test_collectives_name_the_tensors_they_move(capsys):
     sums = [c for c in alone["collectives"] if c["serves"].startswith("partial sum")]
     assert sums and all(c["belongs_to"][0] in params for c in sums)
     assert len({c["belongs_to"][0] for c in sums}) == len(sums)
+
+
+@pytest.mark.parametrize("mesh, grid", [("pp=2", ["all: 0 1"]),
+                                        ("dp=2,pp=2", ["dp=0: 0 1", "dp=1: 2 3"])])
+def test_pipeline_plan_shows_stages_schedule_and_rank_grid(capsys, mesh, grid):
+    """--mesh with a pp axis plans pipeline stages: each stage's layers, parameters and
+    flops, the schedule and its bubble, and which ranks run which stage (row-major)."""
+    rc, out, err = inspect(capsys, GPT, "--init", TINY_GPT, "--input", "int64[8,16]<64",
+                           "--input", "int64[8,16]<64", "--mesh", mesh)
+    assert rc == 0, err
+    assert "pipeline{axis=pp, stages=auto, microbatches=2, schedule=1f1b}" in out
+    assert "pipeline over pp=2: schedule 1f1b, 2 microbatch(es), bubble 33.3%" in out
+    head = next(line for line in out.splitlines() if line.strip().startswith("stage "))
+    assert head.split() == ["stage", "layers", "params", "param", "bytes", "flops/microbatch"]
+    rows = out.split(head, 1)[1].strip("\n").splitlines()[:2]
+    assert rows[0].split()[0] == "0" and "transformer.h.0" in rows[0]
+    assert rows[1].split()[0] == "1" and "transformer.ln_f" in rows[1]
+    assert "tied: transformer.wte.weight held on stages 0, 1" in out
+    for line in grid:
+        assert f"    {line}\n" in out
+    plan = plan_json(capsys, GPT, "--init", TINY_GPT, "--input", "int64[8,16]<64",
+                     "--input", "int64[8,16]<64", "--mesh", mesh)
+    stages = plan["notes"]["pipeline"]["stages"]
+    assert [s["index"] for s in stages] == [0, 1] and all(s["flops"] > 0 for s in stages)

@@ -1,0 +1,472 @@
+"""Pipeline parallelism: cut the traced step into stages over a mesh axis, each stage with
+its forward, backward and its parameters' update, and the values that cross stages sent
+and received.
+
+The forward ops are cut, in program order, at the S - 1 places that balance the stages'
+flops among the places where fewest bytes cross (layer boundaries: the residual stream).
+A backward op runs on the stage of the latest forward activations it reads (its forward
+op's stage, which holds them); one that reads none runs on the highest stage that reads its
+results. An update op runs on the stage of the parameter it updates (the lowest stage that
+reads the parameter in forward). Values
+that depend only on the batch, hyperparameters and constants (label shifts, masks, the
+learning rate's scalar math) are computed again on each stage that reads them rather than
+sent. Every other value read on another stage than its own becomes a ``send`` on its stage
+and a ``recv`` on the reader's, a pair sharing a ``tag``. A parameter read on two stages
+(GPT-2's tied embedding and LM head) is held on both: its gradient contributions are summed
+on its home stage, which updates it and sends the new value to the other (whose ``recv`` is
+read by nothing: the runtime writes it into its copy).
+
+Microbatching is the data-parallel idea over time: the step is traced at one microbatch
+(the local batch / M), the forward and backward ops run once per microbatch, and what leaves
+them for the update or the step's results (gradients, the loss) is averaged over the M
+microbatches, as data-parallel averages over devices (the loss is a mean over the batch).
+The graph keeps one copy of the per-microbatch ops; the schedule (GPipe, 1F1B) orders their
+runs on each stage, and is the runtime's."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..ir.analysis import free_inputs, op_cost
+from ..ir.core import Attrs, Graph, InputKind, Op, OutputKind, Phase, Value
+from ..ir.ops import op_def, random_draw
+from .base import Pass, PassContext, PassFailure, register_pass
+from .data_parallel import require_axis
+from .spec import parse_spec
+
+SCHEDULES = ("gpipe", "1f1b")
+# inputs every rank has: each passes its batch, the optimizer's hyperparameters are scalars
+_EVERYWHERE = (InputKind.batch, InputKind.hyper, InputKind.other)
+
+
+def bubble_fraction(schedule: str, stages: int, microbatches: int) -> float:
+    """The idle share of a rank's step under ``schedule`` with equal stage times: (S - 1) /
+    (M + S - 1) for GPipe and 1F1B (1F1B saves memory, not time)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """One stage: the layers and parameters it holds, its flops and parameter bytes."""
+
+    index: int
+    layers: tuple[str, ...]
+    params: tuple[str, ...]
+    flops: int
+    param_bytes: int
+    ops: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """The stage as plain data."""
+        return {"index": self.index, "layers": list(self.layers), "params": list(self.params),
+                "flops": self.flops, "param_bytes": self.param_bytes, "ops": self.ops}
+
+
+@dataclass(frozen=True)
+class PipelineRecord:
+    """What pipeline decided: the stages, the schedule, what crosses and what is tied."""
+
+    axis: str
+    schedule: str
+    microbatches: int
+    stages: tuple[StageInfo, ...]
+    sent_bytes: tuple[int, ...]           # bytes crossing each cut (stage s -> s + 1), per mb
+    tied: dict[str, tuple[int, ...]] = field(default_factory=dict)   # param -> stages
+    bubble: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan's ``notes["pipeline"]``."""
+        return {"axis": self.axis, "schedule": self.schedule,
+                "microbatches": self.microbatches,
+                "stages": [s.to_dict() for s in self.stages],
+                "sent_bytes": list(self.sent_bytes),
+                "tied": {k: list(v) for k, v in self.tied.items()}, "bubble": self.bubble}
+
+
+@register_pass
+@dataclass(frozen=True)
+class PipelineParallel(Pass):
+    """Cut the step into stages over mesh axis ``axis``; ``stages=auto`` is the axis size."""
+
+    name = "pipeline"
+    axis: str = "pp"
+    stages: str = "auto"
+    microbatches: int = 1
+    schedule: str = "1f1b"
+
+    def __call__(self, graph: Graph, ctx: PassContext) -> Graph:
+        n = require_axis(graph, self.axis, self.name)
+        s = n if self.stages == "auto" else _int(self.stages, "stages")
+        if s != n:
+            raise PassFailure(f"pipeline: stages={s} but the mesh axis {self.axis!r} has {n} "
+                              "devices; one stage per device is supported",
+                              hint="leave stages=auto")
+        if self.schedule not in SCHEDULES:
+            raise PassFailure(f"pipeline: unknown schedule {self.schedule!r}",
+                              hint=f"one of {', '.join(SCHEDULES)}")
+        if self.microbatches < 1:
+            raise PassFailure("pipeline: microbatches must be at least 1",
+                              hint="microbatches=M with M >= 1 (M >= stages keeps the "
+                                   "bubble small)")
+        cut = _Cut(graph, s, self.axis)
+        out = cut.rewrite()
+        ctx.decisions[self.name] = cut.record(self.schedule, self.microbatches)
+        return out
+
+
+def _int(v: str, what: str) -> int:
+    try:
+        return int(v)
+    except ValueError:
+        raise PassFailure(f"pipeline: {what}={v!r} is not a number or auto",
+                          hint=f"{what}=auto or {what}=N") from None
+
+
+class _Cut:
+    """One run of pipeline: stage of every op, then the rewritten graph."""
+
+    def __init__(self, graph: Graph, stages: int, axis: str) -> None:
+        self.g, self.n, self.ax = graph, stages, axis
+        self.types = graph.value_types()
+        self.kind = {i.name: i.role.kind for i in graph.inputs}
+        self.made: dict[str, Op] = {v.name: op for op in graph.ops for v in op.results}
+        self.stage: dict[int, int] = {}          # id(op) -> stage
+        self.free: set[int] = set()              # id(op) of ops recomputed where read
+        self.home: dict[str, int] = {}           # param -> its home stage
+        self.readers: dict[str, set[int]] = defaultdict(set)   # param -> stages reading it
+        self.sizes = dict(graph.mesh.axes)
+        self.phase = {id(op): op.phase or Phase.forward for op in graph.ops}
+        self._seen: set[tuple[str, int]] = set()     # (free value, stage) cloned there
+        self.find_free()
+        self.cut_forward()
+        self.place_rest()
+
+    # 1. values every stage can compute itself: from the batch, hyperparameters, constants
+    def find_free(self) -> None:
+        """Mark ops computed from inputs every rank has and constants only."""
+        local: set[str] = {n for n, k in self.kind.items() if k in _EVERYWHERE}
+        for op in self.g.ops:
+            d = op_def(op.name)
+            if d.effectful or random_draw(op) or op.regions:
+                continue
+            if all(n in local for n in free_inputs(op)):
+                self.free.add(id(op))
+                local.update(v.name for v in op.results)
+
+    # 2. forward: S contiguous pieces of program order, cut where few bytes cross
+    def cut_forward(self) -> None:
+        """Stage the forward ops: balanced flops among the cheapest cut points."""
+        fwd = [op for op in self.g.ops if self.phase[id(op)] is Phase.forward
+               and id(op) not in self.free]
+        if len(fwd) < self.n:
+            raise PassFailure(f"pipeline: the step's forward pass has {len(fwd)} ops to "
+                              f"place, fewer than the {self.n} stages asked for",
+                              hint=f"use a mesh axis {self.ax!r} of at most {len(fwd)} "
+                                   "devices, or a deeper model")
+        cost = [max(op_cost(op, self.types, self.sizes).flops, 1) for op in fwd]
+        at = {v.name: k for k, op in enumerate(fwd) for v in op.results}
+        last_use: dict[str, int] = {}
+        for k, op in enumerate(fwd):
+            for name in free_inputs(op):
+                if name in at:
+                    last_use[name] = k
+        # bytes live across the point before op k (made before k, read at k or later)
+        delta = [0] * (len(fwd) + 1)
+        for name, k0 in at.items():
+            k1 = last_use.get(name)
+            if k1 is not None and k1 > k0:
+                delta[k0 + 1] += self.types[name].nbytes
+                delta[k1 + 1] -= self.types[name].nbytes
+        crossing, live = [0] * (len(fwd) + 1), 0
+        for k in range(len(fwd) + 1):
+            live += delta[k]
+            crossing[k] = live
+        pre = [0]
+        for c in cost:
+            pre.append(pre[-1] + c)
+        # the narrowest crossing away from the ends (after the loss only a scalar crosses)
+        lo, hi = pre[-1] / (2 * self.n), pre[-1] * (1 - 1 / (2 * self.n))
+        inner = [crossing[k] for k in range(1, len(fwd)) if lo <= pre[k] <= hi] or \
+            [crossing[k] for k in range(1, len(fwd))]
+        low = min(inner) if inner else 0
+        # the layer boundaries: where no more than the residual stream (and a little) lives
+        points = [k for k in range(1, len(fwd)) if crossing[k] <= low * 1.5 + 64]
+        cuts = _balance(cost, points, self.n)
+        if cuts is None:
+            raise PassFailure(
+                f"pipeline: the forward pass has {len(points)} places to cut where few bytes "
+                f"cross (layer boundaries), too few for {self.n} stages that each hold ops",
+                hint=f"use at most {len(points) + 1} stages, or a model with more layers")
+        self.cuts = cuts
+        self.cut_bytes = tuple(crossing[k] for k in cuts)
+        bounds = [0, *cuts, len(fwd)]
+        for s in range(self.n):
+            for op in fwd[bounds[s]:bounds[s + 1]]:
+                self.stage[id(op)] = s
+        for op in fwd:
+            for name in free_inputs(op):
+                if self.kind.get(name) is InputKind.param:
+                    self.readers[name].add(self.stage[id(op)])
+        for name, where in self.readers.items():
+            self.home[name] = min(where)
+
+    # 3. backward by the activations it reads; update by the parameter it updates
+    def place_rest(self) -> None:
+        """Stage backward and update ops (forward ones are placed): first those that read
+        activations or update a parameter, then gradient-only math by who reads it."""
+        of = {i.name: i.role.of for i in self.g.inputs if i.role.kind is InputKind.opt_state}
+        todo = [op for op in self.g.ops if id(op) not in self.stage and id(op) not in self.free]
+        for op in todo:
+            reads = free_inputs(op)
+            acts = {self.stage[id(self.made[n])] for n in reads if n in self.made
+                    and id(self.made[n]) in self.stage
+                    and self.phase[id(self.made[n])] is Phase.forward}
+            mine = {self.home.get(n if self.kind.get(n) is InputKind.param else of.get(n), -1)
+                    for n in reads if n in self.kind} - {-1}
+            if self.phase[id(op)] is Phase.update and mine:
+                self.stage[id(op)] = min(mine)
+            elif self.phase[id(op)] is Phase.backward and acts:
+                # the forward op's own results are saved on its stage; its inputs may come
+                # from earlier ones
+                self.stage[id(op)] = max(acts)
+        # gradient-only math (reshapes, sums of contributions, a bias's gradient) runs
+        # where its results are read: in reverse, so that readers are placed first
+        readers: dict[str, list[Op]] = defaultdict(list)
+        for op in self.g.ops:
+            for n in free_inputs(op):
+                readers[n].append(op)
+        moved: list[Op] = []
+        for op in reversed(todo):
+            if id(op) in self.stage or self.phase[id(op)] is not Phase.backward:
+                continue
+            at = {self.stage[id(r)] for v in op.results for r in readers.get(v.name, ())
+                  if id(r) in self.stage}
+            if at:      # the highest reader: from there the result flows down
+                self.stage[id(op)] = max(at)
+                moved.append(op)
+        for op in todo:
+            if id(op) in self.stage:
+                continue
+            reads = free_inputs(op)
+            mine = {self.home.get(n if self.kind.get(n) is InputKind.param else of.get(n), -1)
+                    for n in reads if n in self.kind} - {-1}
+            others = {self.stage[id(self.made[n])] for n in reads if n in self.made
+                      and id(self.made[n]) in self.stage}
+            if others:
+                s = min(others)
+            elif mine:
+                s = min(mine)
+            else:        # reads nothing placed: backward starts on the last stage
+                s = self.n - 1 if self.phase[id(op)] is Phase.backward else 0
+            self.stage[id(op)] = s
+        # an op whose inputs all come from one later stage and are larger than its results
+        # (a sum of two gradient contributions) runs there and sends its result instead
+        for op in reversed(moved):
+            src = {self.stage[id(self.made[n])] for n in op.inputs if n in self.made
+                   and id(self.made[n]) in self.stage}
+            if len(src) == 1 and min(src) > self.stage[id(op)]:
+                size_in = sum(self.types[n].nbytes for n in op.inputs if n in self.made)
+                if size_in > sum(v.type.nbytes for v in op.results):
+                    self.stage[id(op)] = min(src)
+        for op in todo:
+            if self.phase[id(op)] is not Phase.forward:
+                for n in free_inputs(op):
+                    if self.kind.get(n) is InputKind.param:
+                        self.readers[n].add(self.stage[id(op)])
+
+    # 4. the graph with stages, clones of free values, and send/recv pairs
+    def rewrite(self) -> Graph:
+        """The staged graph."""
+        names = self.g.fresh_names()
+        out: list[Op] = []
+        where: dict[tuple[str, int], str] = {}     # (value, stage) -> its name there
+        for i in self.g.inputs:
+            for s in range(self.n):
+                where[(i.name, s)] = i.name
+        origin = {v.name: op for op in self.g.ops for v in op.results}
+        tags = iter(range(1 << 30))
+        self.sent: list[tuple[str, int, int, Phase]] = []
+
+        def have(name: str, s: int, before: Phase) -> str:
+            got = where.get((name, s))
+            if got is not None:
+                return got
+            op = origin[name]
+            if id(op) in self.free:
+                clone = self.clone(op, s, names, have, before)
+                out.append(clone)
+                for v, c in zip(op.results, clone.results):
+                    where[(v.name, s)] = c.name
+                return where[(name, s)]
+            src = self.stage[id(op)]
+            tag = next(tags)
+            t = self.types[name]
+            ph = self.phase[id(op)]
+            out.append(Op("send", (where[(name, src)],), (), Attrs(axis=self.ax, peer=s,
+                                                                   tag=tag),
+                          phase=ph, stage=src, loc=op.loc))
+            new = names(f"{name}.s{s}")
+            out.append(Op("recv", (), (Value(new, t),), Attrs(axis=self.ax, peer=src, tag=tag),
+                          phase=ph, stage=s, loc=op.loc))
+            self.sent.append((name, src, s, ph))
+            where[(name, s)] = new
+            return new
+
+        for op in self.g.ops:
+            if id(op) in self.free:
+                continue
+            s = self.stage[id(op)]
+            ren = {n: have(n, s, self.phase[id(op)]) for n in free_inputs(op)}
+            op = op.replace(inputs=tuple(ren.get(n, n) for n in op.inputs), stage=s)
+            if op.regions:
+                op = _rename_captures(op, ren)
+            out.append(op)
+            for v in op.results:
+                where[(v.name, s)] = v.name
+        outputs = list(self.g.outputs)
+        # the step's results are made where their stage puts them; a free value returned
+        # (a metric of the batch alone) is computed on the last stage
+        for o in outputs:
+            if (o.name, self._stage_of(o.name)) not in where and o.name in origin:
+                have(o.name, self.n - 1, Phase.forward)
+        outputs = [type(o)(where.get((o.name, self._stage_of(o.name)), o.name), o.role)
+                   for o in outputs]
+        # a parameter read on several stages: its home updates it, the others receive it
+        self.tied: dict[str, tuple[int, ...]] = {}
+        new_of = {o.role.target: o.name for o in outputs if o.role.kind is OutputKind.replaces}
+        for p, stages in sorted(self.readers.items()):
+            if len(stages) < 2 or p not in new_of:
+                continue
+            self.tied[p] = tuple(sorted(stages))
+            src = self._stage_of(new_of[p])
+            for s in sorted(stages - {src}):
+                tag = next(tags)
+                out.append(Op("send", (new_of[p],), (), Attrs(axis=self.ax, peer=s, tag=tag),
+                              phase=Phase.update, stage=src))
+                out.append(Op("recv", (), (Value(names(f"{p}.new.s{s}"),
+                                                 self.types[p]),),
+                              Attrs(axis=self.ax, peer=src, tag=tag), phase=Phase.update,
+                              stage=s))
+        self.check_flow(out)
+        return self.g.replace(ops=tuple(out), outputs=tuple(outputs))
+
+    def _stage_of(self, name: str) -> int:
+        op = self.made.get(name)
+        if op is None or id(op) in self.free:
+            return self.n - 1 if op is not None else 0
+        return self.stage[id(op)]
+
+    def clone(self, op: Op, s: int, names, have, before: Phase) -> Op:
+        """A copy of the free op ``op`` on stage ``s`` (renamed unless it is the first)."""
+        ins = {n: have(n, s, before) for n in free_inputs(op)}
+        first = all((v.name, t) not in self._seen for v in op.results for t in range(self.n))
+        results = op.results if first else tuple(
+            Value(names(f"{v.name}.s{s}"), v.type) for v in op.results)
+        for v in op.results:
+            self._seen.add((v.name, s))
+        return op.replace(inputs=tuple(ins.get(n, n) for n in op.inputs), results=results,
+                          stage=s)
+
+    def check_flow(self, ops: list[Op]) -> None:
+        """Values cross stages only the ways a pipeline schedule orders: forward ones to
+        later stages, backward ones to earlier stages (gradients flow back)."""
+        for name, src, dst, ph in self.sent:
+            if ph is Phase.update:
+                raise PassFailure(
+                    f"pipeline: the optimizer update combines values of several stages "
+                    f"(%{name} is made on stage {src} and read on stage {dst}): a global "
+                    "gradient-norm clip or another update over all parameters at once is "
+                    "not supported under a pipeline yet", op=self.made.get(name),
+                    hint="drop the global clip (or clip each parameter's gradient on its "
+                         "own), or leave the pp axis out of the mesh")
+            if ph is Phase.backward and dst > src:
+                raise PassFailure(
+                    f"pipeline: cannot cut the step into {self.n} stages: the backward "
+                    f"value %{name} would be made on stage {src} and read on the later "
+                    f"stage {dst}, but a schedule runs a microbatch's backward from the last "
+                    "stage to the first", op=self.made.get(name),
+                    hint="use fewer stages (each should hold whole layers), or a deeper "
+                         "model")
+
+    def record(self, schedule: str, microbatches: int) -> PipelineRecord:
+        """What this run decided, for the plan."""
+        flops = [0] * self.n
+        count = [0] * self.n
+        for op in self.g.ops:
+            if id(op) in self.stage:
+                s = self.stage[id(op)]
+                flops[s] += op_cost(op, self.types, self.sizes).flops
+                count[s] += 1
+        stages = []
+        for s in range(self.n):
+            params = tuple(p for p in (i.name for i in self.g.inputs)
+                           if s in self.readers.get(p, ()))
+            if count[s] == 0:
+                raise PassFailure(f"pipeline: stage {s} would hold no op",
+                                  hint="use fewer stages")
+            layers = tuple(dict.fromkeys(p.rsplit(".", 1)[0] for p in params))
+            stages.append(StageInfo(s, layers, params, flops[s],
+                                    sum(self.types[p].nbytes for p in params), count[s]))
+        return PipelineRecord(self.ax, schedule, microbatches, tuple(stages), self.cut_bytes,
+                              dict(self.tied), bubble_fraction(schedule, self.n, microbatches))
+
+
+def _rename_captures(op: Op, ren: dict[str, str]) -> Op:
+    if all(k == v for k, v in ren.items()):
+        return op
+    raise PassFailure("pipeline: an op with regions reads a value from another stage",
+                      op=op, hint="control flow inside a stage only")
+
+
+def _balance(cost: list[int], points: list[int], stages: int) -> list[int] | None:
+    """S - 1 cut points among ``points`` that minimise the largest stage's cost (dynamic
+    programming over prefix sums); None when there are too few points."""
+    if stages == 1:
+        return []
+    if len(points) < stages - 1:
+        return None
+    pre = [0]
+    for c in cost:
+        pre.append(pre[-1] + c)
+    end = len(cost)
+    cand = [0, *points]
+    # best[j][k]: the smallest largest cost of j stages covering ops [0, cand[k]) ending at k
+    inf = float("inf")
+    best = [[inf] * len(cand) for _ in range(stages)]
+    back = [[-1] * len(cand) for _ in range(stages)]
+    for k in range(1, len(cand)):
+        best[0][k] = pre[cand[k]]
+    for j in range(1, stages - 1):
+        for k in range(1, len(cand)):
+            for m in range(1, k):
+                v = max(best[j - 1][m], pre[cand[k]] - pre[cand[m]])
+                if v < best[j][k]:
+                    best[j][k], back[j][k] = v, m
+    top, arg = inf, -1
+    for k in range(1, len(cand)):
+        v = max(best[stages - 2][k], pre[end] - pre[cand[k]])
+        if v < top:
+            top, arg = v, k
+    if arg < 0 or top == inf:
+        return None
+    cuts = [cand[arg]]
+    j, k = stages - 2, arg
+    while j > 0:
+        k = back[j][k]
+        if k < 0:
+            return None
+        cuts.append(cand[k])
+        j -= 1
+    return sorted(cuts)
+
+
+def pipeline_of(graph: Graph) -> PipelineParallel | None:
+    """The pipeline pass a planned graph went through (its options), from its header."""
+    for spec in graph.passes:
+        if spec.startswith(PipelineParallel.name + "{") or spec == PipelineParallel.name:
+            got = parse_spec(spec)
+            return got[0] if got else None
+    return None
+

@@ -1,0 +1,311 @@
+"""The per-rank runtime of a pipelined torch step: this rank's stage, run on a schedule.
+
+The ``pipeline`` pass left every op a stage and the values that cross stages as send/recv
+pairs. A rank (its coordinate on the pipeline axis is its stage) cuts its ops into three
+programs, each built by ``build.py``: forward and backward, run once per microbatch, and the
+update, run once. Between them: the values received (``irecv``, waited for before the
+program that reads them), the values sent (``isend``, waited for at the end of the step),
+and what leaves the microbatches for the update or the step's results (gradients, the loss)
+averaged over the microbatches. The order of forward and backward runs is the schedule's
+(``pipeline_schedule.py``). Each rank passes its whole local batch; the batch inputs are cut
+into M microbatches along their first dimension. The loss and metrics are broadcast from
+their stage, so every rank returns the global batch's.
+
+A rank holds only the parameters its stage reads (others are emptied, as
+torch.distributed.pipelining deletes other stages' modules); a tied parameter (GPT-2's
+embedding and LM head) lives on both its stages, and the one that does not update it
+receives the new value. ``state_dict()`` gathers the whole model on every rank."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import BackendError
+from ..ir.analysis import free_inputs
+from ..ir.core import Graph, Input, InputKind, InputRole, Op, Output, Phase, Value
+from ..passes.pipeline_parallel import pipeline_of
+from .build import build_module
+from .dist import TorchDistStep
+from .ops import DTYPE_TO_TORCH
+from .pipeline_schedule import schedule_actions
+from .state import Slot
+
+_SEGMENTS = {Phase.forward: "F", Phase.backward: "B", Phase.update: "U"}
+
+
+@dataclass
+class _Segment:
+    """One program of this stage: its module, what it reads and returns, its sends/recvs."""
+
+    module: Any = None
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    recvs: list[tuple[str, int, int]] = field(default_factory=list)   # name, peer, tag
+    sends: list[tuple[str, int, int]] = field(default_factory=list)
+
+
+class TorchPipelineStep(TorchDistStep):
+    """A distributed step whose ranks each run one pipeline stage on a schedule."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._finish_init()
+
+    def _program(self, graph: Graph) -> Any:
+        opts = pipeline_of(graph)
+        if opts is None or opts.axis not in self.comms:
+            raise BackendError("the graph was not cut into pipeline stages",
+                               hint="run the pipeline pass")
+        self.pp = self.comms[opts.axis]
+        self.pp_side = self._sides[opts.axis]
+        self.schedule, self.microbatches = opts.schedule, opts.microbatches
+        self.stage = self.pp.rank
+        self.actions = schedule_actions(opts.schedule, self.pp.size, opts.microbatches)[
+            self.stage]
+        self._cut(graph)
+        # seconds in this stage's programs and in whole steps: 1 - compute / wall is the
+        # share this rank waited (the measured bubble, with the transfers)
+        self.compute_s = self.wall_s = 0.0
+        return self._run
+
+    # ------------------------------------------------------------------ building
+    def _cut(self, graph: Graph) -> None:
+        me = self.stage
+        types = graph.value_types()
+        self.types = types
+        roles = {i.name: i.role for i in graph.inputs}
+        ops = [op for op in graph.ops if op.stage == me]
+        seg_of: dict[str, str] = {}           # value made on this stage -> its segment
+        segs = {k: _Segment() for k in "FBU"}
+        body: dict[str, list[Op]] = {k: [] for k in "FBU"}
+        readers: dict[str, set[str]] = {}
+        for op in ops:
+            if op.name in ("send", "recv"):
+                continue
+            k = _SEGMENTS[op.phase or Phase.forward]
+            body[k].append(op)
+            seg_of.update((v.name, k) for v in op.results)
+            for n in free_inputs(op):
+                readers.setdefault(n, set()).add(k)
+        self.writes: dict[str, tuple[str, int, int]] = {}     # param -> recv of its new value
+        for op in ops:
+            if op.name == "recv":
+                name = op.results[0].name
+                where = readers.get(name)
+                if not where:           # a tied parameter's new value: written, not read
+                    self.writes[name] = (name, int(op.attrs["peer"]), int(op.attrs["tag"]))
+                    continue
+                k = min(where, key="FBU".index)
+                if op.phase is Phase.backward and k == "F":
+                    k = "B"
+                segs[k].recvs.append((name, int(op.attrs["peer"]), int(op.attrs["tag"])))
+                seg_of[name] = "R" + k
+            elif op.name == "send":
+                n = op.inputs[0]
+                k = seg_of.get(n, "F")
+                segs[k[-1]].sends.append((n, int(op.attrs["peer"]), int(op.attrs["tag"])))
+                readers.setdefault(n, set()).add("S" + k[-1])
+        returned = {o.name for o in graph.outputs}
+        self.acc: set[str] = set()      # per-microbatch values the update or results read
+        for k in "FBU":
+            made = {v.name for op in body[k] for v in op.results}
+            seg = segs[k]
+            seg.inputs = list(dict.fromkeys(n for op in body[k] for n in free_inputs(op)
+                                            if n not in made))
+            seg.outputs = [n for n in made if (readers.get(n, set()) - {k}) or n in returned]
+            if k in "FB":
+                self.acc.update(n for n in seg.outputs
+                                if "U" in readers.get(n, set()) or n in returned)
+            for n, _, _ in seg.recvs:
+                if k in "FB" and ("U" in readers.get(n, set()) or n in returned):
+                    self.acc.add(n)
+            sub = Graph(f"{graph.name}.stage{me}.{k}",
+                        tuple(Input(Value(n, types[n]), roles.get(n, InputRole()))
+                              for n in seg.inputs), tuple(body[k]),
+                        tuple(Output(n) for n in seg.outputs), graph.mesh)
+            seg.module = build_module(sub, self.comms, in_place=False)
+        self.segs = segs
+        self.seg_of = seg_of
+        # the same numbering on every rank: one wire tag per (microbatch, pair)
+        self.ntags = 1 + max([int(op.attrs["tag"]) for op in graph.ops
+                              if op.name == "send"] + [0])
+        self.inputs_read = {n for s in segs.values() for n in s.inputs}
+        self.batch = {i.name for i in graph.inputs if i.role.kind is InputKind.batch}
+        self.made_here = set(seg_of)
+        new_of = {o.role.target: o.name for o in graph.outputs if o.role.target is not None}
+        # a tied parameter's new value received here stands for the output that replaces it
+        self.stand_in = {}
+        for name in self.writes:
+            p = next((i.name for i in graph.inputs if name.startswith(i.name + ".new.s")),
+                     None)
+            if p is None or p not in new_of:
+                raise BackendError(f"the pipeline receives %{name}, which nothing reads",
+                                   hint="this is a bug in the pipeline pass")
+            self.stand_in[new_of[p]] = name
+        # the step's results (loss, metrics) made on other stages are broadcast from there
+        producers = {v.name: op.stage for op in graph.ops for v in op.results}
+        self.result_stage = {o.name: producers.get(o.name) for o in graph.outputs
+                             if o.role.target is None}
+
+    def _finish_init(self) -> None:
+        """Batch arguments are M microbatches; other stages' parameters are let go."""
+        m = self.microbatches
+        arg_slots = [s for s in self.captured.inputs if s.kind == "arg"]
+        self._arg_types = [((shape[0] * m, *shape[1:]) if shape and s.name in self.batch
+                            else shape, dtype)
+                           for (shape, dtype), s in zip(self._arg_types, arg_slots)]
+        self._drop_params()
+
+    def _drop_params(self) -> None:
+        """Empty the parameters this stage does not read (their owners keep them)."""
+        for slot, p in zip([s for s in self.captured.inputs if s.kind == "param"],
+                           self.captured.params):
+            if slot.name not in self.inputs_read:
+                with torch.no_grad():
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                p.grad = None
+
+    # ------------------------------------------------------------------ running
+    def _input(self, slot: Slot, args_it) -> torch.Tensor:
+        if slot.name in self.inputs_read or slot.kind == "arg":
+            return super()._input(slot, args_it)
+        return torch.empty(0)
+
+    def _write(self, slot: Slot, new: torch.Tensor) -> None:
+        if new.numel() == 0 and slot.kind in ("param", "opt_state", "buffer", "grad"):
+            return          # made on another stage
+        super()._write(slot, new)
+
+    def _tag(self, mb: int, tag: int) -> int:
+        return mb * self.ntags + tag
+
+    def _recv(self, items: list[tuple[str, int, int]], mb: int, env: dict) -> None:
+        sizes = dict(self.mesh.axes)
+        works = []
+        for name, peer, tag in items:
+            t = self.types[name]
+            buf = torch.empty(t.local_shape(sizes), dtype=DTYPE_TO_TORCH[t.dtype])
+            works.append(dist.irecv(buf, src=self.pp.global_rank(peer), group=self.pp.group,
+                                    tag=self._tag(mb, tag)))
+            env[name] = buf
+        for w in works:
+            w.wait()
+
+    def _send(self, items: list[tuple[str, int, int]], mb: int, env: dict) -> None:
+        for name, peer, tag in items:
+            t = env[name].contiguous()
+            self._pending.append((dist.isend(t, dst=self.pp.global_rank(peer),
+                                             group=self.pp.group, tag=self._tag(mb, tag)), t))
+            self.pp.bytes_sent += t.numel() * t.element_size()
+
+    def _run(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        t0 = time.perf_counter()
+        try:
+            return self._schedule(*inputs)
+        finally:
+            self.wall_s += time.perf_counter() - t0
+
+    def _schedule(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        g = self.graph
+        m = self.microbatches
+        given = {i.name: t for i, t in zip(g.inputs, inputs)}
+        chunks = {n: given[n].chunk(m, dim=0) for n in self.batch if n in self.inputs_read}
+        self._pending: list[tuple[Any, torch.Tensor]] = []
+        envs: dict[int, dict[str, torch.Tensor]] = {}
+        acc: dict[str, torch.Tensor] = {}
+        for kind, mb in self.actions:
+            env = envs.setdefault(mb, {})
+            seg = self.segs[kind]
+            self._recv(seg.recvs, mb, env)
+            args = [env[n] if n in env else chunks[n][mb] if n in chunks else given[n]
+                    for n in seg.inputs]
+            t1 = time.perf_counter()
+            env.update(zip(seg.outputs, seg.module(*args)))
+            self.compute_s += time.perf_counter() - t1
+            self._send(seg.sends, mb, env)
+            for n in seg.outputs + [r[0] for r in seg.recvs]:
+                if n in self.acc:
+                    acc[n] = env[n].clone() if n not in acc else acc[n] + env[n]
+            if kind == "B":
+                del envs[mb]
+        env = {n: v / m for n, v in acc.items()}
+        seg = self.segs["U"]
+        self._recv(seg.recvs, m, env)
+        args = [env[n] if n in env else given[n] for n in seg.inputs]
+        t1 = time.perf_counter()
+        env.update(zip(seg.outputs, seg.module(*args)))
+        self.compute_s += time.perf_counter() - t1
+        self._send(seg.sends, m, env)
+        self._recv(list(self.writes.values()), m, env)
+        for w, _ in self._pending:
+            w.wait()
+        self._pending = []
+        out = []
+        empty = torch.empty(0)
+        for o in g.outputs:
+            n = self.stand_in.get(o.name, o.name)
+            if o.name in self.result_stage:
+                out.append(self._result(o.name, env.get(n)))
+            elif n in env:
+                out.append(env[n])
+            elif n in given:
+                out.append(given[n])
+            else:
+                out.append(empty)
+        return out
+
+    def _result(self, name: str, value: torch.Tensor | None) -> torch.Tensor:
+        """A result of the step on every rank: broadcast from the stage that made it."""
+        src = self.result_stage[name]
+        if src is None or self.pp.size == 1:
+            return value
+        t = self.types[name]
+        if value is None:
+            value = torch.empty(t.local_shape(dict(self.mesh.axes)),
+                                dtype=DTYPE_TO_TORCH[t.dtype])
+        value = value.contiguous()
+        dist.broadcast(value, src=self.pp.global_rank(src), group=self.pp.group)
+        return value
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self, module: int = 0) -> dict[str, torch.Tensor]:
+        """The whole state dict on every rank: each parameter broadcast from the lowest
+        stage that holds it (a collective: every rank must call it)."""
+        cap = self.captured
+        slots = [s for s in cap.inputs if s.kind == "param"]
+        owner = self._owners()
+        by_id: dict[int, torch.Tensor] = {}
+        for pi, slot in enumerate(slots):
+            typ = self._param_type[pi]
+            p = cap.params[pi]
+            buf = p.detach().clone() if p.numel() else torch.empty(
+                typ.shape, dtype=DTYPE_TO_TORCH[typ.dtype], device=p.device)
+            if self.pp.size > 1:
+                dist.broadcast(buf, src=self.pp.global_rank(owner[slot.name]),
+                               group=self.pp.group)
+            by_id[id(p)] = buf
+        # a tied parameter is in the state dict under each of its names
+        mod = cap.modules[module]
+        named = dict(mod.named_parameters(remove_duplicate=False))
+        return {k: by_id[id(named[k])] if k in named and id(named[k]) in by_id
+                else v.detach().clone() for k, v in mod.state_dict().items()}
+
+    def _owners(self) -> dict[str, int]:
+        """Param name -> the lowest stage that reads it (one all_gather of a bitmap)."""
+        names = [s.name for s in self.captured.inputs if s.kind == "param"]
+        mine = torch.tensor([n in self.inputs_read for n in names], dtype=torch.uint8)
+        every = [torch.empty_like(mine) for _ in range(self.pp.size)]
+        if self.pp.size > 1:
+            dist.all_gather(every, mine, group=self.pp.group)
+        else:
+            every = [mine]
+        out = {}
+        for k, n in enumerate(names):
+            held = [r for r in range(len(every)) if every[r][k]]
+            out[n] = held[0] if held else 0
+        return out

@@ -1,0 +1,84 @@
+"""Per-rank action lists of a pipeline schedule, from torch.distributed.pipelining's own
+schedule classes (its generators; the per-rank programs and communication are ours).
+
+These are private torch APIs (``_schedule_visualizer.get_schedule_ops``, a schedule's
+``pipeline_order`` built over mock stages), pinned by golden action lists in
+tests/torch/test_pipeline_schedule.py. In torch 2.13 ``Schedule1F1B``'s ``pipeline_order``
+is wrong for the last rank (it numbers that rank's forwards 1..M instead of 0..M-1), so that
+rank's order is taken from ``ScheduleInterleaved1F1B`` over one stage per rank, which gives
+the last rank's strict F0 B0 F1 B1 ... alternation."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from unittest import mock
+
+from ..errors import BackendError
+
+Action = tuple[str, int]      # ("F" | "B", microbatch)
+
+
+@lru_cache(maxsize=64)
+def schedule_actions(schedule: str, stages: int, microbatches: int
+                     ) -> tuple[tuple[Action, ...], ...]:
+    """For each rank (one stage each), its forward and backward runs in order."""
+    try:
+        from torch.distributed.pipelining import schedules
+        from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+        from torch.distributed.pipelining.stage import PipelineStage
+    except ImportError as e:     # the private API moved
+        raise BackendError(f"torch.distributed.pipelining's schedule generator is not "
+                           f"available ({e})", hint="use torch 2.13") from None
+    if schedule == "gpipe":
+        order = [list(r) for r in get_schedule_ops("GPipe", stages, microbatches)]
+    elif schedule == "1f1b":
+        order = [list(r) for r in get_schedule_ops("1F1B", stages, microbatches)]
+        last = [a.microbatch_index for a in order[-1] if a is not None
+                and _kind(a) == "F"]
+        if last == list(range(1, microbatches + 1)):
+            # torch 2.13's Schedule1F1B numbers the last rank's forwards from 1: take
+            # that rank from Interleaved1F1B over one stage per rank (F0 B0 F1 B1 ...)
+            stage = mock.create_autospec(PipelineStage, instance=True)
+            stage.group_size, stage.submod, stage.num_stages = stages, None, stages
+            stage.group_rank = stage.stage_index = stages - 1
+            order[-1] = list(schedules.ScheduleInterleaved1F1B(
+                [stage], microbatches).pipeline_order[stages - 1])
+    else:
+        raise BackendError(f"the torch runtime has no pipeline schedule {schedule!r}",
+                           hint="schedule=gpipe or schedule=1f1b")
+    out = []
+    for rank, acts in enumerate(order):
+        mine: list[Action] = []
+        for a in acts:
+            if a is None:
+                continue
+            kind = _kind(a)
+            if kind in ("F", "B", "FORWARD", "FULL_BACKWARD"):
+                mine.append(("F" if kind in ("F", "FORWARD") else "B", a.microbatch_index))
+        _check(mine, rank, microbatches)
+        out.append(tuple(mine))
+    return tuple(out)
+
+
+def _kind(a: object) -> str:
+    t = a.computation_type       # type: ignore[attr-defined]
+    return str(getattr(t, "value", t))
+
+
+def _check(acts: list[Action], rank: int, microbatches: int) -> None:
+    """Each microbatch's forward once, then its backward once: else the generator changed."""
+    want = sorted([("F", m) for m in range(microbatches)] +
+                  [("B", m) for m in range(microbatches)])
+    seen: set[int] = set()
+    for kind, m in acts:
+        if kind == "F":
+            seen.add(m)
+        elif m not in seen:
+            break
+    else:
+        if sorted(acts) == want:
+            return
+    raise BackendError(f"torch's schedule generator gave rank {rank} the actions "
+                       f"{acts}, not each microbatch's forward then backward",
+                       hint="the private torch.distributed.pipelining API changed; use "
+                            "schedule=gpipe or pin torch")

@@ -1,0 +1,154 @@
+"""The pipeline pass on traced PyTorch steps (golden IR, stages, tied weights, errors),
+parallelize's choice of it from a pp axis, and the schedules' per-rank action lists taken
+from torch.distributed.pipelining (a private API: these goldens pin what we rely on)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.nn.functional as F  # noqa: E402
+
+import diphoma_compile  # noqa: E402
+from diphoma_compile.errors import PassError  # noqa: E402
+from diphoma_compile.ir import parse, print_graph  # noqa: E402
+from diphoma_compile.mesh import Mesh  # noqa: E402
+from diphoma_compile.passes import PassContext, Pipeline, PipelineRecord  # noqa: E402
+from diphoma_compile.torch.pipeline_schedule import schedule_actions  # noqa: E402
+
+from models import GPT, MLP, classify_step, mlp_batches  # noqa: E402
+from models import lm_step as lm_step_clipped  # noqa: E402
+
+
+def lm_step(model, opt, batch):
+    loss = F.cross_entropy(model(batch["idx"]).flatten(0, 1), batch["targets"].flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def traced_gpt(layers: int = 2, mesh: dict | None = None, momentum: float = 0.0):
+    torch.manual_seed(0)
+    model = GPT(vocab=16, d=8, layers=layers, heads=2, block=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    g = torch.Generator().manual_seed(3)
+    seq = torch.randint(0, 16, (2, 5), generator=g)
+    batch = {"idx": seq[:, :-1], "targets": seq[:, 1:]}
+    return diphoma_compile.trace(lm_step, model, opt, batch).replace(
+        mesh=Mesh(mesh or {"pp": 2}))
+
+
+def run(graph, spec: str):
+    ctx = PassContext()
+    return Pipeline.from_spec(spec).run(graph, ctx), ctx
+
+
+def test_golden_pipeline_two_stages(golden):
+    out, _ = run(traced_gpt(), "dce,pipeline{axis=pp, microbatches=2}")
+    text = print_graph(out)
+    assert parse(text) == out
+    golden("torch_gpt_sgd.pp2.ir", text)
+
+
+def test_stages_balance_and_only_send_recv_cross():
+    """Every op has a stage; each send has its recv (same tag, peers swapped); the layers
+    split two and two; one activation crosses each way per cut; the tied embedding is on
+    the first and last stage, its gradient sent down and its new value up."""
+    out, ctx = run(traced_gpt(layers=4, momentum=0.9),
+                   "dce,pipeline{axis=pp, microbatches=4, schedule=gpipe}")
+    rec = ctx.decision(PipelineRecord)
+    assert all(op.stage is not None for op in out.ops)
+    made = {v.name: op.stage for op in out.ops for v in op.results}
+    for op in out.ops:
+        for n in op.inputs:
+            assert n not in made or made[n] == op.stage, (op, n)
+    sends = {op.attrs["tag"]: op for op in out.ops if op.name == "send"}
+    recvs = {op.attrs["tag"]: op for op in out.ops if op.name == "recv"}
+    assert sends.keys() == recvs.keys()
+    for tag, s in sends.items():
+        assert s.attrs["peer"] == recvs[tag].stage and recvs[tag].attrs["peer"] == s.stage
+    assert [s.layers for s in rec.stages] == [
+        ("tok", "pos", "blocks.0.ln1", "blocks.0.qkv", "blocks.0.proj", "blocks.0.ln2",
+         "blocks.0.up", "blocks.0.down", "blocks.1.ln1", "blocks.1.qkv", "blocks.1.proj",
+         "blocks.1.ln2", "blocks.1.up", "blocks.1.down"),
+        ("tok", "blocks.2.ln1", "blocks.2.qkv", "blocks.2.proj", "blocks.2.ln2", "blocks.2.up",
+         "blocks.2.down", "blocks.3.ln1", "blocks.3.qkv", "blocks.3.proj", "blocks.3.ln2",
+         "blocks.3.up", "blocks.3.down", "ln")]
+    flops = [s.flops for s in rec.stages]
+    assert max(flops) <= 1.25 * min(flops), flops
+    assert rec.tied == {"tok.weight": (0, 1)}
+    kinds = sorted((s.phase.value, s.stage, recvs[t].stage) for t, s in sends.items())
+    assert kinds == [("backward", 1, 0), ("backward", 1, 0), ("forward", 0, 1),
+                     ("update", 0, 1)], kinds
+    assert rec.schedule == "gpipe" and rec.microbatches == 4
+    assert rec.bubble == pytest.approx(1 / 5)
+
+
+@pytest.mark.parametrize("stages, words", [
+    (16, "fewer than the 16 stages"),
+    (4, "cannot cut the step into 4 stages"),
+])
+def test_a_model_too_small_to_split_is_refused(stages, words):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = diphoma_compile.trace(classify_step, model, opt, mlp_batches(1)[0]).replace(
+        mesh=Mesh({"pp": stages}))
+    with pytest.raises(PassError) as e:
+        run(g, "dce,pipeline")
+    assert words in str(e.value), str(e.value)
+    assert "hint: use" in str(e.value)
+
+
+def test_a_global_gradient_clip_is_refused():
+    """clip_grad_norm_ sums every stage's gradients: the update would need values of all
+    stages at once, which the schedule cannot order (refused rather than deadlocked)."""
+    torch.manual_seed(0)
+    model = GPT(vocab=16, d=8, layers=2, heads=2, block=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seq = torch.randint(0, 16, (2, 5))
+    g = diphoma_compile.trace(lm_step_clipped, model, opt,
+                              {"idx": seq[:, :-1], "targets": seq[:, 1:]})
+    with pytest.raises(PassError) as e:
+        run(g.replace(mesh=Mesh({"pp": 2})), "dce,pipeline")
+    assert "combines values of several stages" in str(e.value)
+    assert "gradient-norm clip" in str(e.value)
+
+
+def test_parallelize_picks_the_pipeline_pass_from_the_axis_name():
+    """dp=2 x pp=2: data parallelism with weight-update sharding over dp, then the pipeline
+    over pp with microbatches = the axis size by default; the step is traced at one
+    microbatch of the local batch."""
+    torch.manual_seed(0)
+    model = GPT(vocab=16, d=8, layers=2, heads=2, block=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seq = torch.randint(0, 16, (4, 5))
+    step = diphoma_compile.parallelize(lm_step, {"dp": 2, "pp": 2})
+    step.trace(model, opt, {"idx": seq[:, :-1], "targets": seq[:, 1:]})
+    names = [p.split("{")[0] for p in step.graph.passes]
+    assert names == ["dce", "data-parallel", "weight-update-sharding", "dce", "pipeline"]
+    assert step.graph.passes[-1] == "pipeline{axis=pp, stages=auto, microbatches=2, " \
+                                    "schedule=1f1b}"
+    batch = [i.value.type.shape for i in step.graph.inputs if i.role.kind.value == "batch"]
+    assert batch == [(2, 4), (2, 4)]
+    assert "pipeline" in step.plan.notes
+
+
+GOLDEN_ACTIONS = {
+    ("gpipe", 2, 3): ["F0 F1 F2 B0 B1 B2", "F0 F1 F2 B0 B1 B2"],
+    ("1f1b", 2, 3): ["F0 F1 B0 F2 B1 B2", "F0 B0 F1 B1 F2 B2"],
+    ("1f1b", 4, 4): ["F0 F1 F2 F3 B0 B1 B2 B3", "F0 F1 F2 B0 F3 B1 B2 B3",
+                     "F0 F1 B0 F2 B1 F3 B2 B3", "F0 B0 F1 B1 F2 B2 F3 B3"],
+    ("1f1b", 4, 6): ["F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5",
+                     "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 B4 B5",
+                     "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 B5",
+                     "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5"],
+}
+
+
+@pytest.mark.parametrize("key", list(GOLDEN_ACTIONS))
+def test_schedule_actions_from_torch_are_pinned(key):
+    got = [" ".join(f"{k}{m}" for k, m in rank) for rank in schedule_actions(*key)]
+    assert got == GOLDEN_ACTIONS[key]
