@@ -666,6 +666,73 @@ def run_tensor_parallel_hf(rank: int, world: int) -> dict:
     return out
 
 
+# ------------------------------------------------------------------ quantized collectives
+
+QWD_STEPS = 3
+QWD_SPEC = SPEC + ",quantize-weight-diff{bits=4, group=2048, rounding=stochastic}"
+
+
+def group_absmax(x: torch.Tensor, pieces: int, group: int) -> torch.Tensor:
+    """Per element of flat x: the absmax of its group in quantize{pieces}'s layout."""
+    k = -(-x.numel() // pieces)
+    kq = -(-k // group) * group
+    rows = F.pad(F.pad(x, (0, pieces * k - x.numel())).view(pieces, k), (0, kq - k))
+    amax = rows.reshape(-1, group).abs().amax(1, keepdim=True).expand(-1, group)
+    return amax.reshape(pieces, kq)[:, :k].reshape(-1)[:x.numel()]
+
+
+@check("quantized_weights")
+def run_quantized_weights(rank: int, world: int) -> dict:
+    """quantize-weight-diff on SGD+momentum: after each step every rank's parameter (the
+    reconstruction) is within the declared error, absmax/7 of its group of this step's
+    difference, of the exact weights (gathered masters); after step 1 the exact weights
+    are the single-device step's. Ranks hold identical parameters; bytes as planned."""
+    from models import MLP
+    torch.manual_seed(0)
+    model = MLP(32, 256, 64)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = OPTS["sgdm"](model.parameters()), OPTS["sgdm"](ref.parameters())
+    g = torch.Generator().manual_seed(3)
+    batches = [{"x": torch.randn(4 * world, 32, generator=g),
+                "y": torch.randint(0, 64, (4 * world,), generator=g)} for _ in range(QWD_STEPS)]
+    graph, dist_graph, cap, step = build(mlp_step, model, opt, local((batches[0],), rank, world),
+                                         world, QWD_SPEC)
+    quantized = [i.role.of for i in dist_graph.inputs if i.role.slot == "master"]
+    out: dict = {"quantized": quantized, "excess": [], "ratio": [], "master_rel": None,
+                 "param_sums": [], "counted": [], "kinds": None}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for t, b in enumerate(batches):
+        c0 = step.comm_bytes
+        step(model, opt, *local((b,), rank, world))
+        out["counted"].append(step.comm_bytes - c0)
+        if t == 0 and rank == 0:
+            ref_loss = mlp_step(ref, ref_opt, b)   # noqa: F841  (updates ref)
+        masters = step.gather_comm_state()
+        params = dict(model.named_parameters())
+        worst, ratio = 0.0, 0.0
+        for name in quantized:
+            exact = masters[f"{name}.master"].reshape(-1)
+            recon = params[name].detach().reshape(-1)
+            bound = group_absmax(exact - before[name].reshape(-1), world, 2048) / 7
+            err = (recon - exact).abs()
+            worst = max(worst, float((err - bound * (1 + 1e-5) - 1e-12).max()))
+            ratio = max(ratio, float((err / bound.clamp_min(1e-30)).max()))
+            if t == 0 and rank == 0:
+                refp = dict(ref.named_parameters())[name].detach().reshape(-1)
+                out["master_rel"] = max(out["master_rel"] or 0.0, rel(exact, refp))
+        out["excess"].append(worst)
+        out["ratio"].append(ratio)
+        out["param_sums"].append([float(p.detach().double().sum()) for p in model.parameters()])
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out["kinds"] = dict(step.comm.calls)
+    plan = build_plan(dist_graph)
+    out["plan"] = plan.comm_bytes_per_step
+    plain = build_plan(Pipeline.from_spec(SPEC).run(graph.replace(mesh=Mesh({"dp": world})),
+                                                    PassContext()))
+    out["plain_plan"] = plain.comm_bytes_per_step
+    return out
+
+
 # ------------------------------------------------------------------ the launch
 
 def run_all(rank: int, world: int) -> dict:

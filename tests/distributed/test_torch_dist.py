@@ -324,3 +324,22 @@ def test_tensor_parallel_hugging_face_opt_matches_single_device(runs):
     for r in runs:
         assert r["tp_hf"]["losses"] == r0["losses"]
         assert r["tp_hf"]["held"] <= 0.40 * r["tp_hf"]["whole"], r["tp_hf"]["held"]
+
+
+def test_quantized_weight_differences_within_declared_error(runs):
+    """quantize-weight-diff{bits=4, group=2048}: each step, every element of the parameter
+    every rank computes with is within absmax/7 of its group of that step's difference from
+    the exact weights (no accumulation over steps); the exact weights after step 1 are the
+    single-device step's; all ranks hold the same parameters; the bytes sent are the plan's
+    and below the unquantized plan's."""
+    r0 = runs[0]["quantized_weights"]
+    assert r0["quantized"] == ["fc1.weight", "fc2.weight"]
+    for t, (excess, ratio) in enumerate(zip(r0["excess"], r0["ratio"])):
+        assert excess <= 0.0, (t, excess)
+        assert 0.3 < ratio <= 1.0 + 1e-5, (t, ratio)   # the bound is used, not loose
+    assert r0["master_rel"] <= 1e-5
+    for r in runs:
+        res = r["quantized_weights"]
+        assert res["param_sums"] == r0["param_sums"]
+        assert res["counted"] == [res["plan"]] * len(res["counted"])
+    assert r0["plan"] < 0.6 * r0["plain_plan"]
