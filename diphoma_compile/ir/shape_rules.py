@@ -425,6 +425,10 @@ def quantize(op: Op, ins, outs) -> None:
     if stochastic and (ins[1].dtype is not DType.key or ins[1].shape != ()):
         raise TypeRuleError(f"the rng key must be key[], found {_fmt(ins[1])}")
     qdt = DType.i8 if op.attrs.get("scheme", "symmetric") == "symmetric" else DType.u8
+    h = op.attrs.get("hadamard")
+    if h is not None and (h < 1 or h & (h - 1) or _group(op) % h):
+        raise TypeRuleError(f"hadamard={h} must be a power of two dividing group_size "
+                            f"{_group(op)}")
     pieces = _pieces(op)
     if pieces is None:
         qshape, groups = x.shape, (_groups(op, x),)
@@ -482,6 +486,15 @@ def hadamard(op: Op, ins, outs) -> None:
         raise TypeRuleError(f"hadamard{{block={b}}} needs a float tensor of whole blocks, "
                             f"found {_fmt(ins[0])}")
     _expect(outs, [(ins[0].shape, ins[0].dtype)])
+
+
+def as_shard(op: Op, ins, outs) -> None:
+    """A device's 1-D value as its piece of a sharded value of the declared shape."""
+    _arity(ins, 1)
+    t = _one_result(outs)
+    if ins[0].rank != 1 or t.dtype is not ins[0].dtype:
+        raise TypeRuleError(f"as_shard takes a 1-D value of the result's dtype, found "
+                            f"{_fmt(ins[0])} for {_fmt(t)}")
 
 
 def rng_next(op: Op, ins, outs) -> None:

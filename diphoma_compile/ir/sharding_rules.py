@@ -181,6 +181,8 @@ def expected_collective(op: Op, src: Placement) -> tuple[Placement | None, str]:
             return None, f"all_gather{{dim={dim}}} takes a {want} input, found {src}"
         return REPLICATE, ""
     if name == "all_to_all":
+        if isinstance(src, Varying):     # per-device payloads: chunk j goes to device j
+            return VARYING, ""
         want = Shard(op.attrs["from_dim"])
         if src != want:
             return None, f"all_to_all takes a {want} input, found {src}"
@@ -190,6 +192,11 @@ def expected_collective(op: Op, src: Placement) -> tuple[Placement | None, str]:
     if name == "take_shard":
         if not isinstance(src, Replicate):
             return None, f"take_shard takes a replicated input, found {src}"
+        dim = op.attrs["dim"]
+        return (FLAT if dim == "flat" else Shard(dim)), ""
+    if name == "as_shard":
+        if not isinstance(src, Varying):
+            return None, f"as_shard takes a varying input, found {src}"
         dim = op.attrs["dim"]
         return (FLAT if dim == "flat" else Shard(dim)), ""
     if name == "as_partial":

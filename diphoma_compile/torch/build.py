@@ -28,7 +28,7 @@ from ..errors import BackendError, UnsupportedOpError
 from ..ir.analysis import free_inputs
 from ..ir.core import Graph, InputKind, Op, OutputKind
 from ..ir.ops import Category, op_def
-from ..ir.types import DType, FlatShard, Shard, TensorType
+from ..ir.types import DType, FlatShard, Shard, TensorType, Varying
 from . import collectives, quant
 from .ops import (DTYPE_TO_TORCH, NEUTRAL, SCALAR_DTYPE, SCALAR_MATH, decode_arg, emit_target,
                   emit_target_for, resolve_target, takes_number)
@@ -461,9 +461,11 @@ def _emit_wait(b: _Builder, op: Op) -> Any:
 
 def _flat_offset(b: _Builder, t: TensorType) -> int:
     """Where this rank's piece of a flat- or dim-0-sharded value starts in the flattened
-    whole (0 for a whole value): the index of its first element in a keyed random draw."""
+    whole (0 for a whole value): the index of its first element in a keyed random draw. A
+    varying value (each device its own) draws as if the devices' values were laid end to
+    end, so no two devices round with the same numbers."""
     for axis, p in t.placements:
-        if (isinstance(p, FlatShard) or (isinstance(p, Shard) and p.dim == 0)) \
+        if (isinstance(p, (FlatShard, Varying)) or (isinstance(p, Shard) and p.dim == 0)) \
                 and axis in b.comms:
             n = 1
             for s in b.local(t):
@@ -487,7 +489,7 @@ def _emit_quantize(b: _Builder, op: Op) -> fx.Node:
         n *= s
     return b.call(quant.quantize_keyed, [b.node(op.inputs[0]), int(a["bits"]),
                                          int(a["group_size"]), key, local_pieces,
-                                         _flat_offset(b, x_t), n])
+                                         _flat_offset(b, x_t), n, a.get("hadamard")])
 
 
 def _emit_dequantize(b: _Builder, op: Op) -> fx.Node:
@@ -545,7 +547,15 @@ def _all_to_all(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
                                            int(a["to_dim"])])
 
 
+def _as_shard(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
+    """This rank's value as its piece: its first elements, in the piece's shape."""
+    t = op.result.type
+    return b.call(quant.as_piece, [b.node(op.inputs[0]), b.local(t), _flat_offset(b, t),
+                                   t.numel])
+
+
 _COLLECTIVES["all_to_all"] = _all_to_all
+_COLLECTIVES["as_shard"] = _as_shard
 
 _QUANT: dict[str, Callable[[_Builder, Op], Any]] = {
     "quantize": _emit_quantize, "dequantize": _emit_dequantize, "pack": _emit_pack,

@@ -42,7 +42,8 @@ def qmax(bits: int) -> int:
 
 
 def quantize(x: torch.Tensor, bits: int, group: int, noise: torch.Tensor | None,
-             pieces: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+             pieces: int | None, hadamard_block: int | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q int8, scales) of x per group of ``group`` values: scale = absmax / qmax, q =
     round(x / scale) (stochastic: floor(x / scale + u)). ``pieces``: the flat layout of
     N chunks each padded to whole groups (this process holds one chunk when N is the
@@ -57,6 +58,8 @@ def quantize(x: torch.Tensor, bits: int, group: int, noise: torch.Tensor | None,
     rows = torch.nn.functional.pad(rows, (0, kq - k))
     tail = (-rows.numel()) % group
     g = torch.nn.functional.pad(rows.reshape(-1), (0, tail)).view(-1, group)
+    if hadamard_block:
+        g = hadamard(g, hadamard_block)   # blocks divide the group: rows stay rows
     scale = g.abs().amax(dim=1) / qmax(bits)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     y = g / safe[:, None]
@@ -143,8 +146,21 @@ def uniform_shaped(key: torch.Tensor, shape: list[int], offset: int, low: float,
 
 
 def quantize_keyed(x: torch.Tensor, bits: int, group: int, key: torch.Tensor | None,
-                   pieces: int | None, offset: int, n: int) -> tuple[torch.Tensor, ...]:
+                   pieces: int | None, offset: int, n: int,
+                   hadamard_block: int | None = None) -> tuple[torch.Tensor, ...]:
     """quantize with the noise of ``key`` for elements ``offset .. offset + n`` of the whole
     (nearest rounding without a key)."""
     noise = None if key is None else uniform(key, n, offset)
-    return quantize(x, bits, group, noise, pieces)
+    return quantize(x, bits, group, noise, pieces, hadamard_block)
+
+
+def as_piece(x: torch.Tensor, shape: list[int], offset: int, numel: int) -> torch.Tensor:
+    """The first elements of flat x in ``shape``: a device's piece starting at ``offset`` of
+    a flattened tensor of ``numel`` values, whose padding past the end is set to zero (a
+    flat piece promises zero padding)."""
+    n = math.prod(shape)
+    piece = x.reshape(-1)[:n]
+    keep = max(0, min(n, numel - offset))
+    if keep < n:
+        piece = torch.cat([piece[:keep], piece.new_zeros(n - keep)])
+    return piece.reshape(shape)

@@ -733,6 +733,71 @@ def run_quantized_weights(rank: int, world: int) -> dict:
     return out
 
 
+QG_SPEC = SPEC + ",quantize-grads{bits=4, group=128, hadamard=32}"
+
+
+def hadamard_blocks(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """The orthonormal Sylvester transform of each block of flat x (the test's own)."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (x.double().reshape(-1, block) @ (h / block ** 0.5)).reshape(-1)
+
+
+def piece_rows(x: torch.Tensor, pieces: int, group: int) -> torch.Tensor:
+    """Flat x in quantize{pieces}'s layout: (pieces, kq), zero padded."""
+    k = -(-x.numel() // pieces)
+    kq = -(-k // group) * group
+    return F.pad(F.pad(x, (0, pieces * k - x.numel())).view(pieces, k), (0, kq - k))
+
+
+@check("quantized_grads")
+def run_quantized_grads(rank: int, world: int) -> dict:
+    """quantize-grads{bits=4, group=128, hadamard=32} on one SGD step (lr 1): the averaged
+    gradient each piece receives differs from the exact mean, in the Hadamard domain, by at
+    most the mean over senders of their group's absmax/7 (the declared error, computed
+    here from every rank's own gradient); bytes as planned."""
+    from models import MLP
+    torch.manual_seed(0)
+    model = MLP(32, 256, 64)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    g = torch.Generator().manual_seed(4)
+    batch = {"x": torch.randn(4 * world, 32, generator=g),
+             "y": torch.randint(0, 64, (4 * world,), generator=g)}
+    mine = local((batch,), rank, world)
+    graph, dist_graph, cap, step = build(mlp_step, model, opt, mine, world, QG_SPEC)
+    # every rank's own gradient, for the bound
+    loss = F.cross_entropy(ref(mine[0]["x"]), mine[0]["y"])
+    loss.backward()
+    w0 = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    c0 = step.comm_bytes
+    step(model, opt, *mine)
+    counted = step.comm_bytes - c0
+    excess, ratio = -1.0, 0.0
+    for name, p in model.named_parameters():
+        grad = dict(ref.named_parameters())[name].grad.reshape(-1).contiguous()
+        every = [torch.empty_like(grad) for _ in range(world)]
+        dist.all_gather(every, grad)
+        if grad.numel() // world < 128:
+            continue           # kept fp32
+        exact = torch.stack(every).double().mean(0)
+        got = (w0[name].reshape(-1).double() - p.detach().reshape(-1).double())   # lr 1
+        scales = [piece_rows(hadamard_blocks(piece_rows(e, world, 128).reshape(-1))
+                             .float(), 1, 128).reshape(-1, 128).abs().amax(1) / 7
+                  for e in every]
+        bound = torch.stack(scales).double().mean(0).repeat_interleave(128)
+        err = hadamard_blocks(piece_rows(got - exact, world, 128).reshape(-1)).abs()
+        slack = 4e-7 * float(w0[name].abs().max())      # fp32 rounding of w - lr * g
+        excess = max(excess, float((err - bound * (1 + 1e-5) - slack).max()))
+        ratio = max(ratio, float((err / bound.clamp_min(1e-30)).max()))
+    plain = build_plan(Pipeline.from_spec(SPEC).run(graph.replace(mesh=Mesh({"dp": world})),
+                                                    PassContext()))
+    return {"excess": excess, "ratio": ratio, "counted": counted,
+            "plan": build_plan(dist_graph).comm_bytes_per_step,
+            "plain_plan": plain.comm_bytes_per_step, "kinds": dict(step.comm.calls)}
+
+
 # ------------------------------------------------------------------ the launch
 
 def run_all(rank: int, world: int) -> dict:

@@ -343,3 +343,17 @@ def test_quantized_weight_differences_within_declared_error(runs):
         assert res["param_sums"] == r0["param_sums"]
         assert res["counted"] == [res["plan"]] * len(res["counted"])
     assert r0["plan"] < 0.6 * r0["plain_plan"]
+
+
+def test_quantized_gradients_within_declared_error(runs):
+    """quantize-grads{bits=4, group=128, hadamard=32}: the averaged gradient of one step is
+    within the declared error of the exact mean in the Hadamard domain (the mean over the
+    senders of their group's absmax/7), every rank alike; bytes as planned, below plain."""
+    r0 = runs[0]["quantized_grads"]
+    assert r0["excess"] <= 0.0, r0
+    assert 0.3 < r0["ratio"] <= 1.0 + 1e-5, r0
+    assert r0["kinds"]["all_to_all"] == 4      # packed bytes + scales, for two weights
+    for r in runs:
+        res = r["quantized_grads"]
+        assert res["counted"] == res["plan"] and res["excess"] == r0["excess"]
+    assert r0["plan"] < 0.6 * r0["plain_plan"]

@@ -64,3 +64,26 @@ def test_errors():
         run(traced(), default_passes("dp") + ",quantize-weight-diff{bits=3}")
     with pytest.raises(PassError, match="large enough"):
         run(traced(), default_passes("dp") + ",quantize-weight-diff{group=4096}")
+
+
+QG = "quantize-grads{bits=4, group=64, hadamard=32}"
+
+
+def test_golden_quantize_grads_and_weight_diff(golden):
+    out, ctx = run(traced(), default_passes("dp") + "," + QG + "," + QWD + ",dce")
+    text = print_graph(out)
+    assert parse(text) == out
+    golden("torch_mlp_sgd_momentum.sdp4bit.ir", text)
+    rec = ctx.decisions["quantize-grads"]
+    assert rec.quantized == ("18.avg", "25.avg") and rec.hops == 1
+    for g in rec.quantized:
+        assert rec.bytes_after[g] < rec.bytes_before[g] / 6
+
+
+def test_quantize_grads_errors():
+    with pytest.raises(PassError, match="weight-update-sharding"):
+        run(traced(), "data-parallel," + QG)
+    with pytest.raises(PassError, match="two-hop"):
+        run(traced(), default_passes("dp") + ",quantize-grads{levels=2}")
+    with pytest.raises(PassError, match="hadamard=24"):
+        run(traced(), default_passes("dp") + ",quantize-grads{hadamard=24}")
