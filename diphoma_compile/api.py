@@ -29,7 +29,7 @@ from .ir.analysis import runs_on_one_device
 from .ir.core import Graph, InputKind
 from .mesh import Mesh, data_axis, tensor_axis
 from .passes.base import PassContext
-from .passes.defaults import default_passes
+from .passes.defaults import COMPRESSION, default_passes
 from .passes.pipeline import Pipeline
 from .report.compute import DEFAULT_DEVICE_MODEL
 from .report.plan import Plan, build_plan
@@ -61,13 +61,14 @@ class ParallelStep:
     def __init__(self, step_fn: Callable, mesh: Any, *, passes: str | None = None,
                  axis: str | None = None,
                  batch_argnums: int | Iterable[int] | None = None,
-                 donate: bool = False) -> None:
+                 donate: bool = False, compression: str | None = None) -> None:
         self.step_fn = step_fn
         self.donate = bool(donate)
         self.user_mesh = mesh
         self.mesh = Mesh.of(mesh)
         self.axis = data_axis(self.mesh, axis)
         self.passes = passes
+        self.compression = check_compression(compression, passes)
         self.batch_argnums = argnums(batch_argnums)
         self.framework: str | None = None
         self._fw: Framework | None = None
@@ -84,7 +85,8 @@ class ParallelStep:
                                                   self.axis, self.batch_argnums)
         self.framework = self._fw.name
         self._graph, self._plan = run_passes(graph, self._fw, self.mesh, self.axis,
-                                             self.passes, ctx or PassContext())
+                                             self.passes, ctx or PassContext(),
+                                             compression=self.compression)
         return self
 
     @property
@@ -173,9 +175,27 @@ def trace_step(step_fn: Callable, args: tuple, mesh: Mesh, axis: str,
     return fw, graph, extra
 
 
+def check_compression(compression: str | None, passes: str | None) -> str | None:
+    """``compression`` when it names a preset (None: no compression); DiphomaError for an
+    unknown one, or one given beside an explicit pass pipeline."""
+    if compression is None:
+        return None
+    if compression not in COMPRESSION:
+        raise DiphomaError(f"unknown compression {compression!r}",
+                           hint="use compression=" + " or ".join(repr(c) for c in COMPRESSION)
+                                + ", or leave it unset for fp32 collectives")
+    if passes is not None:
+        raise DiphomaError("compression= and passes= were both given; compression chooses "
+                           "passes of the default pipeline",
+                           hint="add the quantizing passes to passes= yourself "
+                                "(quantize-grads, quantize-weight-diff after "
+                                "weight-update-sharding), or drop passes=")
+    return compression
+
+
 def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str | None,
-               ctx: PassContext, device_model: str = DEFAULT_DEVICE_MODEL
-               ) -> tuple[Graph, Plan]:
+               ctx: PassContext, device_model: str = DEFAULT_DEVICE_MODEL,
+               compression: str | None = None) -> tuple[Graph, Plan]:
     """The graph placed on ``mesh`` after the pipeline (``passes``, or the default one for
     the framework and the model's gradient bytes), and its plan, with the step time
     estimated on ``device_model`` (a name in ``ir.device_model.MODELS``).
@@ -197,7 +217,12 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
         if tp is not None and tp != axis and mesh.axis_size(tp) > 1:
             parts.append(f"dce,tensor-parallel{{axis={tp}}}")
         if mesh.axis_size(axis) > 1:
-            parts.append(default_passes(axis, grad_bytes, layout=fw.update_layout))
+            if compression is not None and fw.update_layout != "flat":
+                raise DiphomaError(f"compression={compression!r} is not lowered for "
+                                   f"{fw.name} yet (it needs flat weight-update shards)",
+                                   hint="run the PyTorch step, or leave compression unset")
+            parts.append(default_passes(axis, grad_bytes, layout=fw.update_layout,
+                                        compression=compression))
         spec = ",".join(parts)
     if spec:
         graph = Pipeline.from_spec(spec).run(graph, ctx)
@@ -212,7 +237,7 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
 def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
                 axis: str | None = None,
                 batch_argnums: int | Iterable[int] | None = None,
-                donate: bool = False) -> ParallelStep:
+                donate: bool = False, compression: str | None = None) -> ParallelStep:
     """``step_fn`` as a distributed step over ``mesh`` (a diphoma Mesh, a dict of axis
     sizes, a torch DeviceMesh or a jax.sharding.Mesh). By default: tensor parallelism
     (Megatron's layer pairs) over an axis named tp, tensor or model, and data parallelism
@@ -229,6 +254,12 @@ def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
     is given, as ``jax.jit(donate_argnums=...)`` does: their buffers hold the new values,
     so the old and new model do not both live through the step; the caller must not use
     the arrays passed in again (``params, opt_state, loss = step(params, opt_state, b)``).
-    PyTorch steps write new values into the live tensors in any case."""
+    PyTorch steps write new values into the live tensors in any case.
+
+    ``compression="sdp4bit"`` (PyTorch, opt-in) quantizes the data axis's collectives as
+    SDP4Bit does: gradients reduce-scattered as Hadamard-transformed 4-bit all-to-alls,
+    new weights all-gathered as 4-bit differences from what every device holds
+    (``quantize-grads``, ``quantize-weight-diff``; docs/quantized.md). The plan gives the
+    bytes before and after and the declared error per tensor."""
     return ParallelStep(step_fn, mesh, passes=passes, axis=axis,
-                        batch_argnums=batch_argnums, donate=donate)
+                        batch_argnums=batch_argnums, donate=donate, compression=compression)

@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 
-def default_passes(axis: str, grad_bytes: int | None = None, *, layout: str = "flat") -> str:
+# compression presets: the passes each adds after weight-update sharding (opt-in: on a fast
+# link quantizing can cost more time than the bytes it saves)
+COMPRESSION = {
+    "sdp4bit": ("quantize-grads{{axis={axis}, bits=4, intra-bits=8, group=128, hadamard=32, "
+                "levels=auto}},quantize-weight-diff{{axis={axis}, bits=4, group=2048, "
+                "rounding=stochastic}}"),
+}
+
+
+def default_passes(axis: str, grad_bytes: int | None = None, *, layout: str = "flat",
+                   compression: str | None = None) -> str:
     """Data parallelism plus weight-update sharding over ``axis`` (``layout`` is what the
     backend runs: flat shards, or whole dimensions where shardings need even splits), then
     communication fusion and scheduling. Given the gradient bytes, buckets are a quarter of
-    them (so the first can overlap the rest of backward), between 1 and 25 MB."""
+    them (so the first can overlap the rest of backward), between 1 and 25 MB.
+    ``compression`` names a preset of ``COMPRESSION`` (SDP4Bit's quantized gradients and
+    weight differences), run after weight-update sharding."""
     spec = (f"dce,data-parallel{{axis={axis}}},"
             f"weight-update-sharding{{axis={axis}, layout={layout}}},dce")
+    if compression is not None:
+        spec += "," + COMPRESSION[compression].format(axis=axis) + ",dce"
     if grad_bytes is None:
         return spec
     return spec + f",comm-fusion{{bucket-mb={bucket_mb(grad_bytes):g}}},schedule-comm"

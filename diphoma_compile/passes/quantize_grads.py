@@ -23,7 +23,7 @@ an fp32 reduce-scatter; the plan lists it."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..ir.core import (Attrs, Graph, Input, InputKind, InputRole, Op, Output, OutputKind,
@@ -49,6 +49,9 @@ class QuantizeGradsRecord:
     kept: tuple[tuple[str, str], ...]       # (gradient, why it stays fp32)
     bytes_before: Mapping[str, int]
     bytes_after: Mapping[str, int]
+    params: Mapping[str, str] = field(default_factory=dict)    # gradient -> its parameter
+    # collective result -> (the tensor it belongs to, what it serves), for the plan
+    payloads: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
     @property
     def bound(self) -> str:
@@ -60,7 +63,33 @@ class QuantizeGradsRecord:
         return {"axis": self.axis, "bits": self.bits, "group": self.group,
                 "hadamard": self.hadamard, "hops": self.hops, "error_bound": self.bound,
                 "quantized": list(self.quantized), "kept": [list(k) for k in self.kept],
-                "bytes_before": dict(self.bytes_before), "bytes_after": dict(self.bytes_after)}
+                "bytes_before": dict(self.bytes_before), "bytes_after": dict(self.bytes_after),
+                "params": dict(self.params)}
+
+
+def param_of(g: Graph, value: str) -> str | None:
+    """The parameter a gradient is for: the first state (a parameter, or state that names
+    its parameter) that values of the gradient's size made from it replace."""
+    inputs = {i.name: i for i in g.inputs}
+    numel = g.value_types()[value].numel
+    users: dict[str, list[Op]] = {}
+    for op in g.ops:
+        for i in op.inputs:
+            users.setdefault(i, []).append(op)
+    replaced = {o.name: o.role.target for o in g.outputs
+                if o.role.kind is OutputKind.replaces}
+    todo, seen = [value], set()
+    while todo:
+        v = todo.pop(0)
+        if v in seen:
+            continue
+        seen.add(v)
+        target = inputs.get(replaced.get(v, ""))
+        if target is not None:
+            return target.name if target.role.kind is InputKind.param else target.role.of
+        for op in users.get(v, ()):
+            todo.extend(r.name for r in op.results if r.type.numel == numel)
+    return None
 
 
 @register_pass
@@ -112,6 +141,9 @@ class QuantizeGrads(Pass):
         key_now = key
         replace: dict[int, list[Op]] = {}
         quantized, kept, before, after = [], [], {}, {}
+        params: dict[str, str] = {}
+        payloads: dict[str, tuple[str, str]] = {}
+        h = self.hadamard
         d_rs, d_a2a = op_def("reduce_scatter"), op_def("all_to_all")
         for site in sites:
             gname, res = site.inputs[0], site.result
@@ -119,6 +151,9 @@ class QuantizeGrads(Pass):
             before[res.name] = d_rs.comm_bytes(site, [gt], [res.type], n)
             after[res.name] = before[res.name]
             k, kq = piece_layout(gt.numel, n, G)
+            param = param_of(g, res.name)
+            if param is not None:
+                params[res.name] = param
             if site.attrs.get("op") not in ("avg", "sum"):
                 kept.append((res.name, f"op={site.attrs.get('op')} is not a sum"))
                 continue
@@ -172,16 +207,18 @@ class QuantizeGrads(Pass):
                                   for o in ops if o.name == "all_to_all")
             replace[id(site)] = ops
             quantized.append(res.name)
-        if not quantized:
-            raise PassFailure(f"{self.name}: no gradient is large enough to quantize (each "
-                              f"device's piece must hold a group of {G})",
-                              hint="lower group= or leave the pass out for this model")
+            what = f"gradient of {param or res.name} ({self.bits}-bit, Hadamard {h})"
+            owner = param or res.name
+            payloads.update({pr: (owner, what), sr: (owner, f"scales of the {what}")})
+        record = QuantizeGradsRecord(ax, self.bits, G, self.hadamard, 1, tuple(quantized),
+                                     tuple(kept), before, after, params, payloads)
+        ctx.decisions[self.name] = record
+        if not quantized:      # every gradient too small: the plan says why, nothing changes
+            return g
         body: list[Op] = []
         for op in g.ops:
             body.extend(replace.get(id(op), [op]))
         inputs = g.inputs + (Input(Value(key, key_t), InputRole(InputKind.comm_state,
                                                                 slot=KEY_SLOT)),)
         outputs = g.outputs + (Output(key_now, OutputRole(OutputKind.replaces, key)),)
-        ctx.decisions[self.name] = QuantizeGradsRecord(
-            ax, self.bits, G, self.hadamard, 1, tuple(quantized), tuple(kept), before, after)
         return g.replace(inputs=inputs, ops=tuple(body), outputs=outputs)

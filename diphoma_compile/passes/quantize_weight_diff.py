@@ -23,7 +23,7 @@ padding would outweigh it); the plan lists it."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..ir.core import (Attrs, Graph, Input, InputKind, InputRole, Op, Output, OutputKind,
@@ -58,6 +58,8 @@ class QuantizeWeightDiffRecord:
     kept: tuple[tuple[str, str], ...]          # (parameter, why it moves in fp32)
     bytes_before: Mapping[str, int]            # parameter -> bytes one device sends, fp32
     bytes_after: Mapping[str, int]             # parameter -> packed bytes + scales
+    # collective result -> (the tensor it belongs to, what it serves), for the plan
+    payloads: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
     @property
     def bound(self) -> str:
@@ -119,6 +121,7 @@ class QuantizeWeightDiff(Pass):
         names = g.fresh_names()
         types = g.value_types()
         quantized, kept, before, after = [], [], {}, {}
+        payloads: dict[str, tuple[str, str]] = {}
         inputs = [Input(Value(i.name, i.value.type.with_placement(ax, FLAT_DIRTY)), i.role)
                   if i.name in dirty else i for i in g.inputs]
         key = names("qwd.key")
@@ -196,10 +199,11 @@ class QuantizeWeightDiff(Pass):
                 (key_now,) = emit("rng_next", (key_now,), [("qwd.key.next", key_t)])
             new_ops[g.ops.index(gather)] = ops
             quantized.append(w)
-        if not quantized:
-            raise PassFailure(f"{self.name}: no parameter is large enough to quantize "
-                              f"(each device's piece must hold a group of {self.group})",
-                              hint="lower group= or leave the pass out for this model")
+            what = f"new value of {w} ({self.bits}-bit difference)"
+            payloads.update({pg: (w, what), sg: (w, f"scales of the {what}")})
+        if not quantized:      # every parameter too small: the plan says why, nothing changes
+            return g, QuantizeWeightDiffRecord(ax, self.bits, self.group, self.rounding, (),
+                                               tuple(kept), before, after), set()
         # the update reads the exact piece (master) where it read the parameter's piece;
         # the difference (new ops, not renamed) reads the parameter's piece: the old
         # reconstruction
@@ -214,7 +218,8 @@ class QuantizeWeightDiff(Pass):
         ops_out, more = _replace_placements(tuple(fixed), inputs, outputs, ax)
         graph = g.replace(inputs=tuple(inputs), ops=ops_out, outputs=tuple(outputs))
         record = QuantizeWeightDiffRecord(ax, self.bits, self.group, self.rounding,
-                                          tuple(quantized), tuple(kept), before, after)
+                                          tuple(quantized), tuple(kept), before, after,
+                                          payloads)
         return graph, record, more - dirty
 
 

@@ -798,6 +798,33 @@ def run_quantized_grads(rank: int, world: int) -> dict:
             "plain_plan": plain.comm_bytes_per_step, "kinds": dict(step.comm.calls)}
 
 
+@check("sdp4bit_preset")
+def run_sdp4bit_preset(rank: int, world: int) -> dict:
+    """parallelize(compression="sdp4bit"): both quantizing passes with comm-fusion and
+    schedule-comm (packed payloads in buckets, waited late) run; losses against the
+    unquantized step's; bytes as planned; ranks hold the same parameters."""
+    import diphoma_compile
+    from models import MLP
+    out: dict = {}
+    for name, comp in (("plain", None), ("sdp4bit", "sdp4bit")):
+        torch.manual_seed(0)
+        model = MLP(32, 256, 64)
+        opt = OPTS["adamw"](model.parameters())
+        step = diphoma_compile.parallelize(mlp_step, diphoma_compile.Mesh({"dp": world}),
+                                           compression=comp)
+        g = torch.Generator().manual_seed(9)
+        losses = []
+        for _ in range(QWD_STEPS):
+            b = {"x": torch.randn(4 * world, 32, generator=g),
+                 "y": torch.randint(0, 64, (4 * world,), generator=g)}
+            losses.append(step(model, opt, *local((b,), rank, world)).item())
+        out[name] = {"losses": losses, "counted": step.runner.comm_bytes,
+                     "plan": step.plan.comm_bytes_per_step, "calls": step.runner.calls,
+                     "param_sum": float(sum(p.detach().double().sum()
+                                            for p in model.parameters()))}
+    return out
+
+
 # ------------------------------------------------------------------ the launch
 
 def run_all(rank: int, world: int) -> dict:

@@ -357,3 +357,17 @@ def test_quantized_gradients_within_declared_error(runs):
         res = r["quantized_grads"]
         assert res["counted"] == res["plan"] and res["excess"] == r0["excess"]
     assert r0["plan"] < 0.6 * r0["plain_plan"]
+
+
+def test_sdp4bit_preset_runs_fused_and_scheduled(runs):
+    """parallelize(compression="sdp4bit") with its buckets and async waits: the first loss
+    (before any update) is the plain step's, the ranks agree, the bytes are as planned and
+    at most 0.16x of the unquantized plan's."""
+    r0 = runs[0]["sdp4bit_preset"]
+    plain, q = r0["plain"], r0["sdp4bit"]
+    assert q["losses"][0] == plain["losses"][0]
+    for r in runs:
+        res = r["sdp4bit_preset"]["sdp4bit"]
+        assert res["counted"] == res["calls"] * res["plan"]
+        assert res["param_sum"] == q["param_sum"] and res["losses"] == q["losses"]
+    assert q["plan"] <= 0.16 * plain["plan"]

@@ -62,8 +62,12 @@ def test_errors():
         run(traced(), "data-parallel," + QWD)
     with pytest.raises(PassError, match="bits=3"):
         run(traced(), default_passes("dp") + ",quantize-weight-diff{bits=3}")
-    with pytest.raises(PassError, match="large enough"):
-        run(traced(), default_passes("dp") + ",quantize-weight-diff{group=4096}")
+    # nothing large enough: the graph is unchanged and the plan says why
+    g = run(traced(), default_passes("dp"))[0]
+    out, ctx = run(g, "quantize-weight-diff{group=4096}")
+    rec = ctx.decision(QuantizeWeightDiffRecord)
+    assert out.ops == g.ops and out.inputs == g.inputs and rec.quantized == ()
+    assert len(rec.kept) == 4
 
 
 QG = "quantize-grads{bits=4, group=64, hadamard=32}"
