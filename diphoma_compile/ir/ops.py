@@ -168,7 +168,6 @@ _add("pack", C.quant, R.pack, S.quant, {"bits": ("int", True)}, flops=1,
 _add("unpack", C.quant, R.unpack, S.quant, {"bits": ("int", True), "dtype": ("dtype", True)},
      flops=1, doc="the inverse of pack")
 _add("hadamard", C.quant, R.hadamard, S.blockwise, {"block": ("int", False)}, flops=64,
-     linear=True, zero_when=(0,),
      doc="the orthonormal Sylvester Hadamard transform (H/sqrt(block)) of each contiguous "
          "block of the flattened tensor (block 32 by default); its own inverse")
 _add("rng_next", C.rng, R.rng_next, S.none, {},

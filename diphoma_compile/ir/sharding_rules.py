@@ -148,10 +148,14 @@ def quant(op: Op, ins, outs, axis: str):
 
 
 def blockwise(op: Op, ins, outs, axis: str):
-    """A transform of contiguous blocks (hadamard): whole stays whole, a flat shard or a
-    dim-0 shard stays one (the backend checks that a piece holds whole blocks)."""
+    """A transform of contiguous blocks (hadamard): whole stays whole, a dim-0 shard stays
+    one, and a flat shard stays one with padding of unknown value (a block that holds
+    padding mixes it with real values); the backend checks that a piece holds whole
+    blocks."""
     p = _pls(ins, axis)[0]
-    if isinstance(p, (Replicate, FlatShard)) or (isinstance(p, Shard) and p.dim == 0):
+    if isinstance(p, FlatShard):
+        return tuple(FLAT_DIRTY for _ in outs)
+    if isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0):
         return tuple(p for _ in outs)
     return None
 
