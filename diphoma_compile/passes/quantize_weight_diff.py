@@ -84,6 +84,9 @@ class QuantizeWeightDiff(Pass):
     bits: int = 4
     group: int = 2048
     rounding: str = "stochastic"
+    # the ablation of SDP4Bit's paper: quantize the new weights themselves (ZeRO++'s qwZ at
+    # 4 bits) instead of their difference; every device computes with the rounded weights
+    naive: bool = False
 
     def __call__(self, graph: Graph, ctx: PassContext) -> Graph:
         n = require_axis(graph, self.axis, self.name)
@@ -169,7 +172,10 @@ class QuantizeWeightDiff(Pass):
 
             nq, ng = n * kq, n * kq // self.group
             shard0 = Shard(0)
-            (diff,) = emit("sub", (new, old_piece), [(f"{w}.qwd.diff", piece_t)])
+            if self.naive:
+                diff = new
+            else:
+                (diff,) = emit("sub", (new, old_piece), [(f"{w}.qwd.diff", piece_t)])
             qins = (diff, key_now) if self.rounding == "stochastic" else (diff,)
             q, s = emit("quantize", qins,
                         [(f"{w}.qwd.q", TensorType((nq,), DType.i8).with_placement(ax, shard0)),
@@ -191,7 +197,10 @@ class QuantizeWeightDiff(Pass):
                                                       TensorType(wt.shape, wt.dtype))],
                             bits=self.bits, group_size=self.group, pieces=n,
                             dtype=wt.dtype.value)
-            ops.append(Op("add", (w, delta), (gather.result,), **common))
+            if self.naive:     # the dequantized weights are the new value itself
+                ops[-1] = ops[-1].replace(results=(gather.result,))
+            else:
+                ops.append(Op("add", (w, delta), (gather.result,), **common))
             sent = {v.name: v.type for o in ops for v in o.results}
             after[w] = sum(d.comm_bytes(o, [sent[o.inputs[0]]], [o.result.type], n)
                            for o in ops if o.name == "all_gather")
@@ -199,7 +208,7 @@ class QuantizeWeightDiff(Pass):
                 (key_now,) = emit("rng_next", (key_now,), [("qwd.key.next", key_t)])
             new_ops[g.ops.index(gather)] = ops
             quantized.append(w)
-            what = f"new value of {w} ({self.bits}-bit difference)"
+            what = f"new value of {w} ({self.bits}-bit {'value' if self.naive else 'difference'})"
             payloads.update({pg: (w, what), sg: (w, f"scales of the {what}")})
         if not quantized:      # every parameter too small: the plan says why, nothing changes
             return g, QuantizeWeightDiffRecord(ax, self.bits, self.group, self.rounding, (),

@@ -91,3 +91,12 @@ def test_quantize_grads_errors():
         run(traced(), default_passes("dp") + ",quantize-grads{levels=2}")
     with pytest.raises(PassError, match="hadamard=24"):
         run(traced(), default_passes("dp") + ",quantize-grads{hadamard=24}")
+
+
+def test_naive_weights_ablation_quantizes_the_weights_themselves():
+    out, ctx = run(traced(), default_passes("dp") + ",quantize-weight-diff{group=64, naive=true}")
+    ops = {v.name: op for op in out.ops for v in op.results}
+    new = next(o.name for o in out.outputs if o.role.target == "fc1.weight")
+    assert ops[new].name == "dequantize"                  # not the old copy + a difference
+    q = next(op for op in out.ops if op.name == "quantize")
+    assert ops[q.inputs[0]].name == "add"                 # the new exact piece itself
