@@ -435,6 +435,23 @@ class TorchDistStep(TorchStep):
             out[name] = t.clone() if typ.dtype is DType.key else self._whole_of(t, typ)
         return out
 
+    def load_comm_state(self, whole: dict[str, torch.Tensor]) -> None:
+        """Resume from ``gather_comm_state()``'s whole tensors: each rank keeps its piece (no
+        communication)."""
+        for name, t in whole.items():
+            i = self._comm_types.get(name)
+            if i is None:
+                raise BackendError(f"{name} is not communication state of this step "
+                                   f"(it has {sorted(self._comm_types)})",
+                                   hint="load the state gathered from the same plan")
+            typ = i.value.type
+            if tuple(t.shape) != typ.shape:
+                raise BackendError(f"{name} has shape {tuple(t.shape)}, the plan holds "
+                                   f"{typ.shape}", hint="load the state gathered from the "
+                                                        "same plan")
+            self.comm_state[name] = t.clone() if typ.dtype is DType.key else \
+                self._shard_of(t, typ).clone()
+
     def gather_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """The whole optimizer state, {param name: {slot: tensor}}, on every rank (a
         collective: every rank must call it). For tests and checkpoints."""

@@ -725,6 +725,28 @@ def run_quantized_weights(rank: int, world: int) -> dict:
         out["param_sums"].append([float(p.detach().double().sum()) for p in model.parameters()])
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
     out["kinds"] = dict(step.comm.calls)
+    # a checkpoint holds the exact pieces and the key: resuming from it continues the run
+    # exactly (without them the exact weights would restart from the reconstruction)
+    comm = step.gather_comm_state()
+    state = step.gather_optimizer_state()
+    model2 = copy.deepcopy(model)
+    opt2 = OPTS["sgdm"](model2.parameters())
+    for n2, p2 in model2.named_parameters():
+        opt2.state[p2]["momentum_buffer"] = state[n2]["momentum_buffer"].clone()
+    nxt = local((batches[0],), rank, world)
+    step2 = build(mlp_step, model2, opt2, nxt, world, QWD_SPEC)[3]
+    fresh = copy.deepcopy(model2)
+    opt3 = OPTS["sgdm"](fresh.parameters())
+    for n3, p3 in fresh.named_parameters():
+        opt3.state[p3]["momentum_buffer"] = state[n3]["momentum_buffer"].clone()
+    step3 = build(mlp_step, fresh, opt3, nxt, world, QWD_SPEC)[3]
+    step2.load_comm_state(comm)
+    for s_, m_, o_ in ((step, model, opt), (step2, model2, opt2), (step3, fresh, opt3)):
+        s_(m_, o_, *nxt)
+    out["resumed_equal"] = all(torch.equal(p, q) for p, q in zip(model.parameters(),
+                                                                  model2.parameters()))
+    out["unloaded_equal"] = all(torch.equal(p, q) for p, q in zip(model.parameters(),
+                                                                   fresh.parameters()))
     plan = build_plan(dist_graph)
     out["plan"] = plan.comm_bytes_per_step
     plain = build_plan(Pipeline.from_spec(SPEC).run(graph.replace(mesh=Mesh({"dp": world})),
