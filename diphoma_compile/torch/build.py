@@ -481,7 +481,7 @@ def _emit_quantize(b: _Builder, op: Op) -> fx.Node:
         raise UnsupportedOpError("the torch backend quantizes symmetrically only",
                                  hint="use scheme=symmetric")
     local_pieces = a.get("pieces")
-    if local_pieces is not None and x_t.placements:
+    if local_pieces is not None and any(not isinstance(p, Varying) for _, p in x_t.placements):
         local_pieces = 1     # a flat piece is one of the pieces: it quantizes alone
     key = b.node(op.inputs[1]) if len(op.inputs) > 1 else None
     n = 1
