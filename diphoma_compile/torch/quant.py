@@ -28,12 +28,29 @@ def next_key(key: torch.Tensor) -> torch.Tensor:
     return _mix(key.to(torch.int64) + 0x9E3779B9)
 
 
+def _i32(v: int) -> int:
+    """A 32-bit constant as the signed int32 torch stores."""
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finalizer on int32 (products wrap; shifts made logical by masks)."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _i32(0x85EBCA6B)
+    x = x ^ ((x >> 13) & 0x7FFFF)
+    x = x * _i32(0xC2B2AE35)
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
 def uniform(key: torch.Tensor, n: int, offset: int = 0) -> torch.Tensor:
     """n uniform float32 numbers in [0, 1): elements ``offset .. offset + n`` of the stream
-    of ``key`` (the same for the same key and indices on every backend and device)."""
-    idx = torch.arange(offset, offset + n, dtype=torch.int64)
-    bits = _mix(_mix(idx ^ (key.to(torch.int64) * 0x2545F491 & _M32)) + key.to(torch.int64))
-    return (bits >> 8).to(torch.float32) * (1.0 / (1 << 24))
+    of ``key`` (the same for the same key and indices on every device). Counter-based: a
+    hash of the key and each element's index, in int32 arithmetic (cheap on a CPU)."""
+    k = int(key) & _M32
+    seed = _i32(int(_mix(torch.tensor(k, dtype=torch.int64))))
+    idx = torch.arange(offset, offset + n, dtype=torch.int32)
+    bits = _mix32(idx * _i32(0x9E3779B1) + seed)
+    return ((bits >> 8) & 0xFFFFFF).to(torch.float32) * (1.0 / (1 << 24))
 
 
 def qmax(bits: int) -> int:
