@@ -3,7 +3,8 @@
 with AdamW on N gloo ranks on the CPU.
 
     python benchmarks/dp_vs_ddp_fsdp.py [--steps 10] [--warmup 3] [--nproc 4]
-        [--layers 4 --embd 256 --vocab 8192 --seq 128 --batch 16] [--variants ddp,fsdp2,diphoma]
+        [--layers 4 --embd 256 --vocab 8192 --seq 128 --batch 16]
+        [--variants ddp,fsdp2,diphoma,diphoma-shard]
         [--buckets 1,5,25] [--profile]
 
 The script spawns the ranks itself. Every variant starts from identical weights (same seed)
@@ -18,7 +19,9 @@ prints one row per variant:
   param MB    parameter bytes held by one rank, counted the same way;
   vs DDP      the ratio to the DDP row (below 1 is better);
   peak MB     the peak resident memory a rank reaches in the steps after the first, above
-              what it held before the model was built (the largest over ranks): the
+              what it held before the model was built (the largest over ranks; every
+              variant has imported torch's DDP and FSDP and diphoma_compile by then, so a
+              diphoma figure includes what tracing and compiling leave, not the imports): the
               high-water mark is reset after step 1 (/proc/self/clear_refs) and freed
               tensors leave the resident set (MALLOC_MMAP_THRESHOLD_=65536 is set for the
               ranks). Variants run one after another in the same ranks: run one variant per
@@ -31,6 +34,8 @@ prints one row per variant:
   loss        the last step's loss, averaged over ranks (variants should agree closely).
 Variants: ddp, fsdp2, diphoma (the default pipeline: data parallelism, weight-update
 sharding, comm-fusion with a bucket a quarter of the gradient bytes, schedule-comm),
+diphoma-shard (the same with parallelize(shard_params=True): parameters held as shards too,
+to set beside fsdp2),
 diphoma-unfused (one collective per tensor, synchronous), and diphoma-bX for each X in
 --buckets (fusion with X MB buckets: the sweep). --profile adds, per diphoma variant, the
 time in computation and communication and the part of communication hidden (after the
@@ -58,7 +63,13 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT, GPTConfig, make_batch, train_step  # noqa: E402
 
-VARIANTS = ("ddp", "fsdp2", "diphoma", "diphoma-unfused")
+# every variant's ranks load the same libraries before the baseline of the memory figures,
+# so that peak MB compares what each variant's step makes, not which packages it imported
+import diphoma_compile  # noqa: E402,F401
+from torch.distributed.fsdp import fully_shard  # noqa: E402,F401
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402,F401
+
+VARIANTS = ("ddp", "fsdp2", "diphoma", "diphoma-shard", "diphoma-unfused")
 BASE = "dce,data-parallel,weight-update-sharding,dce"
 
 
@@ -122,7 +133,8 @@ def _build(variant: str, cfg: GPTConfig, world: int, lr: float):
         return train_step, model, opt, lambda: (_state_bytes(opt), _param_bytes(model))
     import diphoma_compile
     pstep = diphoma_compile.parallelize(train_step, diphoma_compile.Mesh({"dp": world}),
-                                        passes=_passes(variant))
+                                        passes=_passes(variant),
+                                        shard_params=variant == "diphoma-shard")
 
     def memory() -> tuple[int, int]:
         rep = pstep.memory_report()
@@ -252,7 +264,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=16, help="global batch, split over ranks")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--variants", default="ddp,fsdp2,diphoma")
+    p.add_argument("--variants", default="ddp,fsdp2,diphoma,diphoma-shard")
     p.add_argument("--buckets", default="", help="bucket sizes (MB) to sweep, e.g. 1,5,25")
     p.add_argument("--profile", action="store_true",
                    help="profile each diphoma variant (compute / communication / hidden)")

@@ -61,14 +61,21 @@ class ParallelStep:
     def __init__(self, step_fn: Callable, mesh: Any, *, passes: str | None = None,
                  axis: str | None = None,
                  batch_argnums: int | Iterable[int] | None = None,
-                 donate: bool = False, compression: str | None = None) -> None:
+                 donate: bool = False, shard_params: bool = False,
+                 compression: str | None = None) -> None:
+        if shard_params and passes is not None:
+            raise DiphomaError("shard_params=True picks the default pipeline's passes, but "
+                               f"passes={passes!r} was given too",
+                               hint="add shard-params{axis=dp} after weight-update-sharding "
+                                    "in your passes instead")
         self.step_fn = step_fn
         self.donate = bool(donate)
+        self.shard_params = bool(shard_params)
         self.user_mesh = mesh
         self.mesh = Mesh.of(mesh)
         self.axis = data_axis(self.mesh, axis)
         self.passes = passes
-        self.compression = check_compression(compression, passes)
+        self.compression = check_compression(compression, passes, self.shard_params)
         self.batch_argnums = argnums(batch_argnums)
         self.framework: str | None = None
         self._fw: Framework | None = None
@@ -86,6 +93,7 @@ class ParallelStep:
         self.framework = self._fw.name
         self._graph, self._plan = run_passes(graph, self._fw, self.mesh, self.axis,
                                              self.passes, ctx or PassContext(),
+                                             shard_params=self.shard_params,
                                              compression=self.compression)
         return self
 
@@ -175,7 +183,8 @@ def trace_step(step_fn: Callable, args: tuple, mesh: Mesh, axis: str,
     return fw, graph, extra
 
 
-def check_compression(compression: str | None, passes: str | None) -> str | None:
+def check_compression(compression: str | None, passes: str | None,
+                      shard_params: bool = False) -> str | None:
     """``compression`` when it names a preset (None: no compression); DiphomaError for an
     unknown one, or one given beside an explicit pass pipeline."""
     if compression is None:
@@ -190,12 +199,18 @@ def check_compression(compression: str | None, passes: str | None) -> str | None
                            hint="add the quantizing passes to passes= yourself "
                                 "(quantize-grads, quantize-weight-diff after "
                                 "weight-update-sharding), or drop passes=")
+    if shard_params:
+        raise DiphomaError("compression= and shard_params=True were both given; the "
+                           "quantized weight differences need every device to hold the "
+                           "whole parameters between steps",
+                           hint="choose one of them")
     return compression
 
 
 def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str | None,
                ctx: PassContext, device_model: str = DEFAULT_DEVICE_MODEL,
-               compression: str | None = None) -> tuple[Graph, Plan]:
+               shard_params: bool = False, compression: str | None = None
+               ) -> tuple[Graph, Plan]:
     """The graph placed on ``mesh`` after the pipeline (``passes``, or the default one for
     the framework and the model's gradient bytes), and its plan, with the step time
     estimated on ``device_model`` (a name in ``ir.device_model.MODELS``).
@@ -222,7 +237,7 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
                                    f"{fw.name} yet (it needs flat weight-update shards)",
                                    hint="run the PyTorch step, or leave compression unset")
             parts.append(default_passes(axis, grad_bytes, layout=fw.update_layout,
-                                        compression=compression))
+                                        shard_params=shard_params, compression=compression))
         spec = ",".join(parts)
     if spec:
         graph = Pipeline.from_spec(spec).run(graph, ctx)
@@ -237,7 +252,8 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
 def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
                 axis: str | None = None,
                 batch_argnums: int | Iterable[int] | None = None,
-                donate: bool = False, compression: str | None = None) -> ParallelStep:
+                donate: bool = False, shard_params: bool = False,
+                compression: str | None = None) -> ParallelStep:
     """``step_fn`` as a distributed step over ``mesh`` (a diphoma Mesh, a dict of axis
     sizes, a torch DeviceMesh or a jax.sharding.Mesh). By default: tensor parallelism
     (Megatron's layer pairs) over an axis named tp, tensor or model, and data parallelism
@@ -256,10 +272,18 @@ def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
     the arrays passed in again (``params, opt_state, loss = step(params, opt_state, b)``).
     PyTorch steps write new values into the live tensors in any case.
 
+    ``shard_params=True`` holds the parameters sharded over the data axis too (ZeRO-3 /
+    FSDP class, the ``shard-params`` pass): each device keeps its piece between steps and
+    gathers each whole parameter where the step reads it, in forward and again in
+    backward. PyTorch: the module's parameters between steps are the rank's flat 1-D
+    pieces (as FSDP2 holds its shards); ``ParallelStep.state_dict()`` gathers the whole
+    model on every rank.
+
     ``compression="sdp4bit"`` (PyTorch, opt-in) quantizes the data axis's collectives as
     SDP4Bit does: gradients reduce-scattered as Hadamard-transformed 4-bit all-to-alls,
     new weights all-gathered as 4-bit differences from what every device holds
     (``quantize-grads``, ``quantize-weight-diff``; docs/quantized.md). The plan gives the
     bytes before and after and the declared error per tensor."""
     return ParallelStep(step_fn, mesh, passes=passes, axis=axis,
-                        batch_argnums=batch_argnums, donate=donate, compression=compression)
+                        batch_argnums=batch_argnums, donate=donate, shard_params=shard_params,
+                        compression=compression)

@@ -104,7 +104,9 @@ def pieces(x: np.ndarray, p, n: int, rng: np.random.Generator) -> tuple[np.ndarr
     if isinstance(p, Replicate):
         return x, [x] * n
     if isinstance(p, Shard):
-        return x, list(np.split(x, n, axis=p.dim))
+        # a split of k groups: device r holds the r-th piece of every group, in group order
+        per_group = [np.split(g, n, axis=p.dim) for g in np.split(x, p.groups, axis=p.dim)]
+        return x, [np.concatenate([g[r] for g in per_group], axis=p.dim) for r in range(n)]
     if isinstance(p, Partial) and p.op == "sum":
         if x.dtype == np.bool_:
             raise AssertionError("a partial sum of booleans")
@@ -126,7 +128,9 @@ def pieces(x: np.ndarray, p, n: int, rng: np.random.Generator) -> tuple[np.ndarr
 def combine(outs: list[np.ndarray], p, whole: np.ndarray) -> np.ndarray:
     """The value the devices' results stand for under placement ``p``."""
     if isinstance(p, Shard):
-        return np.concatenate(outs, axis=p.dim)
+        per_device = [np.split(o, p.groups, axis=p.dim) for o in outs]
+        return np.concatenate([per_device[r][g] for g in range(p.groups)
+                               for r in range(len(outs))], axis=p.dim)
     if isinstance(p, Replicate):
         for o in outs[1:]:
             close(o, outs[0], "devices disagree on a replicated result")
@@ -239,14 +243,15 @@ def kind(s: Strategy) -> str:
 
 def check_case(case: Case, run: Runner, ns: Sequence[int] = (2, 4),
                adjust: dict[str, Adjust] | None = None, mask: dict[str, Mask] | None = None,
-               seed: int = 0) -> Checked:
-    """Run every candidate strategy of the case's op over each ``n`` and compare."""
-    return check_cases([case], run, ns, adjust, mask, seed)[0]
+               seed: int = 0, groups: Sequence[int] = ()) -> Checked:
+    """Run every candidate strategy of the case's op over each ``n`` and compare (with
+    ``groups``: only the menu's splits of that many groups, ``regrouped`` ones included)."""
+    return check_cases([case], run, ns, adjust, mask, seed, groups)[0]
 
 
 def check_cases(cases: Sequence[Case], run: Runner, ns: Sequence[int] = (2, 4),
                 adjust: dict[str, Adjust] | None = None, mask: dict[str, Mask] | None = None,
-                seed: int = 0) -> list[Checked]:
+                seed: int = 0, groups: Sequence[int] = ()) -> list[Checked]:
     """``check_case`` of each case; all their graphs go to the runner at once (JAX
     compiles them as one program)."""
     adjust = {**ADJUST, **(adjust or {})}
@@ -255,7 +260,8 @@ def check_cases(cases: Sequence[Case], run: Runner, ns: Sequence[int] = (2, 4),
     checked, plans = [], []
     for k, case in enumerate(cases):
         done = Checked(family(case.op))
-        plans += _plan_case(case, ns, adjust, mask, np.random.default_rng(seed + k), jobs, done)
+        plans += _plan_case(case, ns, adjust, mask, np.random.default_rng(seed + k), jobs, done,
+                            groups)
         checked.append(done)
     results = _run_all(run, jobs)
     for done, where, s, (whole, devices) in plans:
@@ -266,18 +272,26 @@ def check_cases(cases: Sequence[Case], run: Runner, ns: Sequence[int] = (2, 4),
     return checked
 
 
-def _plan_case(case: Case, ns, adjust, mask, rng, jobs: list[Job], done: Checked) -> list:
+def _grouped(s: Strategy) -> bool:
+    return any(isinstance(p, Shard) and p.groups > 1 for p in s.inputs + s.outputs)
+
+
+def _plan_case(case: Case, ns, adjust, mask, rng, jobs: list[Job], done: Checked,
+               groups: Sequence[int] = ()) -> list:
     """Add the case's graphs to ``jobs``; the strategies to compare once they ran."""
     op, ins = case.op, case.ins
     outs = [v.type for v in op.results]
     base = len(jobs)
     jobs.append((graph_of(op, ins, case.hyper), list(case.data)))
-    menu = strategies_of(op, ins, outs)
+    menu = [s for s in strategies_of(op, ins, outs, groups) if not groups or _grouped(s)]
     done.offered |= {kind(s) for s in menu}
     done.failures += [f"{case}: {s}: {e}" for s in menu if (e := malformed(s, ins, outs))]
     plans = []
     for n in ns:
-        for s in candidates(op, ins, outs, n, masked=True):
+        for s in candidates(op, ins, outs, n, masked=True, **({"groups": groups} if groups
+                                                               else {})):
+            if groups and not _grouped(s):
+                continue
             where = f"{case} under {s} over {n} devices"
             done.ran.append((n, s))
             try:

@@ -17,12 +17,15 @@ CostFn = Callable[[Op, Sequence[TensorType], Sequence[TensorType]], int]
 class FrameworkOpRule:
     """One framework op's rule: its flops, its bytes (default: every operand and result
     read or written once) and its strategies (``strategies.StrategyFn``; default: run whole
-    on every device)."""
+    on every device). ``regroup``: its splits stay exact when the split dimension is
+    permuted alike in every operand (``strategies.regrouped``); False where the op ties
+    contiguous runs of a dimension together (grouped convolution, group norm)."""
 
     target: str
     flops: CostFn
     strategies: Callable | None = None
     bytes: CostFn | None = None
+    regroup: bool = True
 
 
 FRAMEWORK_OPS: dict[str, FrameworkOpRule] = {}

@@ -189,7 +189,7 @@ class _Parser:
         return Attrs(items)
 
     def placement(self) -> Placement:
-        tok = self.expect("word", what="a placement (R, S(dim), F, Fx, V or P(op))")
+        tok = self.expect("word", what="a placement (R, S(dim), S(dim,groups), F, Fx, V or P(op))")
         if tok.text == "R":
             return REPLICATE
         if tok.text in ("F", "Fx"):
@@ -199,7 +199,14 @@ class _Parser:
         if tok.text in ("S", "P"):
             self.expect("punct", "(")
             if tok.text == "S":
-                p: Placement = Shard(self.int_("a dimension"))
+                dim = self.int_("a dimension")
+                groups = 1
+                if self.accept("punct", ","):
+                    groups = self.int_("a number of groups")
+                    if groups < 1:
+                        raise self.error(f"a shard's groups must be >= 1, found {groups}",
+                                         tok)
+                p: Placement = Shard(dim, groups)
             else:
                 op = self.expect("word", what="a reduction (sum, avg, max, min)")
                 try:

@@ -25,8 +25,8 @@ from .core import Attrs, Graph, Input, Op, Output, Value
 from .device_model import DeviceModel, device_model
 from .opdef import Category, is_local, op_def
 from .roles import InputKind, OutputKind
-from .strategies import (Strategy, candidates, fits_axis, linear_collective, replicated,
-                         reshard)
+from .strategies import (Strategy, candidates, fits_axis, group_counts, linear_collective,
+                         replicated, reshard)
 from .strategy_solver import solve
 from .types import REPLICATE, Partial, Placement, Shard, TensorType
 
@@ -86,7 +86,7 @@ def reshard_seconds(src: Placement, dst: Placement, t: TensorType, n: int, axis:
 
 
 def _menu(op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType], axis: str,
-          n: int) -> list[Strategy]:
+          n: int, groups: Iterable[int] = ()) -> list[Strategy]:
     cat = op_def(op.name).category
     if cat in (Category.collective, Category.sync):
         if op.attrs.get("axis") == axis:
@@ -104,7 +104,7 @@ def _menu(op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType], axis: s
             menu.append(Strategy(tuple(Partial("sum") for _ in ins),
                                  tuple(Partial("sum") for _ in outs)))
         return [s for s in menu if fits_axis(s, ins, outs, n)]
-    menu = candidates(op, ins, outs, n)
+    menu = candidates(op, ins, outs, n, groups=groups)
     if not ins:     # a constant is built where it is needed; as a partial sum it only costs
         menu = [s for s in menu if not any(isinstance(p, Partial) for p in s.outputs)]
     return menu or [replicated(ins, outs)]
@@ -145,12 +145,15 @@ def _fixed_inputs(graph: Graph, fixed: Mapping[str, Placement]) -> dict[str, Pla
 def complete(graph: Graph, axis: str, fixed: Mapping[str, Placement],
              model: DeviceModel | str = "h100-nccl", time_limit_s: float = 60.0,
              free: Iterable[str] = (),
-             avoid: Callable[[str, str], bool] | None = None) -> Assignment:
+             avoid: Callable[[str, str], bool] | None = None,
+             groups: Iterable[int] = ()) -> Assignment:
     """Complete the placements ``fixed`` for some values into the cheapest assignment of the
     whole step on ``axis`` (an axis of the graph's mesh), solved exactly as an integer
     program (HiGHS through scipy) under the device model's costs. Inputs named in ``free``
     (parameters, say) are placed by the solver too, replicated or split on a dimension the
-    axis divides; their updated values and their optimizer state are placed alike."""
+    axis divides; their updated values and their optimizer state are placed alike. Ops
+    are offered splits in groups (``S(d,k)``) for each k of ``groups`` and of the fixed
+    placements."""
     model = device_model(model) if isinstance(model, str) else model
     n = graph.mesh.axis_size(axis)
     fixed = _fixed_inputs(graph, fixed)
@@ -169,8 +172,9 @@ def complete(graph: Graph, axis: str, fixed: Mapping[str, Placement],
         return reshard_seconds(src, dst, types[name], n, axis, model)
 
     sigs = _signatures(graph)
-    menus = [_menu(op, ins, outs, axis, n) for op, (ins, outs) in zip(graph.ops, sigs)]
-    free_in, ties = _free_inputs(graph, set(free) - set(fixed), n, set(fixed))
+    groups = set(groups) | group_counts(fixed.values())
+    menus = [_menu(op, ins, outs, axis, n, groups) for op, (ins, outs) in zip(graph.ops, sigs)]
+    free_in, ties = _free_inputs(graph, set(free) - set(fixed), n, set(fixed), groups)
     demands = {o.name: _output_demand(graph, o, fixed) for o in graph.outputs}
     for o in graph.outputs:
         if o.role.kind is OutputKind.replaces and o.role.target in free_in:
@@ -212,10 +216,12 @@ def complete(graph: Graph, axis: str, fixed: Mapping[str, Placement],
                       sum(r.seconds for r in steps), compute)
 
 
-def _free_inputs(graph: Graph, free: set[str], n: int, fixed: set[str]
+def _free_inputs(graph: Graph, free: set[str], n: int, fixed: set[str],
+                 groups: Iterable[int] = ()
                  ) -> tuple[dict[str, list[Placement]], list[tuple[str, str]]]:
-    """Candidate placements of the free inputs, with optimizer state of the same shape as a
-    free parameter free too and tied to it."""
+    """Candidate placements of the free inputs (whole, split on a dim the axis divides, or
+    split in groups of ``groups``), with optimizer state of the same shape as a free
+    parameter free too and tied to it."""
     names = {i.name for i in graph.inputs}
     missing = sorted(free - names)
     if missing:
@@ -229,8 +235,9 @@ def _free_inputs(graph: Graph, free: set[str], n: int, fixed: set[str]
     options = {}
     for name in free:
         t = graph.input(name).value.type
-        options[name] = [REPLICATE] + [Shard(d) for d in range(t.rank) if t.shape[d] % n == 0
-                                       and t.shape[d] >= n]
+        options[name] = [REPLICATE] + [Shard(d, k) for k in (1, *sorted(set(groups) - {1}))
+                                       for d in range(t.rank) if t.shape[d] % (n * k) == 0
+                                       and t.shape[d] >= n * k]
     return options, ties
 
 
@@ -280,9 +287,9 @@ def apply_assignment(graph: Graph, a: Assignment) -> Graph:
     for k, op in enumerate(graph.ops):
         for r in before.get(k, ()):
             new = _collective(r, types, names, a.axis, op)
-            ops.append(new)
-            types[new.result.name] = new.result.type
-            moved[r.value, r.dst] = new.result.name
+            ops += new
+            types.update((o.result.name, o.result.type) for o in new)
+            moved[r.value, r.dst] = new[-1].result.name
         s = a.strategies[k]
         inputs_k = tuple(moved[x, want] if placed[x] != want else x
                          for x, want in zip(op.inputs, s.inputs))
@@ -292,18 +299,42 @@ def apply_assignment(graph: Graph, a: Assignment) -> Graph:
         ops.append(op.replace(inputs=inputs_k, results=results))
     for r in before.get(-1, ()):
         new = _collective(r, types, names, a.axis, None)
-        ops.append(new)
-        moved[r.value, r.dst] = new.result.name
+        ops += new
+        moved[r.value, r.dst] = new[-1].result.name
     outputs = [Output(moved.get((o.name, a.output_placements.get(o.name)), o.name), o.role)
                for o in graph.outputs]
     return graph.replace(inputs=inputs, ops=tuple(ops), outputs=tuple(outputs))
 
 
-def _collective(r: Reshard, types, names, axis: str, user: Op | None) -> Op:
+def _collective(r: Reshard, types, names, axis: str, user: Op | None) -> list[Op]:
+    """The ops that carry out a reshard: one collective, or for a grouped split (``S(d,k)``)
+    the collective on the view with the k groups as a dimension of their own, between two
+    reshapes (``[.., k*m, ..] -> [.., k, m, ..]`` splits its second dim plainly)."""
     how = reshard(r.src, r.dst)
-    t = types[r.value].with_placement(axis, r.dst)
-    attrs = Attrs({"axis": axis, **dict(how.attrs)})
-    out = Value(names(f"{r.value}.{how.collective}"), t)
-    return Op(how.collective, (r.value,), (out,), attrs,
-              phase=user.phase if user is not None else None,
-              loc=user.loc if user is not None else None)
+    attrs = dict(how.attrs)
+    where = {"phase": user.phase if user is not None else None,
+             "loc": user.loc if user is not None else None}
+    k = attrs.pop("groups", 1)
+    if k == 1:
+        out = Value(names(f"{r.value}.{how.collective}"), types[r.value].with_placement(
+            axis, r.dst))
+        return [Op(how.collective, (r.value,), (out,), Attrs({"axis": axis, **attrs}),
+                   **where)]
+    t, d = types[r.value], attrs["dim"]
+    if any(a != axis and not isinstance(p, Partial) and p != REPLICATE
+           for a, p in t.placements):
+        raise IRError(f"%{r.value} is split on another axis too; a grouped split ({r.dst} or "
+                      f"{r.src}) can only move on its own", hint="place the other axis after")
+    view = t.shape[:d] + (k, t.shape[d] // k) + t.shape[d + 1:]
+
+    def plain(p: Placement) -> Placement:
+        return Shard(d + 1) if isinstance(p, Shard) else p
+    v_in = Value(names(f"{r.value}.groups"), TensorType(view, t.dtype).with_placement(
+        axis, plain(r.src)))
+    v_col = Value(names(f"{r.value}.{how.collective}"), v_in.type.with_placement(
+        axis, plain(r.dst)))
+    out = Value(names(f"{r.value}.ungroups"), t.with_placement(axis, r.dst))
+    return [Op("reshape", (r.value,), (v_in,), Attrs({}), **where),
+            Op(how.collective, (v_in.name,), (v_col,),
+               Attrs({"axis": axis, **attrs, "dim": d + 1}), **where),
+            Op("reshape", (v_col.name,), (out,), Attrs({}), **where)]

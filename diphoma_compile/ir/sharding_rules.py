@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from .core import Op
 from .opdef import op_def
-from .strategies import linear_collective, strategies_of
+from .strategies import group_counts, linear_collective, strategies_of
 from .types import (FLAT, FLAT_DIRTY, REPLICATE, VARYING, FlatShard, Partial, Placement,
                     Replicate, Shard, TensorType, Varying)
 
@@ -40,7 +40,7 @@ def propagate(op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType], axi
 def by_strategy(op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType],
                 pls: tuple[Placement, ...]) -> tuple[Placement, ...] | None:
     """The result placements of the op's plain strategy taking inputs placed ``pls``."""
-    for s in strategies_of(op, ins, outs):
+    for s in strategies_of(op, ins, outs, group_counts(pls)):
         if s.inputs == pls and not s.masked:
             return s.outputs
     return None

@@ -15,7 +15,7 @@ masking to run it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from .core import Op
@@ -42,6 +42,11 @@ class Strategy:
 
 StrategyFn = Callable[[Op, Sequence[TensorType], Sequence[TensorType]], list[Strategy]]
 
+# the name of a strategy that cuts a split of k groups into its k pieces, or joins k pieces
+# into one (a fused query/key/value projection's result split, its gradients concatenated):
+# where a step has one, a planner tries grouped splits of k groups
+GROUPS = "groups"
+
 
 # ---------------------------------------------------------------- menus
 
@@ -60,24 +65,56 @@ def no_strategies(op: Op, ins, outs) -> list[Strategy]:
     return []
 
 
-def strategies_of(op: Op, ins: Sequence[TensorType],
-                  outs: Sequence[TensorType]) -> list[Strategy]:
+def strategies_of(op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType],
+                  groups: Iterable[int] = ()) -> list[Strategy]:
     """The menu of any op: its table row's, or its framework's rule for an opaque op (a
-    framework op without a rule runs whole)."""
+    framework op without a rule runs whole); with ``groups``, also each split of the menu
+    made over dimensions of k groups, for every k given (``regrouped``)."""
+    regroup = True
     if op.name == "opaque":
         rule = framework_rule(op)
         if rule is None or rule.strategies is None:
             return [replicated(ins, outs)]
-        return rule.strategies(op, ins, outs)
-    fn = op_def(op.name).strategies
-    return [replicated(ins, outs)] if fn is None else fn(op, ins, outs)
+        menu, regroup = rule.strategies(op, ins, outs), rule.regroup
+    else:
+        fn = op_def(op.name).strategies
+        menu = [replicated(ins, outs)] if fn is None else fn(op, ins, outs)
+    if regroup:
+        for k in sorted(set(groups) - {1}):
+            menu += [g for g in (regrouped(s, k) for s in list(menu)) if g is not None]
+    return menu
+
+
+def regrouped(s: Strategy, k: int) -> Strategy | None:
+    """The strategy with every plain split ``S(d)`` made a split of k groups ``S(d,k)``, or
+    None when it has no plain split (or is masked, or already grouped).
+
+    Exact whenever the plain strategy is: a grouped split is a plain split of the dimension
+    with its indices permuted, alike in every operand and result, and the strategies here
+    (elementwise math, contractions, reductions, layout ops that keep the dimension's order
+    in runs of size/k) commute with such a permutation. Framework ops that tie contiguous
+    runs together opt out (``FrameworkOpRule.regroup``)."""
+    pls = s.inputs + s.outputs
+    if s.masked or not any(isinstance(p, Shard) for p in pls) \
+            or any(isinstance(p, Shard) and p.groups != 1 for p in pls):
+        return None
+
+    def g(p: Placement) -> Placement:
+        return Shard(p.dim, k) if isinstance(p, Shard) else p
+    return Strategy(tuple(map(g, s.inputs)), tuple(map(g, s.outputs)), s.name)
+
+
+def group_counts(pls: Iterable[Placement]) -> set[int]:
+    """The numbers of groups (above 1) of the grouped splits among ``pls``."""
+    return {p.groups for p in pls if isinstance(p, Shard) and p.groups > 1}
 
 
 def fits_axis(s: Strategy, ins: Sequence[TensorType], outs: Sequence[TensorType],
               n: int) -> bool:
-    """True when every split dimension the strategy names divides evenly by ``n``."""
+    """True when every split dimension the strategy names divides evenly by ``n`` (times
+    its groups)."""
     for p, t in list(zip(s.inputs, ins)) + list(zip(s.outputs, outs)):
-        if isinstance(p, Shard) and (p.dim >= t.rank or t.shape[p.dim] % n):
+        if isinstance(p, Shard) and (p.dim >= t.rank or t.shape[p.dim] % (n * p.groups)):
             return False
         if isinstance(p, FlatShard):
             return False
@@ -85,10 +122,10 @@ def fits_axis(s: Strategy, ins: Sequence[TensorType], outs: Sequence[TensorType]
 
 
 def candidates(op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType],
-               n: int, masked: bool = False) -> list[Strategy]:
+               n: int, masked: bool = False, groups: Iterable[int] = ()) -> list[Strategy]:
     """The strategies that can run over an axis of ``n`` devices (for a solver); masked
-    ones only when asked (no backend runs them yet)."""
-    return [s for s in strategies_of(op, ins, outs) if fits_axis(s, ins, outs, n)
+    ones only when asked (no backend runs them yet); grouped splits of ``groups``."""
+    return [s for s in strategies_of(op, ins, outs, groups) if fits_axis(s, ins, outs, n)
             and (masked or not s.masked)]
 
 
@@ -123,17 +160,23 @@ def reshard(src: Placement, dst: Placement) -> Reshard | None:
         if isinstance(dst, Replicate):
             return Reshard("all_reduce", (("op", src.op),))
         if isinstance(dst, Shard) and src.op in ("sum", "avg", "max", "min"):
-            return Reshard("reduce_scatter", (("op", src.op), ("dim", dst.dim)))
+            return Reshard("reduce_scatter", (("op", src.op),) + _dim_attrs(dst))
         return None
     if isinstance(src, Replicate) and isinstance(dst, Shard):
-        return Reshard("take_shard", (("dim", dst.dim),))
+        return Reshard("take_shard", _dim_attrs(dst))
     if isinstance(src, Replicate) and dst == Partial("sum"):
         return Reshard("as_partial")       # device 0 keeps it, the others hold zeros
     if isinstance(src, Shard) and isinstance(dst, Replicate):
-        return Reshard("all_gather", (("dim", src.dim),))
-    if isinstance(src, Shard) and isinstance(dst, Shard):
+        return Reshard("all_gather", _dim_attrs(src))
+    if isinstance(src, Shard) and isinstance(dst, Shard) and src.groups == dst.groups == 1:
         return Reshard("all_to_all", (("from_dim", src.dim), ("to_dim", dst.dim)))
     return None
+
+
+def _dim_attrs(p: Shard) -> tuple[tuple[str, object], ...]:
+    # a grouped split moves as the plain split of the view with its groups as a dimension
+    # of their own (propagate.py inserts the reshapes around the collective)
+    return (("dim", p.dim),) + ((("groups", p.groups),) if p.groups > 1 else ())
 
 
 # ---------------------------------------------------------------- neutral op families
@@ -233,7 +276,21 @@ def reshape(op: Op, ins, outs) -> list[Strategy]:
         if same or grown:
             menu.append(Strategy((Shard(d),), (Shard((same or grown)[0]),), "split"))
         acc *= s
+    menu += _ungroup(src, dst) + [Strategy(s.outputs, s.inputs, "regroup")
+                                  for s in _ungroup(dst, src)]
     return _with_partials(menu, ins, outs, [{0}])
+
+
+def _ungroup(src: Sequence[int], dst: Sequence[int]) -> list[Strategy]:
+    """A dimension of k groups viewed as two, [k, size/k]: its grouped split is the plain
+    split of the second (each device's piece of every group)."""
+    menu = []
+    for d, s in enumerate(src):
+        if len(dst) == len(src) + 1 and tuple(dst[:d]) == tuple(src[:d]) \
+                and tuple(dst[d + 2:]) == tuple(src[d + 1:]) and dst[d] * dst[d + 1] == s \
+                and dst[d] > 1 and dst[d + 1] > 1:
+            menu.append(Strategy((Shard(d, dst[d]),), (Shard(d + 1),), "ungroup"))
+    return menu
 
 
 def broadcast_in_dim(op: Op, ins, outs) -> list[Strategy]:

@@ -15,8 +15,6 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_array
 
 from ..errors import IRError
 from .core import Graph
@@ -53,6 +51,10 @@ class _Program:
         self.rows.append((coef, lo, hi))
 
     def solve(self, time_limit_s: float) -> np.ndarray:
+        # scipy's optimizer costs seconds and tens of MB to import: only plans that place
+        # strategies (tensor parallelism) pay it
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import coo_array
         r, c, v = [], [], []
         lo, hi = [], []
         for i, (coef, a, b) in enumerate(self.rows):

@@ -83,12 +83,23 @@ class Replicate:
 
 @dataclass(frozen=True)
 class Shard:
-    """Split evenly along tensor dimension ``dim``; the axis size must divide it."""
+    """Split evenly along tensor dimension ``dim``; the axis size must divide it.
+
+    With ``groups=k`` (written ``S(dim,k)``) the dimension is k equal groups laid end to end
+    and each group is split evenly: device r holds the r-th piece of every group, in group
+    order. A fused query/key/value projection's columns ``[q | k | v]`` split so that each
+    device gets its own heads of all three is ``S(1,3)``. Every device holds ``size/n``
+    elements of the dimension either way; the axis size times k must divide it."""
 
     dim: int
+    groups: int = 1
+
+    def __post_init__(self) -> None:
+        if self.groups < 1:
+            raise IRError(f"a shard's groups must be >= 1, found {self.groups}")
 
     def __str__(self) -> str:
-        return f"S({self.dim})"
+        return f"S({self.dim})" if self.groups == 1 else f"S({self.dim},{self.groups})"
 
 
 @dataclass(frozen=True)

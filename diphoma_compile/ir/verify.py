@@ -58,11 +58,12 @@ class _Verifier:
                 axes = split_by.setdefault(p.dim, [])
                 axes.append(axis)
                 n = math.prod(self.sizes[a] for a in axes)
-                if t.shape[p.dim] % n:
+                if t.shape[p.dim] % (n * p.groups):
                     named = (f"axis {axis!r}" if len(axes) == 1 else
                              "axes " + ", ".join(repr(a) for a in axes))
+                    of = f" in each of {p.groups} groups" if p.groups > 1 else ""
                     self.fail(f"{what}: dim {p.dim} of size {t.shape[p.dim]} does not divide "
-                              f"among {n} devices of {named}", **where,
+                              f"among {n} devices of {named}{of}", **where,
                               hint="use the flat, padded placement F, or another dimension")
 
     # ------------------------------------------------------------------ graph

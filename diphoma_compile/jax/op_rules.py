@@ -33,9 +33,10 @@ def _param(op: Op, name: str, default: Any = None) -> Any:
 
 
 def _register(names: str, flops: CostFn, strategies: StrategyFn | None = None,
-              nbytes: CostFn | None = None) -> None:
+              nbytes: CostFn | None = None, regroup: bool = True) -> None:
     for name in names.split():
-        register_framework_op(FrameworkOpRule(f"jax:{name}", flops, strategies, nbytes))
+        register_framework_op(FrameworkOpRule(f"jax:{name}", flops, strategies, nbytes,
+                                              regroup))
 
 
 # ---------------------------------------------------------------- costs
@@ -365,7 +366,9 @@ _register("cumlogsumexp", _per_result_element(3), _along_axis(_axis("axis")))
 _register("sort", _sort_flops, _along_axis(_axis("dimension")))
 _register("top_k", _top_k_flops, _along_axis(_last_or_axis))
 _register("split", _none, _along_axis(_axis("axis")))
-_register("reshape", _none, _reshape)    # with dimensions (a grouped conv's gradient)
+# a reshape with dimensions (a grouped conv's gradient) and a grouped convolution tie
+# contiguous runs of channels together: no grouped splits
+_register("reshape", _none, _reshape, regroup=False)
 _register("rev", _none, _rev)
 _register("pad", _none, _pad)
 _register("dynamic_slice", _none, _dynamic_slice, _dynamic_slice_bytes)
@@ -373,7 +376,7 @@ _register("dynamic_update_slice", _none, _dynamic_update_slice, _dynamic_update_
 _register("reduce_window_sum", _window_flops, _window("sum"))
 _register("reduce_window_max", _window_flops, _window("max"))
 _register("reduce_window_min", _window_flops, _window("min"))
-_register("conv_general_dilated", _conv_flops, _conv)
+_register("conv_general_dilated", _conv_flops, _conv, regroup=False)
 _register("dot_general", _dot_flops, _dot_general)
 _register("gather", _none, _gather, _gather_bytes)
 _register("scatter-add scatter-sub", _scatter_flops, _scatter(linear=True), _scatter_bytes)

@@ -96,6 +96,12 @@ def _cut(x: Any, axis: str, n: int, p: Placement) -> Any:
     if isinstance(p, Replicate) or isinstance(p, Varying):
         return x
     idx = lax.axis_index(axis)
+    if isinstance(p, Shard) and p.groups > 1:
+        shape = np.shape(x)
+        view = jnp.reshape(x, shape[:p.dim] + (p.groups, shape[p.dim] // p.groups)
+                           + shape[p.dim + 1:])
+        piece = _cut(view, axis, n, Shard(p.dim + 1))
+        return jnp.reshape(piece, shape[:p.dim] + (shape[p.dim] // n,) + shape[p.dim + 1:])
     if isinstance(p, Shard):
         chunk = np.shape(x)[p.dim] // n
         return lax.dynamic_slice_in_dim(x, idx * chunk, chunk, axis=p.dim)
@@ -238,6 +244,12 @@ def _spec(t: TensorType, mesh_axes: Sequence[str], what: str) -> PartitionSpec:
         p = t.placement(axis)
         if isinstance(p, Replicate):
             continue
+        if isinstance(p, Shard) and p.groups > 1:
+            raise BackendError(f"{what} is placed {p} on axis {axis!r}: a split in groups "
+                               "(each device's piece of every group) has no PartitionSpec",
+                               hint="the JAX backend runs tensor parallelism on plain splits; "
+                                    "split fused projections into one per group, or use the "
+                                    "PyTorch backend")
         if isinstance(p, Shard):
             dims[p.dim].append(axis)
         elif isinstance(p, Varying) and t.rank >= 1:

@@ -30,8 +30,10 @@ FUSABLE = frozenset(n for n, d in OPS.items() if "async" in d.attrs)
 
 def _key(op: Op, types) -> tuple:
     t = types[op.inputs[0]]
+    # the phase too: a bucket never mixes forward and backward (shard-params gathers the
+    # same parameters in both, and a bucket of both would hold them whole in between)
     return (op.name, op.attrs.get("axis"), op.attrs.get("op"), op.attrs.get("dim"),
-            t.dtype, bool(op.attrs.get("async", False)))
+            t.dtype, bool(op.attrs.get("async", False)), op.phase)
 
 
 def _bytes(op: Op, types) -> int:

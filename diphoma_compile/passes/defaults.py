@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 # compression presets: the passes each adds after weight-update sharding (opt-in: on a fast
 # link quantizing can cost more time than the bytes it saves)
 COMPRESSION = {
@@ -13,9 +12,10 @@ COMPRESSION = {
 
 
 def default_passes(axis: str, grad_bytes: int | None = None, *, layout: str = "flat",
-                   compression: str | None = None) -> str:
+                   shard_params: bool = False, compression: str | None = None) -> str:
     """Data parallelism plus weight-update sharding over ``axis`` (``layout`` is what the
-    backend runs: flat shards, or whole dimensions where shardings need even splits), then
+    backend runs: flat shards, or whole dimensions where shardings need even splits), with
+    ``shard_params`` the parameters held as shards too (ZeRO-3 / FSDP class), then
     communication fusion and scheduling. Given the gradient bytes, buckets are a quarter of
     them (so the first can overlap the rest of backward), between 1 and 25 MB.
     ``compression`` names a preset of ``COMPRESSION`` (SDP4Bit's quantized gradients and
@@ -24,6 +24,8 @@ def default_passes(axis: str, grad_bytes: int | None = None, *, layout: str = "f
             f"weight-update-sharding{{axis={axis}, layout={layout}}},dce")
     if compression is not None:
         spec += "," + COMPRESSION[compression].format(axis=axis) + ",dce"
+    if shard_params:
+        spec += f",shard-params{{axis={axis}}},dce"
     if grad_bytes is None:
         return spec
     return spec + f",comm-fusion{{bucket-mb={bucket_mb(grad_bytes):g}}},schedule-comm"

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..ir.core import Graph, InputKind, Op, Phase
 from ..ir.opdef import is_view
-from ..ir.strategies import Strategy, candidates
+from ..ir.strategies import GROUPS, Strategy, candidates, group_counts, strategies_of
 from ..ir.types import REPLICATE, Partial, Placement, Shard, TensorType
 
 
@@ -67,13 +68,26 @@ def _static_values(graph: Graph) -> set[str]:
     return static
 
 
+def _group_counts(graph: Graph, types: dict[str, TensorType]) -> set[int]:
+    """The numbers of groups the step's ops split into by their own menus (a fused
+    projection's result cut into query, key and value: 3): the grouped splits to try."""
+    found: set[int] = set()
+    for op in graph.ops:
+        ins, outs = [types[x] for x in op.inputs], [v.type for v in op.results]
+        for s in strategies_of(op, ins, outs):
+            if s.name == GROUPS:
+                found |= group_counts(s.inputs + s.outputs)
+    return found
+
+
 def _through_chain(chain: Sequence[Op], q: Placement, types: dict[str, TensorType],
-                   n: int) -> Placement | None:
+                   n: int, groups: set[int]) -> Placement | None:
     """The parameter's placement that gives placement ``q`` at the end of a view chain
     (splits the axis size ``n`` divides only)."""
     for op in reversed(chain):
         ins, outs = [types[x] for x in op.inputs], [v.type for v in op.results]
-        back = [s.inputs[0] for s in candidates(op, ins, outs, n) if s.outputs[0] == q]
+        back = [s.inputs[0] for s in candidates(op, ins, outs, n, groups=groups)
+                if s.outputs[0] == q]
         if not back:
             return None
         q = back[0]
@@ -88,15 +102,25 @@ def undivided(graph: Graph, n: int, here: dict[str, Placement]
     (heads that do not divide, say)."""
     if n <= 1:
         return []
-    _, anywhere = find_pairs(graph, 1)
+    anywhere = find_pairs(graph, 1).seeds
     shapes = {i.name: i.value.type.shape for i in graph.inputs}
     return [(p, shapes[p], q.dim) for p, q in anywhere.items()
             if p not in here and isinstance(q, Shard) and shapes[p][q.dim] % n]
 
 
-def find_pairs(graph: Graph, n: int) -> tuple[list[LayerPair], dict[str, Placement]]:
-    """The Megatron pairs of a traced step for an axis of ``n`` devices, and the placement
-    of each of their weights (what a tensor-parallel pass fixes)."""
+class Pairs(NamedTuple):
+    """What ``find_pairs`` found."""
+
+    pairs: list[LayerPair]
+    seeds: dict[str, Placement]      # the placement of each of their weights
+    groups: set[int]                 # the numbers of groups of the grouped splits on the way
+
+
+def find_pairs(graph: Graph, n: int) -> Pairs:
+    """The Megatron pairs of a traced step for an axis of ``n`` devices, the placement of
+    each of their weights (what a tensor-parallel pass fixes), and the grouped splits their
+    activations take on the way (for propagation to offer: GPT-2's fused projection splits
+    in 3 groups, and heads merged with the batch, [B, H] -> [B*H], split in B groups)."""
     types = graph.value_types()
     weights = _weights(graph)
     # operands that may take any split (each device slices its own): parameters, values
@@ -104,10 +128,13 @@ def find_pairs(graph: Graph, n: int) -> tuple[list[LayerPair], dict[str, Placeme
     free = {w.param for ws in weights.values() for w in ws}
     free |= {op.results[0].name for ws in weights.values() for w in ws for op in w.chain}
     free |= _static_values(graph)
+    groups = _group_counts(graph, types)
 
-    def menu(k: int) -> list[Strategy]:
+    def menu(k: int, given: Sequence[Placement] = ()) -> list[Strategy]:
+        # the grouped splits of the step's own group counts, and of those its inputs have
         op = graph.ops[k]
-        return candidates(op, [types[x] for x in op.inputs], [v.type for v in op.results], n)
+        return candidates(op, [types[x] for x in op.inputs], [v.type for v in op.results], n,
+                          groups=groups | group_counts(given))
 
     def whole_or_param(op: Op, s: Strategy, skip: set[int]) -> bool:
         return all(i in skip or s.inputs[i] == REPLICATE or op.inputs[i] in free
@@ -146,7 +173,7 @@ def find_pairs(graph: Graph, n: int) -> tuple[list[LayerPair], dict[str, Placeme
                     tracked[op.results[0].name] = (s.outputs[0], frozenset({k}))
                 continue
             srcs = frozenset().union(*(tracked[op.inputs[i]][1] for i in hit))
-            match = [s for s in menu(k)
+            match = [s for s in menu(k, [tracked[op.inputs[i]][0] for i in hit])
                      if all(s.inputs[i] == tracked[op.inputs[i]][0] for i in hit)
                      and whole_or_param(op, s, set(hit))]
             row = [s for s in match if k in weights and s.outputs == (Partial("sum"),)
@@ -167,7 +194,7 @@ def find_pairs(graph: Graph, n: int) -> tuple[list[LayerPair], dict[str, Placeme
             if choice[k] >= len(options[k]):
                 del choice[k]
     choice = used
-    pairs, seeds = [], {}
+    pairs, seeds, taken = [], {}, set()
     for k, (s, srcs) in sorted(rows.items()):
         if srcs & failed:
             continue      # the search did not settle for these columns: leave them whole
@@ -175,13 +202,17 @@ def find_pairs(graph: Graph, n: int) -> tuple[list[LayerPair], dict[str, Placeme
         if not cols:
             continue
         w_row = next(w for w in weights[k] if isinstance(s.inputs[w.position], Shard))
-        fixed = {w_row.param: _through_chain(w_row.chain, s.inputs[w_row.position], types, n)}
+        fixed = {w_row.param: _through_chain(w_row.chain, s.inputs[w_row.position], types, n,
+                                             groups)}
         for c in cols:
             cs, cw = options[c][choice[c]]
-            fixed[cw.param] = _through_chain(cw.chain, cs.inputs[cw.position], types, n)
+            fixed[cw.param] = _through_chain(cw.chain, cs.inputs[cw.position], types, n,
+                                             groups)
         if None in fixed.values() or any(seeds.get(p, q) != q for p, q in fixed.items()):
             continue        # a weight seen through views no split passes, or split two ways
         seeds.update(fixed)
         pairs.append(LayerPair(tuple(options[c][choice[c]][1].param for c in cols),
                                w_row.param))
-    return pairs, seeds
+        taken.update(cols)
+    seen = group_counts(p for p, srcs in tracked.values() if srcs & taken)
+    return Pairs(pairs, seeds, seen | group_counts(seeds.values()))

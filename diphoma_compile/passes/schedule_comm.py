@@ -45,12 +45,23 @@ class ScheduleComm(Pass):
         ops = list(graph.ops)
         if not any(op.name in ASYNC and not op.attrs.get("async") for op in ops):
             return graph
-        # 1. issue early: each collective right after the producer of its last input
+        # 1. issue early: each collective right after the producer of its last input; a
+        # gather of pieces the step receives (parameters held sharded) only one ahead: after
+        # the first reader of the gather before it, so that whole parameters are not all
+        # alive at once (FSDP's prefetch)
         made: dict[str, int] = {}
         order: list[Op] = []
+        received = {i.name for i in graph.inputs}
+        before: tuple[str, ...] = ()     # results of the last gather of received pieces
         for op in ops:
             if op.name in ASYNC and not op.attrs.get("async"):
                 at = max((made[n] for n in op.inputs if n in made), default=-1)
+                prefetch = op.name == "all_gather" and all(n in received for n in op.inputs)
+                if prefetch and before:
+                    readers = [k for k, o in enumerate(order) if set(before) & set(o.inputs)]
+                    at = max(at, readers[0] if readers else len(order) - 1)
+                if prefetch:
+                    before = tuple(v.name for v in op.results)
                 order.insert(at + 1, op)
                 made = {v.name: k for k, o in enumerate(order) for v in o.results}
             else:

@@ -65,7 +65,7 @@ class TensorParallel(Pass):
 
     def __call__(self, graph: Graph, ctx: PassContext) -> Graph:
         n = require_axis(graph, self.axis, self.name)
-        pairs, seeds = find_pairs(graph, n)
+        pairs, seeds, groups = find_pairs(graph, n)
         whole = tuple(undivided(graph, n, seeds))
         if not pairs:
             sizes = "; ".join(f"{p} {list(shape)}: dim {d} ({shape[d]}) does not divide "
@@ -89,13 +89,14 @@ class TensorParallel(Pass):
             return (collective == "all_gather" and value in weights) or (
                 self.sequence and collective == "all_reduce" and activation(value))
         try:
-            a = complete(graph, self.axis, seeds, model, free=params, avoid=avoid)
+            a = complete(graph, self.axis, seeds, model, free=params, avoid=avoid,
+                         groups=groups)
         except IRError:
             # a split weight is also needed whole somewhere (a framework op that runs whole
             # only): gather it there rather than fail
             a = complete(graph, self.axis, seeds, model, free=params,
                          avoid=lambda c, v: self.sequence and c == "all_reduce"
-                         and activation(v))
+                         and activation(v), groups=groups)
         seconds = time.perf_counter() - t0
         out = apply_assignment(graph, a)
         splits = tuple(sorted((i.name, str(a.placements[i.name])) for i in graph.inputs

@@ -12,6 +12,10 @@ run on pieces is first expanded into simpler ops when the table knows how (a nor
 sum of squares, whose partial sums take one scalar all-reduce); otherwise its inputs are
 gathered and it runs replicated, and the plan says which op and why.
 
+``gather=next-forward`` keeps the new pieces as the parameters between steps and gathers
+each where the next step first reads it (``shard_params.ShardParams`` with
+``backward=keep``), so the gather overlaps the next forward instead of ending this step.
+
 ``layout=flat`` shards every tensor as its flattened, zero-padded form (the torch backend);
 ``layout=dims`` splits the first dimension that divides the axis and leaves tensors with
 none replicated (for backends whose shardings need even splits, such as JAX's)."""
@@ -32,6 +36,7 @@ from .base import Pass, PassContext, PassFailure, register_pass
 from .data_parallel import require_axis
 
 _LAYOUTS = ("flat", "dims")
+_GATHERS = ("end", "next-forward")
 
 
 def shard_placement(t: TensorType, n: int, layout: str) -> tuple[Placement, str]:
@@ -103,12 +108,18 @@ class WeightUpdateSharding(Pass):
     name = "weight-update-sharding"
     axis: str = "dp"
     layout: str = "flat"
+    gather: str = "end"      # or "next-forward": parameters stay pieces between steps
 
     def __call__(self, graph: Graph, ctx: PassContext) -> Graph:
         n = require_axis(graph, self.axis, self.name)
         if self.layout not in _LAYOUTS:
             raise PassFailure(f"{self.name}: layout={self.layout!r} is not one of "
                               f"{', '.join(_LAYOUTS)}")
+        if self.gather not in _GATHERS:
+            raise PassFailure(f"{self.name}: gather={self.gather!r} is not one of "
+                              f"{', '.join(_GATHERS)}",
+                              hint="end: all-gather new parameters after the update; "
+                                   "next-forward: at their first use in the next step")
         if not any(_is_grad_sync(op, self.axis) for op in graph.ops):
             raise PassFailure(f"{self.name}: the graph has no gradient all-reduce on axis "
                               f"{self.axis!r} to turn into a reduce-scatter",
@@ -124,6 +135,10 @@ class WeightUpdateSharding(Pass):
         else:  # pragma: no cover - each round only adds names
             raise PassFailure(f"{self.name}: state placements did not settle")
         ctx.decisions[self.name] = plan.record(self.axis, self.layout)
+        if self.gather == "next-forward":
+            # the new pieces are what the step returns; the next forward gathers them
+            from .shard_params import ShardParams
+            out = ShardParams(self.axis, backward="keep")(out, ctx)
         return out
 
 

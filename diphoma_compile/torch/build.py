@@ -30,6 +30,7 @@ from ..ir.core import Graph, InputKind, Op, OutputKind
 from ..ir.ops import Category, op_def
 from ..ir.types import DType, FlatShard, Shard, TensorType, Varying
 from . import collectives, quant
+from .op_rules import with_local_arguments
 from .ops import (DTYPE_TO_TORCH, NEUTRAL, SCALAR_DTYPE, SCALAR_MATH, decode_arg, emit_target,
                   emit_target_for, resolve_target, takes_number)
 
@@ -354,6 +355,15 @@ def _emit_opaque(b: _Builder, op: Op) -> fx.Node:
     ins = [b.node(i) for i in op.inputs]
     args = decode_arg(op.attrs.get("args", ()), ins)
     kwargs = {k[3:]: decode_arg(v, ins) for k, v in op.attrs.items() if k.startswith("kw_")}
+    types = [b.g_types[i] for i in op.inputs] + [v.type for v in op.results]
+    if any(t.placements for t in types):
+        # a device runs the call on its pieces: arguments that name a whole shape (a
+        # split's piece size, a slice's backward input_sizes) take the local one
+        def local(t: TensorType) -> TensorType:
+            return TensorType(tuple(b.local(t)), t.dtype)
+        args, kwargs = with_local_arguments(
+            op, args, kwargs, [local(b.g_types[i]) for i in op.inputs],
+            [local(v.type) for v in op.results])
     return b.call(target, args, kwargs)
 
 

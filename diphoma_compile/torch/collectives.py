@@ -165,6 +165,13 @@ def _gather_launch(comm: Comm, out: torch.Tensor, src: torch.Tensor) -> Any:
     return launch
 
 
+def all_gather_groups(comm: Comm, x: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
+    """The whole tensor from every rank's chunk of each of the ``groups`` groups along
+    ``dim`` (the inverse of ``take_shard(..., groups=groups)``)."""
+    whole = all_gather(comm, _grouped(x, dim, groups), dim + 1, [])
+    return whole.flatten(dim, dim + 1)
+
+
 def all_gather(comm: Comm, x: torch.Tensor, dim: Any, shape: list[int],
                async_op: bool = False) -> Any:
     """The whole tensor of global ``shape`` from every rank's chunk (padding dropped)."""
@@ -193,9 +200,18 @@ def as_partial(comm: Comm, x: torch.Tensor) -> torch.Tensor:
     return x if comm.rank == 0 else torch.zeros_like(x)
 
 
-def take_shard(comm: Comm, x: torch.Tensor, dim: Any, local_shape: list[int]) -> torch.Tensor:
-    """This rank's chunk of a replicated tensor, without communication."""
+def _grouped(x: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
+    """``x`` with dimension ``dim`` viewed as two, [groups, size/groups]."""
+    return x.unflatten(dim, (groups, x.shape[dim] // groups))
+
+
+def take_shard(comm: Comm, x: torch.Tensor, dim: Any, local_shape: list[int],
+               groups: int = 1) -> torch.Tensor:
+    """This rank's chunk of a replicated tensor, without communication (with ``groups``:
+    its chunk of each of the groups dimension ``dim`` is made of, in group order)."""
     n, r = comm.size, comm.rank
+    if groups > 1:
+        return take_shard(comm, _grouped(x, dim, groups), dim + 1, []).flatten(dim, dim + 1)
     comm._count("take_shard", 0)
     if dim == "flat":
         flat, k = _padded_flat(x, n)

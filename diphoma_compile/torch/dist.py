@@ -268,7 +268,7 @@ class TorchDistStep(TorchStep):
         t = t.detach()
         for a, p in typ.placements:
             if isinstance(p, Shard) and a in self._sides:
-                t = collectives.take_shard(self._sides[a], t, p.dim, [])
+                t = collectives.take_shard(self._sides[a], t, p.dim, [], p.groups)
         flat = _flat_axis(typ, self._sides)
         if flat is not None:
             t = collectives.take_shard(self._sides[flat], t, "flat",
@@ -286,7 +286,10 @@ class TorchDistStep(TorchStep):
             out, moved = collectives.all_gather(self._sides[flat], out, "flat",
                                                 list(split_only)), True
         for a, p in reversed(typ.placements):
-            if isinstance(p, Shard) and a in self._sides:
+            if isinstance(p, Shard) and a in self._sides and p.groups > 1:
+                out, moved = collectives.all_gather_groups(self._sides[a], out, p.dim,
+                                                           p.groups), True
+            elif isinstance(p, Shard) and a in self._sides:
                 out, moved = collectives.all_gather(self._sides[a], out, p.dim, []), True
         return out if moved else out.clone()
 
@@ -324,31 +327,36 @@ class TorchDistStep(TorchStep):
                     tensors.append(t)
         whole = {id(p): tuple(p.shape) == self._param_type[pi].shape
                  for pi, p in enumerate(self.captured.params) if pi in self._param_type}
+        held = {id(p): _held(self._param_type[pi])
+                for pi, p in enumerate(self.captured.params) if pi in self._param_type}
         with torch.no_grad():
             for a, comm in self.comms.items():
                 if comm.size == 1:
                     continue
                 for t in tensors:
                     # a parameter already held as its shard (a step built before) keeps it
-                    if a != self.axis and not whole.get(id(t), True):
+                    # on the axes it is split over
+                    if not whole.get(id(t), True) and a in held.get(id(t), {}):
                         continue
                     dist.broadcast(t.data, src=comm.global_rank(0), group=comm.group)
 
     def _shard_params(self) -> None:
-        """Make each parameter placed ``S(d)`` on a tensor-parallel axis the rank's chunk of
-        itself, as FSDP2 does: between steps the module's parameters ARE this rank's shards
-        (its own forward outside the step is then not meaningful); ``state_dict()`` gathers
-        them."""
+        """Make each parameter placed ``S(d)`` on a tensor-parallel axis, or ``F`` on the data
+        axis (``shard-params``), the rank's piece of itself, as FSDP2 does: between steps
+        the module's parameters ARE this rank's shards (a flat one is 1-D: its chunk of the
+        flattened, zero-padded parameter; the module's own forward outside the step is then
+        not meaningful); ``state_dict()`` gathers them."""
         sizes = dict(self.mesh.axes)
         for pi, p in enumerate(self.captured.params):
             typ = self._param_type.get(pi)
             if typ is None or not _held(typ):
                 continue
-            bad = [f"{a}: {q}" for a, q in _held(typ).items() if not isinstance(q, Shard)]
+            bad = [f"{a}: {q}" for a, q in _held(typ).items()
+                   if not isinstance(q, (Shard, FlatShard))]
             if bad:
                 raise BackendError(f"the parameter {self._param_names[pi]} is read placed "
                                    f"{', '.join(bad)}; the torch runtime holds parameters "
-                                   "whole or split along a dimension (S(d)) only",
+                                   "whole, split along a dimension (S(d)) or flat (F)",
                                    hint="shard optimizer state over the data axis, not the "
                                         "parameters themselves")
             local = typ.local_shape(sizes)
@@ -367,12 +375,17 @@ class TorchDistStep(TorchStep):
         every rank's tensor-parallel shard, buffers as held) on every rank: a collective,
         every rank must call it. For checkpoints and comparisons."""
         cap = self.captured
-        gathered: dict[str, torch.Tensor] = {}
+        whole: dict[int, torch.Tensor] = {}      # id of a held parameter -> gathered
         slots = [s for s in cap.inputs if s.kind == "param"]
         for pi, slot in enumerate(slots):
             typ = self._param_type[pi]
             if slot.owner == module and _held(typ):
-                gathered[slot.key[0]] = self._whole_of(cap.params[pi], typ)
+                whole[id(cap.params[pi])] = self._whole_of(cap.params[pi], typ)
+        # by tensor, not name: a tied parameter (an embedding shared with the LM head)
+        # appears under every name it has
+        gathered = {k: whole[id(p)] for k, p in
+                    cap.modules[module].named_parameters(remove_duplicate=False)
+                    if id(p) in whole}
         return {k: gathered[k] if k in gathered else v.detach().clone()
                 for k, v in cap.modules[module].state_dict().items()}
 

@@ -56,8 +56,10 @@ from typing import Any
 from dataclasses import dataclass
 
 from ..ir.core import Op
+from ..ir.strategies import GROUPS
 from ..ir.types import Partial, Placement, Shard, TensorType
-from .rule_call import (_Call, _P, _R, _T, _along, _dim, _nbytes, _numel, _register)
+from .rule_call import (_Call, _P, _R, _T, _along, _arguments, _dim, _nbytes, _numel,
+                        _register)
 
 
 # ------------------------------------------------------------------ costs, by kind
@@ -165,8 +167,16 @@ def _listed(c: _Call, name: str, shift_from: int | None) -> list:
 
 
 def _cat(c: _Call) -> list:
-    """Dims other than the concatenated one split."""
-    return _listed(c, "tensors", None)
+    """Dims other than the concatenated one split; k operands of one shape split along
+    the concatenated dim make a split of k groups (a fused projection's gradient, its
+    query, key and value parts concatenated)."""
+    menu = _listed(c, "tensors", None)
+    tensors = [c.ins[t.index] for t in c["tensors"] if isinstance(t, _T)]
+    if len(tensors) > 1 and len(tensors) == len(c["tensors"]) \
+            and len({t.shape for t in tensors}) == 1:
+        dim = _dim(c["dim"], c.outs[0].rank)
+        menu.append(c.strategy({"tensors": Shard(dim)}, Shard(dim, len(tensors)), GROUPS))
+    return menu
 
 
 def _stack(c: _Call) -> list:
@@ -180,7 +190,13 @@ def _pieces(c: _Call) -> list:
     x = c.t("self")
     dim = _dim(c["dim"], x.rank)
     drop = "split_size" not in c.args       # unbind drops the dim
-    return _keeps(c, lambda d: None if d == dim else d - (drop and d > dim))
+    menu = _keeps(c, lambda d: None if d == dim else d - (drop and d > dim))
+    if not drop and len(c.outs) > 1 and len({t.shape for t in c.outs}) == 1 \
+            and len(c.outs) * c.outs[0].shape[dim] == x.shape[dim]:
+        # k equal pieces of a split of k groups: each piece split plainly (the local call
+        # cuts pieces of size/n: ``local_arguments``)
+        menu.append(c.strategy({"self": Shard(dim, len(c.outs))}, Shard(dim), GROUPS))
+    return menu
 
 
 def _pad(c: _Call) -> list:
@@ -654,12 +670,17 @@ def _local_num_weights(c: _Call) -> dict[str, Any]:
     return {"num_weights": c.outs[0].shape[0]}
 
 
+def _local_split(c: _Call) -> dict[str, Any]:
+    return {"split_size": c.outs[0].shape[_dim(c["dim"], c.outs[0].rank)]}
+
+
 _LOCAL: dict[str, Callable[[_Call], dict[str, Any]]] = {
     "aten.slice_backward.default": _local_sizes,
     "aten.select_backward.default": _local_sizes,
     "aten.native_group_norm.default": _local_group_norm,
     "aten.native_group_norm_backward.default": _local_group_norm,
     "aten.embedding_dense_backward.default": _local_num_weights,
+    "aten.split.Tensor": _local_split,
 }
 
 
@@ -670,6 +691,24 @@ def local_arguments(op: Op, ins: Sequence[TensorType],
     that name a whole shape. Empty for most ops."""
     fn = _LOCAL.get(str(op.attrs.get("target", "")))
     return {} if fn is None else fn(_Call(op, ins, outs))
+
+
+def with_local_arguments(op: Op, args: Sequence[Any], kwargs: dict[str, Any],
+                         ins: Sequence[TensorType], outs: Sequence[TensorType]
+                         ) -> tuple[list[Any], dict[str, Any]]:
+    """The call's positional and keyword arguments with ``local_arguments`` put in place
+    (``ins``/``outs``: the local types)."""
+    args, kwargs = list(args), dict(kwargs)
+    replace = local_arguments(op, ins, outs)
+    if replace:
+        names = [name for name, _, _ in _arguments(str(op.attrs["target"]))]
+        for name, value in replace.items():
+            i = names.index(name)
+            if i < len(args):
+                args[i] = value
+            else:
+                kwargs[name] = value
+    return args, kwargs
 
 
 # ------------------------------------------------------------------ the rules
@@ -745,8 +784,10 @@ _register("_foreach_norm.Scalar", lambda c: 2 * sum(t.numel for t in c.ins))
 
 # matmul, convolution, embedding
 _register("addmm.default", _addmm_flops, _addmm)
-_register("convolution.default", _conv_flops, _convolution)
-_register("convolution_backward.default", _conv_backward_flops, _convolution_backward)
+# a grouped convolution and group norm tie contiguous runs of channels together
+_register("convolution.default", _conv_flops, _convolution, regroup=False)
+_register("convolution_backward.default", _conv_backward_flops, _convolution_backward,
+          regroup=False)
 _register("embedding.default", _zero, _embedding, _embedding_bytes)
 _register("embedding_dense_backward.default", lambda c: c.t("grad_output").numel,
           _embedding_backward)
@@ -757,8 +798,9 @@ _register("native_layer_norm_backward.default", _norm_backward_flops, _layer_nor
 _register("_native_batch_norm_legit_functional.default "
           "_native_batch_norm_legit_no_training.default", _norm_flops, _batch_norm)
 _register("native_batch_norm_backward.default", _norm_backward_flops, _batch_norm_backward)
-_register("native_group_norm.default", _norm_flops, _group_norm)
-_register("native_group_norm_backward.default", _norm_backward_flops, _group_norm_backward)
+_register("native_group_norm.default", _norm_flops, _group_norm, regroup=False)
+_register("native_group_norm_backward.default", _norm_backward_flops, _group_norm_backward,
+          regroup=False)
 _register("max_pool2d_with_indices.default", _max_pool_flops, _max_pool)
 _register("max_pool2d_with_indices_backward.default", lambda c: c.t("grad_output").numel,
           _max_pool_backward,

@@ -845,6 +845,138 @@ def run_sdp4bit_preset(rank: int, world: int) -> dict:
                      "plan": step.plan.comm_bytes_per_step, "calls": step.runner.calls,
                      "param_sum": float(sum(p.detach().double().sum()
                                             for p in model.parameters()))}
+
+
+NEXT_FORWARD = ("dce,data-parallel{axis=dp},weight-update-sharding{axis=dp, "
+                "gather=next-forward},dce,comm-fusion{bucket-mb=1},schedule-comm")
+
+
+@check("shard_params")
+def run_shard_params(rank: int, world: int) -> dict:
+    """parallelize(..., shard_params=True) on the GPT example (tied embeddings) with AdamW and
+    gradient clipping, and on the MLP with SGD+momentum, against the same step with the
+    parameters held whole (the default plan) on these ranks, and the single-device step:
+    losses, gathered parameters and state, what each rank holds between steps."""
+    import diphoma_compile
+    out: dict = {}
+    for name, opt_name, clipped in (("gpt", "adamw", True), ("mlp", "sgdm", False)):
+        make, steps, batches = MODELS[name]
+        step_fn = steps[clipped]
+        runs = {}
+        for shard in (False, True, "next-forward"):
+            torch.manual_seed(0)
+            model = make()
+            opt = OPTS[opt_name](model.parameters())
+            step = diphoma_compile.parallelize(
+                step_fn, diphoma_compile.Mesh({"dp": world}), shard_params=shard is True,
+                passes=NEXT_FORWARD if shard == "next-forward" else None)
+            losses = [step(model, opt, *local(b, rank, world)).item()
+                      for b in batches(world)]
+            runs[shard] = {
+                "losses": losses, "full": step.state_dict(),
+                "state": step.runner.gather_optimizer_state(),
+                "held": sum(p.numel() * p.element_size() for p in model.parameters()),
+                "shapes": [tuple(p.shape) for p in model.parameters()],
+                "notes": step.plan.notes.get("shard-params"),
+                "memory": step.memory_report().to_dict(),
+                "counted": step.runner.comm_bytes, "plan": step.plan.comm_bytes_per_step,
+                "calls": step.runner.calls, "peak": step.plan.to_dict()["memory"]["peak"]}
+        whole, held = runs[False], runs[True]
+        res = {"losses": held["losses"], "whole_losses": whole["losses"],
+               "same_params": all(torch.equal(held["full"][k], v)
+                                  for k, v in whole["full"].items()),
+               "same_state": all(torch.equal(held["state"][p][k], v)
+                                 for p, d in whole["state"].items() for k, v in d.items()),
+               "held": held["held"], "whole_held": whole["held"], "shapes": held["shapes"],
+               "notes": held["notes"], "memory": held["memory"],
+               "counted": held["counted"], "plan": held["plan"], "calls": held["calls"],
+               "full": torch.cat([v.reshape(-1).float() for v in held["full"].values()])}
+        nxt = runs["next-forward"]
+        res["next"] = {"losses": nxt["losses"], "held": nxt["held"], "notes": nxt["notes"],
+                       "same_params": all(torch.equal(nxt["full"][k], v)
+                                          for k, v in whole["full"].items())}
+        if rank == 0:
+            torch.manual_seed(0)
+            ref = make()
+            ref_opt = OPTS[opt_name](ref.parameters())
+            res["ref_losses"] = [step_fn(ref, ref_opt, *b).item() for b in batches(world)]
+            ref_sd = ref.state_dict()
+            res["param_abs"] = max(max_abs(held["full"][k], v) for k, v in ref_sd.items())
+            res["param_scale"] = max(v.abs().max().item() for v in ref_sd.values())
+        out[name] = res
+    return out
+
+
+def _gpt2():
+    import transformers
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+GPT2_BATCH = 4           # sequences of the global batch
+
+
+def _gpt2_batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(9)
+    return [torch.randint(0, 64, (GPT2_BATCH, 16), generator=g) for _ in range(TP_STEPS)]
+
+
+def _gpt2_reference(opt_name: str):
+    """The single-device model after TP_STEPS steps on the global batches, and its losses."""
+    ref = _gpt2()
+    opt = OPTS[opt_name](ref.parameters())
+    return ref, [hf_lm_step(ref, opt, b).item() for b in _gpt2_batches()]
+
+
+@check("tp_gpt2")
+def run_tensor_parallel_gpt2(rank: int, world: int) -> dict:
+    """Hugging Face GPT-2 as people bring it (fused query/key/value projection, tied
+    embeddings) under parallelize over dp=1 x tp=4 and dp=2 x tp=2, SGD+momentum and AdamW,
+    TP_STEPS steps; rank 0 compares with the single-device step, and with how far DDP over
+    the 4 ranks lands from it (the issue's yardstick for AdamW)."""
+    import diphoma_compile
+    try:
+        import transformers  # noqa: F401
+    except ImportError:          # the dev extra is not installed: nothing to check
+        return {}
+    from torch.nn.parallel import DistributedDataParallel
+    out: dict = {}
+    for opt_name in ("sgdm", "adamw"):
+        ref, ref_losses = _gpt2_reference(opt_name) if rank == 0 else (None, None)
+        ref_sd = ref.state_dict() if rank == 0 else None
+        # DDP on the same global batches, one sequence per rank
+        ddp_model = _gpt2()
+        ddp = DistributedDataParallel(ddp_model)
+        ddp_opt = OPTS[opt_name](ddp.parameters())
+        per = GPT2_BATCH // world
+        for b in _gpt2_batches():
+            hf_lm_step(ddp, ddp_opt, b[rank * per:(rank + 1) * per])
+        if rank == 0:
+            out[f"ddp-{opt_name}"] = max(max_abs(ddp_model.state_dict()[k], v)
+                                         for k, v in ref_sd.items())
+        for m, axes in TP_MESHES.items():
+            model = _gpt2()
+            opt = OPTS[opt_name](model.parameters())
+            dp, tp = axes["dp"], axes["tp"]
+            row, local = rank // tp, GPT2_BATCH // dp
+            step = diphoma_compile.parallelize(hf_lm_step, diphoma_compile.Mesh(axes))
+            losses = [step(model, opt, b[row * local:(row + 1) * local]).item()
+                      for b in _gpt2_batches()]
+            full = step.state_dict()
+            res = {"losses": losses,
+                   "pairs": len(step.plan.notes["tensor-parallel"]["pairs"]),
+                   "held": sum(p.numel() * p.element_size() for p in model.parameters()),
+                   "c_attn": tuple(model.transformer.h[0].attn.c_attn.weight.shape),
+                   "kinds": {a: dict(c.calls) for a, c in step.runner.comms.items()},
+                   "calls": step.runner.calls}
+            if rank == 0:
+                res["ref_losses"] = ref_losses
+                res["whole"] = sum(p.numel() * p.element_size() for p in ref.parameters())
+                res["param_abs"] = {k: max_abs(full[k], v) for k, v in ref_sd.items()}
+                res["param_scale"] = max(v.abs().max().item() for v in ref_sd.values())
+            out[f"{m}-{opt_name}"] = res
     return out
 
 

@@ -287,17 +287,21 @@ def test_a_mesh_axis_no_pass_uses_is_reported_as_idle(capsys):
 
 
 def test_a_tensor_axis_plans_megatrons_pairs(capsys):
-    """dp=2,tp=2: the MLPs' layer pairs split over tp (the fused query/key/value projection
-    is not a pair the dataflow can split by heads), two all-reduces per pair and step."""
+    """dp=2,tp=2: attention (its fused query/key/value projection split in three groups of
+    columns, S(1,3)) and the MLP split over tp, two all-reduces per pair and step."""
     argv = [GPT, "--init", ONE_LAYER, "--input", "int64[8,16]<64", "--input", "int64[8,16]<64"]
     p = plan_json(capsys, *argv, "--mesh", "dp=2,tp=2")
     tp = p["notes"]["tensor-parallel"]
-    assert tp["pairs"] == [{"column": ["transformer.h.0.mlp.c_fc.weight"],
+    assert tp["pairs"] == [{"column": ["transformer.h.0.attn.c_attn.weight"],
+                            "row": "transformer.h.0.attn.c_proj.weight"},
+                           {"column": ["transformer.h.0.mlp.c_fc.weight"],
                             "row": "transformer.h.0.mlp.c_proj.weight"}]
-    assert [c["kind"] for c in tp["collectives"]] == ["all_reduce"] * 2
+    assert [c["kind"] for c in tp["collectives"]] == ["all_reduce"] * 4
+    placement = {t["name"]: t["placement"] for t in p["tensors"]}
+    assert placement["transformer.h.0.attn.c_attn.weight"] == "tp: S(0,3)"
     assert "idle_axes" not in p["notes"]
     rc, out, _ = inspect(capsys, *argv, "--mesh", "dp=2,tp=2")
-    assert "tensor parallel over tp=2: 1 layer pair(s)" in out
+    assert "tensor parallel over tp=2: 2 layer pair(s)" in out
     assert "cannot run this plan" not in out     # the torch runtime runs tensor parallelism
 
 

@@ -136,6 +136,13 @@ VALID = [
            "%s: f32[] {dp: P(sum)} = reduce_sum(%q) {dims=[0, 1]}",
            "%e: f32[3,5] {dp: Fx} = add(%q, %c)",
            "%d: f32[3,5] {dp: Fx} = div(%b, %e)")),
+    ("grouped-splits",     # a fused projection's [q | k | v] columns, each device its part
+     graph("%w: f32[24,8] {dp: S(0,3)}, %x: f32[8,8]",
+           "%t: f32[8,24] {dp: S(1,3)} = transpose(%w) {perm=[1, 0]}",
+           "%h: f32[8,24] {dp: S(1,3)} = dot(%x, %t) {lhs_contract=[1], rhs_contract=[0]}",
+           "%v: f32[8,3,8] {dp: S(2)} = reshape(%h)",
+           "%s: f32[24] {dp: S(0,3)} = reduce_sum(%h) {dims=[0]}",
+           "%g: f32[8,3,8] = all_gather(%v) {axis=dp, dim=2}")),
     ("two-axis-mesh",
      graph("%x: f32[8,4] {dp: S(0)}, %w: f32[4,6] {tp: S(1)}",
            "%h: f32[8,6] {dp: S(0), tp: S(1)} = dot(%x, %w) {lhs_contract=[1], rhs_contract=[0]}",
@@ -306,6 +313,14 @@ INVALID = [
      "%x: f32[6,8]",
      "%s: f32[6,8] {dp: S(0)} = take_shard(%x) {axis=dp, dim=0}",
      ["result %s: dim 0 of size 6 does not divide among 4 devices of axis 'dp'"]),
+    ("grouped-shard-not-dividing",
+     "%x: f32[12,8]",
+     "%s: f32[12,8] {dp: S(0,2)} = take_shard(%x) {axis=dp, dim=0}",
+     ["dim 0 of size 12 does not divide among 4 devices of axis 'dp' in each of 2 groups"]),
+    ("grouped-is-not-plain",
+     "%x: f32[24,8] {dp: S(0,3)}",
+     "%g: f32[24,8] = all_gather(%x) {axis=dp, dim=0}",
+     ["all_gather{dim=0} takes a S(0) input, found S(0,3)"]),
     ("control-flow-fed-split",
      "%x: f32[8] {dp: S(0)}",
      "%r: f32[8] {dp: S(0)} = call(%x) (\n^f(%a: f32[8] {dp: S(0)}) {\nyield %a\n}\n)",
@@ -417,6 +432,11 @@ def test_tensor_type_canonical_placements_and_errors() -> None:
     assert str(a) == "f32[4] {cp: F, tp: S(0)}"
     assert a.with_placement("tp", REPLICATE).placements == (("cp", FLAT),)
     assert a.replicated() == TensorType((4,), DType.f32)
+    g = TensorType((24, 8), DType.f32, (("tp", Shard(0, 3)),))
+    assert str(g) == "f32[24,8] {tp: S(0,3)}" and Shard(0, 1) == Shard(0)
+    assert g.local_shape({"tp": 4}) == (6, 8)
+    with pytest.raises(IRError, match="groups must be >= 1"):
+        Shard(0, 0)
     with pytest.raises(IRError, match="dimensions are ints >= 0"):
         TensorType((4, -1), DType.f32)
     with pytest.raises(IRError, match="names an axis twice"):

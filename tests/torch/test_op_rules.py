@@ -185,7 +185,9 @@ def _bind(target: str, args: list, kwargs: dict, replace: dict) -> tuple[list, d
 
 def _piece(t: torch.Tensor, p, k: int, parts: list[torch.Tensor] | None) -> torch.Tensor:
     if isinstance(p, Shard):
-        return t.chunk(N, p.dim)[k].contiguous()
+        # a split of k groups: this device's piece of every group, in group order
+        return torch.cat([g.chunk(N, p.dim)[k] for g in t.chunk(p.groups, p.dim)],
+                         p.dim).contiguous()
     if isinstance(p, Partial):
         return parts[k]
     return t
@@ -251,7 +253,8 @@ def run_strategy(target, op, tensors, whole, s, g):
     for j, (w, p) in enumerate(zip(whole, s.outputs)):
         pieces = [d[j] for d in devices]
         if isinstance(p, Shard):
-            got = torch.cat(pieces, p.dim)
+            per_device = [x.chunk(p.groups, p.dim) for x in pieces]
+            got = torch.cat([d[g] for g in range(p.groups) for d in per_device], p.dim)
         elif isinstance(p, Partial):
             got = sum(pieces) / (N if p.op == "avg" else 1)
         else:
@@ -610,6 +613,32 @@ def test_each_strategy_splits_exactly(target, i):
     for s in candidates(op, ins, outs, N, masked=True):
         assert (len(s.inputs), len(s.outputs)) == (len(ins), len(outs)), s
         run_strategy(target, op, tensors, whole, s, g)
+
+
+@pytest.mark.parametrize("target,i", CASES, ids=[f"{t[5:]}-{i}" for t, i in CASES])
+def test_each_grouped_strategy_splits_exactly(target, i):
+    # splits of a dimension of 3 groups (a fused query/key/value projection's columns):
+    # the menu's own (split, cat) and every plain split regrouped, where the rule allows
+    op, tensors, whole = _sample(target, i)
+    ins, outs = [_ttype(t) for t in tensors], [_ttype(w) for w in whole]
+    g = torch.Generator().manual_seed(7)
+    for s in candidates(op, ins, outs, N, groups=(3,)):
+        if any(isinstance(p, Shard) and p.groups > 1 for p in s.inputs + s.outputs):
+            run_strategy(target, op, tensors, whole, s, g)
+
+
+def test_grouped_splits_are_offered_where_exact():
+    for target, groups in (("split.Tensor", 3), ("cat.default", 2), ("addmm.default", 3)):
+        op, tensors, whole = _sample(f"aten.{target}", 0 if target != "cat.default" else 1)
+        ins, outs = [_ttype(t) for t in tensors], [_ttype(w) for w in whole]
+        menu = candidates(op, ins, outs, N, groups=(groups,))
+        assert any(isinstance(p, Shard) and p.groups == groups
+                   for s in menu for p in s.inputs + s.outputs), target
+    op, tensors, whole = _sample("aten.convolution.default", 3)      # groups=2 convolution
+    ins, outs = [_ttype(t) for t in tensors], [_ttype(w) for w in whole]
+    assert not any(isinstance(p, Shard) and p.groups > 1
+                   for s in candidates(op, ins, outs, N, groups=(2,))
+                   for p in s.inputs + s.outputs)
 
 
 def test_a_wrong_strategy_is_caught():

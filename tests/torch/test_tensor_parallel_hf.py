@@ -1,7 +1,7 @@
 """The tensor-parallel pass on Hugging Face models as people bring them: Llama (RoPE, gated
 MLP) and OPT (separate q/k/v projections, a key/value cache concatenated to an empty one)
-get Megatron's pairs in every layer and exactly Megatron's all-reduces; GPT-2's fused
-query/key/value projection is not split (only its MLPs are)."""
+get Megatron's pairs in every layer and exactly Megatron's all-reduces; so does GPT-2,
+whose fused query/key/value projection splits in three groups of columns."""
 
 from __future__ import annotations
 
@@ -68,11 +68,22 @@ def test_attention_and_mlp_of_every_layer_are_split(name):
     assert held <= 0.40, held
 
 
-def test_gpt2s_fused_projection_stays_whole_and_its_mlps_split():
+def test_gpt2s_fused_projection_splits_by_heads_in_groups():
+    # GPT-2's c_attn computes [q | k | v] in one matmul; each device takes its heads of all
+    # three (the columns split in 3 groups, S(1,3)), so attention is a Megatron pair too
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=LAYERS, n_embd=64, n_head=4, vocab_size=64, n_positions=64,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-    rec, _ = _plan(model)
-    assert [p.row for p in rec.pairs] == [f"transformer.h.{i}.mlp.c_proj.weight"
-                                           for i in range(LAYERS)]
-    assert "transformer.h.0.attn.c_attn.weight" not in dict(rec.splits)
+    rec, held = _plan(model)
+    want = []
+    for i in range(LAYERS):
+        p = f"transformer.h.{i}."
+        want += [((p + "attn.c_attn.weight",), p + "attn.c_proj.weight"),
+                 ((p + "mlp.c_fc.weight",), p + "mlp.c_proj.weight")]
+    assert [(p.column, p.row) for p in rec.pairs] == want
+    splits = dict(rec.splits)
+    assert splits["transformer.h.0.attn.c_attn.weight"] == "S(1,3)"
+    assert splits["transformer.h.0.attn.c_attn.bias"] == "S(0,3)"
+    four = ["all_reduce"] * (2 * LAYERS)
+    assert collectives_by_phase(rec) == {"forward": four, "backward": four}
+    assert held <= 0.40, held

@@ -129,11 +129,22 @@ def test_every_strategy_gives_the_whole_result(family):
     assert_all(checked)
 
 
+@pytest.mark.parametrize("family", sorted({c.name for c in CASES}))
+def test_every_grouped_split_gives_the_whole_result(family):
+    # every plain split made a split of 2 groups (strategies.regrouped), and reshape's
+    # own grouped splits (a dimension of groups viewed as two), checked the same way
+    checked = [check_case(c, run_torch, ns=(2,), seed=k, groups=(2,))
+               for k, c in enumerate(CASES) if c.name == family]
+    assert all(not c.failures for c in checked), [c.failures for c in checked]
+    if family in ("add", "dot", "reduce_sum", "transpose", "reshape"):
+        assert any(c.ran for c in checked), f"{family}: no grouped split ran"
+
+
 def test_a_wrong_strategy_fails_its_check(monkeypatch):
     # the check can fail: a transpose that claims its split stays on the same dim
     import tests.strategy_props as props
     case = next(c for c in CASES if c.name == "transpose" and c.attrs["perm"] == (1, 2, 0))
     wrong = Strategy((Shard(0),), (Shard(0),), "split")
-    monkeypatch.setattr(props, "candidates", lambda op, ins, outs, n, masked=False: [wrong])
+    monkeypatch.setattr(props, "candidates", lambda op, ins, outs, n, masked=False, **kw: [wrong])
     checked = check_case(case, run_torch)
     assert checked.failures and "S(0)) -> (S(0)) [split] over 2 devices" in checked.failures[0]
