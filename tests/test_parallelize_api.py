@@ -193,6 +193,8 @@ def test_compression_preset_plans_quantized_collectives():
     assert "sdp4bit" in e.value.hint
     with pytest.raises(DiphomaError, match="both given"):
         parallelize(step, {"dp": 4}, compression="sdp4bit", passes="dce")
+    with pytest.raises(DiphomaError, match="shard_params=True were both given"):
+        parallelize(step, {"dp": 4}, compression="sdp4bit", shard_params=True)
     jstep, (params, state, batch) = J.make_case("mlp", "linen", "adamw")
     big = jax.tree_util.tree_map(lambda x: jnp.concatenate([x] * 4), batch)
     with pytest.raises(DiphomaError, match="not lowered for jax"):
