@@ -845,6 +845,7 @@ def run_sdp4bit_preset(rank: int, world: int) -> dict:
                      "plan": step.plan.comm_bytes_per_step, "calls": step.runner.calls,
                      "param_sum": float(sum(p.detach().double().sum()
                                             for p in model.parameters()))}
+    return out
 
 
 NEXT_FORWARD = ("dce,data-parallel{axis=dp},weight-update-sharding{axis=dp, "
