@@ -29,7 +29,7 @@ from .ir.analysis import runs_on_one_device
 from .ir.core import Graph, InputKind
 from .mesh import Mesh, data_axis, pipeline_axis, tensor_axis
 from .passes.base import PassContext
-from .passes.defaults import default_passes
+from .passes.defaults import COMPRESSION, default_passes
 from .passes.pipeline import Pipeline
 from .passes.pipeline_parallel import PipelineParallel
 from .passes.spec import parse_spec
@@ -70,7 +70,7 @@ class ParallelStep:
                  batch_argnums: int | Iterable[int] | None = None,
                  donate: bool = False, shard_params: bool = False,
                  codegen: str | None = None, microbatches: int | None = None,
-                 schedule: str = "1f1b") -> None:
+                 schedule: str = "1f1b", compression: str | None = None) -> None:
         if shard_params and passes is not None:
             raise DiphomaError("shard_params=True picks the default pipeline's passes, but "
                                f"passes={passes!r} was given too",
@@ -84,6 +84,7 @@ class ParallelStep:
         self.mesh = Mesh.of(mesh)
         self.axis = data_axis(self.mesh, axis)
         self.passes = passes
+        self.compression = check_compression(compression, passes, self.shard_params)
         self.batch_argnums = argnums(batch_argnums)
         self.pipeline = pipeline_settings(self.mesh, passes, microbatches, schedule)
         if self.pipeline is not None and codegen not in (None, "fx"):
@@ -103,14 +104,20 @@ class ParallelStep:
         mb = self.pipeline.microbatches if self.pipeline is not None else 1
         self._fw, graph, self._extra = trace_step(self.step_fn, example_args, self.mesh,
                                                   self.axis, self.batch_argnums, mb,
-                                                  codegen=self.codegen or (
-                                                      "fx" if self.pipeline else "auto"))
+                                                  codegen=self.codegen or self._auto())
         self.framework = self._fw.name
         self._graph, self._plan = run_passes(graph, self._fw, self.mesh, self.axis,
                                              self.passes, ctx or PassContext(),
                                              shard_params=self.shard_params,
-                                             pipeline=self.pipeline)
+                                             pipeline=self.pipeline,
+                                             compression=self.compression)
         return self
+
+    def _auto(self) -> str:
+        # the framework picks the code generator by the step's size for the plans checked
+        # under both; pipelines, parameter sharding and compression run fx unless asked
+        plain = self.pipeline is None and not self.shard_params and self.compression is None
+        return "auto" if plain else "fx"
 
     @property
     def graph(self) -> Graph:
@@ -224,10 +231,34 @@ def pipeline_settings(mesh: Mesh, passes: str | None, microbatches: int | None,
     return PipelineParallel(axis=pp, microbatches=m, schedule=schedule)
 
 
+def check_compression(compression: str | None, passes: str | None,
+                      shard_params: bool = False) -> str | None:
+    """``compression`` when it names a preset (None: no compression); DiphomaError for an
+    unknown one, or one given beside an explicit pass pipeline."""
+    if compression is None:
+        return None
+    if compression not in COMPRESSION:
+        raise DiphomaError(f"unknown compression {compression!r}",
+                           hint="use compression=" + " or ".join(repr(c) for c in COMPRESSION)
+                                + ", or leave it unset for fp32 collectives")
+    if passes is not None:
+        raise DiphomaError("compression= and passes= were both given; compression chooses "
+                           "passes of the default pipeline",
+                           hint="add the quantizing passes to passes= yourself "
+                                "(quantize-grads, quantize-weight-diff after "
+                                "weight-update-sharding), or drop passes=")
+    if shard_params:
+        raise DiphomaError("compression= and shard_params=True were both given; the "
+                           "quantized weight differences need every device to hold the "
+                           "whole parameters between steps",
+                           hint="choose one of them")
+    return compression
+
+
 def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str | None,
                ctx: PassContext, device_model: str = DEFAULT_DEVICE_MODEL,
-               shard_params: bool = False,
-               pipeline: PipelineParallel | None = None) -> tuple[Graph, Plan]:
+               shard_params: bool = False, pipeline: PipelineParallel | None = None,
+               compression: str | None = None) -> tuple[Graph, Plan]:
     """The graph placed on ``mesh`` after the pipeline (``passes``, or the default one for
     the framework and the model's gradient bytes), and its plan, with the step time
     estimated on ``device_model`` (a name in ``ir.device_model.MODELS``).
@@ -249,6 +280,13 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
         if tp is not None and tp != axis and mesh.axis_size(tp) > 1:
             parts.append(f"dce,tensor-parallel{{axis={tp}}}")
         data = pipeline is None or axis != pipeline.axis
+        if compression is not None and mesh.axis_size(axis) > 1 and (
+                fw.update_layout != "flat" or pipeline is not None):
+            raise DiphomaError(f"compression={compression!r} is not lowered for "
+                               f"{fw.name if fw.update_layout != 'flat' else 'pipelines'} "
+                               "yet (it needs flat weight-update shards, outside a pipeline)",
+                               hint="run the PyTorch step without a pp axis, or leave "
+                                    "compression unset")
         if pipeline is not None:
             # per-microbatch collectives over dp, no buckets: a bucket would mix stages
             if data and mesh.axis_size(axis) > 1:
@@ -259,7 +297,7 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
             parts.append(pipeline.spec())
         elif mesh.axis_size(axis) > 1:
             parts.append(default_passes(axis, grad_bytes, layout=fw.update_layout,
-                                        shard_params=shard_params))
+                                        shard_params=shard_params, compression=compression))
         spec = ",".join(parts)
     if spec:
         graph = Pipeline.from_spec(spec).run(graph, ctx)
@@ -276,7 +314,7 @@ def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
                 batch_argnums: int | Iterable[int] | None = None,
                 donate: bool = False, shard_params: bool = False,
                 codegen: str | None = None, microbatches: int | None = None,
-                schedule: str = "1f1b") -> ParallelStep:
+                schedule: str = "1f1b", compression: str | None = None) -> ParallelStep:
     """``step_fn`` as a distributed step over ``mesh`` (a diphoma Mesh, a dict of axis
     sizes, a torch DeviceMesh or a jax.sharding.Mesh). By default: tensor parallelism
     (Megatron's layer pairs) over an axis named tp, tensor or model, and data parallelism
@@ -308,7 +346,14 @@ def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
     A mesh axis named pp (or pipe, pipeline) cuts the step into that many pipeline stages
     (``pipeline{axis=pp, microbatches=M, schedule=...}``, docs/pipeline.md): each rank
     passes its whole local batch, which runs as ``microbatches`` M microbatches (default:
-    the axis size) on ``schedule`` (``1f1b`` or ``gpipe``)."""
+    the axis size) on ``schedule`` (``1f1b`` or ``gpipe``).
+
+    ``compression="sdp4bit"`` (PyTorch, opt-in) quantizes the data axis's collectives as
+    SDP4Bit does: gradients reduce-scattered as Hadamard-transformed 4-bit all-to-alls,
+    new weights all-gathered as 4-bit differences from what every device holds
+    (``quantize-grads``, ``quantize-weight-diff``; docs/quantized.md). The plan gives the
+    bytes before and after and the declared error per tensor."""
     return ParallelStep(step_fn, mesh, passes=passes, axis=axis,
                         batch_argnums=batch_argnums, donate=donate, shard_params=shard_params,
-                        codegen=codegen, microbatches=microbatches, schedule=schedule)
+                        codegen=codegen, microbatches=microbatches, schedule=schedule,
+                        compression=compression)

@@ -159,3 +159,43 @@ def test_torch_refuses_batch_argnums():
     with pytest.raises(DiphomaError, match=r"batch_argnums=\(2, 3\) is for JAX steps"):
         parallelize(step, {"dp": 1}, batch_argnums=(2, 3)).trace(
             model, opt, torch.ones(4, 8), torch.ones(4, 4))
+
+
+def test_compression_preset_plans_quantized_collectives():
+    """compression="sdp4bit" adds both quantizing passes; the plan gives bytes before and
+    after and the bound per tensor; unknown values and JAX are refused with a hint."""
+    import torch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(),
+                                torch.nn.Linear(512, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(model, opt, x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    args = (model, opt, torch.randn(4, 64), torch.randn(4, 64))
+    plain = parallelize(step, {"dp": 4}).trace(*args).plan
+    ps = parallelize(step, {"dp": 4}, compression="sdp4bit").trace(*args)
+    assert "quantize-grads" in " ".join(ps.plan.passes)
+    notes = ps.plan.notes
+    assert notes["quantize-weight-diff"]["quantized"] == ["0.weight", "2.weight"]
+    assert notes["quantize-weight-diff"]["error_bound"] == "absmax/7"
+    assert sorted(notes["quantize-grads"]["params"].values())[:2] == ["0.bias", "0.weight"]
+    text = ps.plan.to_text()
+    assert "quantize-grads (4-bit, group 128, Hadamard 32" in text
+    assert "0.weight: 98.30 KB -> 13.06 KB (0.13x)" in text and "absmax/7" in text
+    assert ps.plan.comm_bytes_per_step < 0.2 * plain.comm_bytes_per_step
+    with pytest.raises(DiphomaError, match="unknown compression 'sdp3bit'") as e:
+        parallelize(step, {"dp": 4}, compression="sdp3bit")
+    assert "sdp4bit" in e.value.hint
+    with pytest.raises(DiphomaError, match="both given"):
+        parallelize(step, {"dp": 4}, compression="sdp4bit", passes="dce")
+    with pytest.raises(DiphomaError, match="shard_params=True were both given"):
+        parallelize(step, {"dp": 4}, compression="sdp4bit", shard_params=True)
+    jstep, (params, state, batch) = J.make_case("mlp", "linen", "adamw")
+    big = jax.tree_util.tree_map(lambda x: jnp.concatenate([x] * 4), batch)
+    with pytest.raises(DiphomaError, match="not lowered for jax"):
+        parallelize(jstep, Mesh({"dp": 4}), compression="sdp4bit").trace(params, state, big)

@@ -141,6 +141,11 @@ _add("take_shard", C.collective, R.same_as_input, S.collective,
 _add("as_partial", C.collective, R.same_as_input, S.collective, _COLL, local=True,
      doc="a replicated value as a partial sum: device 0 of the axis keeps it, the others "
          "hold zeros (no communication; a row-parallel layer's bias, added once)")
+_add("as_shard", C.collective, R.as_shard, S.collective, {**_COLL, "dim": ("dim_or_flat", True)},
+     local=True,
+     doc="each device's varying value as its piece of a sharded value (the piece is its "
+         "first elements, a flat piece's padding set to zero; no communication): what a "
+         "pass that reduces by hand returns")
 # a pipeline's point-to-point pairs: peer is the other end's index on the axis; tag pairs
 # a send with its recv (several values may cross between two stages)
 _P2P = {**_COLL, "peer": ("int", True), "tag": ("int", False)}
@@ -148,14 +153,26 @@ _add("send", C.collective, R.send, S.collective, _P2P, effectful=True)
 _add("recv", C.collective, R.recv, S.collective, _P2P, effectful=True)
 
 # quantization ---------------------------------------------------------------------------------
-_Q = {"bits": ("int", True), "group_size": ("int", True)}
+_Q = {"bits": ("int", True), "group_size": ("int", True), "pieces": ("int", False)}
 _add("quantize", C.quant, R.quantize, S.quant,
      {**_Q, "rounding": ("nearest|stochastic", False),
-      "scheme": ("symmetric|asymmetric", False)}, flops=4)
-_add("dequantize", C.quant, R.dequantize, S.quant, {**_Q, "dtype": ("dtype", True)}, flops=2)
-_add("pack", C.quant, R.pack, S.quant, {"bits": ("int", True)}, flops=1)
+      "scheme": ("symmetric|asymmetric", False), "hadamard": ("int", False)}, flops=4,
+     doc="x -> (q, scales[, zeros]) per group of group_size values of the flattened x; "
+         "symmetric: scale = absmax / (2^(bits-1) - 1); stochastic rounding draws from its "
+         "key input (the same key gives the same rounding); pieces=N: the flat layout of "
+         "N equal chunks, each padded to whole groups; hadamard=B: the orthonormal Hadamard "
+         "transform of each B-block of that layout first (TLq-HS)")
+_add("dequantize", C.quant, R.dequantize, S.quant, {**_Q, "dtype": ("dtype", True)}, flops=2,
+     doc="q * scale per group (with pieces: the padding dropped, the declared shape)")
+_add("pack", C.quant, R.pack, S.quant, {"bits": ("int", True)}, flops=1,
+     doc="bits-bit integers into bytes (two 4-bit values per byte, low nibble first)")
 _add("unpack", C.quant, R.unpack, S.quant, {"bits": ("int", True), "dtype": ("dtype", True)},
-     flops=1)
+     flops=1, doc="the inverse of pack")
+_add("hadamard", C.quant, R.hadamard, S.blockwise, {"block": ("int", False)}, flops=64,
+     doc="the orthonormal Sylvester Hadamard transform (H/sqrt(block)) of each contiguous "
+         "block of the flattened tensor (block 32 by default); its own inverse")
+_add("rng_next", C.rng, R.rng_next, S.none, {},
+     doc="the next key of a key (one key per step, carried as step state)")
 
 # control flow (nested regions) ------------------------------------------------------------------
 _add("call", C.control, None, S.none, {"callee": ("str", False)},

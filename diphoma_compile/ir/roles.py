@@ -27,6 +27,10 @@ class InputKind(enum.Enum):
     buffer = "buffer"
     rng = "rng"
     hyper = "hyper"
+    # state a compressing pass keeps across steps (quantize-weight-diff: the exact shard of
+    # a parameter whose full copy holds the receivers' reconstruction); like optimizer
+    # state it names its parameter, and a checkpoint holds it
+    comm_state = "comm_state"
     other = "other"
 
 
@@ -50,8 +54,10 @@ class InputRole:
     def __post_init__(self) -> None:
         if not isinstance(self.kind, InputKind):
             object.__setattr__(self, "kind", InputKind(self.kind))
-        if self.of is not None and self.kind is not InputKind.opt_state:
-            raise IRError(f"only optimizer state links to a parameter, not {self.kind.value}")
+        if self.of is not None and self.kind not in (InputKind.opt_state,
+                                                     InputKind.comm_state):
+            raise IRError("only optimizer and communication state link to a parameter, "
+                          f"not {self.kind.value}")
 
 
 @dataclass(frozen=True)

@@ -395,7 +395,24 @@ def _bits(op: Op) -> int:
     return b
 
 
+def piece_layout(numel: int, pieces: int, group: int) -> tuple[int, int]:
+    """The flat layout of ``quantize{pieces}``: each of ``pieces`` equal chunks of the
+    zero-padded flattened tensor holds ``k`` values, padded to whole groups (``kq``)."""
+    k = -(-numel // pieces)
+    return k, -(-k // group) * group
+
+
+def _pieces(op: Op) -> int | None:
+    p = op.attrs.get("pieces")
+    if p is not None and p < 1:
+        raise TypeRuleError(f"pieces must be >= 1, found {p}")
+    return p
+
+
 def quantize(op: Op, ins, outs) -> None:
+    """q and scales (and zeros); with ``pieces`` the flat layout of ``piece_layout``: q is
+    ``[pieces * kq]`` and there are ``pieces * kq / group_size`` scales, so a flat shard of
+    the input quantizes to a dim-0 shard of each result on its own."""
     _arity(ins, 1, 2)
     _bits(op)
     x = ins[0]
@@ -405,22 +422,87 @@ def quantize(op: Op, ins, outs) -> None:
     if stochastic != (len(ins) == 2):
         raise TypeRuleError("stochastic rounding takes an rng key as second input, "
                             "nearest rounding none")
+    if stochastic and (ins[1].dtype is not DType.key or ins[1].shape != ()):
+        raise TypeRuleError(f"the rng key must be key[], found {_fmt(ins[1])}")
     qdt = DType.i8 if op.attrs.get("scheme", "symmetric") == "symmetric" else DType.u8
-    want = [(x.shape, qdt), ((_groups(op, x),), x.dtype)]
+    h = op.attrs.get("hadamard")
+    if h is not None and (h < 1 or h & (h - 1) or _group(op) % h):
+        raise TypeRuleError(f"hadamard={h} must be a power of two dividing group_size "
+                            f"{_group(op)}")
+    pieces = _pieces(op)
+    if pieces is None:
+        qshape, groups = x.shape, (_groups(op, x),)
+    else:
+        _, kq = piece_layout(x.numel, pieces, _group(op))
+        qshape, groups = (pieces * kq,), (pieces * kq // _group(op),)
+    want = [(qshape, qdt), (groups, x.dtype)]
     if op.attrs.get("scheme", "symmetric") == "asymmetric":
-        want.append(((_groups(op, x),), x.dtype))
+        want.append((groups, x.dtype))
     _expect(outs, want)
 
 
+def _group(op: Op) -> int:
+    g = op.attrs["group_size"]
+    if g < 1:
+        raise TypeRuleError(f"group_size must be >= 1, found {g}")
+    return g
+
+
 def dequantize(op: Op, ins, outs) -> None:
+    """The values of quantize's q and scales; with ``pieces`` the declared result is the
+    shape quantize was given (its padding dropped)."""
     _arity(ins, 2, 3)
     _bits(op)
     q = ins[0]
+    pieces = _pieces(op)
+    if pieces is not None:
+        t = _one_result(outs)
+        _, kq = piece_layout(t.numel, pieces, _group(op))
+        if q.shape != (pieces * kq,):
+            raise TypeRuleError(f"{_fmt(q)} is not the {pieces}-piece layout of {_fmt(t)} "
+                                f"(want [{pieces * kq}])")
+        ngroups = pieces * kq // _group(op)
+        for s in ins[1:]:
+            if s.shape != (ngroups,):
+                raise TypeRuleError(f"scales must be [{ngroups}] for {_fmt(q)}, found "
+                                    f"{_fmt(s)}")
+        _expect(outs, [(t.shape, DType.parse(str(op.attrs["dtype"])))])
+        return
     for s in ins[1:]:
         if s.shape != (_groups(op, q),):
             raise TypeRuleError(f"scales must be [{_groups(op, q)}] for {_fmt(q)}, found "
                                 f"{_fmt(s)}")
     _expect(outs, [(q.shape, DType.parse(str(op.attrs["dtype"])))])
+
+
+def hadamard(op: Op, ins, outs) -> None:
+    """The orthonormal Sylvester Hadamard transform of each contiguous block of the
+    flattened tensor: same shape and dtype; the element count must be whole blocks."""
+    _arity(ins, 1)
+    b = op.attrs.get("block", 32)
+    if b < 1 or b & (b - 1):
+        raise TypeRuleError(f"block must be a power of two, found {b}")
+    if ins[0].numel % b or not ins[0].dtype.is_float:
+        raise TypeRuleError(f"hadamard{{block={b}}} needs a float tensor of whole blocks, "
+                            f"found {_fmt(ins[0])}")
+    _expect(outs, [(ins[0].shape, ins[0].dtype)])
+
+
+def as_shard(op: Op, ins, outs) -> None:
+    """A device's 1-D value as its piece of a sharded value of the declared shape."""
+    _arity(ins, 1)
+    t = _one_result(outs)
+    if ins[0].rank != 1 or t.dtype is not ins[0].dtype:
+        raise TypeRuleError(f"as_shard takes a 1-D value of the result's dtype, found "
+                            f"{_fmt(ins[0])} for {_fmt(t)}")
+
+
+def rng_next(op: Op, ins, outs) -> None:
+    """A key -> the next key (a stream of keys, one per step)."""
+    _arity(ins, 1)
+    if ins[0].dtype is not DType.key or ins[0].shape != ():
+        raise TypeRuleError(f"rng_next takes a key[], found {_fmt(ins[0])}")
+    _expect(outs, [((), DType.key)])
 
 
 def pack(op: Op, ins, outs) -> None:

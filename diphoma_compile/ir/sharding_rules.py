@@ -127,18 +127,44 @@ def same_placements(op: Op, ins, outs, axis: str):
 
 
 def quant(op: Op, ins, outs, axis: str):
-    """Quantization works on flat groups: a flat or leading-dim split passes through."""
-    p = _pls(ins[:1], axis)[0]
-    if isinstance(p, Replicate) and all(isinstance(q, Replicate) for q in _pls(ins, axis)):
+    """Quantization works on flat groups. Replicated stays replicated; a flat shard passes
+    through (each device quantizes its own groups); with ``pieces`` (one per device of the
+    axis) a flat shard quantizes to dim-0 shards of q and scales, and pack, unpack and
+    dequantize of dim-0 shards stay dim-0 shards (each device's piece of the payload)."""
+    pls = _pls(ins, axis)
+    if all(isinstance(q, Replicate) for q in pls):
         return _all_r(outs)
+    p = pls[0]
+    rest = pls[1:]
+    if op.name == "quantize" and "pieces" in op.attrs:
+        if isinstance(p, FlatShard) and all(isinstance(q, Replicate) for q in rest):
+            return tuple(Shard(0) for _ in outs)
+        return None
+    if op.name == "dequantize" and "pieces" in op.attrs:
+        return None     # the pieces' padding is dropped: runs on whole payloads only
+    if isinstance(p, FlatShard) and all(isinstance(q, (FlatShard, Replicate)) for q in rest):
+        return tuple(p for _ in outs)
+    if isinstance(p, Shard) and p.dim == 0 and all(q == p for q in rest):
+        return tuple(Shard(0) for _ in outs)
+    return None
+
+
+def blockwise(op: Op, ins, outs, axis: str):
+    """A transform of contiguous blocks (hadamard): whole stays whole, a dim-0 shard stays
+    one, and a flat shard stays one with padding of unknown value (a block that holds
+    padding mixes it with real values); the backend checks that a piece holds whole
+    blocks."""
+    p = _pls(ins, axis)[0]
     if isinstance(p, FlatShard):
+        return tuple(FLAT_DIRTY for _ in outs)
+    if isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0):
         return tuple(p for _ in outs)
     return None
 
 
 # rules that speak for themselves: constants take the placement declared for them, and
 # collectives and waits are checked against their own semantics
-_OWN_RULES = (constant, collective, same_placements)
+_OWN_RULES = (constant, collective, same_placements, quant, blockwise)
 
 
 def expected_collective(op: Op, src: Placement) -> tuple[Placement | None, str]:
@@ -161,6 +187,8 @@ def expected_collective(op: Op, src: Placement) -> tuple[Placement | None, str]:
             return None, f"all_gather{{dim={dim}}} takes a {want} input, found {src}"
         return REPLICATE, ""
     if name == "all_to_all":
+        if isinstance(src, Varying):     # per-device payloads: chunk j goes to device j
+            return VARYING, ""
         want = Shard(op.attrs["from_dim"])
         if src != want:
             return None, f"all_to_all takes a {want} input, found {src}"
@@ -170,6 +198,11 @@ def expected_collective(op: Op, src: Placement) -> tuple[Placement | None, str]:
     if name == "take_shard":
         if not isinstance(src, Replicate):
             return None, f"take_shard takes a replicated input, found {src}"
+        dim = op.attrs["dim"]
+        return (FLAT if dim == "flat" else Shard(dim)), ""
+    if name == "as_shard":
+        if not isinstance(src, Varying):
+            return None, f"as_shard takes a varying input, found {src}"
         dim = op.attrs["dim"]
         return (FLAT if dim == "flat" else Shard(dim)), ""
     if name == "as_partial":

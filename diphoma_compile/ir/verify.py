@@ -79,7 +79,7 @@ class _Verifier:
             inputs[i.name] = i
         for i in g.inputs:
             r = i.role
-            if r.kind is InputKind.opt_state and r.of is not None:
+            if r.kind in (InputKind.opt_state, InputKind.comm_state) and r.of is not None:
                 target = inputs.get(r.of)
                 if target is None or target.role.kind is not InputKind.param:
                     self.fail(f"optimizer state {format_name(i.name)} names "

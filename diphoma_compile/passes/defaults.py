@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+# compression presets: the passes each adds after weight-update sharding (opt-in: on a fast
+# link quantizing can cost more time than the bytes it saves)
+COMPRESSION = {
+    "sdp4bit": ("quantize-grads{{axis={axis}, bits=4, intra-bits=8, group=128, hadamard=32, "
+                "levels=auto}},quantize-weight-diff{{axis={axis}, bits=4, group=2048, "
+                "rounding=stochastic}}"),
+}
+
 
 def default_passes(axis: str, grad_bytes: int | None = None, *, layout: str = "flat",
-                   shard_params: bool = False) -> str:
+                   shard_params: bool = False, compression: str | None = None) -> str:
     """Data parallelism plus weight-update sharding over ``axis`` (``layout`` is what the
     backend runs: flat shards, or whole dimensions where shardings need even splits), with
     ``shard_params`` the parameters held as shards too (ZeRO-3 / FSDP class), then
     communication fusion and scheduling. Given the gradient bytes, buckets are a quarter of
-    them (so the first can overlap the rest of backward), between 1 and 25 MB."""
+    them (so the first can overlap the rest of backward), between 1 and 25 MB.
+    ``compression`` names a preset of ``COMPRESSION`` (SDP4Bit's quantized gradients and
+    weight differences), run after weight-update sharding."""
     spec = (f"dce,data-parallel{{axis={axis}}},"
             f"weight-update-sharding{{axis={axis}, layout={layout}}},dce")
+    if compression is not None:
+        spec += "," + COMPRESSION[compression].format(axis=axis) + ",dce"
     if shard_params:
         spec += f",shard-params{{axis={axis}}},dce"
     if grad_bytes is None:

@@ -221,7 +221,12 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
     metrics = {o.name for o in graph.outputs if o.role.kind is OutputKind.metric}
     metrics |= {waited[n] for n in metrics if n in waited}
     owner = _Owners(graph, grads, loss, metrics, waited, prod, types)
-    params = {i.name for i in graph.inputs if i.role.kind is InputKind.param}
+    param_inputs = {i.name for i in graph.inputs if i.role.kind is InputKind.param}
+    # the payloads quantizing passes moved: (tensor, what for), by collective result
+    payloads: dict[str, tuple[str, str]] = {}
+    for d in (decisions or {}).values():
+        payloads.update(getattr(d, "payloads", None) or {})
+    payloads.update((w, payloads[n]) for w, n in waited.items() if n in payloads)
     collectives = []
     for op in graph.walk():
         d = op_def(op.name)
@@ -233,10 +238,19 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
         value = op.inputs[0] if op.inputs else ""
         if len(op.inputs) > 1:
             value += f" (+{len(op.inputs) - 1})"
+        paid = [payloads.get(v.name) for v in op.results]
+        serves = _serves(op, grads, loss, metrics, param_inputs)
+        if any(paid):
+            kinds = sorted({p[1].replace(f" of {p[0]}", "") for p in paid if p})
+            serves = paid[0][1] if len(paid) == 1 and paid[0] else \
+                f"bucket of {len(paid)}: " + ", ".join(kinds)
+        belongs = owner.of_op(op)
+        if any(paid):
+            belongs = tuple(p[0] if p else b for p, b in zip(paid, belongs))
         collectives.append(CollectivePlan(
-            op.name, axis, value, _serves(op, grads, loss, metrics, params),
+            op.name, axis, value, serves,
             op.attrs.get("op"), d.comm_bytes(op, ins, outs, sizes.get(axis, 1), sizes),
-            op.phase.value if op.phase else None, owner.of_op(op)))
+            op.phase.value if op.phase else None, belongs))
     memory = _memory(graph, sizes, sources, types, in_place)
     params = sum(i.value.type.numel for i in graph.inputs if i.role.kind is InputKind.param)
     return Plan(graph.name, sizes, graph.passes, tuple(tensors), tuple(collectives), memory,

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 from ..passes.comm_fusion import CommFusionRecord
 from ..passes.data_parallel import DataParallelRecord
 from ..passes.pipeline_parallel import PipelineRecord
+from ..passes.quantize_grads import QuantizeGradsRecord
+from ..passes.quantize_weight_diff import QuantizeWeightDiffRecord
 from ..passes.schedule_comm import ScheduleCommRecord
 from ..passes.shard_params import ShardParamsRecord
 from ..passes.tensor_parallel import TensorParallelRecord
@@ -134,6 +136,7 @@ def render(plan: Plan, max_rows: int = 60) -> str:
     lines += _shard_params_lines(plan.decision(ShardParamsRecord))
     lines += _data_parallel_lines(plan.decision(DataParallelRecord))
     lines += pipeline_lines(plan.decision(PipelineRecord), plan.mesh)
+    lines += _quantized_lines(plan)
     lines += _comm_lines(plan)
     return "\n".join(lines) + "\n"
 
@@ -254,6 +257,37 @@ def _data_parallel_lines(dp: DataParallelRecord | None) -> list[str]:
                       "its own generator, as under DDP, so dropout matches the single-device "
                       "step in distribution, not bit for bit"]
     return lines
+
+
+def _quantized_lines(plan: Plan) -> list[str]:
+    """What the quantizing passes moved: bytes before and after per tensor, the declared
+    error bound, what stayed fp32 and why."""
+    out: list[str] = []
+    qg = plan.decision(QuantizeGradsRecord)
+    qwd = plan.decision(QuantizeWeightDiffRecord)
+    if qg is not None:
+        out += ["", f"quantize-grads ({qg.bits}-bit, group {qg.group}, Hadamard {qg.hadamard}, "
+                    f"{qg.hops} hop; error per group <= {qg.bound} of each device's "
+                    "transformed gradient, stochastic):"]
+        out += _before_after({qg.params.get(g, g): (qg.bytes_before[g], qg.bytes_after[g])
+                              for g in qg.quantized})
+        out += [f"  kept fp32: {qg.params.get(g, g)}: {why}" for g, why in qg.kept]
+    if qwd is not None:
+        out += ["", f"quantize-weight-diff ({qwd.bits}-bit, group {qwd.group}, {qwd.rounding}; "
+                    f"error per group <= {qwd.bound} of the step's difference, not "
+                    "accumulated):"]
+        out += _before_after({w: (qwd.bytes_before[w], qwd.bytes_after[w])
+                              for w in qwd.quantized})
+        out += [f"  kept fp32: {w}: {why}" for w, why in qwd.kept]
+    if out:
+        out += ["  (quantizing costs compute on every device: on a fast link it can be slower "
+                "than fp32, so it is opt-in)"]
+    return out
+
+
+def _before_after(rows: dict[str, tuple[int, int]]) -> list[str]:
+    return [f"  {name}: {human(b)} -> {human(a)} ({a / b:.2f}x)" if b else f"  {name}"
+            for name, (b, a) in rows.items()]
 
 
 def _comm_lines(plan: Plan) -> list[str]:

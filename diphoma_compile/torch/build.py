@@ -28,8 +28,8 @@ from ..errors import BackendError, UnsupportedOpError
 from ..ir.analysis import free_inputs
 from ..ir.core import Graph, InputKind, Op, OutputKind
 from ..ir.ops import Category, op_def
-from ..ir.types import DType, TensorType
-from . import collectives
+from ..ir.types import DType, FlatShard, Shard, TensorType, Varying
+from . import collectives, quant
 from .op_rules import with_local_arguments
 from .ops import (DTYPE_TO_TORCH, NEUTRAL, SCALAR_DTYPE, SCALAR_MATH, decode_arg, emit_target,
                   emit_target_for, resolve_target, takes_number)
@@ -476,6 +476,113 @@ def _emit_wait(b: _Builder, op: Op) -> Any:
     return _DONE
 
 
+# ------------------------------------------------------------------ quantization
+
+def _flat_offset(b: _Builder, t: TensorType) -> int:
+    """Where this rank's piece of a flat- or dim-0-sharded value starts in the flattened
+    whole (0 for a whole value): the index of its first element in a keyed random draw. A
+    varying value (each device its own) draws as if the devices' values were laid end to
+    end, so no two devices round with the same numbers."""
+    for axis, p in t.placements:
+        if (isinstance(p, (FlatShard, Varying)) or (isinstance(p, Shard) and p.dim == 0)) \
+                and axis in b.comms:
+            n = 1
+            for s in b.local(t):
+                n *= s
+            return b.comms[axis].rank * n
+    return 0
+
+
+def _emit_quantize(b: _Builder, op: Op) -> fx.Node:
+    """q and scales of x's groups (this rank's groups when x is a flat piece)."""
+    a, x_t = op.attrs, b.g_types[op.inputs[0]]
+    if a.get("scheme", "symmetric") != "symmetric":
+        raise UnsupportedOpError("the torch backend quantizes symmetrically only",
+                                 hint="use scheme=symmetric")
+    local_pieces = a.get("pieces")
+    if local_pieces is not None and any(not isinstance(p, Varying) for _, p in x_t.placements):
+        local_pieces = 1     # a flat piece is one of the pieces: it quantizes alone
+    key = b.node(op.inputs[1]) if len(op.inputs) > 1 else None
+    n = 1
+    for s in b.local(x_t):
+        n *= s
+    return b.call(quant.quantize_keyed, [b.node(op.inputs[0]), int(a["bits"]),
+                                         int(a["group_size"]), key, local_pieces,
+                                         _flat_offset(b, x_t), n, a.get("hadamard")])
+
+
+def _emit_dequantize(b: _Builder, op: Op) -> fx.Node:
+    a = op.attrs
+    return b.call(quant.dequantize, [b.node(op.inputs[0]), b.node(op.inputs[1]),
+                                     int(a["group_size"]),
+                                     DTYPE_TO_TORCH[DType.parse(str(a["dtype"]))],
+                                     b.local(op.result.type), a.get("pieces")])
+
+
+def _emit_pack(b: _Builder, op: Op) -> fx.Node:
+    return b.call(quant.pack, [b.node(op.inputs[0]), int(op.attrs["bits"])])
+
+
+def _emit_unpack(b: _Builder, op: Op) -> fx.Node:
+    a = op.attrs
+    return b.call(quant.unpack, [b.node(op.inputs[0]), int(a["bits"]), b.local(op.result.type),
+                                 DTYPE_TO_TORCH[DType.parse(str(a["dtype"]))]])
+
+
+def _emit_hadamard(b: _Builder, op: Op) -> fx.Node:
+    return b.call(quant.hadamard, [b.node(op.inputs[0]), int(op.attrs.get("block", 32))])
+
+
+def _emit_rng_next(b: _Builder, op: Op) -> fx.Node:
+    return b.call(quant.next_key, [b.node(op.inputs[0])])
+
+
+def _emit_rng_uniform(b: _Builder, op: Op) -> Any:
+    """A keyed uniform draw: this rank's part of the one-device draw (by element index);
+    with a second result, the next key."""
+    if not op.inputs:
+        raise UnsupportedOpError("the torch backend lowers keyed rng_uniform only",
+                                 hint="give the draw a key input")
+    a, t = op.attrs, op.results[0].type
+    shape = b.local(t)
+    n = 1
+    for s in shape:
+        n *= s
+    key = b.node(op.inputs[0])
+    u = b.call(quant.uniform_shaped, [key, shape, _flat_offset(b, t),
+                                      float(a.get("low", 0.0)), float(a.get("high", 1.0)),
+                                      DTYPE_TO_TORCH[t.dtype]])
+    if len(op.results) == 1:
+        return u
+    b.env[op.results[0].name] = u
+    b.env[op.results[1].name] = b.call(quant.next_key, [key])
+    return _DONE
+
+
+def _all_to_all(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
+    """Each rank's piece split along to_dim, chunk j to rank j, joined along from_dim."""
+    a = op.attrs
+    return b.call(collectives.all_to_all, [comm, b.node(op.inputs[0]), int(a["from_dim"]),
+                                           int(a["to_dim"])])
+
+
+def _as_shard(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
+    """This rank's value as its piece: its first elements, in the piece's shape."""
+    t = op.result.type
+    return b.call(quant.as_piece, [b.node(op.inputs[0]), b.local(t), _flat_offset(b, t),
+                                   t.numel])
+
+
+_COLLECTIVES["all_to_all"] = _all_to_all
+_COLLECTIVES["as_shard"] = _as_shard
+
+_QUANT: dict[str, Callable[[_Builder, Op], Any]] = {
+    "quantize": _emit_quantize, "dequantize": _emit_dequantize, "pack": _emit_pack,
+    "unpack": _emit_unpack, "hadamard": _emit_hadamard, "rng_next": _emit_rng_next,
+    "rng_uniform": _emit_rng_uniform,
+}
+
+
 # ------------------------------------------------------------------ the table
 
 _Emit = Callable[[_Builder, Op], Any]
@@ -488,7 +595,7 @@ _OWN: dict[str, _Emit] = {
     "transpose": _emit_transpose, "reshape": _emit_reshape,
     "broadcast_in_dim": _emit_broadcast, "literal": _emit_literal, "full": _emit_full,
     "opaque": _emit_opaque, "wait": _emit_wait,
-    **{name: _emit_collective for name in _COLLECTIVES},
+    **{name: _emit_collective for name in _COLLECTIVES}, **_QUANT,
 }
 
 # every other IR op the aten table maps, by its category

@@ -329,3 +329,18 @@ def all_gather_bucket(comm: Comm, xs: list[torch.Tensor], dim: Any,
                 res.append(r.reshape([n * piece[0]] + piece[1:]).movedim(0, dim))
         return tuple(res)
     return _start(comm, _gather_launch(comm, out, src), finish, async_op)
+
+
+def all_to_all(comm: Comm, x: torch.Tensor, from_dim: int, to_dim: int) -> torch.Tensor:
+    """S(from_dim) -> S(to_dim): this rank's piece cut along ``to_dim`` into N chunks, chunk
+    j sent to rank j, the N chunks received joined along ``from_dim``."""
+    n = comm.size
+    src = torch.stack(list(x.chunk(n, dim=to_dim))).contiguous()   # (n, ...chunk)
+    comm._count("all_to_all", int(_frac(comm) * src.numel() * src.element_size()))
+    if n == 1:
+        return x
+    out = torch.empty_like(src)
+    t0 = time.perf_counter()
+    dist.all_to_all_single(out, src, group=comm.group)
+    comm.blocked_s += time.perf_counter() - t0
+    return torch.cat(list(out.unbind(0)), dim=from_dim)

@@ -16,7 +16,7 @@ FSDP/ZeRO): ``p.grad`` is None after such a step."""
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from ..errors import BackendError, MeshError
 from ..ir.analysis import runs_on_one_device
 from ..ir.core import Graph, InputKind, OutputKind
 from ..ir.ops import OPS, Category
-from ..ir.types import FlatShard, Placement, Replicate, Shard, TensorType, Varying
+from ..ir.types import DType, FlatShard, Placement, Replicate, Shard, TensorType, Varying
 from ..mesh import Mesh
 from ..report.memory import MemoryReport
 from . import collectives
@@ -72,7 +72,8 @@ class TorchDistStep(TorchStep):
 
     def __init__(self, graph: Graph, captured: Captured, mesh: Any = None, group: Any = None,
                  axis: str = "dp", sync_module_states: bool = True,
-                 groups: dict[str, Any] | None = None) -> None:
+                 groups: dict[str, Any] | None = None, seed: int = 0) -> None:
+        self.seed = seed    # the first rounding key of quantizing passes
         self.mesh = Mesh.of(mesh) if mesh is not None else graph.mesh
         self.axis = axis
         where = _check_world(graph, self.mesh, group, axis, groups)
@@ -86,6 +87,7 @@ class TorchDistStep(TorchStep):
         self._sides = {a: collectives.Comm(a, n, r, g) for a, (n, r, g) in where.items()}
         self._side = self._sides[axis]
         self.calls = 0
+        captured = self._bind_comm_state(graph, captured)
         self._check_binding(graph, captured)
         super().__init__(graph, captured, self._program(graph))
         self._state_type: dict[tuple[int, str], TensorType] = {
@@ -143,6 +145,47 @@ class TorchDistStep(TorchStep):
                                           "(drop or pad the last, uneven batch)")
                 at += k
 
+    def _bind_comm_state(self, graph: Graph, cap: Captured) -> Captured:
+        """The capture with a slot for each communication-state input a pass added
+        (quantize-weight-diff's exact pieces and rounding key) and for the outputs that
+        replace them; this runtime holds their values in ``comm_state``."""
+        self.comm_state: dict[str, torch.Tensor] = {}
+        self._comm_types = {i.name: i for i in graph.inputs
+                            if i.role.kind is InputKind.comm_state}
+        if not self._comm_types:
+            return cap
+        known = {s.name for s in cap.inputs}
+        extra_in = [Slot("comm_state", 0, (i.name,), i.name) for i in graph.inputs
+                    if i.name in self._comm_types and i.name not in known]
+        outs = list(cap.outputs)
+        for o in graph.outputs[len(cap.outputs):]:
+            if o.role.kind is not OutputKind.replaces or o.role.target not in self._comm_types:
+                raise BackendError(f"the output {o.name} was added by a pass but replaces no "
+                                   "communication state",
+                                   hint="passes keep the step's signature")
+            outs.append(Slot("comm_state", 0, (o.role.target,), o.role.target))
+        return replace(cap, inputs=list(cap.inputs) + extra_in, outputs=outs)
+
+    def _comm_input(self, slot: Slot) -> torch.Tensor:
+        """A communication state's value, started on first use: an exact piece from the
+        parameter's own piece (its weights are exact before the first step), a key from
+        ``seed``."""
+        name = slot.key[0]
+        if name not in self.comm_state:
+            i = self._comm_types[name]
+            if i.value.type.dtype is DType.key:
+                self.comm_state[name] = torch.tensor(self.seed, dtype=torch.int64)
+            else:
+                pi = self._param_names.index(i.role.of)
+                p = self.captured.params[pi]
+                self.comm_state[name] = self._shard_of(p.data, i.value.type).clone()
+        return self.comm_state[name]
+
+    def _input(self, slot: Slot, args_it) -> torch.Tensor:
+        if slot.kind == "comm_state":
+            return self._comm_input(slot)
+        return super()._input(slot, args_it)
+
     @staticmethod
     def _check_binding(graph: Graph, cap: Captured) -> None:
         names = [i.name for i in graph.inputs]
@@ -163,7 +206,7 @@ class TorchDistStep(TorchStep):
         axes = list(self.comms)
         for out, slot in zip(self.graph.outputs, self.captured.outputs):
             t = types[out.name]
-            if slot is None or slot.kind == "opt_state":
+            if slot is None or slot.kind in ("opt_state", "comm_state"):
                 continue   # the user's results (R or V); state keeps its input's placement
             if slot.kind == "grad":
                 p_type = self._param_type[slot.key[0]]
@@ -256,6 +299,9 @@ class TorchDistStep(TorchStep):
         return out if moved else out.clone()
 
     def _write(self, slot: Slot, new: torch.Tensor) -> None:
+        if slot.kind == "comm_state":
+            self.comm_state[slot.key[0]] = new.clone()
+            return
         if slot.kind == "grad" and slot.key[0] in self._sharded_grads:
             return
         super()._write(slot, new)
@@ -396,6 +442,33 @@ class TorchDistStep(TorchStep):
                  for v in st.values() if isinstance(v, torch.Tensor)]
         grads = [p.grad for p in params if p.grad is not None]
         return MemoryReport(_storage_bytes(params), _storage_bytes(state), _storage_bytes(grads))
+
+    def gather_comm_state(self) -> dict[str, torch.Tensor]:
+        """The communication state of quantizing passes, whole, {input name: tensor} on every
+        rank (a collective: every rank must call it); empty before the first step. The
+        exact weights of a quantize-weight-diff step are ``<param>.master``."""
+        out = {}
+        for name, t in self.comm_state.items():
+            typ = self._comm_types[name].value.type
+            out[name] = t.clone() if typ.dtype is DType.key else self._whole_of(t, typ)
+        return out
+
+    def load_comm_state(self, whole: dict[str, torch.Tensor]) -> None:
+        """Resume from ``gather_comm_state()``'s whole tensors: each rank keeps its piece (no
+        communication)."""
+        for name, t in whole.items():
+            i = self._comm_types.get(name)
+            if i is None:
+                raise BackendError(f"{name} is not communication state of this step "
+                                   f"(it has {sorted(self._comm_types)})",
+                                   hint="load the state gathered from the same plan")
+            typ = i.value.type
+            if tuple(t.shape) != typ.shape:
+                raise BackendError(f"{name} has shape {tuple(t.shape)}, the plan holds "
+                                   f"{typ.shape}", hint="load the state gathered from the "
+                                                        "same plan")
+            self.comm_state[name] = t.clone() if typ.dtype is DType.key else \
+                self._shard_of(t, typ).clone()
 
     def gather_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """The whole optimizer state, {param name: {slot: tensor}}, on every rank (a

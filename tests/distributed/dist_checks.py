@@ -704,6 +704,188 @@ def run_tensor_parallel_hf(rank: int, world: int) -> dict:
     return out
 
 
+# ------------------------------------------------------------------ quantized collectives
+
+QWD_STEPS = 3
+QWD_SPEC = SPEC + ",quantize-weight-diff{bits=4, group=2048, rounding=stochastic}"
+
+
+def group_absmax(x: torch.Tensor, pieces: int, group: int) -> torch.Tensor:
+    """Per element of flat x: the absmax of its group in quantize{pieces}'s layout."""
+    k = -(-x.numel() // pieces)
+    kq = -(-k // group) * group
+    rows = F.pad(F.pad(x, (0, pieces * k - x.numel())).view(pieces, k), (0, kq - k))
+    amax = rows.reshape(-1, group).abs().amax(1, keepdim=True).expand(-1, group)
+    return amax.reshape(pieces, kq)[:, :k].reshape(-1)[:x.numel()]
+
+
+@check("quantized_weights")
+def run_quantized_weights(rank: int, world: int) -> dict:
+    """quantize-weight-diff on SGD+momentum: after each step every rank's parameter (the
+    reconstruction) is within the declared error, absmax/7 of its group of this step's
+    difference, of the exact weights (gathered masters); after step 1 the exact weights
+    are the single-device step's. Ranks hold identical parameters; bytes as planned."""
+    from models import MLP
+    torch.manual_seed(0)
+    model = MLP(32, 256, 64)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = OPTS["sgdm"](model.parameters()), OPTS["sgdm"](ref.parameters())
+    g = torch.Generator().manual_seed(3)
+    batches = [{"x": torch.randn(4 * world, 32, generator=g),
+                "y": torch.randint(0, 64, (4 * world,), generator=g)} for _ in range(QWD_STEPS)]
+    graph, dist_graph, cap, step = build(mlp_step, model, opt, local((batches[0],), rank, world),
+                                         world, QWD_SPEC)
+    quantized = [i.role.of for i in dist_graph.inputs if i.role.slot == "master"]
+    out: dict = {"quantized": quantized, "excess": [], "ratio": [], "master_rel": None,
+                 "param_sums": [], "counted": [], "kinds": None}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for t, b in enumerate(batches):
+        c0 = step.comm_bytes
+        step(model, opt, *local((b,), rank, world))
+        out["counted"].append(step.comm_bytes - c0)
+        if t == 0 and rank == 0:
+            ref_loss = mlp_step(ref, ref_opt, b)   # noqa: F841  (updates ref)
+        masters = step.gather_comm_state()
+        params = dict(model.named_parameters())
+        worst, ratio = 0.0, 0.0
+        for name in quantized:
+            exact = masters[f"{name}.master"].reshape(-1)
+            recon = params[name].detach().reshape(-1)
+            bound = group_absmax(exact - before[name].reshape(-1), world, 2048) / 7
+            err = (recon - exact).abs()
+            worst = max(worst, float((err - bound * (1 + 1e-5) - 1e-12).max()))
+            ratio = max(ratio, float((err / bound.clamp_min(1e-30)).max()))
+            if t == 0 and rank == 0:
+                refp = dict(ref.named_parameters())[name].detach().reshape(-1)
+                out["master_rel"] = max(out["master_rel"] or 0.0, rel(exact, refp))
+        out["excess"].append(worst)
+        out["ratio"].append(ratio)
+        out["param_sums"].append([float(p.detach().double().sum()) for p in model.parameters()])
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out["kinds"] = dict(step.comm.calls)
+    # a checkpoint holds the exact pieces and the key: resuming from it continues the run
+    # exactly (without them the exact weights would restart from the reconstruction)
+    comm = step.gather_comm_state()
+    state = step.gather_optimizer_state()
+    model2 = copy.deepcopy(model)
+    opt2 = OPTS["sgdm"](model2.parameters())
+    for n2, p2 in model2.named_parameters():
+        opt2.state[p2]["momentum_buffer"] = state[n2]["momentum_buffer"].clone()
+    nxt = local((batches[0],), rank, world)
+    step2 = build(mlp_step, model2, opt2, nxt, world, QWD_SPEC)[3]
+    fresh = copy.deepcopy(model2)
+    opt3 = OPTS["sgdm"](fresh.parameters())
+    for n3, p3 in fresh.named_parameters():
+        opt3.state[p3]["momentum_buffer"] = state[n3]["momentum_buffer"].clone()
+    step3 = build(mlp_step, fresh, opt3, nxt, world, QWD_SPEC)[3]
+    step2.load_comm_state(comm)
+    for s_, m_, o_ in ((step, model, opt), (step2, model2, opt2), (step3, fresh, opt3)):
+        s_(m_, o_, *nxt)
+    out["resumed_equal"] = all(torch.equal(p, q) for p, q in zip(model.parameters(),
+                                                                  model2.parameters()))
+    out["unloaded_equal"] = all(torch.equal(p, q) for p, q in zip(model.parameters(),
+                                                                   fresh.parameters()))
+    plan = build_plan(dist_graph)
+    out["plan"] = plan.comm_bytes_per_step
+    plain = build_plan(Pipeline.from_spec(SPEC).run(graph.replace(mesh=Mesh({"dp": world})),
+                                                    PassContext()))
+    out["plain_plan"] = plain.comm_bytes_per_step
+    return out
+
+
+QG_SPEC = SPEC + ",quantize-grads{bits=4, group=128, hadamard=32}"
+
+
+def hadamard_blocks(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """The orthonormal Sylvester transform of each block of flat x (the test's own)."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (x.double().reshape(-1, block) @ (h / block ** 0.5)).reshape(-1)
+
+
+def piece_rows(x: torch.Tensor, pieces: int, group: int) -> torch.Tensor:
+    """Flat x in quantize{pieces}'s layout: (pieces, kq), zero padded."""
+    k = -(-x.numel() // pieces)
+    kq = -(-k // group) * group
+    return F.pad(F.pad(x, (0, pieces * k - x.numel())).view(pieces, k), (0, kq - k))
+
+
+@check("quantized_grads")
+def run_quantized_grads(rank: int, world: int) -> dict:
+    """quantize-grads{bits=4, group=128, hadamard=32} on one SGD step (lr 1): the averaged
+    gradient each piece receives differs from the exact mean, in the Hadamard domain, by at
+    most the mean over senders of their group's absmax/7 (the declared error, computed
+    here from every rank's own gradient); bytes as planned. fc1.weight's piece (1600 values)
+    is not whole groups: its chunks are padded to whole groups."""
+    from models import MLP
+    torch.manual_seed(0)
+    model = MLP(32, 200, 64)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    g = torch.Generator().manual_seed(4)
+    batch = {"x": torch.randn(4 * world, 32, generator=g),
+             "y": torch.randint(0, 64, (4 * world,), generator=g)}
+    mine = local((batch,), rank, world)
+    graph, dist_graph, cap, step = build(mlp_step, model, opt, mine, world, QG_SPEC)
+    # every rank's own gradient, for the bound
+    loss = F.cross_entropy(ref(mine[0]["x"]), mine[0]["y"])
+    loss.backward()
+    w0 = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    c0 = step.comm_bytes
+    step(model, opt, *mine)
+    counted = step.comm_bytes - c0
+    excess, ratio = -1.0, 0.0
+    for name, p in model.named_parameters():
+        grad = dict(ref.named_parameters())[name].grad.reshape(-1).contiguous()
+        every = [torch.empty_like(grad) for _ in range(world)]
+        dist.all_gather(every, grad)
+        if grad.numel() // world < 128:
+            continue           # kept fp32
+        exact = torch.stack(every).double().mean(0)
+        got = (w0[name].reshape(-1).double() - p.detach().reshape(-1).double())   # lr 1
+        scales = [piece_rows(hadamard_blocks(piece_rows(e, world, 128).reshape(-1))
+                             .float(), 1, 128).reshape(-1, 128).abs().amax(1) / 7
+                  for e in every]
+        bound = torch.stack(scales).double().mean(0).repeat_interleave(128)
+        err = hadamard_blocks(piece_rows(got - exact, world, 128).reshape(-1)).abs()
+        slack = 4e-7 * float(w0[name].abs().max())      # fp32 rounding of w - lr * g
+        excess = max(excess, float((err - bound * (1 + 1e-5) - slack).max()))
+        ratio = max(ratio, float((err / bound.clamp_min(1e-30)).max()))
+    plain = build_plan(Pipeline.from_spec(SPEC).run(graph.replace(mesh=Mesh({"dp": world})),
+                                                    PassContext()))
+    return {"excess": excess, "ratio": ratio, "counted": counted,
+            "plan": build_plan(dist_graph).comm_bytes_per_step,
+            "plain_plan": plain.comm_bytes_per_step, "kinds": dict(step.comm.calls)}
+
+
+@check("sdp4bit_preset")
+def run_sdp4bit_preset(rank: int, world: int) -> dict:
+    """parallelize(compression="sdp4bit"): both quantizing passes with comm-fusion and
+    schedule-comm (packed payloads in buckets, waited late) run; losses against the
+    unquantized step's; bytes as planned; ranks hold the same parameters."""
+    import diphoma_compile
+    from models import MLP
+    out: dict = {}
+    for name, comp in (("plain", None), ("sdp4bit", "sdp4bit")):
+        torch.manual_seed(0)
+        model = MLP(32, 256, 64)
+        opt = OPTS["adamw"](model.parameters())
+        step = diphoma_compile.parallelize(mlp_step, diphoma_compile.Mesh({"dp": world}),
+                                           compression=comp)
+        g = torch.Generator().manual_seed(9)
+        losses = []
+        for _ in range(QWD_STEPS):
+            b = {"x": torch.randn(4 * world, 32, generator=g),
+                 "y": torch.randint(0, 64, (4 * world,), generator=g)}
+            losses.append(step(model, opt, *local((b,), rank, world)).item())
+        out[name] = {"losses": losses, "counted": step.runner.comm_bytes,
+                     "plan": step.plan.comm_bytes_per_step, "calls": step.runner.calls,
+                     "param_sum": float(sum(p.detach().double().sum()
+                                            for p in model.parameters()))}
+    return out
+
+
 NEXT_FORWARD = ("dce,data-parallel{axis=dp},weight-update-sharding{axis=dp, "
                 "gather=next-forward},dce,comm-fusion{bucket-mb=1},schedule-comm")
 

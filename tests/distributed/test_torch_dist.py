@@ -339,6 +339,55 @@ def test_tensor_parallel_hugging_face_opt_matches_single_device(runs):
         assert r["tp_hf"]["held"] <= 0.40 * r["tp_hf"]["whole"], r["tp_hf"]["held"]
 
 
+def test_quantized_weight_differences_within_declared_error(runs):
+    """quantize-weight-diff{bits=4, group=2048}: each step, every element of the parameter
+    every rank computes with is within absmax/7 of its group of that step's difference from
+    the exact weights (no accumulation over steps); the exact weights after step 1 are the
+    single-device step's; all ranks hold the same parameters; the bytes sent are the plan's
+    and below the unquantized plan's."""
+    r0 = runs[0]["quantized_weights"]
+    assert r0["quantized"] == ["fc1.weight", "fc2.weight"]
+    for t, (excess, ratio) in enumerate(zip(r0["excess"], r0["ratio"])):
+        assert excess <= 0.0, (t, excess)
+        assert 0.3 < ratio <= 1.0 + 1e-5, (t, ratio)   # the bound is used, not loose
+    assert r0["master_rel"] <= 1e-5
+    for r in runs:
+        res = r["quantized_weights"]
+        assert res["param_sums"] == r0["param_sums"]
+        assert res["counted"] == [res["plan"]] * len(res["counted"])
+        # resuming from gather_comm_state() continues bit for bit; without it, not
+        assert res["resumed_equal"] and not res["unloaded_equal"]
+    assert r0["plan"] < 0.6 * r0["plain_plan"]
+
+
+def test_quantized_gradients_within_declared_error(runs):
+    """quantize-grads{bits=4, group=128, hadamard=32}: the averaged gradient of one step is
+    within the declared error of the exact mean in the Hadamard domain (the mean over the
+    senders of their group's absmax/7), every rank alike; bytes as planned, below plain."""
+    r0 = runs[0]["quantized_grads"]
+    assert r0["excess"] <= 0.0, r0
+    assert 0.3 < r0["ratio"] <= 1.0 + 1e-5, r0
+    assert r0["kinds"]["all_to_all"] == 4      # packed bytes + scales, for two weights
+    for r in runs:
+        res = r["quantized_grads"]
+        assert res["counted"] == res["plan"] and res["excess"] == r0["excess"]
+    assert r0["plan"] < 0.6 * r0["plain_plan"]
+
+
+def test_sdp4bit_preset_runs_fused_and_scheduled(runs):
+    """parallelize(compression="sdp4bit") with its buckets and async waits: the first loss
+    (before any update) is the plain step's, the ranks agree, the bytes are as planned and
+    at most 0.16x of the unquantized plan's."""
+    r0 = runs[0]["sdp4bit_preset"]
+    plain, q = r0["plain"], r0["sdp4bit"]
+    assert q["losses"][0] == plain["losses"][0]
+    for r in runs:
+        res = r["sdp4bit_preset"]["sdp4bit"]
+        assert res["counted"] == res["calls"] * res["plan"]
+        assert res["param_sum"] == q["param_sum"] and res["losses"] == q["losses"]
+    assert q["plan"] <= 0.16 * plain["plan"]
+
+
 GPT2_CASES = [f"{m}-{o}" for m in dist_checks.TP_MESHES for o in ("sgdm", "adamw")]
 
 

@@ -81,7 +81,7 @@ PARSE_CASES = [
      ["unexpected character '$'"]),
     ("unknown-input-role", graph(ins="%a: f32[4] parm"), 2, ["unknown input role 'parm'"]),
     ("role-link-on-non-state", graph(ins="%w: f32[4] param, %a: f32[4] param(of=%w)"), 2,
-     ["only optimizer state links to a parameter"]),
+     ["only optimizer and communication state link to a parameter"]),
     ("unknown-role-field", graph(ins="%w: f32[4] param, %m: f32[4] opt_state(for=%w)"), 2,
      ["unexpected role field 'for'"]),
     ("unknown-output-role", graph("%c: f32[] = reduce_sum(%a) {dims=[0]}", outs="%c lost"),

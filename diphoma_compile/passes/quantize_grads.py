@@ -1,0 +1,224 @@
+"""SDP4Bit's quantized gradients (TLq-HS; Jia et al. 2024, arXiv 2410.15526), one hop.
+
+Weight-update sharding reduce-scatters each gradient in fp32. This pass makes that
+reduce-scatter an all-to-all of ``bits``-bit integers: each device transforms its whole
+gradient with the orthonormal Hadamard transform of each 32-element block (which spreads
+outliers over their block, so a group's absmax is smaller), quantizes it per group of
+``group`` values in the piece layout of weight-update sharding (chunk j of the flattened
+gradient, padded to whole groups, is device j's), packs two values per byte and sends chunk j
+to device j with ``all_to_all`` (with one fp32 scale per group); each device dequantizes
+the N chunks it receives, averages them, applies the inverse transform (the same orthonormal
+transform) and holds the result as its flat piece of the averaged gradient (``as_shard``).
+
+Stochastic rounding draws from an explicit key, ``%qg.key: key[] comm_state(slot=rng_key)``,
+advanced by ``rng_next`` per gradient and returned; each device rounds with numbers of its
+own (a varying value draws by its place among the devices' values laid end to end).
+
+Levels: the issue's two-level form (8-bit all-to-all inside a node, 4-bit across nodes)
+needs a data axis split into node x local; ``levels=auto`` and ``levels=1`` give the one
+hop, which is what a mesh whose data axis is one level runs. ``levels=2`` is refused with a
+hint until the two-hop lowering exists. A gradient whose piece is smaller than a group stays
+an fp32 reduce-scatter; the plan lists it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..ir.core import (Attrs, Graph, Input, InputKind, InputRole, Op, Output, OutputKind,
+                       OutputRole, Value)
+from ..ir.ops import op_def
+from ..ir.shape_rules import piece_layout
+from ..ir.types import VARYING, DType, TensorType, Varying
+from .base import Pass, PassContext, PassFailure, register_pass
+from .data_parallel import require_axis
+from .quantize_weight_diff import KEY_SLOT, error_bound
+
+
+@dataclass(frozen=True)
+class QuantizeGradsRecord:
+    """What quantize-grads decided: which reduce-scatters became quantized all-to-alls."""
+
+    axis: str
+    bits: int
+    group: int
+    hadamard: int
+    hops: int
+    quantized: tuple[str, ...]              # gradients (the reduce-scatter's result)
+    kept: tuple[tuple[str, str], ...]       # (gradient, why it stays fp32)
+    bytes_before: Mapping[str, int]
+    bytes_after: Mapping[str, int]
+    params: Mapping[str, str] = field(default_factory=dict)    # gradient -> its parameter
+    # collective result -> (the tensor it belongs to, what it serves), for the plan
+    payloads: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+
+    @property
+    def bound(self) -> str:
+        """The declared error of one device's contribution, per group (Hadamard domain)."""
+        return error_bound(self.bits, "stochastic")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan's ``notes["quantize-grads"]``."""
+        return {"axis": self.axis, "bits": self.bits, "group": self.group,
+                "hadamard": self.hadamard, "hops": self.hops, "error_bound": self.bound,
+                "quantized": list(self.quantized), "kept": [list(k) for k in self.kept],
+                "bytes_before": dict(self.bytes_before), "bytes_after": dict(self.bytes_after),
+                "params": dict(self.params)}
+
+
+def param_of(g: Graph, value: str) -> str | None:
+    """The parameter a gradient is for: the first state (a parameter, or state that names
+    its parameter) that values of the gradient's size made from it replace."""
+    inputs = {i.name: i for i in g.inputs}
+    numel = g.value_types()[value].numel
+    users: dict[str, list[Op]] = {}
+    for op in g.ops:
+        for i in op.inputs:
+            users.setdefault(i, []).append(op)
+    replaced = {o.name: o.role.target for o in g.outputs
+                if o.role.kind is OutputKind.replaces}
+    todo, seen = [value], set()
+    while todo:
+        v = todo.pop(0)
+        if v in seen:
+            continue
+        seen.add(v)
+        target = inputs.get(replaced.get(v, ""))
+        if target is not None:
+            return target.name if target.role.kind is InputKind.param else target.role.of
+        for op in users.get(v, ()):
+            todo.extend(r.name for r in op.results if r.type.numel == numel)
+    return None
+
+
+@register_pass
+@dataclass(frozen=True)
+class QuantizeGrads(Pass):
+    """Reduce-scatter gradients as Hadamard-transformed, quantized all-to-alls."""
+
+    name = "quantize-grads"
+    axis: str = "dp"
+    bits: int = 4
+    intra_bits: int = 8
+    group: int = 128
+    hadamard: int = 32
+    levels: str = "auto"
+
+    def __call__(self, graph: Graph, ctx: PassContext) -> Graph:
+        n = require_axis(graph, self.axis, self.name)
+        if self.bits not in (4, 8) or self.intra_bits not in (4, 8):
+            raise PassFailure(f"{self.name}: bits={self.bits}, intra-bits={self.intra_bits}; "
+                              "4 and 8 are supported")
+        h = self.hadamard
+        if h < 0 or (h and (h & (h - 1) or self.group % h)):
+            raise PassFailure(f"{self.name}: hadamard={h} must be 0 or a power of two that "
+                              f"divides group={self.group}")
+        if self.levels not in ("auto", "1"):
+            raise PassFailure(f"{self.name}: levels={self.levels!r}: only the one-hop form "
+                              "is lowered (auto, 1)",
+                              hint="use levels=1; the two-hop node x local form is not "
+                                   "implemented yet")
+        sites = [op for op in graph.ops if op.name == "reduce_scatter" and len(op.inputs) == 1
+                 and op.attrs.get("axis") == self.axis and op.attrs.get("dim") == "flat"
+                 and isinstance(graph.value_types()[op.inputs[0]].placement(self.axis),
+                                Varying)]
+        if not sites:
+            raise PassFailure(f"{self.name}: no gradient is reduce-scattered to flat pieces "
+                              f"over {self.axis!r}",
+                              hint=f"run weight-update-sharding{{axis={self.axis}, "
+                                   "layout=flat} first (and this pass before comm-fusion)")
+        if n == 1:
+            return graph
+        return self.rewrite(graph, n, sites, ctx)
+
+    def rewrite(self, g: Graph, n: int, sites: list[Op], ctx: PassContext) -> Graph:
+        ax, G = self.axis, self.group
+        names = g.fresh_names()
+        types = g.value_types()
+        key = names("qg.key")
+        key_t = TensorType((), DType.key)
+        key_now = key
+        replace: dict[int, list[Op]] = {}
+        quantized, kept, before, after = [], [], {}, {}
+        params: dict[str, str] = {}
+        payloads: dict[str, tuple[str, str]] = {}
+        h = self.hadamard
+        d_rs, d_a2a = op_def("reduce_scatter"), op_def("all_to_all")
+        for site in sites:
+            gname, res = site.inputs[0], site.result
+            gt = types[gname]
+            before[res.name] = d_rs.comm_bytes(site, [gt], [res.type], n)
+            after[res.name] = before[res.name]
+            k, kq = piece_layout(gt.numel, n, G)
+            param = param_of(g, res.name)
+            if param is not None:
+                params[res.name] = param
+            if site.attrs.get("op") not in ("avg", "sum"):
+                kept.append((res.name, f"op={site.attrs.get('op')} is not a sum"))
+                continue
+            if k < G:
+                kept.append((res.name, f"its piece ({k} values) is smaller than a group "
+                                       f"({G})"))
+                continue
+            common = {"phase": site.phase, "loc": site.loc}
+            ops: list[Op] = []
+
+            def emit(name: str, ins: tuple[str, ...], results: list[tuple[str, TensorType]],
+                     ops: list[Op] = ops, common: dict = common, **attrs: Any) -> list[str]:
+                vals = tuple(Value(names(hint), t) for hint, t in results)
+                ops.append(Op(name, ins, vals, Attrs(attrs), **common))
+                return [v.name for v in vals]
+
+            def var(shape: tuple[int, ...], dtype: DType) -> TensorType:
+                return TensorType(shape, dtype).with_placement(ax, VARYING)
+
+            nq, ng, nb = n * kq, n * kq // G, n * kq * self.bits // 8
+            qattrs = {"bits": self.bits, "group_size": G, "pieces": n,
+                      "rounding": "stochastic"}
+            if self.hadamard:
+                qattrs["hadamard"] = self.hadamard
+            q, s = emit("quantize", (gname, key_now),
+                        [(f"{gname}.qg.q", var((nq,), DType.i8)),
+                         (f"{gname}.qg.scales", var((ng,), gt.dtype))], **qattrs)
+            (p,) = emit("pack", (q,), [(f"{gname}.qg.packed", var((nb,), DType.u8))],
+                        bits=self.bits)
+            (pr,) = emit("all_to_all", (p,), [(f"{gname}.qg.packed.recv", var((nb,), DType.u8))],
+                         axis=ax, from_dim=0, to_dim=0)
+            (sr,) = emit("all_to_all", (s,), [(f"{gname}.qg.scales.recv", var((ng,), gt.dtype))],
+                         axis=ax, from_dim=0, to_dim=0)
+            (qr,) = emit("unpack", (pr,), [(f"{gname}.qg.q.recv", var((nq,), DType.i8))],
+                         bits=self.bits, dtype="i8")
+            (dq,) = emit("dequantize", (qr, sr), [(f"{gname}.qg.recv", var((nq,), gt.dtype))],
+                         bits=self.bits, group_size=G, dtype=gt.dtype.value)
+            (rows,) = emit("reshape", (dq,), [(f"{gname}.qg.rows", var((n, kq), gt.dtype))])
+            red = "reduce_mean" if site.attrs["op"] == "avg" else "reduce_sum"
+            (tot,) = emit(red, (rows,), [(f"{gname}.qg.sum", var((kq,), gt.dtype))],
+                          dims=(0,), keepdim=False)
+            if self.hadamard:
+                (tot,) = emit("hadamard", (tot,), [(f"{gname}.qg.back",
+                                                    var((kq,), gt.dtype))],
+                              block=self.hadamard)
+            ops.append(Op("as_shard", (tot,), (res,), Attrs({"axis": ax, "dim": "flat"}),
+                          **common))
+            (key_now,) = emit("rng_next", (key_now,), [("qg.key.next", key_t)])
+            sent = {v.name: v.type for o in ops for v in o.results}
+            after[res.name] = sum(d_a2a.comm_bytes(o, [sent[o.inputs[0]]], [o.result.type], n)
+                                  for o in ops if o.name == "all_to_all")
+            replace[id(site)] = ops
+            quantized.append(res.name)
+            what = f"gradient of {param or res.name} ({self.bits}-bit, Hadamard {h})"
+            owner = param or res.name
+            payloads.update({pr: (owner, what), sr: (owner, f"scales of the {what}")})
+        record = QuantizeGradsRecord(ax, self.bits, G, self.hadamard, 1, tuple(quantized),
+                                     tuple(kept), before, after, params, payloads)
+        ctx.decisions[self.name] = record
+        if not quantized:      # every gradient too small: the plan says why, nothing changes
+            return g
+        body: list[Op] = []
+        for op in g.ops:
+            body.extend(replace.get(id(op), [op]))
+        inputs = g.inputs + (Input(Value(key, key_t), InputRole(InputKind.comm_state,
+                                                                slot=KEY_SLOT)),)
+        outputs = g.outputs + (Output(key_now, OutputRole(OutputKind.replaces, key)),)
+        return g.replace(inputs=inputs, ops=tuple(body), outputs=outputs)

@@ -1,0 +1,102 @@
+"""The quantizing passes on a traced torch step: golden IR of quantize-weight-diff after
+weight-update sharding, its record (bytes before and after, the declared bound), and its
+errors. (The 4-rank runs are in tests/distributed.)"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import diphoma_compile  # noqa: E402
+from diphoma_compile.errors import PassError  # noqa: E402
+from diphoma_compile.ir import InputKind, parse, print_graph  # noqa: E402
+from diphoma_compile.mesh import Mesh  # noqa: E402
+from diphoma_compile.passes import PassContext, Pipeline, QuantizeWeightDiffRecord  # noqa: E402
+from diphoma_compile.passes.defaults import default_passes  # noqa: E402
+
+from models import MLP, OPTIMIZERS, classify_step, mlp_batches  # noqa: E402
+
+QWD = "quantize-weight-diff{bits=4, group=64, rounding=stochastic}"
+
+
+def traced(opt_name: str = "sgd_momentum"):
+    torch.manual_seed(0)
+    model = MLP(8, 64, 16)
+    opt = OPTIMIZERS[opt_name](model.parameters(), True)
+    return diphoma_compile.trace(classify_step, model, opt, mlp_batches(1)[0]).replace(
+        mesh=Mesh({"dp": 4}))
+
+
+def run(graph, spec: str):
+    ctx = PassContext()
+    return Pipeline.from_spec(spec).run(graph, ctx), ctx
+
+
+def test_golden_quantize_weight_diff(golden):
+    out, ctx = run(traced(), default_passes("dp") + "," + QWD + ",dce")
+    text = print_graph(out)
+    assert parse(text) == out
+    golden("torch_mlp_sgd_momentum.qwd.ir", text)
+    rec = ctx.decision(QuantizeWeightDiffRecord)
+    assert rec.quantized == ("fc1.weight", "fc2.weight") and rec.bound == "absmax/7"
+    assert [k for k, _ in rec.kept] == ["fc1.bias", "fc2.bias"]
+    for w in rec.quantized:   # 4 bits + one fp32 scale per 64 values: under 1/6 of fp32
+        assert rec.bytes_after[w] < rec.bytes_before[w] / 6
+    masters = [i for i in out.inputs if i.role.kind is InputKind.comm_state]
+    assert [(i.role.of, i.role.slot) for i in masters] == [
+        ("fc1.weight", "master"), ("fc2.weight", "master"), (None, "rng_key")]
+
+
+@pytest.mark.parametrize("opt_name", ["adam", "adamw"])
+def test_dirty_padding_of_the_exact_pieces_settles(opt_name):
+    """Adam's update leaves unknown padding in a piece: the exact pieces (and the state they
+    reach through weight decay) are declared Fx, and the graph verifies."""
+    out, ctx = run(traced(opt_name), default_passes("dp") + "," + QWD)
+    m = out.input("fc1.weight.master")
+    assert str(m.value.type.placement("dp")) == "Fx"
+
+
+def test_errors():
+    with pytest.raises(PassError, match="weight-update-sharding"):
+        run(traced(), "data-parallel," + QWD)
+    with pytest.raises(PassError, match="bits=3"):
+        run(traced(), default_passes("dp") + ",quantize-weight-diff{bits=3}")
+    # nothing large enough: the graph is unchanged and the plan says why
+    g = run(traced(), default_passes("dp"))[0]
+    out, ctx = run(g, "quantize-weight-diff{group=4096}")
+    rec = ctx.decision(QuantizeWeightDiffRecord)
+    assert out.ops == g.ops and out.inputs == g.inputs and rec.quantized == ()
+    assert len(rec.kept) == 4
+
+
+QG = "quantize-grads{bits=4, group=64, hadamard=32}"
+
+
+def test_golden_quantize_grads_and_weight_diff(golden):
+    out, ctx = run(traced(), default_passes("dp") + "," + QG + "," + QWD + ",dce")
+    text = print_graph(out)
+    assert parse(text) == out
+    golden("torch_mlp_sgd_momentum.sdp4bit.ir", text)
+    rec = ctx.decisions["quantize-grads"]
+    assert rec.quantized == ("18.avg", "25.avg") and rec.hops == 1
+    for g in rec.quantized:
+        assert rec.bytes_after[g] < rec.bytes_before[g] / 6
+
+
+def test_quantize_grads_errors():
+    with pytest.raises(PassError, match="weight-update-sharding"):
+        run(traced(), "data-parallel," + QG)
+    with pytest.raises(PassError, match="two-hop"):
+        run(traced(), default_passes("dp") + ",quantize-grads{levels=2}")
+    with pytest.raises(PassError, match="hadamard=24"):
+        run(traced(), default_passes("dp") + ",quantize-grads{hadamard=24}")
+
+
+def test_naive_weights_ablation_quantizes_the_weights_themselves():
+    out, ctx = run(traced(), default_passes("dp") + ",quantize-weight-diff{group=64, naive=true}")
+    ops = {v.name: op for op in out.ops for v in op.results}
+    new = next(o.name for o in out.outputs if o.role.target == "fc1.weight")
+    assert ops[new].name == "dequantize"                  # not the old copy + a difference
+    q = next(op for op in out.ops if op.name == "quantize")
+    assert ops[q.inputs[0]].name == "add"                 # the new exact piece itself
