@@ -20,7 +20,7 @@ from diphoma_compile.ir.framework_ops import FRAMEWORK_OPS, framework_rule  # no
 from diphoma_compile.ir.opdef import op_def  # noqa: E402
 from diphoma_compile.ir.strategies import candidates, strategies_of  # noqa: E402
 from diphoma_compile.ir.types import REPLICATE, DType, Partial, Shard, TensorType  # noqa: E402
-from diphoma_compile.torch.op_rules import local_arguments  # noqa: E402
+from diphoma_compile.torch.op_rules import with_local_arguments  # noqa: E402
 from diphoma_compile.torch.ops import (decode_arg, encode_arg, ir_dtype,  # noqa: E402
                                        resolve_target)
 
@@ -170,19 +170,6 @@ def make_op(target: str, args, kwargs, call=None):
 
 # ------------------------------------------------------------------ running a strategy
 
-def _bind(target: str, args: list, kwargs: dict, replace: dict) -> tuple[list, dict]:
-    """The call with the named arguments replaced."""
-    names = [a.name for a in resolve_target(target)._schema.arguments]
-    args, kwargs = list(args), dict(kwargs)
-    for name, value in replace.items():
-        i = names.index(name)
-        if i < len(args):
-            args[i] = value
-        else:
-            kwargs[name] = value
-    return args, kwargs
-
-
 def _piece(t: torch.Tensor, p, k: int, parts: list[torch.Tensor] | None) -> torch.Tensor:
     if isinstance(p, Shard):
         # a split of k groups: this device's piece of every group, in group order
@@ -242,8 +229,9 @@ def run_strategy(target, op, tensors, whole, s, g):
         args = decode_arg(op.attrs["args"], local)
         kwargs = {name[3:]: decode_arg(v, local) for name, v in op.attrs.items()
                   if name.startswith("kw_")}
-        args, kwargs = _bind(target, args, kwargs,
-                             local_arguments(op, [_ttype(t) for t in local], local_outs))
+        # the arguments that name a whole shape take the local one, as the backend does
+        args, kwargs = with_local_arguments(op, args, kwargs, [_ttype(t) for t in local],
+                                            local_outs)
         if s.masked:
             out = MASKED[target](args, kwargs, k)
         else:

@@ -17,6 +17,7 @@ from diphoma_compile.ir import verify  # noqa: E402
 from diphoma_compile.ir.types import Shard  # noqa: E402
 from diphoma_compile.mesh import Mesh  # noqa: E402
 from diphoma_compile.passes import PassContext, Pipeline, TensorParallelRecord  # noqa: E402
+from test_propagation_torch import step  # noqa: E402
 
 
 class MLP(nn.Module):
@@ -42,14 +43,6 @@ class FusedAttention(nn.Module):
                    for t in self.qkv(x).split(d, dim=2))
         a = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
         return self.o(a.transpose(1, 2).reshape(b, s, d))
-
-
-def step(model, opt, x):
-    loss = model(x).pow(2).mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
 
 
 def _placed(model, x):
@@ -81,19 +74,24 @@ def test_fused_attention_splits_in_groups_golden(golden):
     golden("torch_fused_attention_sgd.tp.ir", text)
 
 
+def _data_parallel(spec: str, opt=torch.optim.AdamW):
+    """The MLP's step at dp=2 after ``dce,data-parallel{axis=dp},`` + spec, verified, and
+    the shard-params record it left (None if none)."""
+    torch.manual_seed(0)
+    model = MLP()
+    graph = diphoma_compile.trace(step, model, opt(model.parameters(), lr=0.1),
+                                  torch.randn(8, 8))
+    ctx = PassContext()
+    out = Pipeline.from_spec("dce,data-parallel{axis=dp}," + spec).run(
+        graph.replace(mesh=Mesh({"dp": 2})), ctx)
+    verify(out)
+    return out, ctx.decisions.get("shard-params")
+
+
 def test_shard_params_golden(golden):
     # parameters held as their update's flat pieces: gathered before their first forward
     # use, and again (with the forward's views of them made again) before backward
-    torch.manual_seed(0)
-    model = MLP()
-    graph = diphoma_compile.trace(step, model, torch.optim.AdamW(model.parameters(), lr=0.1),
-                                  torch.randn(8, 8))
-    ctx = PassContext()
-    out = Pipeline.from_spec("dce,data-parallel{axis=dp},weight-update-sharding{axis=dp},dce,"
-                             "shard-params{axis=dp},dce").run(
-        graph.replace(mesh=Mesh({"dp": 2})), ctx)
-    verify(out)
-    rec = ctx.decisions["shard-params"]
+    out, rec = _data_parallel("weight-update-sharding{axis=dp},dce,shard-params{axis=dp},dce")
     assert set(rec.sharded) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
     assert rec.gathers == {"forward": 4, "backward": 1}
     text = str(out)
@@ -102,32 +100,16 @@ def test_shard_params_golden(golden):
 
 
 def test_shard_params_needs_a_sharded_update():
-    torch.manual_seed(0)
-    model = MLP()
-    graph = diphoma_compile.trace(step, model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                  torch.randn(8, 8))
     with pytest.raises(diphoma_compile.DiphomaError, match="weight-update-sharding"):
-        Pipeline.from_spec("dce,data-parallel{axis=dp},shard-params{axis=dp}").run(
-            graph.replace(mesh=Mesh({"dp": 2})), PassContext())
+        _data_parallel("shard-params{axis=dp}", torch.optim.SGD)
 
 
 def test_gather_at_next_forward_golden(golden):
     # weight-update-sharding{gather=next-forward}: the new pieces are returned as they are;
     # each parameter is gathered once, before its first use, and kept through backward
-    torch.manual_seed(0)
-    model = MLP()
-    graph = diphoma_compile.trace(step, model, torch.optim.AdamW(model.parameters(), lr=0.1),
-                                  torch.randn(8, 8))
-    ctx = PassContext()
-    out = Pipeline.from_spec("dce,data-parallel{axis=dp},"
-                             "weight-update-sharding{axis=dp, gather=next-forward},dce").run(
-        graph.replace(mesh=Mesh({"dp": 2})), ctx)
-    verify(out)
-    rec = ctx.decisions["shard-params"]
+    out, rec = _data_parallel("weight-update-sharding{axis=dp, gather=next-forward},dce")
     assert rec.backward == "keep" and rec.gathers == {"forward": 4}
     assert ".again" not in str(out)
     golden("torch_mlp_adamw.wus-next-forward.ir", str(out))
     with pytest.raises(diphoma_compile.DiphomaError, match="gather='later' is not one of"):
-        Pipeline.from_spec("dce,data-parallel{axis=dp},"
-                           "weight-update-sharding{axis=dp, gather=later}").run(
-            graph.replace(mesh=Mesh({"dp": 2})), PassContext())
+        _data_parallel("weight-update-sharding{axis=dp, gather=later}")
