@@ -89,7 +89,7 @@ class TorchDistStep(TorchStep):
         self.calls = 0
         captured = self._bind_comm_state(graph, captured)
         self._check_binding(graph, captured)
-        super().__init__(graph, captured, self._program(graph))
+        super().__init__(graph, captured, self._program(graph, captured))
         self._state_type: dict[tuple[int, str], TensorType] = {
             s.key: i.value.type for i, s in zip(graph.inputs, captured.inputs)
             if s.kind == "opt_state"}
@@ -107,10 +107,10 @@ class TorchDistStep(TorchStep):
             self._broadcast_module_states()
         self._shard_params()
 
-    def _program(self, graph: Graph) -> Any:
+    def _program(self, graph: Graph, captured: Captured) -> Any:
         """This rank's program: a callable from the graph's inputs to its outputs (fx, or
         Inductor's code when the step was traced for it)."""
-        return program(graph, self.captured, self.comms)
+        return program(graph, captured, self.comms)
 
     # ------------------------------------------------------------------ checks
     def _check_equal_shares(self, graph: Graph) -> None:

@@ -33,7 +33,7 @@ from .build import build_module
 from .dist import TorchDistStep
 from .ops import DTYPE_TO_TORCH
 from .pipeline_schedule import schedule_actions
-from .state import Slot
+from .state import Captured, Slot
 
 _SEGMENTS = {Phase.forward: "F", Phase.backward: "B", Phase.update: "U"}
 
@@ -56,7 +56,7 @@ class TorchPipelineStep(TorchDistStep):
         super().__init__(*args, **kwargs)
         self._finish_init()
 
-    def _program(self, graph: Graph) -> Any:
+    def _program(self, graph: Graph, captured: Captured) -> Any:
         opts = pipeline_of(graph)
         if opts is None or opts.axis not in self.comms:
             raise BackendError("the graph was not cut into pipeline stages",
