@@ -113,11 +113,12 @@ class ParallelStep:
                                              compression=self.compression)
         return self
 
-    def _auto(self) -> str:
+    def _auto(self) -> str | None:
         # the framework picks the code generator by the step's size for the plans checked
-        # under both; pipelines, parameter sharding and compression run fx unless asked
+        # under both; pipelines, parameter sharding and compression run the framework's
+        # reference program (PyTorch: fx) unless codegen= asks
         plain = self.pipeline is None and not self.shard_params and self.compression is None
-        return "auto" if plain else "fx"
+        return "auto" if plain else None
 
     @property
     def graph(self) -> Graph:
