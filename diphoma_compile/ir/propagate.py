@@ -329,7 +329,8 @@ def _collective(r: Reshard, types, names, axis: str, user: Op | None) -> list[Op
 
     def plain(p: Placement) -> Placement:
         return Shard(d + 1) if isinstance(p, Shard) else p
-    v_in = Value(names(f"{r.value}.groups"), TensorType(view, t.dtype).with_placement(
+    # other axes' placements (partial sums only: splits were refused above) carry through
+    v_in = Value(names(f"{r.value}.groups"), t.with_shape(view).with_placement(
         axis, plain(r.src)))
     v_col = Value(names(f"{r.value}.{how.collective}"), v_in.type.with_placement(
         axis, plain(r.dst)))

@@ -152,6 +152,12 @@ FLAT_DIRTY = FlatShard(dirty=True)
 VARYING = Varying()
 
 
+def dim_attr(p: Placement) -> int | str:
+    """The ``dim`` attribute of a collective that makes or takes a value placed ``p``:
+    ``"flat"`` for a flat shard, else the split dimension."""
+    return "flat" if isinstance(p, FlatShard) else p.dim
+
+
 def fits(declared: Placement, given: Placement) -> bool:
     """True when a value that ops give placed ``given`` may be declared ``declared``: the
     same, or a flat shard with known-zero padding declared as one with unknown padding."""

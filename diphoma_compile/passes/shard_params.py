@@ -25,9 +25,9 @@ from typing import Any
 
 from ..ir.core import Attrs, Graph, Input, InputKind, Op, OutputKind, Phase, Value
 from ..ir.rewrite import rename_uses
-from ..ir.opdef import is_view, op_def
+from ..ir.opdef import Category, is_view, op_def
 from ..ir.sharding_rules import propagate
-from ..ir.types import REPLICATE, FlatShard, Placement, TensorType, fits
+from ..ir.types import REPLICATE, Placement, TensorType, dim_attr, fits
 from .base import Pass, PassContext, PassFailure, register_pass
 from .data_parallel import require_axis
 
@@ -135,7 +135,7 @@ class ShardParams(Pass):
                 t = graph.input(p).value.type
                 v = Value(names(f"{p}.whole"), t.with_placement(ax, REPLICATE))
                 ops.append(Op("all_gather", (p,), (v,), Attrs(
-                    {"axis": ax, "dim": _dim_attr(sharded[p])}), phase=at.phase, loc=at.loc))
+                    {"axis": ax, "dim": dim_attr(sharded[p])}), phase=at.phase, loc=at.loc))
                 gathered[key] = v.name
                 phase = at.phase.value if at.phase is not None else "none"
                 counts[phase] = counts.get(phase, 0) + 1
@@ -186,8 +186,8 @@ def _retype(ops: list[Op], types: dict[str, TensorType], axis: str) -> list[Op]:
     for op in ops:
         ins = [types[x] for x in op.inputs]
         res = [v.type for v in op.results]
-        own = op.name in ("all_gather", "reduce_scatter", "all_reduce", "take_shard") \
-            and op.attrs.get("axis") == axis
+        # a collective on this axis sets its result's placement itself
+        own = op_def(op.name).category is Category.collective and op.attrs.get("axis") == axis
         got = None if own else propagate(op, ins, res, axis, op_def(op.name).sharding_rule)
         if not own and got is None:
             raise PassFailure(f"shard-params: {op.name} cannot run on its inputs placed "
@@ -201,6 +201,3 @@ def _retype(ops: list[Op], types: dict[str, TensorType], axis: str) -> list[Op]:
         out.append(op)
     return out
 
-
-def _dim_attr(p: Placement) -> Any:
-    return "flat" if isinstance(p, FlatShard) else p.dim

@@ -30,8 +30,8 @@ from typing import Any
 from ..ir.core import Attrs, Graph, Input, InputKind, Op, OutputKind, Phase, Value
 from ..ir.ops import op_def
 from ..ir.sharding_rules import propagate
-from ..ir.types import (FLAT, FLAT_DIRTY, REPLICATE, FlatShard, Partial, Placement, Replicate,
-                        Shard, TensorType, Varying, fits)
+from ..ir.types import (FLAT, FLAT_DIRTY, REPLICATE, Partial, Placement, Replicate,
+                        Shard, TensorType, Varying, dim_attr, fits)
 from .base import Pass, PassContext, PassFailure, register_pass
 from .data_parallel import require_axis
 
@@ -54,9 +54,6 @@ def shard_placement(t: TensorType, n: int, layout: str) -> tuple[Placement, str]
     return REPLICATE, (f"no dimension of {list(t.shape)} divides {n} and layout=dims needs "
                        "even splits")
 
-
-def _dim_attr(p: Placement) -> Any:
-    return "flat" if isinstance(p, FlatShard) else p.dim
 
 
 @dataclass(frozen=True)
@@ -185,12 +182,12 @@ class _Rewrite:
         t = self.types[name]
         p = t.placement(self.ax)
         return self.emit("all_gather", (name,), t.with_placement(self.ax, REPLICATE),
-                         {"axis": self.ax, "dim": _dim_attr(p)}, at, f"{name}.full")
+                         {"axis": self.ax, "dim": dim_attr(p)}, at, f"{name}.full")
 
     def shard(self, name: str, p: Placement, at: Op | None) -> str:
         t = self.types[name]
         return self.emit("take_shard", (name,), t.with_placement(self.ax, p),
-                         {"axis": self.ax, "dim": _dim_attr(p)}, at, f"{name}.shard")
+                         {"axis": self.ax, "dim": dim_attr(p)}, at, f"{name}.shard")
 
     # -------------------------------------------------------------- the rewrite
     def run(self) -> tuple[Graph, _Plan, set[str]]:
@@ -245,7 +242,7 @@ class _Rewrite:
             return
         t = v.type.with_placement(self.ax, p)
         self.out.append(op.replace(name="reduce_scatter", results=(Value(v.name, t),),
-                                   attrs=op.attrs.set(dim=_dim_attr(p))))
+                                   attrs=op.attrs.set(dim=dim_attr(p))))
         self.types[v.name] = t
 
     def update_op(self, op: Op) -> list[Op] | None:
