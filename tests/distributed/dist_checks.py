@@ -898,8 +898,16 @@ def run_shard_params(rank: int, world: int) -> dict:
     losses, gathered parameters and state, what each rank holds between steps."""
     import diphoma_compile
     out: dict = {}
-    for name, opt_name, clipped in (("gpt", "adamw", True), ("mlp", "sgdm", False)):
-        make, steps, batches = MODELS[name]
+    models = {**MODELS, "hf_gpt2": (_gpt2, {False: hf_lm_step},
+                                    lambda world: [(b,) for b in _gpt2_batches()])}
+    cases = [("gpt", "adamw", True), ("mlp", "sgdm", False)]
+    try:
+        import transformers  # noqa: F401
+        cases.append(("hf_gpt2", "sgdm", False))   # as people bring it: tied embeddings
+    except ImportError:          # the dev extra is not installed
+        pass
+    for name, opt_name, clipped in cases:
+        make, steps, batches = models[name]
         step_fn = steps[clipped]
         runs = {}
         for shard in (False, True, "next-forward"):
