@@ -621,7 +621,13 @@ class _Builder:
         name = self.choice(COLLECTIVES)
         attrs: dict = {"axis": axis}
         if name in ("all_reduce", "reduce_scatter"):
-            x = self.pick(blk, lambda u: isinstance(u.placement(axis), Partial))
+            def reducible(u: TensorType) -> bool:
+                # a max or min of partial sums over another axis is not a partial sum of
+                # the max: the verifier refuses it (strategies.linear_collective)
+                p = u.placement(axis)
+                return isinstance(p, Partial) and (p.op in ("sum", "avg") or not any(
+                    isinstance(q, Partial) for a, q in u.placements if a != axis))
+            x = self.pick(blk, reducible)
             if x is None:  # make a partial sum: a zero constant may be declared P(sum)
                 t = TensorType(self.shape(), self.choice(NUM_DTYPES), ((axis, Partial("sum")),))
                 x = self.full(blk, t, 0)
