@@ -179,6 +179,19 @@ class ParallelStep:
         the fx code generator)."""
         return getattr(self.runner, "compile_s", None)
 
+    def measure_memory(self, *args: Any) -> Any:
+        """PyTorch: run one real step with these arguments (it trains, like any call) and
+        return the peak of tensor memory this process reached in it (a ``MeasuredPeak``:
+        ``held`` before the step, ``peak``, ``transient``), to set beside
+        ``plan.memory.peak``. Every rank must call it."""
+        if self._runner is None:
+            self(*args)
+        if not hasattr(self._runner, "measure_memory"):
+            raise DiphomaError(f"measure_memory() is not available for {self.framework} "
+                               "steps", hint="under JAX, use jax.profiler's device memory "
+                                             "profile")
+        return self._runner.measure_memory(*args)
+
     def memory_report(self) -> Any:
         """Bytes of parameters and optimizer state this process holds, measured from the
         live tensors (after the first call)."""
@@ -307,7 +320,8 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
         backend = (f"the single-device program, as compile() runs it: the mesh has one "
                    f"device ({fw.name})")
     return graph, build_plan(graph, ctx.decisions, backend=backend, device_model=device_model,
-                             in_place=fw.in_place_updates(graph))
+                             in_place=fw.in_place_updates(graph),
+                             scratch=fw.collective_scratch(graph))
 
 
 def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,

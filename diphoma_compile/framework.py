@@ -56,6 +56,11 @@ class Framework(Protocol):
         input's storage where they are made (not held to the end of the step)."""
         ...
 
+    def collective_scratch(self, graph: Graph) -> dict[int, int]:
+        """Top-level op index -> bytes the backend holds besides a collective's results
+        while it is in flight (a packed send buffer), for the plan's peak."""
+        ...
+
     def module_kinds(self) -> dict[str, tuple[type, ...]]:
         """``diphoma inspect``: the model base classes of this framework, by kind name."""
 

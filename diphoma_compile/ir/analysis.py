@@ -4,7 +4,7 @@ flops and bytes. Each is a pure function of the graph; passes call what they nee
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import networkx as nx
@@ -209,22 +209,45 @@ class Peak:
     inputs_bytes: int   # what the inputs hold (the memory at rest, before the step)
 
 
+def _finished_at(graph: Graph) -> dict[int, int]:
+    """Top-level op index of each async collective -> the index of the wait finishing it."""
+    made: dict[str, int] = {}
+    out: dict[int, int] = {}
+    for k, op in enumerate(graph.ops):
+        if op.name == "wait":
+            for i in op.inputs:
+                if i in made:
+                    out.setdefault(made[i], k)
+        elif op.attrs.get("async", False):
+            for v in op.results:
+                made[v.name] = k
+    return out
+
+
 def view_bases(graph: Graph) -> dict[str, str]:
-    """Each top-level value that is a view (``is_view``) -> the value owning its storage."""
+    """Each top-level value that is a view (``is_view``) -> the value owning its storage. A
+    ``wait``'s results are its inputs, handed on (result i is input i)."""
     base: dict[str, str] = {}
     for op in graph.ops:
-        if is_view(op) and op.inputs:
+        if op.name == "wait":
+            for i, v in zip(op.inputs, op.results):
+                base[v.name] = base.get(i, i)
+        elif is_view(op) and op.inputs:
             for v in op.results:
                 base[v.name] = base.get(op.inputs[0], op.inputs[0])
     return base
 
 
-def peak_memory(graph: Graph, in_place: Collection[str] = ()) -> Peak:
+def peak_memory(graph: Graph, in_place: Collection[str] = (),
+                scratch: Mapping[int, int] | None = None) -> Peak:
     """Liveness over the program as it runs, per device: each value that owns storage lives
     from the op that makes it to its last use (through any view of it), or to the end when
     the step returns it; inputs live throughout; views own nothing. Values in ``in_place``
     are copied into the input they replace where they are made (the backend's in-place
-    updates): they are not held to the end."""
+    updates): they are not held to the end. ``scratch``: top-level op index -> bytes the
+    backend holds besides the op's results while it runs (a collective's packed send
+    buffer), from the op to the ``wait`` that finishes it (the op alone when it is
+    synchronous)."""
     sizes = dict(graph.mesh.axes)
     inputs = sum(i.value.type.local_nbytes(sizes) for i in graph.inputs)
     input_names = {i.name for i in graph.inputs}
@@ -250,6 +273,11 @@ def peak_memory(graph: Graph, in_place: Collection[str] = ()) -> Peak:
             continue
         delta[k] += size[name]
         delta[min(max(last.get(name, k), k), end - 1) + 1] -= size[name]
+    if scratch:
+        finished = _finished_at(graph)
+        for k, nbytes in scratch.items():
+            delta[k] += nbytes
+            delta[min(finished.get(k, k), end - 1) + 1] -= nbytes
     running, best, at = 0, 0, -1
     for k in range(end):
         running += delta[k]

@@ -76,6 +76,10 @@ class JaxFramework:
         """None: the JAX backend donates no buffers (yet), so old and new values coexist."""
         return set()
 
+    def collective_scratch(self, graph: Graph) -> dict[int, int]:
+        """None counted: XLA places the collectives' buffers itself."""
+        return {}
+
     def module_kinds(self) -> dict[str, tuple[type, ...]]:
         """``flax-module`` (linen) and ``nnx-module``, when the file imported flax."""
         out: dict[str, tuple[type, ...]] = {}

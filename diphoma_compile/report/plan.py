@@ -191,11 +191,13 @@ def gradient_sources(graph: Graph, prod: dict[str, Op] | None = None,
 def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
                backend: str | None = None,
                device_model: DeviceModel | str = DEFAULT_DEVICE_MODEL,
-               in_place: Collection[str] = ()) -> Plan:
+               in_place: Collection[str] = (),
+               scratch: Mapping[int, int] | None = None) -> Plan:
     """The plan of a (transformed) graph; ``decisions`` are the passes' records
     (``PassContext.decisions``), ``backend`` how the framework runs it, ``device_model``
     what the step time is estimated on (a DeviceModel or its name), ``in_place`` the new
-    values the backend writes into their inputs' storage (for the peak)."""
+    values the backend writes into their inputs' storage and ``scratch`` the bytes its
+    collectives hold while in flight (for the peak: ``analysis.peak_memory``)."""
     sizes = dict(graph.mesh.axes)
     types = graph.value_types()
     tensors = []
@@ -251,7 +253,7 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
             op.name, axis, value, serves,
             op.attrs.get("op"), d.comm_bytes(op, ins, outs, sizes.get(axis, 1), sizes),
             op.phase.value if op.phase else None, belongs))
-    memory = _memory(graph, sizes, sources, types, in_place)
+    memory = _memory(graph, sizes, sources, types, in_place, scratch)
     params = sum(i.value.type.numel for i in graph.inputs if i.role.kind is InputKind.param)
     return Plan(graph.name, sizes, graph.passes, tuple(tensors), tuple(collectives), memory,
                 sum(c.bytes_per_device for c in collectives), dict(decisions or {}), params,
@@ -347,7 +349,8 @@ def _serves(op: Op, grads: dict[str, str], loss: set[str], metrics: set[str],
 
 
 def _memory(graph: Graph, sizes: dict[str, int], grads: dict[str, str],
-            types: dict[str, TensorType], in_place: Collection[str] = ()) -> Memory:
+            types: dict[str, TensorType], in_place: Collection[str] = (),
+            scratch: Mapping[int, int] | None = None) -> Memory:
     per = {k: 0 for k in ("param", "opt_state")}
     whole = dict(per)
     for i in graph.inputs:
@@ -360,7 +363,7 @@ def _memory(graph: Graph, sizes: dict[str, int], grads: dict[str, str],
     if not grads:   # an untransformed step: a gradient per trainable parameter
         g_local = g_whole = per["param"]
     act_local, act_whole = saved_activations(graph, sizes, types)
-    peak = peak_memory(graph, in_place)
+    peak = peak_memory(graph, in_place, scratch)
     at = ""
     if peak.index >= 0:
         op = graph.ops[peak.index]

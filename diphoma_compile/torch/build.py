@@ -75,6 +75,12 @@ class _Builder:
         for o in graph.outputs:
             self.uses[o.name] = self.uses.get(o.name, 0) + 1
         self.in_place = updates_in_place(graph) if in_place else {}
+        # a collective's result -> the value its wait hands on (the name the step returns)
+        self.handed_on: dict[str, str] = {}
+        for op in graph.ops:
+            if op.name == "wait":
+                self.handed_on.update(zip(op.inputs, (v.name for v in op.results)))
+        self.direct: set[str] = set()       # new values the collective wrote into place
 
     def build(self) -> fx.GraphModule:
         for i in self.g.inputs:
@@ -88,7 +94,9 @@ class _Builder:
             for v in op.results:
                 target = self.in_place.get(v.name)
                 node = self.env.get(v.name)
-                if target is not None and isinstance(node, fx.Node) \
+                if v.name in self.direct:
+                    written[v.name] = target
+                elif target is not None and isinstance(node, fx.Node) \
                         and v.name not in self.pending:
                     # the input is read no more: its storage takes the new value now, and
                     # the new tensor dies here instead of living to the end of the step
@@ -100,6 +108,17 @@ class _Builder:
         for axis, comm in self.comms.items():
             setattr(root, f"comm_{axis}", comm)
         return fx.GraphModule(root, self.fx, class_name=_py_name(self.g.name))
+
+    def destination(self, name: str) -> fx.Node | None:
+        """The input whose storage a collective may write ``name`` into as it unpacks it
+        (the parameter a gathered new value replaces), or None; the value is then marked as
+        written in place."""
+        final = self.handed_on.get(name, name)
+        target = self.in_place.get(final)
+        if target is None or not isinstance(self.env.get(target), fx.Node):
+            return None
+        self.direct.add(final)
+        return self.env[target]
 
     def local(self, t: TensorType) -> list[int]:
         """The shape of the piece of a value this rank holds."""
@@ -393,10 +412,11 @@ def _all_reduce(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
 
 def _reduce_scatter(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
     """This rank's piece of the reduction over the axis."""
-    a = op.attrs
-    x = b.node(op.inputs[0])
+    a, src = op.attrs, op.inputs[0]
+    owned = b.uses.get(src, 0) == 1 and src in b.fresh
     return b.call(collectives.reduce_scatter,
-                  [comm, x, str(a["op"]), a["dim"], b.local(op.result.type)], _async(op))
+                  [comm, b.node(src), str(a["op"]), a["dim"], b.local(op.result.type)],
+                  {**_async(op), "owned": owned})
 
 
 def _all_gather(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
@@ -444,7 +464,8 @@ def _bucket(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
                        [b.local(v.type) for v in op.results]], asy)
     if op.name == "all_gather":
         return b.call(collectives.all_gather_bucket,
-                      [comm, xs, a["dim"], [b.local(v.type) for v in op.results]], asy)
+                      [comm, xs, a["dim"], [b.local(v.type) for v in op.results]],
+                      {**asy, "dests": [b.destination(v.name) for v in op.results]})
     raise UnsupportedOpError(f"the torch backend has no bucketed {op.name}")
 
 

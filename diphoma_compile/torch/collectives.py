@@ -46,6 +46,7 @@ class Comm(torch.nn.Module):
         # _c10d_functional ops instead of torch.distributed calls, for a code generator
         # (Inductor) that traces the program: bytes are then counted once, at the trace
         self.functional = False
+        self.backend: str | None = None        # the group's backend, read on first use
 
     def global_rank(self, group_rank: int) -> int:
         """The world rank of the group's ``group_rank``-th member (for src/dst arguments)."""
@@ -141,24 +142,59 @@ def all_reduce(comm: Comm, x: torch.Tensor, op: str, owned: bool = False,
 
 
 def reduce_scatter(comm: Comm, x: torch.Tensor, op: str, dim: Any,
-                   local_shape: list[int], async_op: bool = False) -> Any:
+                   local_shape: list[int], async_op: bool = False, owned: bool = False) -> Any:
     """This rank's chunk of the reduction: of the zero-padded flattened tensor (``flat``), or
-    along dimension ``dim``."""
+    along dimension ``dim``. ``owned``: the program does not read ``x`` again."""
     n = comm.size
     if dim == "flat":
         src, k = _padded_flat(x, n)
-        out = src.new_empty(k)
+        out_shape: list[int] = [k]
     else:
         src = x.movedim(dim, 0).contiguous()
-        out = src.new_empty((src.shape[0] // n, *src.shape[1:]))
-    comm._count("reduce_scatter", int(_frac(comm) * n * (out.numel() * out.element_size())))
+        out_shape = [src.shape[0] // n, *src.shape[1:]]
+    owned = owned or src.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
 
-    def finish() -> torch.Tensor:
-        res = out.div_(n) if op == "avg" else out
+    def shaped(res: torch.Tensor) -> torch.Tensor:
         if dim != "flat":
             res = res.movedim(0, dim)
         return res.reshape(local_shape)
-    return _start(comm, _scatter_launch(comm, out, src, op), finish, async_op)
+    return _start_scatter(comm, src, owned, out_shape, op, shaped, async_op)
+
+
+def _all_reduces_to_scatter(comm: Comm) -> bool:
+    """gloo has no reduce-scatter of its own: torch runs it as an all-reduce of a copy of
+    the whole input, held until the wait. All-reducing a buffer we own in place and keeping
+    this rank's chunk moves the same bytes and holds one whole buffer fewer."""
+    if comm.functional or comm.size == 1:
+        return False
+    if comm.backend is None:
+        comm.backend = str(dist.get_backend(comm.group))
+    return comm.backend == "gloo"
+
+
+def _start_scatter(comm: Comm, src: torch.Tensor, owned: bool, out_shape: list[int], op: str,
+                   shaped: Any, async_op: bool) -> Any:
+    """Start the reduce-scatter of ``src`` (contiguous, its rows the ranks' chunks) into a
+    chunk of ``out_shape``; ``shaped`` turns the (averaged) chunk into the result."""
+    n = comm.size
+    k = src.numel() // n
+    comm._count("reduce_scatter", int(_frac(comm) * n * (k * src.element_size())))
+    if _all_reduces_to_scatter(comm):
+        buf = src if owned else src.clone()
+        del src
+
+        def launch(a: bool) -> Any:
+            return dist.all_reduce(buf, op=_reduce_op(op), group=comm.group, async_op=a)
+
+        def finish() -> Any:
+            out = buf.view(-1).narrow(0, comm.rank * k, k).clone().view(out_shape)
+            return shaped(out.div_(n) if op == "avg" else out)
+        return _start(comm, launch, finish, async_op)
+    out = src.new_empty(out_shape)
+
+    def finish_scatter() -> Any:
+        return shaped(out.div_(n) if op == "avg" else out)
+    return _start(comm, _scatter_launch(comm, out, src, op), finish_scatter, async_op)
 
 
 def _scatter_launch(comm: Comm, out: torch.Tensor, src: torch.Tensor, op: str) -> Any:
@@ -207,10 +243,7 @@ def all_gather(comm: Comm, x: torch.Tensor, dim: Any, shape: list[int],
 
     def finish() -> torch.Tensor:
         if dim == "flat":
-            numel = 1
-            for s in shape:
-                numel *= s
-            return out[:numel].view(shape)
+            return out[:_numel(shape)].view(shape)
         return out.movedim(0, dim)
     return _start(comm, _gather_launch(comm, out, src), finish, async_op)
 
@@ -288,44 +321,79 @@ def all_reduce_bucket(comm: Comm, xs: list[torch.Tensor], op: str,
 
 def reduce_scatter_bucket(comm: Comm, xs: list[torch.Tensor], op: str, dim: Any,
                           local_shapes: list[list[int]], async_op: bool = False) -> Any:
-    """reduce_scatter of k values in one call: this rank's piece of each."""
+    """reduce_scatter of k values in one call: this rank's piece of each. Only the packed
+    buffer and the output live while it is in flight: nothing here keeps the members (the
+    program drops a gradient once its bucket has packed it)."""
     n = comm.size
     rows = [_rows(x, n, dim) for x in xs]
+    widths = [r.shape[1] for r in rows]
     src = torch.cat(rows, dim=1).reshape(-1)
-    out = src.new_empty(src.numel() // n)
-    comm._count("reduce_scatter", int(_frac(comm) * n * (out.numel() * out.element_size())))
+    del rows
+    pieces_of = None if dim == "flat" else [
+        ([x.shape[dim] // n] + [s for i, s in enumerate(x.shape) if i != dim]) for x in xs]
 
-    def finish() -> tuple[torch.Tensor, ...]:
-        res = out.div_(n) if op == "avg" else out
-        pieces = res.split([r.shape[1] for r in rows])
-        if dim == "flat":
+    def shaped(res: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        pieces = res.split(widths)
+        if pieces_of is None:
             return tuple(p.view(s) for p, s in zip(pieces, local_shapes))
-        return tuple(p.view([x.shape[dim] // n] + [s for i, s in enumerate(x.shape)
-                                                   if i != dim]).movedim(0, dim)
-                     for p, x in zip(pieces, xs))
-    return _start(comm, _scatter_launch(comm, out, src, op), finish, async_op)
+        return tuple(p.view(s).movedim(0, dim) for p, s in zip(pieces, pieces_of))
+    return _start_scatter(comm, src, True, [src.numel() // n], op, shaped, async_op)
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _unpack_into(dest: torch.Tensor, r: torch.Tensor, n: int, dim: Any,
+                 piece: list[int]) -> torch.Tensor:
+    """Write the gathered rows ``r`` (n, m) of one bucket member straight into ``dest``, the
+    storage of the whole value (the parameter it replaces), with no copy in between."""
+    if not dest.is_contiguous():
+        whole = r.reshape(-1)[:dest.numel()].view(dest.shape) if dim == "flat" else \
+            r.reshape([n * piece[0]] + piece[1:]).movedim(0, dim)
+        return dest.copy_(whole)
+    if dim == "flat":
+        numel, m = dest.numel(), r.shape[1]
+        flat = dest.view(-1)
+        full = numel // m
+        if full:
+            flat[:full * m].view(full, m).copy_(r[:full])
+        if numel > full * m:
+            flat[full * m:].copy_(r[full, :numel - full * m])
+        return dest
+    dest.movedim(dim, 0).unflatten(0, (n, piece[0])).copy_(r.unflatten(1, piece))
+    return dest
 
 
 def all_gather_bucket(comm: Comm, xs: list[torch.Tensor], dim: Any,
-                      shapes: list[list[int]], async_op: bool = False) -> Any:
-    """all_gather of k values in one call: each whole value, padding dropped."""
+                      shapes: list[list[int]], async_op: bool = False,
+                      dests: list[torch.Tensor | None] | None = None) -> Any:
+    """all_gather of k values in one call: each whole value, padding dropped. ``dests``
+    (where given, per member): a contiguous tensor of the member's whole shape that the
+    result is written into, straight from the packed buffer (the parameter the gathered
+    value replaces), so no unpacked copy lives beside the buffer."""
     n = comm.size
     flats = [(x.movedim(dim, 0) if dim != "flat" else x).reshape(-1) for x in xs]
+    widths = [f.numel() for f in flats]
+    pieces = [list(x.movedim(dim, 0).shape) if dim != "flat" else [] for x in xs]
     src = torch.cat(flats)
+    del flats
     out = src.new_empty(n * src.numel())
     comm._count("all_gather", int(_frac(comm) * n * (src.numel() * src.element_size())))
+    into = list(dests) if dests is not None else [None] * len(xs)
 
     def finish() -> tuple[torch.Tensor, ...]:
-        rows = out.view(n, -1).split([f.numel() for f in flats], dim=1)
+        rows = out.view(n, -1).split(widths, dim=1)
         res = []
-        for r, x, shape in zip(rows, xs, shapes):
-            if dim == "flat":
-                numel = 1
-                for s in shape:
-                    numel *= s
-                res.append(r.reshape(-1)[:numel].view(shape))
+        for r, piece, shape, dest in zip(rows, pieces, shapes, into):
+            if dest is not None:
+                res.append(_unpack_into(dest, r, n, dim, piece))
+            elif dim == "flat":
+                res.append(r.reshape(-1)[:_numel(shape)].view(shape))
             else:
-                piece = list(x.movedim(dim, 0).shape)
                 res.append(r.reshape([n * piece[0]] + piece[1:]).movedim(0, dim))
         return tuple(res)
     return _start(comm, _gather_launch(comm, out, src), finish, async_op)
@@ -344,3 +412,60 @@ def all_to_all(comm: Comm, x: torch.Tensor, from_dim: int, to_dim: int) -> torch
     dist.all_to_all_single(out, src, group=comm.group)
     comm.blocked_s += time.perf_counter() - t0
     return torch.cat(list(out.unbind(0)), dim=from_dim)
+
+
+# ------------------------------------------------------------------ memory model
+# What the helpers above hold besides a collective's results, for the plan's peak
+# (Framework.collective_scratch): a reduce-scatter's packed (or padded) send buffer, kept
+# until the wait; an all-gather bucket's packed pieces, kept until the wait, and, at the
+# wait, its members unpacked beside the received buffer (all but those written straight
+# into the parameter they replace). An all-reduce hands on views of the buffer it reduces,
+# and a lone all-gather views of the one it receives into: their results.
+
+def scratch_bytes(graph: Any, in_place: Any = ()) -> dict[int, int]:
+    """Top-level op index -> bytes held besides the results, from that op to the wait that
+    finishes it (a wait's own index: at the wait only). ``in_place``: the values the program
+    writes into the input they replace (``build.updates_in_place``)."""
+    sizes = dict(graph.mesh.axes)
+    types = graph.value_types()
+    waits: dict[str, tuple[int, str]] = {}        # collective result -> (wait index, result)
+    for k, op in enumerate(graph.ops):
+        if op.name == "wait":
+            for i, v in zip(op.inputs, op.results):
+                waits[i] = (k, v.name)
+    out: dict[int, int] = {}
+
+    def add(k: int, nbytes: int) -> None:
+        if nbytes:
+            out[k] = out.get(k, 0) + nbytes
+    for k, op in enumerate(graph.ops):
+        if op.name not in ("reduce_scatter", "all_gather") or not op.inputs:
+            continue
+        n = sizes.get(op.attrs.get("axis"), 1)
+        dim = op.attrs.get("dim")
+        local = [types[i].local_nbytes(sizes) for i in op.inputs]
+        bucket = len(op.inputs) > 1
+        if op.name == "reduce_scatter":
+            t = types[op.inputs[0]]
+            padded = dim == "flat" and _numel(list(t.local_shape(sizes))) % n
+            if bucket or dim not in (0, "flat") or padded:
+                add(k, sum(_padded(types[i], b, n, dim, sizes)
+                           for i, b in zip(op.inputs, local)))
+            continue
+        if not bucket:
+            add(k, local[0] if dim not in (0, "flat") else 0)
+            continue
+        add(k, sum(local))                      # the packed pieces
+        for v in op.results:
+            at, final = waits.get(v.name, (k, v.name))
+            if final not in in_place:
+                add(at, types[v.name].local_nbytes(sizes))
+    return out
+
+
+def _padded(t: Any, nbytes: int, n: int, dim: Any, sizes: dict[str, int]) -> int:
+    """Bytes of a value laid out as n rows: zero-padded to a multiple of n when flat."""
+    if dim != "flat":
+        return nbytes
+    numel = _numel(list(t.local_shape(sizes)))
+    return -(-numel // n) * n * (nbytes // numel if numel else 0)

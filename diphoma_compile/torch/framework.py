@@ -81,6 +81,12 @@ class TorchFramework:
         from .build import updates_in_place
         return set(updates_in_place(graph))
 
+    def collective_scratch(self, graph: Graph) -> dict[int, int]:
+        """The packed send buffers of collectives.py, alive until each collective's wait."""
+        from .build import updates_in_place
+        from .collectives import scratch_bytes
+        return scratch_bytes(graph, set(updates_in_place(graph)))
+
     def module_kinds(self) -> dict[str, tuple[type, ...]]:
         """``torch-module``: subclasses of nn.Module."""
         return {"torch-module": (torch.nn.Module,)}

@@ -14,6 +14,7 @@ from torch.utils import _pytree as pytree
 from ..errors import DiphomaError
 from ..ir.core import Graph
 from .codegen import program
+from .live_memory import MeasuredPeak, measure_peak
 from .state import LR_DTYPE, Captured, Slot, hyper_value, is_state, settings_of, sign
 from .ops import DTYPE_TO_TORCH
 
@@ -163,6 +164,20 @@ class TorchStep:
             if effect.when == "after":
                 effect()
         return pytree.tree_unflatten(list(outs[:n_user]), cap.user_out_spec)
+
+    def measure_memory(self, *args: Any) -> MeasuredPeak:
+        """Run one real step (it updates the model) and measure the peak of tensor memory
+        this process reaches in it, above the parameters, optimizer state, gradients and
+        arguments it held before (``live_memory.measure_peak``): what the plan's
+        ``memory.peak`` predicts. Under several processes every rank must call it."""
+        cap = self.captured
+        held = [p for m in cap.modules for p in m.parameters()]
+        held += [p.grad for p in held if p.grad is not None]
+        held += [b for m in cap.modules for b in m.buffers()]
+        held += [st for opt in cap.optimizers for st in opt.state.values()]
+        held += [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
+        held += list(getattr(self, "comm_state", {}).values())
+        return measure_peak(lambda: self(*args), held)
 
     def _given(self, slot: Slot, inputs: list[torch.Tensor]) -> torch.Tensor | None:
         """The tensor the program was given for the state ``slot`` replaces, if any."""
