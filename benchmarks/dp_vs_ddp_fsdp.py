@@ -68,6 +68,7 @@ from gpt import GPT, GPTConfig, make_batch, train_step  # noqa: E402
 # every variant's ranks load the same libraries before the baseline of the memory figures,
 # so that peak MB compares what each variant's step makes, not which packages it imported
 import diphoma_compile  # noqa: E402,F401
+from diphoma_compile.torch.live_memory import measure_peak  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402,F401
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402,F401
 
@@ -164,6 +165,15 @@ def _run(variant: str, a: argparse.Namespace, cfg: GPTConfig, batches: list) -> 
             between = _rss()          # what a rank holds between steps
     peak = _high_water() - before
     transient = _high_water() - between
+    # one more step with every tensor storage counted from its making to its freeing
+    idx, targets = batches[-1]
+    if hasattr(step, "measure_memory"):
+        live = step.measure_memory(model, opt, idx, targets)
+    else:
+        held = [p for p in model.parameters()] + [p.grad for p in model.parameters()
+                                                  if p.grad is not None]
+        held += [st for st in opt.state.values()] + [idx, targets]
+        live = measure_peak(lambda: step(model, opt, idx, targets), held)
     # the slowest rank's time per step, and the loss averaged over ranks
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -174,11 +184,15 @@ def _run(variant: str, a: argparse.Namespace, cfg: GPTConfig, batches: list) -> 
     if hasattr(step, "plan"):       # the plan's peak above what the step holds (its inputs)
         m = step.plan.memory
         planned = m.peak - m.params - m.opt_state
-    mem = torch.tensor([opt_b, par_b, peak, transient, planned], dtype=torch.int64)
+    mem = torch.tensor([opt_b, par_b, peak, transient, planned, live.peak, live.transient,
+                        step.plan.memory.peak if hasattr(step, "plan") else 0],
+                       dtype=torch.int64)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
     out = {"median": statistics.median(t[a.warmup:].tolist()), "first": t[0].item(),
            "opt": mem[0].item(), "param": mem[1].item(), "peak": mem[2].item(),
-           "transient": mem[3].item(), "plan": mem[4].item(), "loss": lv.item() / world}
+           "transient": mem[3].item(), "plan": mem[4].item(), "tensors": mem[5].item(),
+           "tensors_step": mem[6].item(), "plan_peak": mem[7].item(),
+           "loss": lv.item() / world}
     if a.profile and variant.startswith("diphoma"):
         out["profile"] = str(step.profile(model, opt, *batches[-1], steps=a.steps))
     return out
@@ -235,12 +249,47 @@ def _report(a: argparse.Namespace, cfg: GPTConfig, results: dict) -> None:
               f"{ratio(r, 'param'):>7} {r['peak'] / 1e6:>8.2f} {ratio(r, 'peak'):>7} "
               f"{r['transient'] / 1e6:>8.2f} {ratio(r, 'transient'):>7} "
               f"{plan} {r['loss']:>10.5f}")
+    print("tensor memory, measured (every storage counted from its making to its freeing, "
+          "one more step; the largest over ranks):")
+    print(f"{'variant':<16} {'peak MB':>8} {'vs DDP':>7} {'step MB':>8} {'vs DDP':>7} "
+          f"{'plan peak MB':>13} {'measured/plan':>14}")
+    for v, r in results.items():
+        if not isinstance(r, dict):
+            continue
+        plan = (f"{r['plan_peak'] / 1e6:>13.2f} {r['tensors'] / r['plan_peak']:>14.3f}"
+                if r["plan_peak"] else f"{'-':>13} {'-':>14}")
+        print(f"{v:<16} {r['tensors'] / 1e6:>8.2f} {ratio(r, 'tensors'):>7} "
+              f"{r['tensors_step'] / 1e6:>8.2f} {ratio(r, 'tensors_step'):>7} {plan}")
+    _criteria(results, a.nproc)
     for v, r in results.items():
         if isinstance(r, dict) and "profile" in r:
             print(f"{v} profile (rank 0): {r['profile']}")
     losses = [r["loss"] for r in results.values() if isinstance(r, dict)]
     if len(losses) > 1:
         print(f"largest difference of final losses: {max(losses) - min(losses):.2e}")
+
+
+def _criteria(results: dict, world: int) -> None:
+    """Issue 15's targets, from the figures above: the default plan's peak at most DDP's
+    less the optimizer state it stops holding ((N-1)/N of it), shard_params' peak at most
+    1.05x FSDP2's and its step time within 1.1x."""
+    ok = {k: v for k, v in results.items() if isinstance(v, dict)}
+    ddp, dflt = ok.get("ddp"), ok.get("diphoma") or ok.get("diphoma-fx")
+    if ddp and dflt:
+        saved = ddp["opt"] * (world - 1) / world
+        for key, what in (("tensors", "tensor"), ("peak", "resident")):
+            bound = ddp[key] - saved
+            print(f"default plan {what} peak {dflt[key] / 1e6:.1f} MB vs DDP's less "
+                  f"{(world - 1)}/{world} of its optimizer state {bound / 1e6:.1f} MB: "
+                  f"{'met' if dflt[key] <= bound else 'NOT met'}")
+    fsdp, shard = ok.get("fsdp2"), ok.get("diphoma-shard")
+    if fsdp and shard:
+        for key, what in (("tensors", "tensor peak"), ("peak", "resident peak"),
+                          ("median", "s/step")):
+            limit = 1.1 if key == "median" else 1.05
+            r = shard[key] / fsdp[key] if fsdp[key] else float("nan")
+            print(f"shard_params {what} / FSDP2's: {r:.3f} (target <= {limit}): "
+                  f"{'met' if r <= limit else 'NOT met'}")
 
 
 def _is_bucket(v: str) -> bool:

@@ -52,7 +52,11 @@ class _LiveStorages(TorchDispatchMode):
     def add(self, t: Any, made_by: str) -> None:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
-        storage = t.untyped_storage()
+        t = getattr(t, "_local_tensor", t)        # a DTensor: the shard this process holds
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):   # a subclass without storage of its own
+            return
         key = storage.data_ptr()
         if key == 0 or key in self.live:
             return
