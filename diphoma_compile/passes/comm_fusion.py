@@ -98,37 +98,53 @@ def _record(bucket_mb: float, graph: Graph, types: dict[str, TensorType],
 
 
 def _buckets(ops: list[Op], types: dict[str, TensorType], limit: float) -> list[list[int]]:
-    """Positions of same-key collectives per bucket, closed at ``limit`` bytes or a dependency."""
-    open_buckets: dict[tuple, list[int]] = {}
-    # per open bucket: the values computed from its members (program order is a
-    # topological order, so this is complete for every op read so far)
-    downstream: dict[tuple, set[str]] = {}
-    size: dict[tuple, int] = {}
-    buckets: list[list[int]] = []
+    """Positions of same-key collectives per bucket, closed at ``limit`` bytes or where a
+    member would make the fused program cyclic.
 
-    def close(key: tuple) -> None:
-        b = open_buckets.pop(key, None)
-        downstream.pop(key, None)
-        size.pop(key, None)
-        if b:
-            buckets.append(b)
+    A bucket runs as one op at its last member's place, so it needs every member's inputs
+    and gives every member's results. A member therefore cannot join a bucket when it reads
+    a value made from that bucket's members, nor from another bucket that itself (through
+    any chain of buckets) reads from this one: the bucket closes and a new one starts. Each
+    value carries the buckets it was made from (program order is a topological order)."""
+    open_buckets: dict[tuple, int] = {}     # key -> id of its open bucket
+    members: list[list[int]] = []           # bucket id -> op positions
+    size: list[int] = []
+    needs: list[set[int]] = []              # bucket id -> buckets its members read from
+    made_from: dict[str, frozenset[int]] = {}
+
+    def reaches(start: set[int], goal: int) -> bool:
+        seen, todo = set(), list(start)
+        while todo:
+            b = todo.pop()
+            if b == goal:
+                return True
+            if b not in seen:
+                seen.add(b)
+                todo.extend(needs[b])
+        return False
 
     for k, op in enumerate(ops):
         reads = free_inputs(op)
+        src = frozenset().union(*(made_from.get(n, frozenset()) for n in reads))
         if op.name in FUSABLE and len(op.inputs) == 1:
             key = _key(op, types)
-            if key in open_buckets and (size[key] >= limit
-                                        or not downstream[key].isdisjoint(reads)):
-                close(key)
-            open_buckets.setdefault(key, []).append(k)
-            downstream.setdefault(key, set()).update(v.name for v in op.results)
-            size[key] = size.get(key, 0) + _bytes(op, types)
-        for after in downstream.values():
-            if not after.isdisjoint(reads):
-                after.update(v.name for v in op.results)
-    for key in list(open_buckets):
-        close(key)
-    return buckets
+            b = open_buckets.get(key)
+            if b is not None and (size[b] >= limit or b in src or reaches(set(src), b)):
+                b = None
+            if b is None:
+                b = len(members)
+                members.append([])
+                size.append(0)
+                needs.append(set())
+                open_buckets[key] = b
+            members[b].append(k)
+            size[b] += _bytes(op, types)
+            needs[b].update(src)
+            src = src | {b}
+        if src:
+            for v in op.results:
+                made_from[v.name] = src
+    return members
 
 
 def _fuse(ops: list[Op], buckets: list[list[int]]) -> tuple[dict[int, Op], set[int]]:

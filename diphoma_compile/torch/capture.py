@@ -10,6 +10,7 @@ host effects (``effects.py``) the runtime replays around the program."""
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import inspect
 import operator
@@ -544,7 +545,8 @@ def _discover_state(step: Step) -> list[list[StateKey]]:
             p.shape, p.stride(), dtype=p.dtype, device="meta"), contextlib.nullcontext())
     except Exception:
         fake = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
-        return _run_optimizers(step, lambda p: _fake_of(fake, p), fake)
+        with _unchecked_symbolic_floats():
+            return _run_optimizers(step, lambda p: _fake_of(fake, p), fake)
 
 
 def _run_optimizers(step: Step, make: Callable[[torch.Tensor], torch.Tensor],
@@ -720,10 +722,25 @@ def _unchecked_symbolic_floats() -> Iterator[None]:
             return None                         # symbols: left as a division
 
         patches.append(mock.patch.object(FloatTrueDiv, "eval", classmethod(unchecked)))
+    patches += [mock.patch.object(builtins, "min", _symbolic_extremum(builtins.min, torch.sym_min)),
+                mock.patch.object(builtins, "max", _symbolic_extremum(builtins.max, torch.sym_max))]
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)
         yield
+
+
+def _symbolic_extremum(builtin: Any, symbolic: Any) -> Any:
+    """``min``/``max`` that keeps two symbolic scalars symbolic (``torch.sym_min``):
+    optimizers compare the step count with the learning rate on the host
+    (``min(lr, 1 / step ** 0.5)`` in Adafactor), which would otherwise ask the trace for a
+    value it does not have. Any other call is the builtin's."""
+    def extremum(*args: Any, **kwargs: Any) -> Any:
+        if len(args) == 2 and not kwargs and any(
+                isinstance(a, (torch.SymFloat, torch.SymInt)) for a in args):
+            return symbolic(*args)
+        return builtin(*args, **kwargs)
+    return extremum
 
 
 @contextlib.contextmanager

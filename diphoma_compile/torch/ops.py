@@ -41,6 +41,7 @@ SCALAR_DTYPE: dict[type, DType] = {
 SCALAR_MATH: dict[Callable, str] = {
     operator.mul: "mul", operator.add: "add", operator.sub: "sub", operator.truediv: "div",
     operator.pow: "pow", operator.neg: "neg",
+    torch.sym_min: "min", torch.sym_max: "max",   # min()/max() of host scalars (Adafactor)
 }
 
 # The IR's comparisons (a bool result of operands in their promoted dtype), by shape rule

@@ -1160,3 +1160,31 @@ def run_measured_peak(rank: int, world: int) -> dict:
                                         "planned": mem["peak"], "at": got.peak_op,
                                         "planned_at": mem.get("peak_at"), "by_op": got.by_op}
     return out
+
+
+@check("adafactor")
+def run_adafactor(rank: int, world: int) -> dict:
+    """torch.optim.Adafactor (factored second moments of every matrix, min(lr, 1/sqrt(t))
+    taking each side within the steps) under the default plan, against the single-device
+    step on the global batch: losses, parameters and every state tensor; and where the plan
+    keeps the factored moments."""
+    import diphoma_compile
+    torch.manual_seed(0)
+    model = OddMLP()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.Adafactor(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.Adafactor(ref.parameters(), lr=0.5)
+    step = diphoma_compile.parallelize(mlp_step, diphoma_compile.Mesh({"dp": world}))
+    out: dict = {"losses": [], "ref_losses": []}
+    for b in mlp_batches(world)[:6]:
+        out["losses"].append(step(model, opt, *local(b, rank, world)).item())
+        out["ref_losses"].append(mlp_step(ref, ref_opt, *b).item())
+    state = step.runner.gather_optimizer_state()
+    out["param_abs"] = max(max_abs(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    names = dict(zip(map(id, ref.parameters()), (n for n, _ in ref.named_parameters())))
+    out["state_abs"] = {f"{names[id(q)]}.{k}": max_abs(state[names[id(q)]][k], v)
+                        for q, st in ref_opt.state.items() for k, v in st.items()}
+    out["placements"] = {t["name"]: t["placement"] for t in step.plan.to_dict()["tensors"]
+                         if t["role"] == "opt_state"}
+    out["kept_whole"] = step.plan.to_dict()["notes"].get("weight-update-sharding", {})
+    return out

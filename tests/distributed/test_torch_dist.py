@@ -528,3 +528,18 @@ def test_the_measured_peak_is_the_planned_one(runs, case):
         got = r["measured_peak"][case]
         assert abs(got["measured"] - got["planned"]) <= 0.08 * got["planned"], (case, got)
         assert got["held"] <= got["measured"]
+
+
+def test_adafactor_matches_one_device(runs):
+    """torch.optim.Adafactor as people use it: traced (its host min/max of the step count
+    and the learning rate stay symbolic), planned (its norms' partial sums bucketed without
+    a cycle) and run on 4 ranks, equal to the single-device step to rounding."""
+    r0 = runs[0]["adafactor"]
+    for a, b in zip(r0["losses"], r0["ref_losses"]):
+        assert abs(a - b) <= 1e-5 * abs(b), (r0["losses"], r0["ref_losses"])
+    assert r0["param_abs"] <= 1e-5, r0["param_abs"]
+    assert max(r0["state_abs"].values()) <= 1e-6, r0["state_abs"]
+    assert len(r0["state_abs"]) == 15          # step, row, column moments; bias variances
+    assert all(r0["placements"][f"{n}.bias.variance"] == "dp: F" for n in ("fc1", "fc2", "fc3"))
+    for r in runs[1:]:
+        assert r["adafactor"]["losses"] == r0["losses"]

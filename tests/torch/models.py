@@ -116,6 +116,8 @@ OPTIMIZERS = {
     "sgd_momentum": lambda ps, fe: torch.optim.SGD(ps, lr=0.05, momentum=0.9, foreach=fe),
     "adam": lambda ps, fe: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, foreach=fe),
     "adamw": lambda ps, fe: torch.optim.AdamW(ps, lr=1e-2, foreach=fe),
+    # factored second moments; min(lr, 1 / step ** 0.5) takes each side within ten steps
+    "adafactor": lambda ps, fe: torch.optim.Adafactor(ps, lr=0.5, foreach=fe),
 }
 
 

@@ -133,3 +133,25 @@ graph @chain mesh[dp=4] (
     # %u is computed from %a.avg: fusing it with %a and %b would need %a.avg before it is
     # made; the first bucket closes there and %u starts the next, which %c joins
     assert buckets == [["a.avg", "b.avg"], ["u.avg", "c.avg"]]
+
+
+def test_buckets_of_an_adafactor_update_stay_acyclic():
+    """torch.optim.Adafactor's update all-reduces partial sums (norms) that feed values other
+    collectives move and the reverse, across collective kinds: a bucket that took a member
+    reading (through another bucket) from itself made a cycle. Every bucket now closes where
+    that would happen, and the program keeps its dataflow."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                torch.nn.Linear(32, 10))
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    x, y = torch.randn(8, 16), torch.randn(8, 10)
+    step(model, opt, x, y)                     # the state exists: row and column moments
+    graph = diphoma_compile.trace(step, model, opt, x, y).replace(mesh=Mesh({"dp": 4}))
+    ctx = PassContext()
+    out = Pipeline.from_spec(WUS + ",comm-fusion{bucket-mb=25},schedule-comm").run(graph, ctx)
+    made = {i.name for i in out.inputs}
+    for op in out.ops:                          # every op reads values made before it
+        assert set(free_inputs(op)) <= made, op
+        made.update(v.name for v in op.results)
+    rec = ctx.decisions["comm-fusion"]
+    assert rec.collectives_after < rec.collectives_before
