@@ -173,6 +173,20 @@ class ParallelStep:
                                hint="a JAX step returns its parameters; read them there")
         return self.runner.state_dict()
 
+    def user_shapes(self, tree: Any, argnum: int | None = None) -> Any:
+        """JAX: ``tree`` (the parameters or optimizer state the step returned) in the
+        user's shapes. The step stores a tensor none of whose dimensions divides the data
+        axis as a padded, flattened 1-D array split over it (docs/jax.md); this gives each
+        such leaf its own shape back, whole on every device. ``argnum``: which step argument
+        the tree is (0 parameters, 1 optimizer state); by default the one of its structure."""
+        if not hasattr(self.runner, "user_shapes"):
+            if self.framework == "jax":     # one device: nothing is stored flat
+                return tree
+            raise DiphomaError(f"user_shapes() is not available for {self.framework} steps",
+                               hint="a PyTorch step keeps the module's and optimizer's own "
+                                    "tensors; use state_dict()")
+        return self.runner.user_shapes(tree, argnum)
+
     @property
     def compile_s(self) -> float | None:
         """PyTorch: seconds the code generator spent compiling on the first call (None for

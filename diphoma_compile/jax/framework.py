@@ -23,7 +23,9 @@ class JaxFramework:
 
     name = "jax"
     packages = ("jax", "jaxlib", "flax", "optax")
-    update_layout = "dims"       # shardings need even splits of whole dimensions
+    # shardings need even splits: a dimension N divides, else the padded flat form stored
+    # as a 1-D array (jax/layout.py)
+    update_layout = "dims-or-flat"
     backend = ("jax.jit over jax.shard_map with NamedSharding in/out; the collectives are "
                "explicit, so buckets run as planned (XLA's combiner thresholds are not used)")
 

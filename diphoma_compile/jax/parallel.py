@@ -27,6 +27,7 @@ from ..ir.types import FlatShard, Placement, Replicate, Shard, TensorType, Varyi
 from ..mesh import Mesh
 from ..report.memory import MemoryReport
 from .compile import JaxStep, Lowering, donated, dtype_matches, graph_function
+from .layout import FlatLayout, flat_axis, flat_spec, stored_shape
 from .ops import emitter
 from .trees import output_tree
 
@@ -239,6 +240,8 @@ _COLLECTIVES = {"all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter,
 
 def _spec(t: TensorType, mesh_axes: Sequence[str], what: str) -> PartitionSpec:
     """The PartitionSpec of a graph input or output of type t (global arrays outside)."""
+    if flat_axis(t) is not None:        # stored as a padded 1-D array (jax/layout.py)
+        return flat_spec(t, what)
     dims: list[list[str]] = [[] for _ in range(t.rank)]
     for axis in mesh_axes:              # mesh order: the order devices are laid out in
         p = t.placement(axis)
@@ -267,7 +270,10 @@ def _spec(t: TensorType, mesh_axes: Sequence[str], what: str) -> PartitionSpec:
 
 
 def _global_shape(t: TensorType, sizes: dict[str, int]) -> tuple[int, ...]:
-    """The user's (global) shape of a graph input: varying values stack along dim 0."""
+    """The global shape of a graph input: varying values stack along dim 0; a flat-split
+    value is stored padded, as one dimension."""
+    if flat_axis(t) is not None:
+        return stored_shape(t, sizes)
     shape = list(t.shape)
     for axis, p in t.placements:
         if isinstance(p, Varying):
@@ -377,6 +383,13 @@ class JaxParallelStep(MeasuredRunner):
                               donate_argnums=donated(graph) if donate else ())
         self.device_count = self.mesh.size
         self._last: tuple = ()
+        self.layout = FlatLayout([i.value.type for i in graph.inputs], self.sizes,
+                                 self.in_shardings)
+
+    def user_shapes(self, tree: Any, argnum: int | None = None) -> Any:
+        """``tree`` (parameters or optimizer state the step took or returned) with every
+        leaf stored flat (a padded 1-D array, jax/layout.py) in the user's shape again."""
+        return self.layout.to_user(tree, argnum)
 
     def _check_meshes(self) -> None:
         have = ", ".join(f"{n}={s}" for n, s in self.sizes.items())
@@ -393,9 +406,11 @@ class JaxParallelStep(MeasuredRunner):
         """(input leaves laid out over the mesh, the treedef of each argument), checked
         against the graph: global shapes, dtypes, and a batch that splits evenly."""
         leaves, treedefs = self.leaves(args)
+        self.layout.note_arguments(treedefs)
         placed = []
-        for i, want, sharding, leaf in zip(self.graph.inputs, self.global_shapes,
-                                           self.in_shardings, leaves):
+        for k, (i, want, sharding, leaf) in enumerate(zip(self.graph.inputs, self.global_shapes,
+                                                          self.in_shardings, leaves)):
+            leaf = self.layout.to_stored(k, leaf)     # the user's shape -> padded, flat
             self._check_leaf(i.name, i.value.type, want, leaf)
             if isinstance(leaf, jax.Array) and leaf.sharding != sharding:
                 leaf = jax.device_put(leaf, sharding)
