@@ -69,6 +69,28 @@ def _unpadder(shape: tuple[int, ...]) -> Any:
     return jax.jit(unpad)
 
 
+def returned_whole(body: Any, outputs: Sequence[tuple[TensorType, bool]],
+                   shardings: Sequence[NamedSharding], mesh: Any) -> tuple[Any, tuple]:
+    """``body`` (the shard_map) with every flat-split output that replaces no input (a
+    gradient the step returns) given its user's shape, whole on every device, as the
+    step's other returned values are; and the out_shardings that go with it. ``outputs``:
+    each output's type and whether it is new state (kept in its stored form)."""
+    unpad = [k for k, (t, state) in enumerate(outputs) if flat_axis(t) is not None
+             and not state]
+    if not unpad:
+        return body, tuple(shardings)
+    shapes = {k: outputs[k][0].shape for k in unpad}
+
+    def run(*leaves: Any) -> tuple:
+        outs = list(body(*leaves))
+        for k in unpad:
+            outs[k] = lax.reshape(lax.slice_in_dim(outs[k], 0, math.prod(shapes[k])),
+                                  shapes[k])
+        return tuple(outs)
+    whole = NamedSharding(mesh, PartitionSpec())
+    return run, tuple(whole if k in shapes else s for k, s in enumerate(shardings))
+
+
 class FlatLayout:
     """The flat-split inputs of one parallel step: the user's shape and the stored one."""
 
@@ -125,4 +147,4 @@ class FlatLayout:
         return jax.tree.unflatten(td, out)
 
 
-__all__ = ["FlatLayout", "flat_axis", "flat_spec", "stored_shape"]
+__all__ = ["FlatLayout", "flat_axis", "flat_spec", "returned_whole", "stored_shape"]

@@ -27,7 +27,7 @@ from ..ir.types import FlatShard, Placement, Replicate, Shard, TensorType, Varyi
 from ..mesh import Mesh
 from ..report.memory import MemoryReport
 from .compile import JaxStep, Lowering, donated, dtype_matches, graph_function
-from .layout import FlatLayout, flat_axis, flat_spec, stored_shape
+from .layout import FlatLayout, flat_axis, flat_spec, returned_whole, stored_shape
 from .ops import emitter
 from .trees import output_tree
 
@@ -54,6 +54,11 @@ class PerDeviceLowering(Lowering):
         outs = [self.local(v.type) for v in op.results]
         if op.name == "slice":
             op = self._local_slice(op)
+        elif "dims" in op.attrs and op.name.startswith("reduce_") and \
+                len(op.attrs["dims"]) > np.ndim(ins[0]):
+            # a flat piece (the rule allows only a sum over every dimension): of its 1-D chunk
+            op = op.replace(attrs=op.attrs.set(dims=(0,), keepdim=False))
+            return [lax.reshape(x, outs[0].shape) for x in emitter(op)(op, ins, outs)]
         elif op.name in ("literal", "iota") and any(v.type.placements for v in op.results):
             return self._sharded_constant(op)
         return emitter(op)(op, ins, outs)
@@ -378,6 +383,9 @@ class JaxParallelStep(MeasuredRunner):
         self.fn = graph_function(graph, PerDeviceLowering(dict(graph.mesh.axes)))
         body = jax.shard_map(self.fn, mesh=self.mesh, in_specs=self.in_specs,
                              out_specs=self.out_specs, check_vma=False)
+        body, self.out_shardings = returned_whole(       # a returned flat gradient
+            body, [(graph.value_types()[o.name], o.role.kind is OutputKind.replaces)
+                   for o in graph.outputs], self.out_shardings, self.mesh)
         self.jitted = jax.jit(body, in_shardings=self.in_shardings,
                               out_shardings=self.out_shardings,
                               donate_argnums=donated(graph) if donate else ())
