@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..ir.core import Attrs, Graph, Input, InputKind, Op, OutputKind, Phase, Value
+from ..ir.opdef import Category
 from ..ir.ops import op_def
 from ..ir.sharding_rules import propagate
 from ..ir.types import (FLAT, FLAT_DIRTY, REPLICATE, Partial, Placement, Replicate,
@@ -96,8 +97,8 @@ def linked_placement(t: TensorType, param: TensorType, n: int,
     d = follows.pop()
     if d is None:
         return REPLICATE, (f"it lacks the parameter's split dimension {pp.dim} (a mean "
-                           "over it: Adafactor's column moment), so it is made whole by an "
-                           "all-reduce")
+                           "over it, as one of Adafactor's factored moments), which an "
+                           "all-reduce makes whole")
     return Shard(d), ""
 
 
@@ -319,7 +320,9 @@ class _Rewrite:
             outs = [v.type for v in op.results]
             got = None if op.regions and any(t.placements for t in types) else \
                 propagate(op, types, outs, self.ax, d.sharding_rule)
-            if got is not None:
+            dirty_sum = got is not None and d.category is Category.reduce and types and \
+                types[0].placement(self.ax) == FLAT_DIRTY and types[0].numel % self.n != 0
+            if got is not None and not dirty_sum:
                 break
             split = any(not isinstance(t.placement(self.ax), Replicate) for t in types)
             if split and d.expand is not None:
@@ -363,7 +366,9 @@ class _Rewrite:
                 if not isinstance(t.placement(self.ax), Replicate):
                     ins[k] = self.gather(ins[k], op)
             self.plan.replicated.append((f"{op.name} -> %{op.results[0].name}",
-                                         f"the {op.name} rule cannot run on pieces"))
+                                         "a flat piece's padding may hold anything (Fx) "
+                                         "and the reduction would count it" if dirty_sum
+                                         else f"the {op.name} rule cannot run on pieces"))
             tried_gather = True
         results = tuple(Value(v.name, v.type.with_placement(self.ax, p))
                         for v, p in zip(op.results, got))
