@@ -52,7 +52,7 @@ def flat_spec(t: TensorType, what: str) -> PartitionSpec:
     return PartitionSpec(axis)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _padder(shape: tuple[int, ...], length: int, sharding: NamedSharding) -> Any:
     def pad(x: Any) -> Any:
         flat = lax.reshape(x, (math.prod(shape),))
@@ -62,7 +62,7 @@ def _padder(shape: tuple[int, ...], length: int, sharding: NamedSharding) -> Any
     return jax.jit(pad, out_shardings=sharding)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _unpadder(shape: tuple[int, ...]) -> Any:
     def unpad(x: Any) -> Any:
         return lax.reshape(lax.slice_in_dim(x, 0, math.prod(shape)), shape)
