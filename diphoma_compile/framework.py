@@ -47,9 +47,10 @@ class Framework(Protocol):
         """A single-device callable running ``graph`` with the step's signature."""
 
     def parallel_runner(self, graph: Graph, extra: Any, user_mesh: Any, mesh: Mesh,
-                        axis: str, donate: bool = False) -> Callable:
+                        axis: str, donate: bool | None = None) -> Callable:
         """A callable running the per-device ``graph`` over ``mesh``; the single-device
-        program where ``runs_on_one_device(graph)``."""
+        program where ``runs_on_one_device(graph)``. ``donate``: whether the step may
+        consume its parameter and state arguments (None: the backend's default)."""
 
     def in_place_updates(self, graph: Graph) -> set[str]:
         """The graph's new parameter/state values its backend writes into the replaced

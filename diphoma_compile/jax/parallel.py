@@ -26,7 +26,7 @@ from ..ir.core import Graph, InputKind, Op, OutputKind
 from ..ir.types import FlatShard, Placement, Replicate, Shard, TensorType, Varying
 from ..mesh import Mesh
 from ..report.memory import MemoryReport
-from .compile import JaxStep, Lowering, donated, dtype_matches, graph_function
+from .compile import JaxStep, Lowering, check_alive, donated, dtype_matches, graph_function
 from .layout import FlatLayout, flat_axis, flat_spec, returned_whole, stored_shape
 from .ops import emitter
 from .trees import output_tree
@@ -386,6 +386,7 @@ class JaxParallelStep(MeasuredRunner):
         body, self.out_shardings = returned_whole(       # a returned flat gradient
             body, [(graph.value_types()[o.name], o.role.kind is OutputKind.replaces)
                    for o in graph.outputs], self.out_shardings, self.mesh)
+        self.donate = donate
         self.jitted = jax.jit(body, in_shardings=self.in_shardings,
                               out_shardings=self.out_shardings,
                               donate_argnums=donated(graph) if donate else ())
@@ -418,10 +419,14 @@ class JaxParallelStep(MeasuredRunner):
         placed = []
         for k, (i, want, sharding, leaf) in enumerate(zip(self.graph.inputs, self.global_shapes,
                                                           self.in_shardings, leaves)):
+            check_alive(i.name, leaf)
             leaf = self.layout.to_stored(k, leaf)     # the user's shape -> padded, flat
             self._check_leaf(i.name, i.value.type, want, leaf)
             if isinstance(leaf, jax.Array) and leaf.sharding != sharding:
-                leaf = jax.device_put(leaf, sharding)
+                # a copy when donating: the caller's array in another layout is left alone
+                # (device_put alone shares the buffer a device already holds, may_alias=False
+                # or not, and the donation would delete it)
+                leaf = jax.device_put(jnp.copy(leaf) if self.donate else leaf, sharding)
             placed.append(leaf)
         return placed, treedefs
 

@@ -178,7 +178,7 @@ def test_the_user_s_state_and_the_stored_state_are_both_taken():
     """The first call takes the user's arrays (padded and laid out on entry); later calls
     the stored form the step returned; user_shapes() gives the user's shapes back."""
     step, params, opt_state, batch = odd_lm_case(optax.sgd(0.1, momentum=0.9))
-    pstep = parallelize(step, mesh8())
+    pstep = parallelize(step, mesh8(), donate=False)    # p1 and s1 are read twice
     p1, s1, _ = pstep(params, opt_state, batch)
     user = pstep.user_shapes(s1)
     p2, s2, l2 = pstep(p1, s1, batch)               # the stored form
@@ -190,6 +190,30 @@ def test_the_user_s_state_and_the_stored_state_are_both_taken():
     assert pstep.user_shapes(s1, 1)[0].trace["Embed_0"]["embedding"].shape == (VOCAB, DIM)
     with pytest.raises(BackendError, match="does not have the structure of step argument 0"):
         pstep.user_shapes(s1, 0)
+
+
+def test_the_step_donates_by_default_and_a_consumed_array_is_refused_not_crashed():
+    """On a mesh the step donates parameters and optimizer state: what it returned is
+    consumed when passed back; the user's own first arrays (another layout) are copied onto
+    the mesh and left alone; passing a consumed array again is a BackendError (jax's own
+    dispatch crashed the process on it)."""
+    step, params, opt_state, batch = odd_lm_case(optax.adamw(1e-2))
+    ref_p, ref_s, _ = jax.jit(step)(params, opt_state, batch)
+    pstep = parallelize(step, mesh8())
+    p1, s1, _ = pstep(params, opt_state, batch)
+    assert not any(x.is_deleted() for x in jax.tree.leaves((params, opt_state)))
+    p2, s2, _ = pstep(p1, s1, batch)
+    assert all(x.is_deleted() for x in jax.tree.leaves((p1, s1)) if x.size > 1)
+    with pytest.raises(BackendError, match="an earlier call of the step consumed") as e:
+        pstep(p1, s1, batch)
+    assert "donate=False" in e.value.hint
+    # the user's arrays are intact: the single-device step still runs on them
+    again_p, again_s, _ = jax.jit(step)(params, opt_state, batch)
+    assert max_dev((ref_p, ref_s), (again_p, again_s)) == 0.0
+    mem = pstep.runner.jitted.lower(*pstep.runner.flatten((p2, s2, batch))[0]).compile() \
+        .memory_analysis()
+    state = sum(x.nbytes for x in jax.tree.leaves(s2)) // N
+    assert mem.alias_size_in_bytes >= sum(x.nbytes for x in jax.tree.leaves(params)) + state
 
 
 # ------------------------------------------------------------------ Adafactor
