@@ -25,7 +25,8 @@ class Framework(Protocol):
 
     name: str                       # "torch", "jax": as the plan and errors name it
     packages: tuple[str, ...]       # top-level modules whose use marks a user file as ours
-    update_layout: str              # weight-update sharding layout its backend runs (flat|dims)
+    update_layout: str              # weight-update sharding's layout for its backend:
+    #                                 flat, dims or dims-or-flat
     backend: str                    # one line for the plan: how the program runs
 
     def owns(self, args: tuple) -> bool:

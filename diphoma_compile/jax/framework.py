@@ -79,7 +79,9 @@ class JaxFramework:
                                donate=True if donate is None else donate)
 
     def in_place_updates(self, graph: Graph) -> set[str]:
-        """None: the JAX backend donates no buffers (yet), so old and new values coexist."""
+        """None: the plan counts old and new values side by side. (A step over a mesh
+        donates its parameters and state by default, which the runner decides after the
+        plan is made; the planned peak does not count it yet.)"""
         return set()
 
     def module_kinds(self) -> dict[str, tuple[type, ...]]:
