@@ -216,6 +216,44 @@ def test_the_step_donates_by_default_and_a_consumed_array_is_refused_not_crashed
     assert mem.alias_size_in_bytes >= sum(x.nbytes for x in jax.tree.leaves(params)) + state
 
 
+class GPT2Wide(nn.Module):
+    """One block of GPT-2 small's widths: vocab 50257, d=768, 12 heads, 3072 hidden."""
+
+    @nn.compact
+    def __call__(self, idx):
+        wte = nn.Embed(50257, 768)
+        x = wte(idx) + self.param("wpe", nn.initializers.normal(0.02), (1024, 768))[:idx.shape[1]]
+        mask = nn.make_causal_mask(jnp.ones(idx.shape))
+        x = x + nn.MultiHeadDotProductAttention(num_heads=12)(nn.LayerNorm()(x), mask=mask)
+        x = x + nn.Dense(768)(nn.gelu(nn.Dense(3072)(nn.LayerNorm()(x))))
+        return wte.attend(nn.LayerNorm()(x))
+
+
+@pytest.mark.parametrize("n", [20, 100])
+def test_gpt2_widths_at_dp_20_and_100_split_all_their_state_in_the_plan(n):
+    """The issue's case: none of GPT-2 small's dims divides 20 or 100, so layout=dims split
+    no optimizer state; dims-or-flat splits it all (planned on meta shapes, nothing runs)."""
+    model, tx = GPT2Wide(), optax.adamw(1e-3)
+
+    def step(params, opt_state, batch):
+        def loss_of(p):
+            return optax.softmax_cross_entropy_with_integer_labels(
+                model.apply({"params": p}, batch["idx"]), batch["t"]).mean()
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    batch = {k: jax.ShapeDtypeStruct((n, 16), jnp.int32) for k in ("idx", "t")}
+    params = jax.eval_shape(model.init, jax.random.key(0), batch["idx"])["params"]
+    state = jax.eval_shape(tx.init, params)
+    memory = {}
+    for layout in ("dims", "dims-or-flat"):
+        ps = parallelize(step, Mesh({"dp": n}), passes=default_passes("dp", layout=layout))
+        memory[layout] = ps.trace(params, state, batch).plan.memory
+    single = memory["dims"].single_device_opt_state
+    assert memory["dims"].opt_state == single
+    assert single / n <= memory["dims-or-flat"].opt_state <= single / n * 1.001
+
+
 # ------------------------------------------------------------------ Adafactor
 
 class Factored(nn.Module):
