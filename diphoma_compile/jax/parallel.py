@@ -386,10 +386,10 @@ class JaxParallelStep(MeasuredRunner):
         body, self.out_shardings = returned_whole(       # a returned flat gradient
             body, [(graph.value_types()[o.name], o.role.kind is OutputKind.replaces)
                    for o in graph.outputs], self.out_shardings, self.mesh)
-        self.donate = donate
+        self.donated = set(donated(graph)) if donate else set()
         self.jitted = jax.jit(body, in_shardings=self.in_shardings,
                               out_shardings=self.out_shardings,
-                              donate_argnums=donated(graph) if donate else ())
+                              donate_argnums=tuple(sorted(self.donated)))
         self.device_count = self.mesh.size
         self._last: tuple = ()
         self.layout = FlatLayout([i.value.type for i in graph.inputs], self.sizes,
@@ -426,7 +426,7 @@ class JaxParallelStep(MeasuredRunner):
                 # a copy when donating: the caller's array in another layout is left alone
                 # (device_put alone shares the buffer a device already holds, may_alias=False
                 # or not, and the donation would delete it)
-                leaf = jax.device_put(jnp.copy(leaf) if self.donate else leaf, sharding)
+                leaf = jax.device_put(jnp.copy(leaf) if k in self.donated else leaf, sharding)
             placed.append(leaf)
         return placed, treedefs
 
