@@ -304,3 +304,29 @@ def test_adafactor_moments_follow_their_parameter_and_match_one_device():
     specs = {jax.tree_util.keystr(p): leaf.sharding.spec for p, leaf in state}
     assert specs["[0].v_row['Dense_0']['kernel']"] == P("dp")
     assert specs["[0].v_col['Dense_0']['kernel']"] == P(None)
+
+
+def test_adafactor_golden(golden):
+    """One factored kernel (8, 16) and its bias at dp=8: the row moment split with the
+    kernel's dim 0, the column moment whole (a mean over dim 0, all-reduced)."""
+    module = nn.Dense(16)
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((2, 8)).astype(np.float32))
+    y = jnp.asarray(rng.standard_normal((2, 16)).astype(np.float32))
+    tx = optax.adafactor(1e-2, min_dim_size_to_factor=8)
+
+    def step(params, opt_state, batch):
+        def loss_of(p):
+            return jnp.mean((module.apply({"params": p}, batch[0]) - batch[1]) ** 2)
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    params = _init(module, x, rng)
+    g = trace_jax(step, params, tx.init(params), (x, y), locations=False)
+    ctx = PassContext()
+    g = Pipeline.from_spec(default_passes("dp", layout="dims-or-flat")).run(
+        g.replace(mesh=Mesh({"dp": N})), ctx)
+    types = {i.name: i.value.type for i in g.inputs}
+    assert str(types["opt_state/0/v_row/kernel"]) == "f32[8] {dp: S(0)}"
+    assert str(types["opt_state/0/v_col/kernel"]) == "f32[16]"
+    golden("jax_dense_adafactor.dp8.ir", print_graph(g))
