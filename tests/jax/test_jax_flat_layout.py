@@ -330,3 +330,31 @@ def test_adafactor_golden(golden):
     assert str(types["opt_state/0/v_row/kernel"]) == "f32[8] {dp: S(0)}"
     assert str(types["opt_state/0/v_col/kernel"]) == "f32[16]"
     golden("jax_dense_adafactor.dp8.ir", print_graph(g))
+
+
+def test_layout_flat_with_buckets_runs_on_jax_too():
+    """``layout=flat`` (every non-scalar tensor flat, as on torch) and comm-fusion's packed
+    flat buckets: every state leaf stored 1-D, the step matching the single-device one."""
+    rng = np.random.default_rng(3)
+    module = Factored()
+    x = jnp.asarray(rng.standard_normal((32, 24)).astype(np.float32))
+    y = jnp.asarray(rng.standard_normal((32, 5)).astype(np.float32))
+    tx = optax.sgd(0.05, momentum=0.9)
+
+    def step(params, opt_state, batch):
+        def loss_of(p):
+            return jnp.mean((module.apply({"params": p}, batch[0]) - batch[1]) ** 2)
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    params = _init(module, x, rng)
+    opt_state = jax.jit(tx.init)(params)
+    spec = default_passes("dp", layout="flat") + ",comm-fusion{bucket-mb=25},schedule-comm"
+    pstep = parallelize(step, mesh8(), passes=spec)
+    ref_p, ref_s, ref_l = run(jax.jit(step), params, opt_state, (x, y))
+    our_p, stored_s, our_l = run(pstep, params, opt_state, (x, y))
+    np.testing.assert_allclose(our_l, ref_l, rtol=1e-5)
+    assert max_dev((ref_p, ref_s), (our_p, pstep.user_shapes(stored_s))) <= 1e-6
+    assert all(leaf.ndim == 1 and leaf.sharding.spec == P("dp")
+               for leaf in jax.tree.leaves(stored_s))
+    assert any(len(op.inputs) > 1 and op.attrs.get("dim") == "flat" for op in pstep.graph.ops)
