@@ -48,7 +48,7 @@ from diphoma_compile.jax.parallel import per_device_bytes  # noqa: E402
 from diphoma_compile import parallelize  # noqa: E402
 
 
-FUSED = ("dce,data-parallel{axis=data},weight-update-sharding{axis=data, layout=dims},"
+FUSED = ("dce,data-parallel{axis=data},weight-update-sharding{axis=data, layout=dims-or-flat},"
          "comm-fusion{bucket-mb=25},schedule-comm,dce")
 
 

@@ -68,7 +68,7 @@ class ParallelStep:
     def __init__(self, step_fn: Callable, mesh: Any, *, passes: str | None = None,
                  axis: str | None = None,
                  batch_argnums: int | Iterable[int] | None = None,
-                 donate: bool = False, shard_params: bool = False,
+                 donate: bool | None = None, shard_params: bool = False,
                  codegen: str | None = None, microbatches: int | None = None,
                  schedule: str = "1f1b", compression: str | None = None) -> None:
         if shard_params and passes is not None:
@@ -78,7 +78,7 @@ class ParallelStep:
                                     "in your passes instead")
         self.step_fn = step_fn
         self.codegen = codegen
-        self.donate = bool(donate)
+        self.donate = None if donate is None else bool(donate)   # None: the backend's default
         self.shard_params = bool(shard_params)
         self.user_mesh = mesh
         self.mesh = Mesh.of(mesh)
@@ -172,6 +172,20 @@ class ParallelStep:
             raise DiphomaError(f"state_dict() is not available for {self.framework} steps",
                                hint="a JAX step returns its parameters; read them there")
         return self.runner.state_dict()
+
+    def user_shapes(self, tree: Any, argnum: int | None = None) -> Any:
+        """JAX: ``tree`` (the parameters or optimizer state the step returned) in the
+        user's shapes. The step stores a tensor none of whose dimensions divides the data
+        axis as a padded, flattened 1-D array split over it (docs/jax.md); this gives each
+        such leaf its own shape back, whole on every device. ``argnum``: which step argument
+        the tree is (0 parameters, 1 optimizer state); by default the one of its structure."""
+        if not hasattr(self.runner, "user_shapes"):
+            if self.framework == "jax":     # one device: nothing is stored flat
+                return tree
+            raise DiphomaError(f"user_shapes() is not available for {self.framework} steps",
+                               hint="a PyTorch step keeps the module's and optimizer's own "
+                                    "tensors; use state_dict()")
+        return self.runner.user_shapes(tree, argnum)
 
     @property
     def compile_s(self) -> float | None:
@@ -327,7 +341,7 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
 def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
                 axis: str | None = None,
                 batch_argnums: int | Iterable[int] | None = None,
-                donate: bool = False, shard_params: bool = False,
+                donate: bool | None = None, shard_params: bool = False,
                 codegen: str | None = None, microbatches: int | None = None,
                 schedule: str = "1f1b", compression: str | None = None) -> ParallelStep:
     """``step_fn`` as a distributed step over ``mesh`` (a diphoma Mesh, a dict of axis
@@ -342,11 +356,16 @@ def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
     rows as it (keys and single numbers are not batch). A mesh of one device runs the
     single-device program.
 
-    ``donate=True`` (JAX) lets the step consume the parameter and optimizer-state arrays it
-    is given, as ``jax.jit(donate_argnums=...)`` does: their buffers hold the new values,
-    so the old and new model do not both live through the step; the caller must not use
-    the arrays passed in again (``params, opt_state, loss = step(params, opt_state, b)``).
-    PyTorch steps write new values into the live tensors in any case.
+    ``donate`` (JAX) lets the step consume the parameter and optimizer-state arrays it is
+    given, as ``jax.jit(donate_argnums=...)`` does: their buffers hold the new values, so
+    the old and new model do not both live through the step. By default (None) a step over
+    more than one device donates (0.76x the peak bytes per device of not donating, on a
+    4-layer LM at dp=8: ``benchmarks/jax_donation.py``); arrays the step returned are then
+    consumed when passed back, so write ``params, opt_state, loss = step(params,
+    opt_state, b)`` and do not read the old ones again (arrays in another layout, such as
+    the user's own first ones, are copied onto the mesh and left alone). ``donate=False``
+    keeps them; on a mesh of one device nothing is donated unless ``donate=True``. PyTorch
+    steps write new values into the live tensors in any case.
 
     ``shard_params=True`` holds the parameters sharded over the data axis too (ZeRO-3 /
     FSDP class, the ``shard-params`` pass): each device keeps its piece between steps and

@@ -25,7 +25,8 @@ class Framework(Protocol):
 
     name: str                       # "torch", "jax": as the plan and errors name it
     packages: tuple[str, ...]       # top-level modules whose use marks a user file as ours
-    update_layout: str              # weight-update sharding layout its backend runs (flat|dims)
+    update_layout: str              # weight-update sharding's layout for its backend:
+    #                                 flat, dims or dims-or-flat
     backend: str                    # one line for the plan: how the program runs
 
     def owns(self, args: tuple) -> bool:
@@ -47,9 +48,10 @@ class Framework(Protocol):
         """A single-device callable running ``graph`` with the step's signature."""
 
     def parallel_runner(self, graph: Graph, extra: Any, user_mesh: Any, mesh: Mesh,
-                        axis: str, donate: bool = False) -> Callable:
+                        axis: str, donate: bool | None = None) -> Callable:
         """A callable running the per-device ``graph`` over ``mesh``; the single-device
-        program where ``runs_on_one_device(graph)``."""
+        program where ``runs_on_one_device(graph)``. ``donate``: whether the step may
+        consume its parameter and state arguments (None: the backend's default)."""
 
     def in_place_updates(self, graph: Graph) -> set[str]:
         """The graph's new parameter/state values its backend writes into the replaced

@@ -30,7 +30,8 @@ def test_data_axis_choice():
 def test_default_passes_per_framework():
     from diphoma_compile import framework
     assert "layout=flat" in default_passes("dp", layout=framework.get("torch").update_layout)
-    assert "layout=dims" in default_passes("data", layout=framework.get("jax").update_layout)
+    assert "layout=dims-or-flat" in default_passes("data",
+                                                   layout=framework.get("jax").update_layout)
 
 
 def test_graph_and_plan_need_a_trace_first():
@@ -50,8 +51,8 @@ def test_jax_trace_plans_without_running_for_any_mesh_size():
         assert x.value.type.shape[0] == big[0].shape[0] // n      # traced per device
         m = ps.plan.memory
         assert m.single_device_opt_state / n <= m.opt_state
-        if n == 8:   # leaves with no dimension divisible by 8 stay whole (layout=dims)
-            assert m.opt_state < m.single_device_opt_state / n * 1.6 + 64
+        if n == 8:   # leaves with no dimension divisible by 8 are stored flat
+            assert m.opt_state < m.single_device_opt_state / n * 1.02 + 64
     assert diphoma_compile.ParallelStep is type(ps)
 
 

@@ -144,7 +144,20 @@ def dtype_matches(dtype: Any, want: DType) -> bool:
     return np.dtype(jax.dtypes.canonicalize_dtype(dtype)) == numpy_dtype(want)
 
 
+def check_alive(name: str, leaf: Any) -> None:
+    """BackendError for an array an earlier donating call consumed: passed to the jitted
+    program it crashes the process (jax 0.10's C++ dispatch does not check)."""
+    if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and \
+            leaf.is_deleted():
+        raise BackendError(f"input {name} is an array an earlier call of the step consumed "
+                           "(donated: its buffer holds that call's new values)",
+                           hint="pass the arrays the last call returned "
+                                "(params, opt_state, loss = step(params, opt_state, batch)), "
+                                "or parallelize(..., donate=False) to keep the old ones")
+
+
 def _check_leaf(name: str, want: TensorType, leaf: Any) -> None:
+    check_alive(name, leaf)
     shape = tuple(np.shape(leaf))
     dtype = getattr(leaf, "dtype", None)
     if shape != want.shape or not dtype_matches(dtype, want.dtype):

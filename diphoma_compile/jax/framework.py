@@ -23,7 +23,9 @@ class JaxFramework:
 
     name = "jax"
     packages = ("jax", "jaxlib", "flax", "optax")
-    update_layout = "dims"       # shardings need even splits of whole dimensions
+    # shardings need even splits: a dimension N divides, else the padded flat form stored
+    # as a 1-D array (jax/layout.py)
+    update_layout = "dims-or-flat"
     backend = ("jax.jit over jax.shard_map with NamedSharding in/out; the collectives are "
                "explicit, so buckets run as planned (XLA's combiner thresholds are not used)")
 
@@ -64,16 +66,22 @@ class JaxFramework:
         return compile_jax(graph, out_tree=extra)
 
     def parallel_runner(self, graph: Graph, extra: Any, user_mesh: Any, mesh: Mesh,
-                        axis: str, donate: bool = False) -> Callable:
+                        axis: str, donate: bool | None = None) -> Callable:
         """jax.jit over shard_map on the user's mesh (or one made from ``mesh``); on a mesh
-        of one device, the single-device program under jax.jit, as ``compile`` runs it."""
+        of one device, the single-device program under jax.jit, as ``compile`` runs it.
+        ``donate`` None: the mesh's step donates parameters and optimizer state (the old
+        model's buffers hold the new one; docs/jax.md), the one-device step does not (it is
+        ``compile``'s program, straight into jax.jit)."""
         from .parallel import JaxOneDeviceStep, JaxParallelStep
         if runs_on_one_device(graph):
-            return JaxOneDeviceStep(graph, extra, mesh=user_mesh, donate=donate)
-        return JaxParallelStep(graph, extra, mesh=user_mesh, axis=axis, donate=donate)
+            return JaxOneDeviceStep(graph, extra, mesh=user_mesh, donate=bool(donate))
+        return JaxParallelStep(graph, extra, mesh=user_mesh, axis=axis,
+                               donate=True if donate is None else donate)
 
     def in_place_updates(self, graph: Graph) -> set[str]:
-        """None: the JAX backend donates no buffers (yet), so old and new values coexist."""
+        """None: the plan counts old and new values side by side. (A step over a mesh
+        donates its parameters and state by default, which the runner decides after the
+        plan is made; the planned peak does not count it yet.)"""
         return set()
 
     def collective_scratch(self, graph: Graph) -> dict[int, int]:

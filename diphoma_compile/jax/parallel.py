@@ -26,7 +26,8 @@ from ..ir.core import Graph, InputKind, Op, OutputKind
 from ..ir.types import FlatShard, Placement, Replicate, Shard, TensorType, Varying
 from ..mesh import Mesh
 from ..report.memory import MemoryReport
-from .compile import JaxStep, Lowering, donated, dtype_matches, graph_function
+from .compile import JaxStep, Lowering, check_alive, donated, dtype_matches, graph_function
+from .layout import FlatLayout, flat_axis, flat_spec, returned_whole, stored_shape
 from .ops import emitter
 from .trees import output_tree
 
@@ -53,6 +54,11 @@ class PerDeviceLowering(Lowering):
         outs = [self.local(v.type) for v in op.results]
         if op.name == "slice":
             op = self._local_slice(op)
+        elif "dims" in op.attrs and op.name.startswith("reduce_") and \
+                len(op.attrs["dims"]) > np.ndim(ins[0]):
+            # a flat piece (the rule allows only a sum over every dimension): of its 1-D chunk
+            op = op.replace(attrs=op.attrs.set(dims=(0,), keepdim=False))
+            return [lax.reshape(x, outs[0].shape) for x in emitter(op)(op, ins, outs)]
         elif op.name in ("literal", "iota") and any(v.type.placements for v in op.results):
             return self._sharded_constant(op)
         return emitter(op)(op, ins, outs)
@@ -239,6 +245,8 @@ _COLLECTIVES = {"all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter,
 
 def _spec(t: TensorType, mesh_axes: Sequence[str], what: str) -> PartitionSpec:
     """The PartitionSpec of a graph input or output of type t (global arrays outside)."""
+    if flat_axis(t) is not None:        # stored as a padded 1-D array (jax/layout.py)
+        return flat_spec(t, what)
     dims: list[list[str]] = [[] for _ in range(t.rank)]
     for axis in mesh_axes:              # mesh order: the order devices are laid out in
         p = t.placement(axis)
@@ -267,7 +275,10 @@ def _spec(t: TensorType, mesh_axes: Sequence[str], what: str) -> PartitionSpec:
 
 
 def _global_shape(t: TensorType, sizes: dict[str, int]) -> tuple[int, ...]:
-    """The user's (global) shape of a graph input: varying values stack along dim 0."""
+    """The global shape of a graph input: varying values stack along dim 0; a flat-split
+    value is stored padded, as one dimension."""
+    if flat_axis(t) is not None:
+        return stored_shape(t, sizes)
     shape = list(t.shape)
     for axis, p in t.placements:
         if isinstance(p, Varying):
@@ -372,11 +383,22 @@ class JaxParallelStep(MeasuredRunner):
         self.fn = graph_function(graph, PerDeviceLowering(dict(graph.mesh.axes)))
         body = jax.shard_map(self.fn, mesh=self.mesh, in_specs=self.in_specs,
                              out_specs=self.out_specs, check_vma=False)
+        body, self.out_shardings = returned_whole(       # a returned flat gradient
+            body, [(graph.value_types()[o.name], o.role.kind is OutputKind.replaces)
+                   for o in graph.outputs], self.out_shardings, self.mesh)
+        self.donated = set(donated(graph)) if donate else set()
         self.jitted = jax.jit(body, in_shardings=self.in_shardings,
                               out_shardings=self.out_shardings,
-                              donate_argnums=donated(graph) if donate else ())
+                              donate_argnums=tuple(sorted(self.donated)))
         self.device_count = self.mesh.size
         self._last: tuple = ()
+        self.layout = FlatLayout([i.value.type for i in graph.inputs], self.sizes,
+                                 self.in_shardings)
+
+    def user_shapes(self, tree: Any, argnum: int | None = None) -> Any:
+        """``tree`` (parameters or optimizer state the step took or returned) with every
+        leaf stored flat (a padded 1-D array, jax/layout.py) in the user's shape again."""
+        return self.layout.to_user(tree, argnum)
 
     def _check_meshes(self) -> None:
         have = ", ".join(f"{n}={s}" for n, s in self.sizes.items())
@@ -393,12 +415,18 @@ class JaxParallelStep(MeasuredRunner):
         """(input leaves laid out over the mesh, the treedef of each argument), checked
         against the graph: global shapes, dtypes, and a batch that splits evenly."""
         leaves, treedefs = self.leaves(args)
+        self.layout.note_arguments(treedefs)
         placed = []
-        for i, want, sharding, leaf in zip(self.graph.inputs, self.global_shapes,
-                                           self.in_shardings, leaves):
+        for k, (i, want, sharding, leaf) in enumerate(zip(self.graph.inputs, self.global_shapes,
+                                                          self.in_shardings, leaves)):
+            check_alive(i.name, leaf)
+            leaf = self.layout.to_stored(k, leaf)     # the user's shape -> padded, flat
             self._check_leaf(i.name, i.value.type, want, leaf)
             if isinstance(leaf, jax.Array) and leaf.sharding != sharding:
-                leaf = jax.device_put(leaf, sharding)
+                # a copy when donating: the caller's array in another layout is left alone
+                # (device_put alone shares the buffer a device already holds, may_alias=False
+                # or not, and the donation would delete it)
+                leaf = jax.device_put(jnp.copy(leaf) if k in self.donated else leaf, sharding)
             placed.append(leaf)
         return placed, treedefs
 

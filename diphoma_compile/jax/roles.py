@@ -142,6 +142,20 @@ def _same_shapes(a: Any, b: Any) -> bool:
     return len(la) == len(lb) and all(x.shape == y.shape for x, y in zip(la, lb))
 
 
+def _factored(state: tuple[int, ...], param: tuple[int, ...]) -> bool:
+    """The state leaf is the parameter's shape less one dimension (a factored moment, as
+    Adafactor's row and column statistics) or a placeholder of one element."""
+    return math.prod(state) <= 1 or any(param[:a] + param[a + 1:] == state
+                                        for a in range(len(param)))
+
+
+def _factored_shapes(a: Any, b: Any) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(x.shape == y.shape or _factored(x.shape, y.shape)
+                                      for x, y in zip(la, lb)) and \
+        any(math.prod(x.shape) > 1 for x in la)
+
+
 def opt_state_links(params: Any, opt_state: Any) -> list[tuple[int | None, str | None]]:
     """For each optimizer-state leaf: the index of the parameter leaf it belongs to, and
     its slot name.
@@ -149,12 +163,15 @@ def opt_state_links(params: Any, opt_state: Any) -> list[tuple[int | None, str |
     A subtree of the state with the parameters' tree structure and leaf shapes mirrors
     them (optax's mu, nu, trace, ...): its leaves link to the parameters in order, and the
     key naming the subtree is the slot. Other leaves (step counts) link to nothing; their
-    slot is their last key."""
+    slot is their last key. A subtree with the parameters' tree structure whose leaves are
+    factored forms of theirs (optax.adafactor's v_row and v_col: each parameter's shape less
+    one dimension, or a one-element placeholder) links the same way."""
     pdef = tree_structure(params)
     nparams = pdef.num_leaves
 
     def mirrors(node: Any) -> bool:
-        return nparams > 0 and tree_structure(node) == pdef and _same_shapes(node, params)
+        return nparams > 0 and tree_structure(node) == pdef and (
+            _same_shapes(node, params) or _factored_shapes(node, params))
 
     links: list[tuple[int | None, str | None]] = []
     for path, node in tree_flatten_with_path(opt_state, is_leaf=mirrors)[0]:

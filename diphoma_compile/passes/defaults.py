@@ -14,7 +14,8 @@ COMPRESSION = {
 def default_passes(axis: str, grad_bytes: int | None = None, *, layout: str = "flat",
                    shard_params: bool = False, compression: str | None = None) -> str:
     """Data parallelism plus weight-update sharding over ``axis`` (``layout`` is what the
-    backend runs: flat shards, or whole dimensions where shardings need even splits), with
+    backend runs: flat shards, or whole dimensions where shardings need even splits and flat
+    shards for tensors with none), with
     ``shard_params`` the parameters held as shards too (ZeRO-3 / FSDP class), then
     communication fusion and scheduling. Given the gradient bytes, buckets are a quarter of
     them (so the first can overlap the rest of backward), between 1 and 25 MB.

@@ -18,7 +18,13 @@ each where the next step first reads it (``shard_params.ShardParams`` with
 
 ``layout=flat`` shards every tensor as its flattened, zero-padded form (the torch backend);
 ``layout=dims`` splits the first dimension that divides the axis and leaves tensors with
-none replicated (for backends whose shardings need even splits, such as JAX's)."""
+none replicated; ``layout=dims-or-flat`` splits such a dimension where there is one and
+shards the rest flat (the JAX backend: its shardings need even splits, and it stores flat
+pieces as a padded 1-D array).
+
+Optimizer state of another shape than its parameter (Adafactor's factored row and column
+moments: the parameter's shape less one dimension) follows the parameter's split dimension
+when the state keeps it, and stays whole otherwise; the plan says why."""
 
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..ir.core import Attrs, Graph, Input, InputKind, Op, OutputKind, Phase, Value
+from ..ir.opdef import Category
 from ..ir.ops import op_def
 from ..ir.sharding_rules import propagate
 from ..ir.types import (FLAT, FLAT_DIRTY, REPLICATE, Partial, Placement, Replicate,
@@ -35,7 +42,7 @@ from ..ir.types import (FLAT, FLAT_DIRTY, REPLICATE, Partial, Placement, Replica
 from .base import Pass, PassContext, PassFailure, register_pass
 from .data_parallel import require_axis
 
-_LAYOUTS = ("flat", "dims")
+_LAYOUTS = ("flat", "dims", "dims-or-flat")
 _GATHERS = ("end", "next-forward")
 
 
@@ -51,8 +58,48 @@ def shard_placement(t: TensorType, n: int, layout: str) -> tuple[Placement, str]
     for d, size in enumerate(t.shape):
         if d not in split and size % n == 0:
             return Shard(d), ""
+    if layout == "dims-or-flat" and not t.placements:
+        return FLAT, ""
+    if layout == "dims-or-flat":
+        return REPLICATE, (f"no dimension of {list(t.shape)} divides {n}, and a flat piece of "
+                           "a tensor split over another axis is not laid out")
     return REPLICATE, (f"no dimension of {list(t.shape)} divides {n} and layout=dims needs "
                        "even splits")
+
+
+def linked_placement(t: TensorType, param: TensorType, n: int,
+                     layout: str) -> tuple[Placement, str]:
+    """Where optimizer state of another shape than its parameter is stored: a factored
+    moment (the parameter's shape less one dimension, as Adafactor's row and column
+    statistics) split along the parameter's split dimension when it keeps it; else whole,
+    and why."""
+    if t.numel <= 1:
+        return REPLICATE, "a scalar: cheaper to repeat than to split"
+    pp, why = shard_placement(param, n, layout)
+    lost = [a for a in range(param.rank)
+            if param.shape[:a] + param.shape[a + 1:] == t.shape]
+    if not lost:
+        return REPLICATE, (f"its shape {list(t.shape)} is not its parameter's "
+                           f"{list(param.shape)} less one dimension, so no piece of it "
+                           "follows the parameter's")
+    if isinstance(pp, Replicate):
+        return REPLICATE, f"its parameter stays whole ({why})"
+    if not isinstance(pp, Shard):
+        return REPLICATE, (f"its parameter is split flat (no dimension of "
+                           f"{list(param.shape)} divides {n}), and a factored moment has "
+                           "no flat piece that follows it")
+    # the state's dimension that is the parameter's split one, for each dimension it may lack
+    follows = {None if a == pp.dim else pp.dim - (a < pp.dim) for a in lost}
+    if len(follows) > 1:
+        return REPLICATE, (f"which dimension of {list(param.shape)} it lacks cannot be told "
+                           "from the shapes, so whether it keeps the parameter's split "
+                           f"dimension {pp.dim} is unknown")
+    d = follows.pop()
+    if d is None:
+        return REPLICATE, (f"it lacks the parameter's split dimension {pp.dim} (a mean "
+                           "over it, as one of Adafactor's factored moments), which an "
+                           "all-reduce makes whole")
+    return Shard(d), ""
 
 
 
@@ -197,16 +244,17 @@ class _Rewrite:
             t = i.value.type
             if i.role.kind is InputKind.opt_state and i.role.of is not None:
                 pt = g.input(i.role.of).value.type
-                if pt.shape == t.shape:
-                    p, why = self.place(t)
-                    if p == FLAT and i.name in self.dirty:
-                        p = FLAT_DIRTY
-                    if isinstance(p, Replicate):
+                p, why = self.place(t) if pt.shape == t.shape else \
+                    linked_placement(t, pt, self.n, self.layout)
+                if p == FLAT and i.name in self.dirty:
+                    p = FLAT_DIRTY
+                if isinstance(p, Replicate):
+                    if t.numel > 1 or pt.shape == t.shape:
                         self.plan.replicated.append((i.name, why))
-                    else:
-                        t = t.with_placement(ax, p)
-                        self.plan.sharded[i.name] = str(p)
-                        i = Input(Value(i.name, t), i.role)
+                else:
+                    t = t.with_placement(ax, p)
+                    self.plan.sharded[i.name] = str(p)
+                    i = Input(Value(i.name, t), i.role)
             self.types[i.name] = t
             inputs.append(i)
 
@@ -272,7 +320,9 @@ class _Rewrite:
             outs = [v.type for v in op.results]
             got = None if op.regions and any(t.placements for t in types) else \
                 propagate(op, types, outs, self.ax, d.sharding_rule)
-            if got is not None:
+            dirty_sum = got is not None and d.category is Category.reduce and types and \
+                types[0].placement(self.ax) == FLAT_DIRTY and types[0].numel % self.n != 0
+            if got is not None and not dirty_sum:
                 break
             split = any(not isinstance(t.placement(self.ax), Replicate) for t in types)
             if split and d.expand is not None:
@@ -316,7 +366,9 @@ class _Rewrite:
                 if not isinstance(t.placement(self.ax), Replicate):
                     ins[k] = self.gather(ins[k], op)
             self.plan.replicated.append((f"{op.name} -> %{op.results[0].name}",
-                                         f"the {op.name} rule cannot run on pieces"))
+                                         "a flat piece's padding may hold anything (Fx) "
+                                         "and the reduction would count it" if dirty_sum
+                                         else f"the {op.name} rule cannot run on pieces"))
             tried_gather = True
         results = tuple(Value(v.name, v.type.with_placement(self.ax, p))
                         for v, p in zip(op.results, got))

@@ -61,7 +61,7 @@ class TorchFramework:
         return TorchStep(graph, extra)
 
     def parallel_runner(self, graph: Graph, extra: Any, user_mesh: Any, mesh: Mesh,
-                        axis: str, donate: bool = False) -> Callable:
+                        axis: str, donate: bool | None = None) -> Callable:
         """The per-rank program with a process group per mesh axis (a DeviceMesh's own
         groups; WORLD for a mesh with one axis of several devices; ``new_group`` per axis
         otherwise, ranks laid out row-major as ``init_device_mesh`` does). On a mesh of one
