@@ -281,12 +281,10 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
         if tp is not None and tp != axis and mesh.axis_size(tp) > 1:
             parts.append(f"dce,tensor-parallel{{axis={tp}}}")
         data = pipeline is None or axis != pipeline.axis
-        if compression is not None and mesh.axis_size(axis) > 1 and (
-                fw.update_layout != "flat" or pipeline is not None):
-            raise DiphomaError(f"compression={compression!r} is not lowered for "
-                               f"{fw.name if fw.update_layout != 'flat' else 'pipelines'} "
-                               "yet (it needs flat weight-update shards, outside a pipeline)",
-                               hint="run the PyTorch step without a pp axis, or leave "
+        if compression is not None and mesh.axis_size(axis) > 1 and pipeline is not None:
+            raise DiphomaError(f"compression={compression!r} is not lowered for pipelines "
+                               "yet (it needs weight-update shards outside a pipeline)",
+                               hint="run the step without a pp axis, or leave "
                                     "compression unset")
         if pipeline is not None:
             # per-microbatch collectives over dp, no buckets: a bucket would mix stages
@@ -349,7 +347,7 @@ def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
     passes its whole local batch, which runs as ``microbatches`` M microbatches (default:
     the axis size) on ``schedule`` (``1f1b`` or ``gpipe``).
 
-    ``compression="sdp4bit"`` (PyTorch, opt-in) quantizes the data axis's collectives as
+    ``compression="sdp4bit"`` (opt-in) quantizes the data axis's collectives as
     SDP4Bit does: gradients reduce-scattered as Hadamard-transformed 4-bit all-to-alls,
     new weights all-gathered as 4-bit differences from what every device holds
     (``quantize-grads``, ``quantize-weight-diff``; docs/quantized.md). The plan gives the

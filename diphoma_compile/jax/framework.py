@@ -67,9 +67,12 @@ class JaxFramework:
                         axis: str, donate: bool = False) -> Callable:
         """jax.jit over shard_map on the user's mesh (or one made from ``mesh``); on a mesh
         of one device, the single-device program under jax.jit, as ``compile`` runs it."""
+        from .comm_state import JaxCommStateStep, has_comm_state
         from .parallel import JaxOneDeviceStep, JaxParallelStep
         if runs_on_one_device(graph):
             return JaxOneDeviceStep(graph, extra, mesh=user_mesh, donate=donate)
+        if has_comm_state(graph):
+            return JaxCommStateStep(graph, extra, mesh=user_mesh, axis=axis, donate=donate)
         return JaxParallelStep(graph, extra, mesh=user_mesh, axis=axis, donate=donate)
 
     def in_place_updates(self, graph: Graph) -> set[str]:

@@ -26,6 +26,7 @@ from ..ir.core import Graph, InputKind, Op, OutputKind
 from ..ir.types import FlatShard, Placement, Replicate, Shard, TensorType, Varying
 from ..mesh import Mesh
 from ..report.memory import MemoryReport
+from . import quant
 from .compile import JaxStep, Lowering, donated, dtype_matches, graph_function
 from .ops import emitter
 from .trees import output_tree
@@ -48,6 +49,8 @@ class PerDeviceLowering(Lowering):
     def emit(self, op: Op, ins: list) -> list:
         if op.name in _COLLECTIVES:
             return _COLLECTIVES[op.name](self, op, ins)
+        if op.name in quant.QUANT_OPS:
+            return quant.emit(self, op, ins)
         if op.name == "opaque":
             return super().emit(op, ins)
         outs = [self.local(v.type) for v in op.results]

@@ -33,7 +33,7 @@ from ..ir.shape_rules import piece_layout
 from ..ir.types import VARYING, DType, TensorType, Varying
 from .base import Pass, PassContext, PassFailure, register_pass
 from .data_parallel import require_axis
-from .quantize_weight_diff import KEY_SLOT, error_bound
+from .quantize_weight_diff import KEY_SLOT, PIECE_DIMS, error_bound
 
 
 @dataclass(frozen=True)
@@ -120,14 +120,15 @@ class QuantizeGrads(Pass):
                               hint="use levels=1; the two-hop node x local form is not "
                                    "implemented yet")
         sites = [op for op in graph.ops if op.name == "reduce_scatter" and len(op.inputs) == 1
-                 and op.attrs.get("axis") == self.axis and op.attrs.get("dim") == "flat"
+                 and op.attrs.get("axis") == self.axis and op.attrs.get("dim") in PIECE_DIMS
                  and isinstance(graph.value_types()[op.inputs[0]].placement(self.axis),
                                 Varying)]
         if not sites:
-            raise PassFailure(f"{self.name}: no gradient is reduce-scattered to flat pieces "
+            raise PassFailure(f"{self.name}: no gradient is reduce-scattered to flat or dim-0 "
+                              "pieces "
                               f"over {self.axis!r}",
-                              hint=f"run weight-update-sharding{{axis={self.axis}, "
-                                   "layout=flat} first (and this pass before comm-fusion)")
+                              hint=f"run weight-update-sharding{{axis={self.axis}}} first "
+                                   "(and this pass before comm-fusion)")
         if n == 1:
             return graph
         return self.rewrite(graph, n, sites, ctx)
@@ -199,7 +200,8 @@ class QuantizeGrads(Pass):
                 (tot,) = emit("hadamard", (tot,), [(f"{gname}.qg.back",
                                                     var((kq,), gt.dtype))],
                               block=self.hadamard)
-            ops.append(Op("as_shard", (tot,), (res,), Attrs({"axis": ax, "dim": "flat"}),
+            ops.append(Op("as_shard", (tot,), (res,), Attrs({"axis": ax,
+                                                            "dim": site.attrs["dim"]}),
                           **common))
             (key_now,) = emit("rng_next", (key_now,), [("qg.key.next", key_t)])
             sent = {v.name: v.type for o in ops for v in o.results}

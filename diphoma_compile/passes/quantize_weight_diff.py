@@ -38,6 +38,10 @@ from .data_parallel import require_axis
 
 KEY_SLOT = "rng_key"
 MASTER_SLOT = "master"
+# the pieces a quantized payload is cut into: flat pieces (the PyTorch layout) or dim-0
+# shards of a dimension the axis divides (the JAX layout): either way device j's piece is
+# chunk j of the flattened tensor
+PIECE_DIMS = ("flat", 0)
 
 
 def error_bound(bits: int, rounding: str) -> str:
@@ -101,10 +105,9 @@ class QuantizeWeightDiff(Pass):
                               "byte)")
         targets = _gathered_params(graph, self.axis)
         if not targets:
-            raise PassFailure(f"{self.name}: no parameter is all-gathered from flat pieces "
-                              f"over {self.axis!r}",
-                              hint=f"run weight-update-sharding{{axis={self.axis}, "
-                                   "layout=flat} first")
+            raise PassFailure(f"{self.name}: no parameter is all-gathered from flat or "
+                              f"dim-0 pieces over {self.axis!r}",
+                              hint=f"run weight-update-sharding{{axis={self.axis}}} first")
         if n == 1:
             return graph
         dirty: set[str] = set()
@@ -160,7 +163,8 @@ class QuantizeWeightDiff(Pass):
             reads[old_piece] = master
             extra_outputs.append(Output(new, _replaces(master)))
             common = {"phase": gather.phase, "loc": gather.loc}
-            piece_t = new_t.with_placement(ax, FLAT_DIRTY if new_t.placement(ax) == FLAT_DIRTY
+            piece_t = new_t.with_placement(ax, new_t.placement(ax) if gather.attrs["dim"] == 0
+                                           else FLAT_DIRTY if new_t.placement(ax) == FLAT_DIRTY
                                            else FLAT)
             ops: list[Op] = []
 
@@ -237,7 +241,7 @@ def _replaces(name: str) -> OutputRole:
 
 
 def _gathered_params(g: Graph, axis: str) -> dict[str, Op]:
-    """Parameter -> the all-gather of flat pieces that makes its new value."""
+    """Parameter -> the all-gather of flat or dim-0 pieces that makes its new value."""
     params = {i.name for i in g.inputs if i.role.kind is InputKind.param}
     producer = {v.name: op for op in g.ops for v in op.results}
     out: dict[str, Op] = {}
@@ -246,7 +250,7 @@ def _gathered_params(g: Graph, axis: str) -> dict[str, Op]:
             continue
         op = producer.get(o.name)
         if op is not None and op.name == "all_gather" and len(op.inputs) == 1 and \
-                op.attrs.get("axis") == axis and op.attrs.get("dim") == "flat":
+                op.attrs.get("axis") == axis and op.attrs.get("dim") in PIECE_DIMS:
             out[o.role.target] = op
     return out
 
