@@ -52,16 +52,23 @@ class QuantizeGradsRecord:
     params: Mapping[str, str] = field(default_factory=dict)    # gradient -> its parameter
     # collective result -> (the tensor it belongs to, what it serves), for the plan
     payloads: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    local: int = 0          # two hops: devices per node (hop 1 among them, in intra_bits)
+    intra_bits: int = 8
 
     @property
     def bound(self) -> str:
-        """The declared error of one device's contribution, per group (Hadamard domain)."""
+        """The declared error of one device's contribution, per group (Hadamard domain);
+        two hops: each hop's, the second's of the node's partial sum."""
+        if self.hops == 2:
+            return (f"{error_bound(self.intra_bits, 'stochastic')} inside a node + "
+                    f"{error_bound(self.bits, 'stochastic')} of the node's sum across nodes")
         return error_bound(self.bits, "stochastic")
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's ``notes["quantize-grads"]``."""
         return {"axis": self.axis, "bits": self.bits, "group": self.group,
                 "hadamard": self.hadamard, "hops": self.hops, "error_bound": self.bound,
+                "local": self.local, "intra_bits": self.intra_bits,
                 "quantized": list(self.quantized), "kept": [list(k) for k in self.kept],
                 "bytes_before": dict(self.bytes_before), "bytes_after": dict(self.bytes_after),
                 "params": dict(self.params)}
@@ -104,6 +111,9 @@ class QuantizeGrads(Pass):
     group: int = 128
     hadamard: int = 32
     levels: str = "auto"
+    # devices per node: the axis's N devices as N/local nodes of `local` consecutive ones
+    # (row-major ranks), for the two-hop form; 0: one level
+    local: int = 0
 
     def __call__(self, graph: Graph, ctx: PassContext) -> Graph:
         n = require_axis(graph, self.axis, self.name)
@@ -114,11 +124,9 @@ class QuantizeGrads(Pass):
         if h < 0 or (h and (h & (h - 1) or self.group % h)):
             raise PassFailure(f"{self.name}: hadamard={h} must be 0 or a power of two that "
                               f"divides group={self.group}")
-        if self.levels not in ("auto", "1"):
-            raise PassFailure(f"{self.name}: levels={self.levels!r}: only the one-hop form "
-                              "is lowered (auto, 1)",
-                              hint="use levels=1; the two-hop node x local form is not "
-                                   "implemented yet")
+        if self.levels not in ("auto", "1", "2"):
+            raise PassFailure(f"{self.name}: levels={self.levels!r} is not auto, 1 or 2")
+        hops = self.hops(n)
         sites = [op for op in graph.ops if op.name == "reduce_scatter" and len(op.inputs) == 1
                  and op.attrs.get("axis") == self.axis and op.attrs.get("dim") in PIECE_DIMS
                  and isinstance(graph.value_types()[op.inputs[0]].placement(self.axis),
@@ -131,9 +139,64 @@ class QuantizeGrads(Pass):
                                    "(and this pass before comm-fusion)")
         if n == 1:
             return graph
-        return self.rewrite(graph, n, sites, ctx)
+        return self.rewrite(graph, n, sites, ctx, hops)
 
-    def rewrite(self, g: Graph, n: int, sites: list[Op], ctx: PassContext) -> Graph:
+    def hops(self, n: int) -> int:
+        """1 or 2: two when the axis is split into nodes (``local`` devices each) of more
+        than one device and there is more than one node."""
+        two = self.levels == "2" or (self.levels == "auto" and self.local > 0)
+        if not two:
+            return 1
+        if self.local <= 0:
+            raise PassFailure(f"{self.name}: levels=2 needs the devices per node",
+                              hint="give local=L (the axis's N devices are N/L nodes of L "
+                                   "consecutive devices), e.g. levels=2, local=2")
+        if n % self.local:
+            raise PassFailure(f"{self.name}: local={self.local} does not divide the axis's "
+                              f"{n} devices into nodes",
+                              hint="local must divide the data axis size")
+        if self.local in (1, n):
+            return 1          # one node, or one device per node: a level of size 1
+        return 2
+
+    def exchange(self, emit: Any, var: Any, gname: str, q: str, s: str, nq: int, bits: int,
+                 level: dict[str, Any], st: DType) -> tuple[str, str]:
+        """pack q, then all_to_all the bytes and the scales (of dtype ``st``) over
+        ``level``'s devices: (received bytes, received scales)."""
+        ng = nq // self.group
+        nb = nq * bits // 8
+        (p,) = emit("pack", (q,), [(f"{gname}.qg.packed", var((nb,), DType.u8))], bits=bits)
+        (pr,) = emit("all_to_all", (p,), [(f"{gname}.qg.packed.recv", var((nb,), DType.u8))],
+                     axis=self.axis, from_dim=0, to_dim=0, **level)
+        (sr,) = emit("all_to_all", (s,), [(f"{gname}.qg.scales.recv", var((ng,), st))],
+                     axis=self.axis, from_dim=0, to_dim=0, **level)
+        return pr, sr
+
+    def receive(self, emit: Any, var: Any, gname: str, pr: str, sr: str, nq: int,
+                senders: int, each: int, dtype: DType, red: str, bits: int) -> list[str]:
+        """unpack and dequantize what ``senders`` devices sent (``each`` values from each),
+        then their mean (or sum): [the result]."""
+        (qr,) = emit("unpack", (pr,), [(f"{gname}.qg.q.recv", var((nq,), DType.i8))],
+                     bits=bits, dtype="i8")
+        (dq,) = emit("dequantize", (qr, sr), [(f"{gname}.qg.recv", var((nq,), dtype))],
+                     bits=bits, group_size=self.group, dtype=dtype.value)
+        (rows,) = emit("reshape", (dq,), [(f"{gname}.qg.rows", var((senders, each), dtype))])
+        return emit(red, (rows,), [(f"{gname}.qg.sum", var((each,), dtype))],
+                    dims=(0,), keepdim=False)
+
+    @staticmethod
+    def reorder(emit: Any, var: Any, v: str, shape: tuple[int, int, int], dtype: DType,
+                hint: str) -> str:
+        """Flat v of (nodes, local, m) rows as (local, nodes, m), flattened again."""
+        k, ll, m = shape
+        (r,) = emit("reshape", (v,), [(f"{hint}.rows", var(shape, dtype))])
+        (t,) = emit("transpose", (r,), [(f"{hint}.by_local", var((ll, k, m), dtype))],
+                    perm=(1, 0, 2))
+        (f,) = emit("reshape", (t,), [(f"{hint}.sorted", var((k * ll * m,), dtype))])
+        return f
+
+    def rewrite(self, g: Graph, n: int, sites: list[Op], ctx: PassContext,
+                hops: int = 1) -> Graph:
         ax, G = self.axis, self.group
         names = g.fresh_names()
         types = g.value_types()
@@ -174,28 +237,48 @@ class QuantizeGrads(Pass):
             def var(shape: tuple[int, ...], dtype: DType) -> TensorType:
                 return TensorType(shape, dtype).with_placement(ax, VARYING)
 
-            nq, ng, nb = n * kq, n * kq // G, n * kq * self.bits // 8
-            qattrs = {"bits": self.bits, "group_size": G, "pieces": n,
+            red = "reduce_mean" if site.attrs["op"] == "avg" else "reduce_sum"
+            first_bits = self.intra_bits if hops == 2 else self.bits
+            nq, ng = n * kq, n * kq // G
+            qattrs = {"bits": first_bits, "group_size": G, "pieces": n,
                       "rounding": "stochastic"}
             if self.hadamard:
                 qattrs["hadamard"] = self.hadamard
             q, s = emit("quantize", (gname, key_now),
                         [(f"{gname}.qg.q", var((nq,), DType.i8)),
                          (f"{gname}.qg.scales", var((ng,), gt.dtype))], **qattrs)
-            (p,) = emit("pack", (q,), [(f"{gname}.qg.packed", var((nb,), DType.u8))],
-                        bits=self.bits)
-            (pr,) = emit("all_to_all", (p,), [(f"{gname}.qg.packed.recv", var((nb,), DType.u8))],
-                         axis=ax, from_dim=0, to_dim=0)
-            (sr,) = emit("all_to_all", (s,), [(f"{gname}.qg.scales.recv", var((ng,), gt.dtype))],
-                         axis=ax, from_dim=0, to_dim=0)
-            (qr,) = emit("unpack", (pr,), [(f"{gname}.qg.q.recv", var((nq,), DType.i8))],
-                         bits=self.bits, dtype="i8")
-            (dq,) = emit("dequantize", (qr, sr), [(f"{gname}.qg.recv", var((nq,), gt.dtype))],
-                         bits=self.bits, group_size=G, dtype=gt.dtype.value)
-            (rows,) = emit("reshape", (dq,), [(f"{gname}.qg.rows", var((n, kq), gt.dtype))])
-            red = "reduce_mean" if site.attrs["op"] == "avg" else "reduce_sum"
-            (tot,) = emit(red, (rows,), [(f"{gname}.qg.sum", var((kq,), gt.dtype))],
-                          dims=(0,), keepdim=False)
+            if hops == 1:
+                pr, sr = self.exchange(emit, var, gname, q, s, nq, self.bits, {}, gt.dtype)
+                (tot,) = self.receive(emit, var, gname, pr, sr, nq, n, kq, gt.dtype, red,
+                                      self.bits)
+            else:
+                L = self.local
+                K = n // L
+                # hop 1, inside a node: the rows (pieces) sent to local device b are those
+                # of the devices b of every node; reordered (node, local) -> (local, node)
+                q, s = (self.reorder(emit, var, v, (K, L, m), dt, f"{gname}.qg.{what}")
+                        for v, m, dt, what in ((q, kq, DType.i8, "q"),
+                                               (s, kq // G, gt.dtype, "scales")))
+                lv = {"local": L, "level": "local"}
+                pr, sr = self.exchange(emit, var, gname, q, s, nq, first_bits, lv, gt.dtype)
+                (part,) = self.receive(emit, var, gname, pr, sr, nq, L, K * kq, gt.dtype,
+                                       red, first_bits)
+                # hop 2, across nodes: the node's partial sum requantized in ``bits``
+                (key_now,) = emit("rng_next", (key_now,), [("qg.key.next", key_t)])
+                q2, s2 = emit("quantize", (part, key_now),
+                              [(f"{gname}.qg.q2", var((K * kq,), DType.i8)),
+                               (f"{gname}.qg.scales2", var((K * kq // G,), gt.dtype))],
+                              bits=self.bits, group_size=G, rounding="stochastic")
+                nv = {"local": L, "level": "node"}
+                pr2, sr2 = self.exchange(emit, var, f"{gname}.2", q2, s2, K * kq, self.bits,
+                                         nv, gt.dtype)
+                (tot,) = self.receive(emit, var, f"{gname}.2", pr2, sr2, K * kq, K, kq,
+                                      gt.dtype, red, self.bits)
+                payloads.update({pr: (param or res.name, f"gradient of {param or res.name} "
+                                      f"({first_bits}-bit inside a node, Hadamard {h})"),
+                                 sr: (param or res.name, f"scales of the gradient of "
+                                      f"{param or res.name} inside a node")})
+                pr, sr = pr2, sr2
             if self.hadamard:
                 (tot,) = emit("hadamard", (tot,), [(f"{gname}.qg.back",
                                                     var((kq,), gt.dtype))],
@@ -209,11 +292,13 @@ class QuantizeGrads(Pass):
                                   for o in ops if o.name == "all_to_all")
             replace[id(site)] = ops
             quantized.append(res.name)
-            what = f"gradient of {param or res.name} ({self.bits}-bit, Hadamard {h})"
+            across = " across nodes" if hops == 2 else ""
+            what = f"gradient of {param or res.name} ({self.bits}-bit{across}, Hadamard {h})"
             owner = param or res.name
             payloads.update({pr: (owner, what), sr: (owner, f"scales of the {what}")})
-        record = QuantizeGradsRecord(ax, self.bits, G, self.hadamard, 1, tuple(quantized),
-                                     tuple(kept), before, after, params, payloads)
+        record = QuantizeGradsRecord(ax, self.bits, G, self.hadamard, hops, tuple(quantized),
+                                     tuple(kept), before, after, params, payloads,
+                                     self.local if hops == 2 else 0, self.intra_bits)
         ctx.decisions[self.name] = record
         if not quantized:      # every gradient too small: the plan says why, nothing changes
             return g

@@ -190,7 +190,7 @@ class _Builder:
 
     def comm(self, op: Op) -> fx.Node:
         """The program's node reading the Comm of the collective's axis."""
-        axis = str(op.attrs["axis"])
+        axis = comm_key(op)
         if axis not in self.comms:
             raise BackendError(f"the program has a {op.name} over mesh axis {axis!r} but no "
                                "process group was given for that axis",
@@ -199,6 +199,15 @@ class _Builder:
         if axis not in self.comm_nodes:
             self.comm_nodes[axis] = self.fx.get_attr(f"comm_{axis}")
         return self.comm_nodes[axis]
+
+
+def comm_key(op: Op) -> str:
+    """The Comm a collective runs on: its axis's, or with ``local=L, level=...`` the
+    axis's level (``dp__local2`` among one node's L devices, ``dp__node2`` across nodes)."""
+    axis = str(op.attrs["axis"])
+    if op.attrs.get("local"):
+        return f"{axis}__{op.attrs.get('level', 'local')}{int(op.attrs['local'])}"
+    return axis
 
 
 # ------------------------------------------------------------------ elementwise

@@ -859,6 +859,72 @@ def run_quantized_grads(rank: int, world: int) -> dict:
             "plain_plan": plain.comm_bytes_per_step, "kinds": dict(step.comm.calls)}
 
 
+QG2_SPEC = SPEC + (",quantize-grads{bits=4, intra-bits=8, group=128, hadamard=32, levels=2, "
+                   "local=2}")
+
+
+@check("quantized_grads_two_hop")
+def run_quantized_grads_two_hop(rank: int, world: int) -> dict:
+    """quantize-grads with two hops on 2 nodes x 2 devices (dp index = node * 2 + local):
+    hop 1 inside each node 8-bit, the receivers average and requantize to 4 bits, hop 2
+    across nodes. One SGD step at lr 1: the averaged gradient differs from the exact mean,
+    in the Hadamard domain, by at most the mean over nodes of (hop 1: the mean over the
+    node's senders of their group's absmax/127) + (hop 2: the node's partial mean's group
+    absmax/7, the partial taken exactly plus hop 1's bound), computed here from every
+    rank's own gradient."""
+    from models import MLP
+    local_n, G = 2, 128
+    nodes = world // local_n
+    torch.manual_seed(0)
+    model = MLP(32, 200, 64)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    g = torch.Generator().manual_seed(4)
+    batch = {"x": torch.randn(4 * world, 32, generator=g),
+             "y": torch.randint(0, 64, (4 * world,), generator=g)}
+    mine = local((batch,), rank, world)
+    graph, dist_graph, cap, step = build(mlp_step, model, opt, mine, world, QG2_SPEC)
+    loss = F.cross_entropy(ref(mine[0]["x"]), mine[0]["y"])
+    loss.backward()
+    w0 = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    c0 = step.comm_bytes
+    step(model, opt, *mine)
+    counted = step.comm_bytes - c0
+    excess, ratio = -1.0, 0.0
+    for name, p in model.named_parameters():
+        grad = dict(ref.named_parameters())[name].grad.reshape(-1).contiguous()
+        every = [torch.empty_like(grad) for _ in range(world)]
+        dist.all_gather(every, grad)
+        if grad.numel() // world < G:
+            continue           # kept fp32
+        # each device's gradient in the Hadamard domain, as (destination piece, kq) rows
+        hd = torch.stack([hadamard_blocks(piece_rows(e, world, G).reshape(-1))
+                          .view(world, -1) for e in every])         # (sender, dest, kq)
+        amax8 = hd.view(world, world, -1, G).abs().amax(-1) / 127   # (sender, dest, groups)
+        exact = hd.mean(0)                                          # (dest, kq)
+        bound = torch.zeros(exact.shape[0], exact.shape[1] // G, dtype=torch.float64)
+        for a in range(nodes):
+            members = list(range(a * local_n, (a + 1) * local_n))
+            e1 = amax8[members].mean(0)                             # (dest, groups)
+            part = hd[members].mean(0).view(world, -1, G).abs().amax(-1)
+            bound += (e1 + (part + e1) / 7) / nodes
+        got = (w0[name].reshape(-1).double() - p.detach().reshape(-1).double())   # lr 1
+        err = hadamard_blocks(piece_rows(got.float(), world, G).reshape(-1)).view(world, -1)
+        err = (err - exact).abs()
+        b = bound.repeat_interleave(G, dim=1)
+        slack = 4e-7 * float(w0[name].abs().max())      # fp32 rounding of w - lr * g
+        excess = max(excess, float((err - b * (1 + 1e-5) - slack).max()))
+        ratio = max(ratio, float((err / b.clamp_min(1e-30)).max()))
+    plain = build_plan(Pipeline.from_spec(SPEC).run(graph.replace(mesh=Mesh({"dp": world})),
+                                                    PassContext()))
+    levels = {k: dict(c.calls) for k, c in step.level_comms.items()}
+    return {"excess": excess, "ratio": ratio, "counted": counted,
+            "plan": build_plan(dist_graph).comm_bytes_per_step,
+            "plain_plan": plain.comm_bytes_per_step, "levels": levels,
+            "sizes": {k: c.size for k, c in step.level_comms.items()},
+            "level_bytes": {k: c.bytes_sent for k, c in step.level_comms.items()}}
+
+
 @check("sdp4bit_preset")
 def run_sdp4bit_preset(rank: int, world: int) -> dict:
     """parallelize(compression="sdp4bit"): both quantizing passes with comm-fusion and
