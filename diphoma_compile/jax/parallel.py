@@ -229,6 +229,10 @@ def _as_partial(low: PerDeviceLowering, op: Op, ins: list) -> list:
 
 
 def _all_to_all(low: PerDeviceLowering, op: Op, ins: list) -> list:
+    if op.attrs.get("local"):
+        raise BackendError("an all_to_all among the levels of a mesh axis split into nodes "
+                           "(quantize-grads levels=2) has no JAX lowering yet",
+                           hint="use levels=1 (or leave local unset) on JAX steps")
     return [lax.all_to_all(ins[0], _axis(op), split_axis=int(op.attrs["to_dim"]),
                            concat_axis=int(op.attrs["from_dim"]), tiled=True)]
 

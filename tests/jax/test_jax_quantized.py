@@ -259,3 +259,15 @@ def test_golden_sdp4bit_on_the_jax_layout(golden):
     text = print_graph(out)
     assert parse(text) == out
     golden("jax_mlp_adamw.sdp4bit.ir", text)
+
+
+def test_two_hop_gradients_are_refused_on_jax():
+    """The two-hop form's level all-to-alls have no JAX lowering yet: a BackendError says
+    so and what to use instead."""
+    from diphoma_compile.errors import BackendError
+    step, _, params, opt, x, y = mlp_case(optax.sgd(0.1))
+    ps = parallelize(step, Mesh({"dp": N}),
+                     passes=BASE + ",quantize-grads{axis=dp, levels=2, local=2}")
+    with pytest.raises(BackendError, match="levels=2") as e:
+        ps(params, opt, x, y)
+    assert "levels=1" in e.value.hint

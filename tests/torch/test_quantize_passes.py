@@ -84,11 +84,39 @@ def test_golden_quantize_grads_and_weight_diff(golden):
         assert rec.bytes_after[g] < rec.bytes_before[g] / 6
 
 
+QG2 = "quantize-grads{bits=4, intra-bits=8, group=64, hadamard=32, levels=2, local=2}"
+
+
+def test_golden_two_hop_quantize_grads(golden):
+    """levels=2, local=2 on 4 devices (2 nodes x 2): 8-bit all-to-all among each node's
+    devices (the pieces reordered by their device's place in its node), then 4-bit across
+    nodes; one hop when a level has one device (local=1, local=4)."""
+    out, ctx = run(traced(), default_passes("dp") + "," + QG2 + ",dce")
+    text = print_graph(out)
+    assert parse(text) == out
+    golden("torch_mlp_sgd_momentum.qg2hop.ir", text)
+    rec = ctx.decisions["quantize-grads"]
+    assert rec.hops == 2 and rec.local == 2 and "absmax/127 inside a node" in rec.bound
+    a2a = [op for op in out.ops if op.name == "all_to_all"]
+    assert [op.attrs.get("level") for op in a2a] == ["local", "local", "node", "node"] * 2
+    for g in rec.quantized:      # 8 bits of all rows + 4 bits of half: under 1/3 of fp32
+        assert rec.bytes_after[g] < rec.bytes_before[g] / 3
+    for local in (1, 4):
+        spec = default_passes("dp") + f",quantize-grads{{group=64, local={local}}}"
+        ctx1 = run(traced(), spec)[1]
+        assert ctx1.decisions["quantize-grads"].hops == 1
+
+
 def test_quantize_grads_errors():
     with pytest.raises(PassError, match="weight-update-sharding"):
         run(traced(), "data-parallel," + QG)
-    with pytest.raises(PassError, match="two-hop"):
+    with pytest.raises(PassError, match="levels=2 needs the devices per node") as e:
         run(traced(), default_passes("dp") + ",quantize-grads{levels=2}")
+    assert "local=L" in str(e.value)
+    with pytest.raises(PassError, match="local=3 does not divide"):
+        run(traced(), default_passes("dp") + ",quantize-grads{levels=2, local=3}")
+    with pytest.raises(PassError, match="levels='3'"):
+        run(traced(), default_passes("dp") + ",quantize-grads{levels=3}")
     with pytest.raises(PassError, match="hadamard=24"):
         run(traced(), default_passes("dp") + ",quantize-grads{hadamard=24}")
 
