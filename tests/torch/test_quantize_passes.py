@@ -14,6 +14,7 @@ from diphoma_compile.ir import InputKind, parse, print_graph  # noqa: E402
 from diphoma_compile.mesh import Mesh  # noqa: E402
 from diphoma_compile.passes import PassContext, Pipeline, QuantizeWeightDiffRecord  # noqa: E402
 from diphoma_compile.passes.defaults import default_passes  # noqa: E402
+from diphoma_compile.report.plan import build_plan  # noqa: E402
 
 from models import MLP, OPTIMIZERS, classify_step, mlp_batches  # noqa: E402
 
@@ -101,6 +102,8 @@ def test_golden_two_hop_quantize_grads(golden):
     assert [op.attrs.get("level") for op in a2a] == ["local", "local", "node", "node"] * 2
     for g in rec.quantized:      # 8 bits of all rows + 4 bits of half: under 1/3 of fp32
         assert rec.bytes_after[g] < rec.bytes_before[g] / 3
+    text = build_plan(out, ctx.decisions).to_text()
+    assert "2 hops: 8-bit among each node's 2 devices, then 4-bit across nodes" in text
     for local in (1, 4):
         spec = default_passes("dp") + f",quantize-grads{{group=64, local={local}}}"
         ctx1 = run(traced(), spec)[1]
