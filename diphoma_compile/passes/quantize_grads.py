@@ -30,7 +30,7 @@ from ..ir.core import (Attrs, Graph, Input, InputKind, InputRole, Op, Output, Ou
                        OutputRole, Value)
 from ..ir.ops import op_def
 from ..ir.shape_rules import piece_layout
-from ..ir.types import VARYING, DType, TensorType, Varying
+from ..ir.types import VARYING, DType, Shard, TensorType, Varying
 from .base import Pass, PassContext, PassFailure, register_pass
 from .data_parallel import require_axis
 from .quantize_weight_diff import KEY_SLOT, PIECE_DIMS, error_bound
@@ -54,21 +54,28 @@ class QuantizeGradsRecord:
     payloads: Mapping[str, tuple[str, str]] = field(default_factory=dict)
     local: int = 0          # two hops: devices per node (hop 1 among them, in intra_bits)
     intra_bits: int = 8
+    all_reduce: bool = False    # all-reduces: the averaged pieces all-gathered in `bits` too
 
     @property
     def bound(self) -> str:
         """The declared error of one device's contribution, per group (Hadamard domain);
         two hops: each hop's, the second's of the node's partial sum."""
         if self.hops == 2:
-            return (f"{error_bound(self.intra_bits, 'stochastic')} inside a node + "
-                    f"{error_bound(self.bits, 'stochastic')} of the node's sum across nodes")
-        return error_bound(self.bits, "stochastic")
+            out = (f"{error_bound(self.intra_bits, 'stochastic')} inside a node + "
+                   f"{error_bound(self.bits, 'stochastic')} of the node's sum across nodes")
+        else:
+            out = error_bound(self.bits, "stochastic")
+        if self.all_reduce:
+            out += (f", then {error_bound(self.bits, 'stochastic')} of the averaged "
+                    "gradient's group (all-gathered)")
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's ``notes["quantize-grads"]``."""
         return {"axis": self.axis, "bits": self.bits, "group": self.group,
                 "hadamard": self.hadamard, "hops": self.hops, "error_bound": self.bound,
                 "local": self.local, "intra_bits": self.intra_bits,
+                "all_reduce": self.all_reduce,
                 "quantized": list(self.quantized), "kept": [list(k) for k in self.kept],
                 "bytes_before": dict(self.bytes_before), "bytes_after": dict(self.bytes_after),
                 "params": dict(self.params)}
@@ -114,6 +121,9 @@ class QuantizeGrads(Pass):
     # devices per node: the axis's N devices as N/local nodes of `local` consecutive ones
     # (row-major ranks), for the two-hop form; 0: one level
     local: int = 0
+    # data parallelism without weight-update sharding: each gradient's all-reduce becomes
+    # the quantized reduce-scatter (all-to-all) and a 4-bit all-gather of the averaged piece
+    all_reduce: bool = False
 
     def __call__(self, graph: Graph, ctx: PassContext) -> Graph:
         n = require_axis(graph, self.axis, self.name)
@@ -127,10 +137,23 @@ class QuantizeGrads(Pass):
         if self.levels not in ("auto", "1", "2"):
             raise PassFailure(f"{self.name}: levels={self.levels!r} is not auto, 1 or 2")
         hops = self.hops(n)
-        sites = [op for op in graph.ops if op.name == "reduce_scatter" and len(op.inputs) == 1
-                 and op.attrs.get("axis") == self.axis and op.attrs.get("dim") in PIECE_DIMS
-                 and isinstance(graph.value_types()[op.inputs[0]].placement(self.axis),
-                                Varying)]
+        types = graph.value_types()
+        if self.all_reduce:
+            sites = [op for op in graph.ops if op.name == "all_reduce" and len(op.inputs) == 1
+                     and op.attrs.get("axis") == self.axis
+                     and isinstance(types[op.inputs[0]].placement(self.axis), Varying)
+                     and param_of(graph, op.result.name) is not None]
+            if not sites:
+                raise PassFailure(f"{self.name}: no gradient is all-reduced over "
+                                  f"{self.axis!r}",
+                                  hint=f"run data-parallel{{axis={self.axis}}} first (and "
+                                       "this pass before comm-fusion); after "
+                                       "weight-update-sharding leave all-reduce unset")
+        else:
+            sites = [op for op in graph.ops if op.name == "reduce_scatter"
+                     and len(op.inputs) == 1 and op.attrs.get("axis") == self.axis
+                     and op.attrs.get("dim") in PIECE_DIMS
+                     and isinstance(types[op.inputs[0]].placement(self.axis), Varying)]
         if not sites:
             raise PassFailure(f"{self.name}: no gradient is reduce-scattered to flat or dim-0 "
                               "pieces "
@@ -184,6 +207,37 @@ class QuantizeGrads(Pass):
         return emit(red, (rows,), [(f"{gname}.qg.sum", var((each,), dtype))],
                     dims=(0,), keepdim=False)
 
+    def gather(self, emit: Any, var: Any, ops: list[Op], common: dict, gname: str, tot: str,
+               key: str, res: Value, n: int, kq: int) -> tuple[str, str]:
+        """The all-reduce's second half: this device's averaged piece ``tot`` quantized
+        to ``bits`` (stochastic, ``key``), its bytes and scales all-gathered, the whole
+        dequantized into ``res``: (gathered bytes, gathered scales)."""
+        ax, G, dt = self.axis, self.group, res.type.dtype
+        nb = kq * self.bits // 8
+        q, s = emit("quantize", (tot, key), [(f"{gname}.qg.mean.q", var((kq,), DType.i8)),
+                                             (f"{gname}.qg.mean.scales", var((kq // G,), dt))],
+                    bits=self.bits, group_size=G, rounding="stochastic")
+        (p,) = emit("pack", (q,), [(f"{gname}.qg.mean.packed", var((nb,), DType.u8))],
+                    bits=self.bits)
+        piece = Shard(0)
+        (ps,) = emit("as_shard", (p,), [(f"{gname}.qg.mean.piece",
+                                         TensorType((n * nb,), DType.u8)
+                                         .with_placement(ax, piece))], axis=ax, dim=0)
+        (ss,) = emit("as_shard", (s,), [(f"{gname}.qg.mean.scales.piece",
+                                         TensorType((n * kq // G,), dt)
+                                         .with_placement(ax, piece))], axis=ax, dim=0)
+        (pg,) = emit("all_gather", (ps,), [(f"{gname}.qg.mean.full",
+                                            TensorType((n * nb,), DType.u8))], axis=ax, dim=0)
+        (sg,) = emit("all_gather", (ss,), [(f"{gname}.qg.mean.scales.full",
+                                            TensorType((n * kq // G,), dt))], axis=ax, dim=0)
+        (qg,) = emit("unpack", (pg,), [(f"{gname}.qg.mean.q.full",
+                                        TensorType((n * kq,), DType.i8))],
+                     bits=self.bits, dtype="i8")
+        ops.append(Op("dequantize", (qg, sg), (res,),
+                      Attrs({"bits": self.bits, "group_size": G, "pieces": n,
+                             "dtype": dt.value}), **common))
+        return pg, sg
+
     @staticmethod
     def reorder(emit: Any, var: Any, v: str, shape: tuple[int, int, int], dtype: DType,
                 hint: str) -> str:
@@ -208,11 +262,10 @@ class QuantizeGrads(Pass):
         params: dict[str, str] = {}
         payloads: dict[str, tuple[str, str]] = {}
         h = self.hadamard
-        d_rs, d_a2a = op_def("reduce_scatter"), op_def("all_to_all")
         for site in sites:
             gname, res = site.inputs[0], site.result
             gt = types[gname]
-            before[res.name] = d_rs.comm_bytes(site, [gt], [res.type], n)
+            before[res.name] = op_def(site.name).comm_bytes(site, [gt], [res.type], n)
             after[res.name] = before[res.name]
             k, kq = piece_layout(gt.numel, n, G)
             param = param_of(g, res.name)
@@ -283,22 +336,33 @@ class QuantizeGrads(Pass):
                 (tot,) = emit("hadamard", (tot,), [(f"{gname}.qg.back",
                                                     var((kq,), gt.dtype))],
                               block=self.hadamard)
-            ops.append(Op("as_shard", (tot,), (res,), Attrs({"axis": ax,
-                                                            "dim": site.attrs["dim"]}),
-                          **common))
+            if self.all_reduce:
+                (key_now,) = emit("rng_next", (key_now,), [("qg.key.next", key_t)])
+                gathered = self.gather(emit, var, ops, common, gname, tot, key_now, res, n,
+                                       kq)
+            else:
+                ops.append(Op("as_shard", (tot,), (res,), Attrs({"axis": ax,
+                                                                "dim": site.attrs["dim"]}),
+                              **common))
             (key_now,) = emit("rng_next", (key_now,), [("qg.key.next", key_t)])
             sent = {v.name: v.type for o in ops for v in o.results}
-            after[res.name] = sum(d_a2a.comm_bytes(o, [sent[o.inputs[0]]], [o.result.type], n)
-                                  for o in ops if o.name == "all_to_all")
+            after[res.name] = sum(op_def(o.name).comm_bytes(o, [sent[o.inputs[0]]],
+                                                            [o.result.type], n)
+                                  for o in ops if o.name in ("all_to_all", "all_gather"))
             replace[id(site)] = ops
             quantized.append(res.name)
             across = " across nodes" if hops == 2 else ""
             what = f"gradient of {param or res.name} ({self.bits}-bit{across}, Hadamard {h})"
             owner = param or res.name
             payloads.update({pr: (owner, what), sr: (owner, f"scales of the {what}")})
+            if self.all_reduce:
+                mean = f"averaged gradient of {owner} ({self.bits}-bit)"
+                payloads.update({gathered[0]: (owner, mean),
+                                 gathered[1]: (owner, f"scales of the {mean}")})
         record = QuantizeGradsRecord(ax, self.bits, G, self.hadamard, hops, tuple(quantized),
                                      tuple(kept), before, after, params, payloads,
-                                     self.local if hops == 2 else 0, self.intra_bits)
+                                     self.local if hops == 2 else 0, self.intra_bits,
+                                     self.all_reduce)
         ctx.decisions[self.name] = record
         if not quantized:      # every gradient too small: the plan says why, nothing changes
             return g

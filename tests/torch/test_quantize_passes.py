@@ -110,6 +110,26 @@ def test_golden_two_hop_quantize_grads(golden):
         assert ctx1.decisions["quantize-grads"].hops == 1
 
 
+def test_golden_quantized_all_reduce(golden):
+    """all-reduce=true on plain data parallelism: each gradient's all-reduce becomes the
+    quantized all-to-all, then a 4-bit all-gather of the averaged pieces (as_shard of each
+    device's packed piece, dequantize{pieces} of the whole); small gradients and the loss
+    stay fp32 all-reduces."""
+    spec = "dce,data-parallel{axis=dp},dce,quantize-grads{group=64, all-reduce=true},dce"
+    out, ctx = run(traced(), spec)
+    text = print_graph(out)
+    assert parse(text) == out
+    golden("torch_mlp_sgd_momentum.qgar.ir", text)
+    rec = ctx.decisions["quantize-grads"]
+    assert rec.all_reduce and rec.quantized == ("18.avg", "25.avg")
+    assert "then absmax/7 of the averaged gradient's group" in rec.bound
+    assert [op.name for op in out.ops].count("all_gather") == 4
+    for g in rec.quantized:
+        assert rec.bytes_after[g] < rec.bytes_before[g] / 6
+    with pytest.raises(PassError, match="no gradient is all-reduced"):
+        run(traced(), default_passes("dp") + ",quantize-grads{all-reduce=true}")
+
+
 def test_quantize_grads_errors():
     with pytest.raises(PassError, match="weight-update-sharding"):
         run(traced(), "data-parallel," + QG)
