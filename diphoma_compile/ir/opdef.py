@@ -121,7 +121,7 @@ class OpDef:
             return int(frac * n * sum(t.local_nbytes(axis) for t in outs))
         if self.name == "all_to_all":
             m = level_size(op, n)
-            return int((m - 1) / m * piece(ins[0]))
+            return int((m - 1) / m * sum(piece(t) for t in ins))
         if self.name == "all_gather":
             return int(frac * n * sum(t.local_nbytes(axis) for t in ins))
         if self.name == "broadcast":   # a pipelined ring: all but the last rank forward

@@ -233,6 +233,13 @@ def _all_to_all(low: PerDeviceLowering, op: Op, ins: list) -> list:
         raise BackendError("an all_to_all among the levels of a mesh axis split into nodes "
                            "(quantize-grads levels=2) has no JAX lowering yet",
                            hint="use levels=1 (or leave local unset) on JAX steps")
+    if len(ins) > 1:       # a bucket of 1-d payloads: row j of each goes to device j
+        n = low.sizes[_axis(op)]
+        rows = [lax.reshape(x, (n, math.prod(np.shape(x)) // n)) for x in ins]
+        got = lax.all_to_all(lax.concatenate(rows, 1), _axis(op), split_axis=0,
+                             concat_axis=0, tiled=True)
+        cols = _split_columns(got, [r.shape[1] for r in rows])
+        return [lax.reshape(c, (math.prod(np.shape(c)),)) for c in cols]
     return [lax.all_to_all(ins[0], _axis(op), split_axis=int(op.attrs["to_dim"]),
                            concat_axis=int(op.attrs["from_dim"]), tiled=True)]
 

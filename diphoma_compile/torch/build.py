@@ -454,6 +454,8 @@ def _bucket(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
     if op.name == "all_gather":
         return b.call(collectives.all_gather_bucket,
                       [comm, xs, a["dim"], [b.local(v.type) for v in op.results]], asy)
+    if op.name == "all_to_all" and int(a["from_dim"]) == 0 == int(a["to_dim"]):
+        return b.call(collectives.all_to_all_bucket, [comm, xs], asy)
     raise UnsupportedOpError(f"the torch backend has no bucketed {op.name}")
 
 
@@ -572,7 +574,7 @@ def _all_to_all(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
     """Each rank's piece split along to_dim, chunk j to rank j, joined along from_dim."""
     a = op.attrs
     return b.call(collectives.all_to_all, [comm, b.node(op.inputs[0]), int(a["from_dim"]),
-                                           int(a["to_dim"])])
+                                           int(a["to_dim"])], _async(op))
 
 
 def _as_shard(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
