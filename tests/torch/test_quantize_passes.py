@@ -151,3 +151,23 @@ def test_naive_weights_ablation_quantizes_the_weights_themselves():
     assert ops[new].name == "dequantize"                  # not the old copy + a difference
     q = next(op for op in out.ops if op.name == "quantize")
     assert ops[q.inputs[0]].name == "add"                 # the new exact piece itself
+
+
+def test_preset_buckets_and_overlaps_the_all_to_alls():
+    """With comm-fusion and schedule-comm (the preset's tail), the quantized gradients'
+    all-to-alls go in buckets by dtype (packed bytes, scales), the bytes' issued async and
+    waited for later; the plan's bytes are unchanged by bucketing."""
+    spec = default_passes("dp", 10 ** 6, compression="sdp4bit")
+    out, ctx = run(traced(), spec.replace("group=128", "group=64").replace(
+        "group=2048", "group=64"))
+    a2a = [op for op in out.ops if op.name == "all_to_all"]
+    assert len(a2a) == 2 and all(len(op.inputs) == 2 for op in a2a)
+    assert {op.result.type.dtype.value for op in a2a} == {"u8", "f32"}
+    issued = [op for op in a2a if op.attrs.get("async")]
+    assert issued          # schedule-comm issues what has work to hide behind
+    waits = [op for op in out.ops if op.name == "wait"
+             and set(op.inputs) & {v.name for v in issued[0].results}]
+    assert len(waits) == 1 and out.ops.index(waits[0]) > out.ops.index(issued[0]) + 1
+    unfused, _ = run(traced(), spec.replace("group=128", "group=64").replace(
+        "group=2048", "group=64").split(",comm-fusion")[0])
+    assert build_plan(out).comm_bytes_per_step == build_plan(unfused).comm_bytes_per_step
