@@ -162,7 +162,7 @@ def test_preset_buckets_and_overlaps_the_all_to_alls():
         "group=2048", "group=64"))
     a2a = [op for op in out.ops if op.name == "all_to_all"]
     assert len(a2a) == 2 and all(len(op.inputs) == 2 for op in a2a)
-    assert {op.result.type.dtype.value for op in a2a} == {"u8", "f32"}
+    assert {op.results[0].type.dtype.value for op in a2a} == {"u8", "f32"}
     issued = [op for op in a2a if op.attrs.get("async")]
     assert issued          # schedule-comm issues what has work to hide behind
     waits = [op for op in out.ops if op.name == "wait"
