@@ -229,15 +229,16 @@ def _as_partial(low: PerDeviceLowering, op: Op, ins: list) -> list:
 
 
 def _all_to_all(low: PerDeviceLowering, op: Op, ins: list) -> list:
-    if op.attrs.get("local"):
-        raise BackendError("an all_to_all among the levels of a mesh axis split into nodes "
-                           "(quantize-grads levels=2) has no JAX lowering yet",
-                           hint="use levels=1 (or leave local unset) on JAX steps")
-    if len(ins) > 1:       # a bucket of 1-d payloads: row j of each goes to device j
+    local = op.attrs.get("local")
+    if len(ins) > 1 or local:      # 1-d payloads (a bucket): row j of each goes to device j
         n = low.sizes[_axis(op)]
-        rows = [lax.reshape(x, (n, math.prod(np.shape(x)) // n)) for x in ins]
-        got = lax.all_to_all(lax.concatenate(rows, 1), _axis(op), split_axis=0,
-                             concat_axis=0, tiled=True)
+        m = n if not local else quant.level_size(op, n)
+        rows = [lax.reshape(x, (m, math.prod(np.shape(x)) // m)) for x in ins]
+        both = lax.concatenate(rows, 1)
+        got = (quant.level_all_to_all(both, _axis(op), n, int(local),
+                                      str(op.attrs.get("level", "local")))
+               if local else lax.all_to_all(both, _axis(op), split_axis=0, concat_axis=0,
+                                            tiled=True))
         cols = _split_columns(got, [r.shape[1] for r in rows])
         return [lax.reshape(c, (math.prod(np.shape(c)),)) for c in cols]
     return [lax.all_to_all(ins[0], _axis(op), split_axis=int(op.attrs["to_dim"]),

@@ -18,6 +18,7 @@ from jax import lax
 
 from ..errors import BackendError
 from ..ir.core import Op
+from ..ir.opdef import level_size
 from ..ir.types import DType, FlatShard, Shard, TensorType, Varying
 from .dtypes import numpy_dtype
 
@@ -206,6 +207,34 @@ def _as_shard(low: Any, op: Op, ins: list) -> list:
     return [jnp.reshape(piece, shape)]
 
 
+def level_all_to_all(rows: Any, axis: str, n: int, local: int, level: str) -> Any:
+    """The all_to_all among the devices of one level of mesh axis ``axis`` (n devices as
+    n/local nodes of ``local`` consecutive ones): among a node's devices (``local``) or
+    among the devices with the same place in their node (``node``). ``rows`` is (M, w)
+    with M the level's size: row j goes to the level's j-th device; the result's row i
+    came from its i-th. M - 1 rounds of ``lax.ppermute`` (each device sends one row a
+    round), so each device sends (M - 1) / M of its payload, as the plan counts."""
+    nodes = n // local
+    m = local if level == "local" else nodes
+
+    def device(node: int, place: int) -> int:
+        return node * local + place
+
+    def member(pos: int, other: int) -> int:      # the pos-th device of a level group
+        return device(other, pos) if level == "local" else device(pos, other)
+    idx = lax.axis_index(axis)
+    me = idx % local if level == "local" else idx // local
+    got = [lax.dynamic_index_in_dim(rows, me, 0, keepdims=False)]      # round 0: my own
+    groups = nodes if level == "local" else local
+    for s in range(1, m):
+        send = lax.dynamic_index_in_dim(rows, (me + s) % m, 0, keepdims=False)
+        perm = [(member(q, g), member((q + s) % m, g)) for g in range(groups)
+                for q in range(m)]
+        got.append(lax.ppermute(send, axis, perm))     # from the device (me - s) % m
+    by_shift = jnp.stack(got)
+    return jnp.take(by_shift, (me - jnp.arange(m)) % m, axis=0)
+
+
 def _dtype(name: Any) -> Any:
     return numpy_dtype(DType.parse(str(name)))
 
@@ -238,5 +267,5 @@ def emit(low: Any, op: Op, ins: list) -> list:
 QUANT_OPS = frozenset({"quantize", "dequantize", "pack", "unpack", "hadamard", "rng_next",
                        "rng_uniform", "as_shard"})
 
-__all__ = ["QUANT_OPS", "dequantize", "emit", "hadamard", "next_key", "pack", "quantize",
-           "uniform", "unpack"]
+__all__ = ["QUANT_OPS", "dequantize", "emit", "hadamard", "level_all_to_all", "level_size",
+           "next_key", "pack", "quantize", "uniform", "unpack"]
