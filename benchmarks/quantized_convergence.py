@@ -21,7 +21,10 @@ comm-fusion, schedule-comm):
               quantize-weight-diff (4-bit weight differences, group 2048);
   naive4      the paper's ablation: the new weights themselves quantized to 4 bits
               (quantize-weight-diff{naive=true}), gradients as in sdp4bit;
-  nohadamard  sdp4bit without the Hadamard transform (quantize-grads{hadamard=0}).
+  nohadamard  sdp4bit without the Hadamard transform (quantize-grads{hadamard=0});
+  twohop      sdp4bit with SDP4Bit's two-hop gradients (quantize-grads{levels=2,
+              local=--local}: 8-bit among each node's --local devices, 4-bit across);
+              not in the default list.
 Rank 0 prints, per variant: the mean training loss of the last 10 steps, the loss on 8
 held-out batches (with the weights every rank computes with), the planned bytes per step
 per device and their ratio to plain, and seconds per step. No asserts: read the table.
@@ -48,6 +51,7 @@ import diphoma_compile  # noqa: E402
 from diphoma_compile.passes.defaults import default_passes  # noqa: E402
 
 VARIANTS = ("plain", "sdp4bit", "naive4", "nohadamard")
+ALL_VARIANTS = VARIANTS + ("twohop",)
 PROBS = torch.tensor([0.6, 0.25, 0.1, 0.05])
 
 
@@ -75,7 +79,7 @@ def sample(succ: torch.Tensor, batch: int, length: int, seed: int
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
-def spec(variant: str, grad_bytes: int) -> str | None:
+def spec(variant: str, grad_bytes: int, local: int = 2) -> str | None:
     """The pass pipeline of a variant (None: parallelize's default)."""
     if variant == "plain":
         return None
@@ -84,6 +88,8 @@ def spec(variant: str, grad_bytes: int) -> str | None:
         s = s.replace("rounding=stochastic}", "rounding=stochastic, naive=true}")
     if variant == "nohadamard":
         s = s.replace("hadamard=32", "hadamard=0")
+    if variant == "twohop":
+        s = s.replace("levels=auto", f"levels=2, local={local}")
     return s
 
 
@@ -93,8 +99,8 @@ def _run(variant: str, a: argparse.Namespace, cfg: GPTConfig, succ: torch.Tensor
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kw = {"compression": "sdp4bit"} if variant == "sdp4bit" else {"passes": spec(variant,
-                                                                                 grad_bytes)}
+    kw = ({"compression": "sdp4bit"} if variant == "sdp4bit" else
+          {"passes": spec(variant, grad_bytes, a.local)})
     step = diphoma_compile.parallelize(train_step, diphoma_compile.Mesh({"dp": world}), **kw)
     local = a.batch // world
     losses, times = [], []
@@ -115,7 +121,7 @@ def _run(variant: str, a: argparse.Namespace, cfg: GPTConfig, succ: torch.Tensor
             "first": losses[0]}
 
 
-def _jax_spec(variant: str, grad_bytes: int) -> str | None:
+def _jax_spec(variant: str, grad_bytes: int, local: int = 2) -> str | None:
     """The pass pipeline of a variant on the JAX layout (whole dimensions)."""
     if variant == "plain":
         return None
@@ -124,6 +130,8 @@ def _jax_spec(variant: str, grad_bytes: int) -> str | None:
         s = s.replace("rounding=stochastic}", "rounding=stochastic, naive=true}")
     if variant == "nohadamard":
         s = s.replace("hadamard=32", "hadamard=0")
+    if variant == "twohop":
+        s = s.replace("levels=auto", f"levels=2, local={local}")
     return s
 
 
@@ -155,7 +163,8 @@ def run_jax(a: argparse.Namespace) -> dict:
 
     results = {}
     for v in a.variants:
-        kw = {"compression": "sdp4bit"} if v == "sdp4bit" else {"passes": _jax_spec(v, grad_bytes)}
+        kw = ({"compression": "sdp4bit"} if v == "sdp4bit" else
+              {"passes": _jax_spec(v, grad_bytes, a.local)})
         step = diphoma_compile.parallelize(step_fn, diphoma_compile.Mesh({"dp": a.devices}), **kw)
         p, o = params0, tx.init(params0)
         losses, times = [], []
@@ -224,12 +233,13 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--timeout", type=int, default=600)
     p.add_argument("--framework", choices=("torch", "jax"), default="torch")
+    p.add_argument("--local", type=int, default=2, help="devices per node (twohop)")
     p.add_argument("--devices", type=int, default=8, help="JAX devices (--framework jax)")
     a = p.parse_args()
     a.variants = [v.strip() for v in a.variants.split(",") if v.strip()]
-    bad = [v for v in a.variants if v not in VARIANTS]
+    bad = [v for v in a.variants if v not in ALL_VARIANTS]
     if bad or a.batch % a.nproc:
-        p.error(f"variants from {VARIANTS}; --batch divisible by --nproc")
+        p.error(f"variants from {ALL_VARIANTS}; --batch divisible by --nproc")
     if a.framework == "jax":
         if a.batch % a.devices:
             p.error("--batch divisible by --devices")
