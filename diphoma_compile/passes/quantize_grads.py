@@ -1,4 +1,5 @@
-"""SDP4Bit's quantized gradients (TLq-HS; Jia et al. 2024, arXiv 2410.15526), one hop.
+"""SDP4Bit's quantized gradients (TLq-HS; Jia et al. 2024, arXiv 2410.15526): one hop, two
+hops (node x local), or plain data parallelism's all-reduces.
 
 Weight-update sharding reduce-scatters each gradient in fp32. This pass makes that
 reduce-scatter an all-to-all of ``bits``-bit integers: each device transforms its whole
@@ -14,11 +15,16 @@ Stochastic rounding draws from an explicit key, ``%qg.key: key[] comm_state(slot
 advanced by ``rng_next`` per gradient and returned; each device rounds with numbers of its
 own (a varying value draws by its place among the devices' values laid end to end).
 
-Levels: the issue's two-level form (8-bit all-to-all inside a node, 4-bit across nodes)
-needs a data axis split into node x local; ``levels=auto`` and ``levels=1`` give the one
-hop, which is what a mesh whose data axis is one level runs. ``levels=2`` is refused with a
-hint until the two-hop lowering exists. A gradient whose piece is smaller than a group stays
-an fp32 reduce-scatter; the plan lists it."""
+Levels: with ``levels=2, local=L`` (or ``local=L`` under ``levels=auto``) the data axis's
+N devices are N/L nodes of L consecutive devices and the exchange takes SDP4Bit's two hops:
+``intra-bits`` (8) among each node's devices (``all_to_all{local=L, level=local}``, the
+pieces reordered so that chunk b holds the rows of the devices b of every node), the
+receivers average and requantize their node's partial mean to ``bits`` (4), then
+``all_to_all{level=node}`` among the devices with the same place in their node. A level
+of one device gives one hop. ``all-reduce=true`` rewrites plain data parallelism's
+gradient all-reduces instead: the quantized exchange above, then each device's averaged
+piece quantized to ``bits``, all-gathered and dequantized whole. A gradient whose piece is
+smaller than a group stays fp32; the plan lists it."""
 
 from __future__ import annotations
 
