@@ -39,7 +39,7 @@ from ..ir.shape_rules import piece_layout
 from ..ir.types import VARYING, DType, Shard, TensorType, Varying
 from .base import Pass, PassContext, PassFailure, register_pass
 from .data_parallel import require_axis
-from .quantize_weight_diff import KEY_SLOT, PIECE_DIMS, error_bound
+from .quantize_weight_diff import KEY_SLOT, error_bound, moved_to_front
 
 
 @dataclass(frozen=True)
@@ -158,12 +158,10 @@ class QuantizeGrads(Pass):
         else:
             sites = [op for op in graph.ops if op.name == "reduce_scatter"
                      and len(op.inputs) == 1 and op.attrs.get("axis") == self.axis
-                     and op.attrs.get("dim") in PIECE_DIMS
                      and isinstance(types[op.inputs[0]].placement(self.axis), Varying)]
         if not sites:
-            raise PassFailure(f"{self.name}: no gradient is reduce-scattered to flat or dim-0 "
-                              "pieces "
-                              f"over {self.axis!r}",
+            raise PassFailure(f"{self.name}: no gradient is reduce-scattered over "
+                              f"{self.axis!r}",
                               hint=f"run weight-update-sharding{{axis={self.axis}}} first "
                                    "(and this pass before comm-fusion)")
         if n == 1:
@@ -303,7 +301,14 @@ class QuantizeGrads(Pass):
                       "rounding": "stochastic"}
             if self.hadamard:
                 qattrs["hadamard"] = self.hadamard
-            q, s = emit("quantize", (gname, key_now),
+            dim = site.attrs.get("dim", "flat")
+            moved = not self.all_reduce and dim not in ("flat", 0)
+            src = gname
+            if moved:       # a shard along dim d: its pieces are chunks once d is first
+                perm, inv, mshape = moved_to_front(gt.shape, int(dim))
+                (src,) = emit("transpose", (gname,), [(f"{gname}.qg.moved",
+                                                       var(mshape, gt.dtype))], perm=perm)
+            q, s = emit("quantize", (src, key_now),
                         [(f"{gname}.qg.q", var((nq,), DType.i8)),
                          (f"{gname}.qg.scales", var((ng,), gt.dtype))], **qattrs)
             if hops == 1:
@@ -346,9 +351,14 @@ class QuantizeGrads(Pass):
                 (key_now,) = emit("rng_next", (key_now,), [("qg.key.next", key_t)])
                 gathered = self.gather(emit, var, ops, common, gname, tot, key_now, res, n,
                                        kq)
+            elif moved:
+                (piece,) = emit("as_shard", (tot,),
+                                [(f"{gname}.qg.piece",
+                                  TensorType(mshape, gt.dtype).with_placement(ax, Shard(0)))],
+                                axis=ax, dim=0)
+                ops.append(Op("transpose", (piece,), (res,), Attrs({"perm": inv}), **common))
             else:
-                ops.append(Op("as_shard", (tot,), (res,), Attrs({"axis": ax,
-                                                                "dim": site.attrs["dim"]}),
+                ops.append(Op("as_shard", (tot,), (res,), Attrs({"axis": ax, "dim": dim}),
                               **common))
             (key_now,) = emit("rng_next", (key_now,), [("qg.key.next", key_t)])
             sent = {v.name: v.type for o in ops for v in o.results}

@@ -88,10 +88,10 @@ class MLP(nn.Module):
         return nn.Dense(64)(nn.tanh(nn.Dense(512)(x)))
 
 
-def mlp_case(tx):
+def mlp_case(tx, width: int = 32):
     model = MLP()
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((4 * N, 32)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((4 * N, width)), jnp.float32)
     y = jnp.asarray(rng.standard_normal((4 * N, 64)), jnp.float32)
     params = model.init(jax.random.key(0), x[:1])["params"]
 
@@ -115,17 +115,26 @@ def group_absmax(x: np.ndarray, pieces: int, group: int) -> np.ndarray:
     return amax[:, :k].reshape(-1)[:x.size]
 
 
+def in_pieces(a, shape: tuple[int, ...]) -> np.ndarray:
+    """a flattened in the order of its pieces under the JAX layout: split along the first
+    dimension the axis divides, moved to the front (dim 0: the plain flattening)."""
+    d = next(i for i, s in enumerate(shape) if s % N == 0)
+    return np.moveaxis(np.reshape(np.asarray(a), shape), d, 0).reshape(-1)
+
+
 def names_of(runner) -> list[str]:
     """The graph input names of the user's parameter leaves, in leaf order."""
     return [i.name for i in runner.user_graph.inputs if i.role.kind is InputKind.param]
 
 
-def test_quantize_weight_diff_within_its_declared_error():
+@pytest.mark.parametrize("width", [32, 36])
+def test_quantize_weight_diff_within_its_declared_error(width):
     """Every step, each quantized parameter (what every device computes with) is within
     absmax/7 of its group of the step's difference of the exact weights, which the runner
     holds; after step 1 the exact weights are the single-device step's; the checkpoint of
-    the state resumes the run exactly."""
-    step, _, params, opt, x, y = mlp_case(optax.sgd(0.1, momentum=0.9))
+    the state resumes the run exactly. Width 36: the first kernel (36, 512) is split along
+    dim 1, which the pass moves to the front before quantizing."""
+    step, _, params, opt, x, y = mlp_case(optax.sgd(0.1, momentum=0.9), width)
     ps = parallelize(step, Mesh({"dp": N}), passes=QWD)
     ref = jax.jit(step)(params, opt, x, y)[0]
     p, o = params, opt
@@ -139,13 +148,14 @@ def test_quantize_weight_diff_within_its_declared_error():
         for n, b, r in zip(names, before, jax.tree.leaves(p)):
             if n not in quantized:
                 continue
-            exact = np.asarray(masters[f"{n}.master"]).reshape(-1)
-            recon = np.asarray(r).reshape(-1)
-            bound = group_absmax(exact - np.asarray(b).reshape(-1), N, 2048) / 7
+            shape = np.shape(r)
+            exact = in_pieces(masters[f"{n}.master"], shape)
+            recon = in_pieces(r, shape)
+            bound = group_absmax(exact - in_pieces(b, shape), N, 2048) / 7
             assert np.all(np.abs(recon - exact) <= bound * (1 + 1e-5) + 1e-12)
             assert np.abs(recon - exact).max() > 0        # it does quantize
             if t == 0:
-                want = np.asarray(jax.tree.leaves(ref)[names.index(n)]).reshape(-1)
+                want = in_pieces(jax.tree.leaves(ref)[names.index(n)], shape)
                 assert np.allclose(exact, want, rtol=1e-5, atol=1e-6)
     # resume: a fresh runner given the state continues exactly; one without it restarts
     # the exact weights from the reconstruction, and differs
@@ -176,11 +186,13 @@ def piece_rows(x: np.ndarray, pieces: int, group: int) -> np.ndarray:
     return rows
 
 
-def test_quantize_grads_within_its_declared_error():
+@pytest.mark.parametrize("width", [32, 36])
+def test_quantize_grads_within_its_declared_error(width):
     """One SGD step at lr 1: the averaged gradient each device's piece receives differs
     from the exact mean, in the Hadamard domain, by at most the mean over the senders of
-    their group's absmax/7, computed here from each device's own gradient."""
-    step, loss_fn, params, opt, x, y = mlp_case(optax.sgd(1.0))
+    their group's absmax/7, computed here from each device's own gradient (width 36: a
+    gradient split along dim 1)."""
+    step, loss_fn, params, opt, x, y = mlp_case(optax.sgd(1.0), width)
     ps = parallelize(step, Mesh({"dp": N}), passes=QG)
     new = ps(params, opt, x, y)[0]
     rec = ps.plan.notes["quantize-grads"]
@@ -190,12 +202,13 @@ def test_quantize_grads_within_its_declared_error():
     names = names_of(ps.runner)
     checked = 0
     for k, n in enumerate(names):
-        every = [np.asarray(jax.tree.leaves(g)[k]).reshape(-1) for g in own]
+        shape = np.shape(jax.tree.leaves(params)[k])
+        every = [in_pieces(jax.tree.leaves(g)[k], shape) for g in own]
         if every[0].size // N < 128:
             continue
         exact = np.mean(np.stack(every).astype(np.float64), 0)
-        w0 = np.asarray(jax.tree.leaves(params)[k]).reshape(-1).astype(np.float64)
-        got = w0 - np.asarray(jax.tree.leaves(new)[k]).reshape(-1)
+        w0 = in_pieces(jax.tree.leaves(params)[k], shape).astype(np.float64)
+        got = w0 - in_pieces(jax.tree.leaves(new)[k], shape)
         scales = [np.abs(piece_rows(hadamard_rows(piece_rows(e, N, 128).reshape(-1)), 1, 128)
                          .reshape(-1, 128)).max(1) / 7 for e in every]
         bound = np.repeat(np.mean(scales, 0), 128)
