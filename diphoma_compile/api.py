@@ -27,7 +27,7 @@ from .errors import DiphomaError
 from .framework import Framework
 from .ir.analysis import runs_on_one_device
 from .ir.core import Graph, InputKind
-from .mesh import Mesh, data_axis, pipeline_axis, tensor_axis
+from .mesh import Mesh, data_axis, fold_nodes, pipeline_axis, tensor_axis
 from .passes.base import PassContext
 from .passes.defaults import COMPRESSION, default_passes
 from .passes.pipeline import Pipeline
@@ -85,6 +85,16 @@ class ParallelStep:
         self.axis = data_axis(self.mesh, axis)
         self.passes = passes
         self.compression = check_compression(compression, passes, self.shard_params)
+        self.local = 0      # devices per node: a node axis split the data axis
+        if self.compression is not None:
+            self.mesh, self.local = fold_nodes(self.mesh, self.axis)
+            if self.local:
+                if not isinstance(mesh, (dict, Mesh)):
+                    raise DiphomaError("a node axis in a framework's own mesh object is not "
+                                       "folded into the data axis",
+                                       hint="pass the mesh as a dict or a diphoma Mesh, "
+                                            "e.g. {'node': 2, 'dp': 4}")
+                self.user_mesh = self.mesh
         self.batch_argnums = argnums(batch_argnums)
         self.pipeline = pipeline_settings(self.mesh, passes, microbatches, schedule)
         if self.pipeline is not None and codegen not in (None, "fx"):
@@ -110,7 +120,7 @@ class ParallelStep:
                                              self.passes, ctx or PassContext(),
                                              shard_params=self.shard_params,
                                              pipeline=self.pipeline,
-                                             compression=self.compression)
+                                             compression=self.compression, local=self.local)
         return self
 
     def _auto(self) -> str | None:
@@ -259,7 +269,7 @@ def check_compression(compression: str | None, passes: str | None,
 def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str | None,
                ctx: PassContext, device_model: str = DEFAULT_DEVICE_MODEL,
                shard_params: bool = False, pipeline: PipelineParallel | None = None,
-               compression: str | None = None) -> tuple[Graph, Plan]:
+               compression: str | None = None, local: int = 0) -> tuple[Graph, Plan]:
     """The graph placed on ``mesh`` after the pipeline (``passes``, or the default one for
     the framework and the model's gradient bytes), and its plan, with the step time
     estimated on ``device_model`` (a name in ``ir.device_model.MODELS``).
@@ -296,7 +306,8 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
             parts.append(pipeline.spec())
         elif mesh.axis_size(axis) > 1:
             parts.append(default_passes(axis, grad_bytes, layout=fw.update_layout,
-                                        shard_params=shard_params, compression=compression))
+                                        shard_params=shard_params, compression=compression,
+                                        local=local))
         spec = ",".join(parts)
     if spec:
         graph = Pipeline.from_spec(spec).run(graph, ctx)

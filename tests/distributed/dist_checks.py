@@ -988,16 +988,18 @@ def run_quantized_all_reduce(rank: int, world: int) -> dict:
 def run_sdp4bit_preset(rank: int, world: int) -> dict:
     """parallelize(compression="sdp4bit"): both quantizing passes with comm-fusion and
     schedule-comm (packed payloads in buckets, waited late) run; losses against the
-    unquantized step's; bytes as planned; ranks hold the same parameters."""
+    unquantized step's; bytes as planned; ranks hold the same parameters. Also on the mesh
+    {"node": 2, "dp": 2}: the gradients' two hops on the level groups."""
     import diphoma_compile
     from models import MLP
     out: dict = {}
-    for name, comp in (("plain", None), ("sdp4bit", "sdp4bit")):
+    meshes = (("plain", None, {"dp": world}), ("sdp4bit", "sdp4bit", {"dp": world}),
+              ("twohop", "sdp4bit", {"node": 2, "dp": world // 2}))
+    for name, comp, mesh in meshes:
         torch.manual_seed(0)
         model = MLP(32, 256, 64)
         opt = OPTS["adamw"](model.parameters())
-        step = diphoma_compile.parallelize(mlp_step, diphoma_compile.Mesh({"dp": world}),
-                                           compression=comp)
+        step = diphoma_compile.parallelize(mlp_step, mesh, compression=comp)
         g = torch.Generator().manual_seed(9)
         losses = []
         for _ in range(QWD_STEPS):
@@ -1005,6 +1007,7 @@ def run_sdp4bit_preset(rank: int, world: int) -> dict:
                  "y": torch.randint(0, 64, (4 * world,), generator=g)}
             losses.append(step(model, opt, *local((b,), rank, world)).item())
         out[name] = {"losses": losses, "counted": step.runner.comm_bytes,
+                     "hops": step.plan.notes.get("quantize-grads", {}).get("hops"),
                      "plan": step.plan.comm_bytes_per_step, "calls": step.runner.calls,
                      "param_sum": float(sum(p.detach().double().sum()
                                             for p in model.parameters()))}

@@ -314,6 +314,19 @@ def test_two_hop_gradients_within_declared_error():
     assert checked == 2
 
 
+def test_node_axis_gives_two_hops():
+    """parallelize(step, {"node": 4, "dp": 2}, compression="sdp4bit"): the node axis splits
+    the data axis (8 devices) into 4 nodes of 2; the preset's gradients take two hops, the
+    step runs, and its first loss is the unquantized step's."""
+    step, _, params, opt, x, y = mlp_case(optax.adamw(1e-2))
+    ps = parallelize(step, {"node": 4, "dp": 2}, compression="sdp4bit")
+    loss = ps(params, opt, x, y)[2]
+    qg = ps.plan.notes["quantize-grads"]
+    assert ps.mesh == Mesh({"dp": 8}) and qg["hops"] == 2 and qg["local"] == 2
+    ref = jax.jit(step)(params, opt, x, y)[2]
+    assert abs(float(loss) - float(ref)) < 1e-5 * abs(float(ref))
+
+
 QAR = ("dce,data-parallel{axis=dp},dce,"
        "quantize-grads{axis=dp, bits=4, group=128, hadamard=32, all-reduce=true}")
 
