@@ -362,7 +362,9 @@ def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
     SDP4Bit does: gradients reduce-scattered as Hadamard-transformed 4-bit all-to-alls,
     new weights all-gathered as 4-bit differences from what every device holds
     (``quantize-grads``, ``quantize-weight-diff``; docs/quantized.md). The plan gives the
-    bytes before and after and the declared error per tensor."""
+    bytes before and after and the declared error per tensor. A mesh axis named node just
+    before the data axis (``{"node": 2, "dp": 4}``) is folded into it and the gradients
+    take SDP4Bit's two hops: 8-bit among each node's devices, 4-bit across nodes."""
     return ParallelStep(step_fn, mesh, passes=passes, axis=axis,
                         batch_argnums=batch_argnums, donate=donate, shard_params=shard_params,
                         codegen=codegen, microbatches=microbatches, schedule=schedule,
