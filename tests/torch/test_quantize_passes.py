@@ -171,3 +171,21 @@ def test_preset_buckets_and_overlaps_the_all_to_alls():
     unfused, _ = run(traced(), spec.replace("group=128", "group=64").replace(
         "group=2048", "group=64").split(",comm-fusion")[0])
     assert build_plan(out).comm_bytes_per_step == build_plan(unfused).comm_bytes_per_step
+
+
+def test_level_all_to_all_pays_its_levels_latency():
+    """The step-time estimate charges a level all-to-all the ring steps of its level's
+    devices (2 of 4 here: one step), not of the whole axis (three)."""
+    from diphoma_compile.ir.device_model import DeviceModel, Link
+    from diphoma_compile.report.compute import estimate_compute
+    out, _ = run(traced(), default_passes("dp") + "," + QG2 + ",dce")
+    level_ops = sum(op.name == "all_to_all" for op in out.ops)
+    slow = DeviceModel("latency", flops_per_s=1e30, mem_bytes_per_s=1e30,
+                       link=Link(bytes_per_s=1e30, latency_s=1.0))
+    plain_ops = sum(op.name in ("all_gather", "all_reduce", "reduce_scatter")
+                    for op in out.ops)
+    got = estimate_compute(out, slow).exposed_comm_s
+    # all_reduce over 4 devices: 6 steps; gathers and scatters: 3; a level all-to-all: 1
+    want = sum(6 if op.name == "all_reduce" else 3 for op in out.ops
+               if op.name in ("all_gather", "all_reduce", "reduce_scatter")) + level_ops
+    assert plain_ops and level_ops == 8 and got == pytest.approx(want)
