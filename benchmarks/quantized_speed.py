@@ -4,7 +4,7 @@ interleaved in one launch: each round runs one step of every variant, so the mac
 load drifts over all of them alike.
 
     python benchmarks/quantized_speed.py [--steps 10] [--nproc 4] [--layers 2 --embd 256 ...]
-        [--shape 1gbit]
+        [--shape 1gbit] [--profile 5]
 
 Without --shape the ranks talk over the bare loopback. With --shape RATE (root only) the
 script makes a private network namespace, shapes its loopback with
@@ -14,6 +14,9 @@ and deletes it afterwards, so the link is RATE shared by all ranks.
 Rank 0 prints per variant: the median seconds per step over --steps rounds (after one
 warm-up round; a barrier before each step), the ratio to DDP, the planned bytes per step
 per device (DDP: the all-reduce's 2(N-1)/N of the gradient bytes), and the last loss.
+With --profile K, each rank then runs ``ParallelStep.profile`` on the parallelize
+variants (K steps with every collective waited for at once, K as scheduled) and rank 0
+prints every rank's computation, communication and exposed communication.
 No asserts: the machine is noisy; read the ratios.
 """
 
@@ -51,7 +54,9 @@ def _make(variant: str, cfg: GPTConfig, world: int, lr: float):
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     step = diphoma_compile.parallelize(train_step, diphoma_compile.Mesh({"dp": world}),
                                        compression="sdp4bit" if variant == "sdp4bit" else None)
-    return (lambda idx, tgt: step(model, opt, idx, tgt)), step
+    fn = lambda idx, tgt: step(model, opt, idx, tgt)  # noqa: E731
+    fn.profile = lambda idx, tgt, steps: step.profile(model, opt, idx, tgt, steps=steps)
+    return fn, step
 
 
 def _worker(rank: int, world: int, a: argparse.Namespace) -> None:
@@ -72,6 +77,17 @@ def _worker(rank: int, world: int, a: argparse.Namespace) -> None:
             last[v] = float(fn(idx, tgt))
             if i:                      # the first round traces and warms up
                 times[v].append(time.perf_counter() - t0)
+    profiles: dict[str, dict] = {}
+    if a.profile:       # computation vs communication of the parallelize variants
+        idx, tgt = make_batch(cfg, local, seed=rank)
+        for v, (fn, _) in runs.items():
+            if hasattr(fn, "profile"):
+                r = runs[v][1].runner
+                comms = [*r.comms.values(), *getattr(r, "level_comms", {}).values()]
+                c0 = sum(sum(c.calls.values()) for c in comms)
+                profiles[v] = fn.profile(idx, tgt, a.profile).to_dict()
+                calls = sum(sum(c.calls.values()) for c in comms) - c0
+                profiles[v]["calls"] = calls / (2 * a.profile)
     # the slowest rank's median
     med = {v: sorted(t)[len(t) // 2] for v, t in times.items()}
     every: list = [None] * world
@@ -89,6 +105,19 @@ def _worker(rank: int, world: int, a: argparse.Namespace) -> None:
             b = plan if isinstance(plan, int) else plan.plan.comm_bytes_per_step
             ratio = f"{med[v] / med['ddp']:.2f}" if "ddp" in med else ""
             print(f"{v:<9} {med[v]:8.3f} {ratio:>7} {b:11d} {last[v]:8.4f}")
+    every_p: list = [None] * world
+    dist.all_gather_object(every_p, profiles)
+    if rank == 0 and profiles:
+        print(f"profile (step.profile, {a.profile} steps; per rank, ms): collectives waited "
+              "at once give communication, the rest computation")
+        print(f"{'variant':<9} {'rank':>4} {'step':>8} {'compute':>8} {'comm':>8} "
+              f"{'exposed':>8} {'collectives/step':>17}")
+        for v in profiles:
+            for r, prof in enumerate(every_p):
+                q = prof[v]
+                print(f"{v:<9} {r:>4} {q['step_s'] * 1e3:8.1f} {q['compute_s'] * 1e3:8.1f} "
+                      f"{q['comm_s'] * 1e3:8.1f} {q['exposed_comm_s'] * 1e3:8.1f} "
+                      f"{q['calls']:17.0f}")
     dist.destroy_process_group()
 
 
@@ -131,6 +160,8 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--shape", default=None, help="e.g. 1gbit: a shaped loopback (root)")
     p.add_argument("--timeout", type=int, default=600)
+    p.add_argument("--profile", type=int, default=0,
+                   help="then profile the parallelize variants over this many steps")
     a = p.parse_args()
     if a.shape and not os.environ.get(_INNER):
         argv = [x for k, x in enumerate(sys.argv[1:])

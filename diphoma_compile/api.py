@@ -27,7 +27,7 @@ from .errors import DiphomaError
 from .framework import Framework
 from .ir.analysis import runs_on_one_device
 from .ir.core import Graph, InputKind
-from .mesh import Mesh, data_axis, pipeline_axis, tensor_axis
+from .mesh import Mesh, data_axis, fold_nodes, pipeline_axis, tensor_axis
 from .passes.base import PassContext
 from .passes.defaults import COMPRESSION, default_passes
 from .passes.pipeline import Pipeline
@@ -85,6 +85,16 @@ class ParallelStep:
         self.axis = data_axis(self.mesh, axis)
         self.passes = passes
         self.compression = check_compression(compression, passes, self.shard_params)
+        self.local = 0      # devices per node: a node axis split the data axis
+        if self.compression is not None:
+            self.mesh, self.local = fold_nodes(self.mesh, self.axis)
+            if self.local:
+                if not isinstance(mesh, (dict, Mesh)):
+                    raise DiphomaError("a node axis in a framework's own mesh object is not "
+                                       "folded into the data axis",
+                                       hint="pass the mesh as a dict or a diphoma Mesh, "
+                                            "e.g. {'node': 2, 'dp': 4}")
+                self.user_mesh = self.mesh
         self.batch_argnums = argnums(batch_argnums)
         self.pipeline = pipeline_settings(self.mesh, passes, microbatches, schedule)
         if self.pipeline is not None and codegen not in (None, "fx"):
@@ -110,7 +120,7 @@ class ParallelStep:
                                              self.passes, ctx or PassContext(),
                                              shard_params=self.shard_params,
                                              pipeline=self.pipeline,
-                                             compression=self.compression)
+                                             compression=self.compression, local=self.local)
         return self
 
     def _auto(self) -> str | None:
@@ -286,7 +296,7 @@ def check_compression(compression: str | None, passes: str | None,
 def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str | None,
                ctx: PassContext, device_model: str = DEFAULT_DEVICE_MODEL,
                shard_params: bool = False, pipeline: PipelineParallel | None = None,
-               compression: str | None = None) -> tuple[Graph, Plan]:
+               compression: str | None = None, local: int = 0) -> tuple[Graph, Plan]:
     """The graph placed on ``mesh`` after the pipeline (``passes``, or the default one for
     the framework and the model's gradient bytes), and its plan, with the step time
     estimated on ``device_model`` (a name in ``ir.device_model.MODELS``).
@@ -308,12 +318,10 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
         if tp is not None and tp != axis and mesh.axis_size(tp) > 1:
             parts.append(f"dce,tensor-parallel{{axis={tp}}}")
         data = pipeline is None or axis != pipeline.axis
-        if compression is not None and mesh.axis_size(axis) > 1 and (
-                fw.update_layout != "flat" or pipeline is not None):
-            raise DiphomaError(f"compression={compression!r} is not lowered for "
-                               f"{fw.name if fw.update_layout != 'flat' else 'pipelines'} "
-                               "yet (it needs flat weight-update shards, outside a pipeline)",
-                               hint="run the PyTorch step without a pp axis, or leave "
+        if compression is not None and mesh.axis_size(axis) > 1 and pipeline is not None:
+            raise DiphomaError(f"compression={compression!r} is not lowered for pipelines "
+                               "yet (it needs weight-update shards outside a pipeline)",
+                               hint="run the step without a pp axis, or leave "
                                     "compression unset")
         if pipeline is not None:
             # per-microbatch collectives over dp, no buckets: a bucket would mix stages
@@ -325,7 +333,8 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
             parts.append(pipeline.spec())
         elif mesh.axis_size(axis) > 1:
             parts.append(default_passes(axis, grad_bytes, layout=fw.update_layout,
-                                        shard_params=shard_params, compression=compression))
+                                        shard_params=shard_params, compression=compression,
+                                        local=local))
         spec = ",".join(parts)
     if spec:
         graph = Pipeline.from_spec(spec).run(graph, ctx)
@@ -382,11 +391,13 @@ def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
     passes its whole local batch, which runs as ``microbatches`` M microbatches (default:
     the axis size) on ``schedule`` (``1f1b`` or ``gpipe``).
 
-    ``compression="sdp4bit"`` (PyTorch, opt-in) quantizes the data axis's collectives as
+    ``compression="sdp4bit"`` (opt-in) quantizes the data axis's collectives as
     SDP4Bit does: gradients reduce-scattered as Hadamard-transformed 4-bit all-to-alls,
     new weights all-gathered as 4-bit differences from what every device holds
     (``quantize-grads``, ``quantize-weight-diff``; docs/quantized.md). The plan gives the
-    bytes before and after and the declared error per tensor."""
+    bytes before and after and the declared error per tensor. A mesh axis named node just
+    before the data axis (``{"node": 2, "dp": 4}``) is folded into it and the gradients
+    take SDP4Bit's two hops: 8-bit among each node's devices, 4-bit across nodes."""
     return ParallelStep(step_fn, mesh, passes=passes, axis=axis,
                         batch_argnums=batch_argnums, donate=donate, shard_params=shard_params,
                         codegen=codegen, microbatches=microbatches, schedule=schedule,

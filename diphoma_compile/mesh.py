@@ -138,3 +138,30 @@ def data_axis(mesh: Mesh, axis: str | None) -> str:
             return n
     raise MeshError(f"cannot tell which of the mesh axes {', '.join(names) or '(none)'} is "
                     "the data axis", hint="pass axis='...' to parallelize")
+
+
+NODE_AXIS_NAMES = ("node", "nodes")
+
+
+def fold_nodes(mesh: Mesh, axis: str) -> tuple[Mesh, int]:
+    """A mesh whose data axis ``axis`` is split into nodes by an axis named node (just
+    before it: ``{"node": K, "dp": L}``, ranks row-major, node = dp index // L) as the data
+    parallelism runs it: (the mesh with the two merged into ``axis`` of K * L devices, L
+    devices per node). (mesh, 0) when it has no node axis of more than one device;
+    MeshError for a node axis elsewhere."""
+    node = next((n for n in NODE_AXIS_NAMES if n in mesh.names), None)
+    if node is None or mesh.axis_size(node) == 1:
+        return mesh, 0
+    names = list(mesh.names)
+    if axis not in names or names.index(axis) != names.index(node) + 1:
+        raise MeshError(f"the mesh axis {node!r} must come just before the data axis "
+                        f"{axis!r}: it splits the data axis into nodes (found "
+                        f"{', '.join(names)})",
+                        hint=f"order the mesh as {{{node!r}: K, {axis!r}: devices per node, "
+                             "...}")
+    axes = []
+    for name, size in mesh.axes:
+        if name == node:
+            continue
+        axes.append((name, size * mesh.axis_size(node) if name == axis else size))
+    return Mesh(tuple(axes)), mesh.axis_size(axis)

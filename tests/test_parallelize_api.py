@@ -164,7 +164,8 @@ def test_torch_refuses_batch_argnums():
 
 def test_compression_preset_plans_quantized_collectives():
     """compression="sdp4bit" adds both quantizing passes; the plan gives bytes before and
-    after and the bound per tensor; unknown values and JAX are refused with a hint."""
+    after and the bound per tensor; JAX plans it too; a node axis gives two hops; unknown
+    values, pipelines and a misplaced node axis are refused with a hint."""
     import torch
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(),
@@ -198,5 +199,15 @@ def test_compression_preset_plans_quantized_collectives():
         parallelize(step, {"dp": 4}, compression="sdp4bit", shard_params=True)
     jstep, (params, state, batch) = J.make_case("mlp", "linen", "adamw")
     big = jax.tree_util.tree_map(lambda x: jnp.concatenate([x] * 4), batch)
-    with pytest.raises(DiphomaError, match="not lowered for jax"):
-        parallelize(jstep, Mesh({"dp": 4}), compression="sdp4bit").trace(params, state, big)
+    jplan = parallelize(jstep, Mesh({"dp": 4}), compression="sdp4bit").trace(
+        params, state, big).plan
+    assert "quantize-weight-diff" in jplan.notes and "quantize-grads" in jplan.notes
+    with pytest.raises(DiphomaError, match="not lowered for pipelines"):
+        parallelize(step, {"dp": 2, "pp": 2}, compression="sdp4bit").trace(*args)
+    # a node axis splits the data axis into nodes: the gradients take two hops
+    two = parallelize(step, {"node": 2, "dp": 2}, compression="sdp4bit").trace(*args)
+    assert two.mesh == Mesh({"dp": 4})
+    qg = two.plan.notes["quantize-grads"]
+    assert qg["hops"] == 2 and qg["local"] == 2 and qg["intra_bits"] == 8
+    with pytest.raises(DiphomaError, match="must come just before the data axis"):
+        parallelize(step, {"dp": 2, "node": 2}, compression="sdp4bit")

@@ -120,7 +120,8 @@ class OpDef:
             # the padded whole: n pieces of the results' local size
             return int(frac * n * sum(t.local_nbytes(axis) for t in outs))
         if self.name == "all_to_all":
-            return int(frac * piece(ins[0]))
+            m = level_size(op, n)
+            return int((m - 1) / m * sum(piece(t) for t in ins))
         if self.name == "all_gather":
             return int(frac * n * sum(t.local_nbytes(axis) for t in ins))
         if self.name == "broadcast":   # a pipelined ring: all but the last rank forward
@@ -128,6 +129,15 @@ class OpDef:
         if self.name == "send":
             return piece(ins[0])
         return 0
+
+
+def level_size(op: Op, n: int) -> int:
+    """The devices a collective over an axis of ``n`` exchanges among: all n, or with
+    ``local=L, level=local|node`` the L of one node or the n/L nodes."""
+    local = op.attrs.get("local")
+    if not local:
+        return n
+    return int(local) if op.attrs.get("level", "local") == "local" else n // int(local)
 
 
 OPS: dict[str, OpDef] = {}

@@ -132,8 +132,13 @@ _add("all_gather", C.collective, R.same_as_inputs, S.collective,
      {**_COLL, **_ASYNC, "dim": ("dim_or_flat", True)})
 _add("wait", C.sync, R.same_as_inputs, S.same_placements,
      doc="the results of an async collective, usable from here on (issue early, wait late)")
-_add("all_to_all", C.collective, R.same_as_input, S.collective,
-     {**_COLL, "from_dim": ("int", True), "to_dim": ("int", True)})
+_add("all_to_all", C.collective, R.same_as_inputs, S.collective,
+     {**_COLL, **_ASYNC, "from_dim": ("int", True), "to_dim": ("int", True),
+      "local": ("int", False),
+      "level": ("local|node", False)},
+     doc="local=L, level=local|node: the axis's N devices as N/L nodes of L consecutive "
+         "devices; the exchange runs among one node's devices (local) or among the devices "
+         "with the same place in their node (node)")
 _add("broadcast", C.collective, R.same_as_input, S.collective, {**_COLL, "root": ("int", True)})
 _add("take_shard", C.collective, R.same_as_input, S.collective,
      {**_COLL, "dim": ("dim_or_flat", True)}, local=True,

@@ -129,7 +129,7 @@ def same_placements(op: Op, ins, outs, axis: str):
 def quant(op: Op, ins, outs, axis: str):
     """Quantization works on flat groups. Replicated stays replicated; a flat shard passes
     through (each device quantizes its own groups); with ``pieces`` (one per device of the
-    axis) a flat shard quantizes to dim-0 shards of q and scales, and pack, unpack and
+    axis) a flat or dim-0 shard quantizes to dim-0 shards of q and scales, and pack, unpack and
     dequantize of dim-0 shards stay dim-0 shards (each device's piece of the payload)."""
     pls = _pls(ins, axis)
     if all(isinstance(q, Replicate) for q in pls):
@@ -137,7 +137,10 @@ def quant(op: Op, ins, outs, axis: str):
     p = pls[0]
     rest = pls[1:]
     if op.name == "quantize" and "pieces" in op.attrs:
-        if isinstance(p, FlatShard) and all(isinstance(q, Replicate) for q in rest):
+        # a dim-0 shard (even by definition) is chunk j of the flattened tensor, as a flat
+        # piece is: either quantizes alone to device j's piece of the payload
+        if (isinstance(p, FlatShard) or p == Shard(0)) and \
+                all(isinstance(q, Replicate) for q in rest):
             return tuple(Shard(0) for _ in outs)
         return None
     if op.name == "dequantize" and "pieces" in op.attrs:

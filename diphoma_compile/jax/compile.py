@@ -238,17 +238,20 @@ class JaxStep:
             return self._tree_jit.lower(*args)
         return self.jitted.lower(*self.flatten(args)[0])
 
-    def _by_roles(self, args: Sequence[Any], treedefs: list, outs: Sequence[Any]) -> Any:
+    def _by_roles(self, args: Sequence[Any], treedefs: list, outs: Sequence[Any],
+                  graph: Graph | None = None) -> Any:
         """(params, opt_state, *metrics) rebuilt from roles, for graphs with no recorded
         output structure (rewritten by passes): each replacing output takes its input's
-        place in the argument it came from; other outputs follow as flat leaves."""
+        place in the argument it came from; other outputs follow as flat leaves. ``graph``:
+        the inputs and outputs the user's arguments and ``outs`` are (default: the step's)."""
+        graph = self.graph if graph is None else graph
         where: dict[str, tuple[int, int]] = {}
         pos = 0
         for k, td in enumerate(treedefs):
             for j in range(td.num_leaves):
-                where[self.graph.inputs[pos].name] = (k, j)
+                where[graph.inputs[pos].name] = (k, j)
                 pos += 1
-        kinds = {i.name: i.role.kind for i in self.graph.inputs}
+        kinds = {i.name: i.role.kind for i in graph.inputs}
         first = {kind: next((where[n][0] for n, kd in kinds.items() if kd is kind), default)
                  for kind, default in ((InputKind.param, 0), (InputKind.opt_state, 1))}
         # a kind with no array leaves (optax.sgd's EmptyState) sits where the convention puts
@@ -257,7 +260,7 @@ class JaxStep:
             return tuple(outs)
         new = {k: list(jax.tree.leaves(args[k])) for k in set(first.values())}
         metrics = []
-        for o, x in zip(self.graph.outputs, outs):
+        for o, x in zip(graph.outputs, outs):
             if o.role.kind is OutputKind.replaces and where[o.role.target][0] in new:
                 k, j = where[o.role.target]
                 new[k][j] = x

@@ -72,11 +72,14 @@ class JaxFramework:
         ``donate`` None: the mesh's step donates parameters and optimizer state (the old
         model's buffers hold the new one; docs/jax.md), the one-device step does not (it is
         ``compile``'s program, straight into jax.jit)."""
+        from .comm_state import JaxCommStateStep, has_comm_state
         from .parallel import JaxOneDeviceStep, JaxParallelStep
         if runs_on_one_device(graph):
             return JaxOneDeviceStep(graph, extra, mesh=user_mesh, donate=bool(donate))
-        return JaxParallelStep(graph, extra, mesh=user_mesh, axis=axis,
-                               donate=True if donate is None else donate)
+        donate = True if donate is None else donate
+        if has_comm_state(graph):
+            return JaxCommStateStep(graph, extra, mesh=user_mesh, axis=axis, donate=donate)
+        return JaxParallelStep(graph, extra, mesh=user_mesh, axis=axis, donate=donate)
 
     def in_place_updates(self, graph: Graph) -> set[str]:
         """None: the plan counts old and new values side by side. (A step over a mesh

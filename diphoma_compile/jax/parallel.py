@@ -26,6 +26,7 @@ from ..ir.core import Graph, InputKind, Op, OutputKind
 from ..ir.types import FlatShard, Placement, Replicate, Shard, TensorType, Varying
 from ..mesh import Mesh
 from ..report.memory import MemoryReport
+from . import quant
 from .compile import JaxStep, Lowering, check_alive, donated, dtype_matches, graph_function
 from .layout import FlatLayout, flat_axis, flat_spec, returned_whole, stored_shape
 from .ops import emitter
@@ -49,6 +50,8 @@ class PerDeviceLowering(Lowering):
     def emit(self, op: Op, ins: list) -> list:
         if op.name in _COLLECTIVES:
             return _COLLECTIVES[op.name](self, op, ins)
+        if op.name in quant.QUANT_OPS:
+            return quant.emit(self, op, ins)
         if op.name == "opaque":
             return super().emit(op, ins)
         outs = [self.local(v.type) for v in op.results]
@@ -232,6 +235,18 @@ def _as_partial(low: PerDeviceLowering, op: Op, ins: list) -> list:
 
 
 def _all_to_all(low: PerDeviceLowering, op: Op, ins: list) -> list:
+    local = op.attrs.get("local")
+    if len(ins) > 1 or local:      # 1-d payloads (a bucket): row j of each goes to device j
+        n = low.sizes[_axis(op)]
+        m = n if not local else quant.level_size(op, n)
+        rows = [lax.reshape(x, (m, math.prod(np.shape(x)) // m)) for x in ins]
+        both = lax.concatenate(rows, 1)
+        got = (quant.level_all_to_all(both, _axis(op), n, int(local),
+                                      str(op.attrs.get("level", "local")))
+               if local else lax.all_to_all(both, _axis(op), split_axis=0, concat_axis=0,
+                                            tiled=True))
+        cols = _split_columns(got, [r.shape[1] for r in rows])
+        return [lax.reshape(c, (math.prod(np.shape(c)),)) for c in cols]
     return [lax.all_to_all(ins[0], _axis(op), split_axis=int(op.attrs["to_dim"]),
                            concat_axis=int(op.attrs["from_dim"]), tiled=True)]
 

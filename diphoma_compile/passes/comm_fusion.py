@@ -33,7 +33,18 @@ def _key(op: Op, types) -> tuple:
     # the phase too: a bucket never mixes forward and backward (shard-params gathers the
     # same parameters in both, and a bucket of both would hold them whole in between)
     return (op.name, op.attrs.get("axis"), op.attrs.get("op"), op.attrs.get("dim"),
-            t.dtype, bool(op.attrs.get("async", False)), op.phase)
+            t.dtype, bool(op.attrs.get("async", False)), op.phase,
+            op.attrs.get("from_dim"), op.attrs.get("to_dim"), op.attrs.get("local"),
+            op.attrs.get("level"))
+
+
+def _bucketable(op: Op, types) -> bool:
+    """A collective comm-fusion may put in a bucket: all_to_all only of 1-d payloads
+    (chunk j to device j, as the quantized gradients move)."""
+    if op.name != "all_to_all":
+        return True
+    return types[op.inputs[0]].rank == 1 and op.attrs.get("from_dim") == 0 == \
+        op.attrs.get("to_dim")
 
 
 def _bytes(op: Op, types) -> int:
@@ -126,7 +137,7 @@ def _buckets(ops: list[Op], types: dict[str, TensorType], limit: float) -> list[
     for k, op in enumerate(ops):
         reads = free_inputs(op)
         src = frozenset().union(*(made_from.get(n, frozenset()) for n in reads))
-        if op.name in FUSABLE and len(op.inputs) == 1:
+        if op.name in FUSABLE and len(op.inputs) == 1 and _bucketable(op, types):
             key = _key(op, types)
             b = open_buckets.get(key)
             if b is not None and (size[b] >= limit or b in src or reaches(set(src), b)):

@@ -12,7 +12,8 @@ COMPRESSION = {
 
 
 def default_passes(axis: str, grad_bytes: int | None = None, *, layout: str = "flat",
-                   shard_params: bool = False, compression: str | None = None) -> str:
+                   shard_params: bool = False, compression: str | None = None,
+                   local: int = 0) -> str:
     """Data parallelism plus weight-update sharding over ``axis`` (``layout`` is what the
     backend runs: flat shards, or whole dimensions where shardings need even splits and flat
     shards for tensors with none), with
@@ -20,11 +21,15 @@ def default_passes(axis: str, grad_bytes: int | None = None, *, layout: str = "f
     communication fusion and scheduling. Given the gradient bytes, buckets are a quarter of
     them (so the first can overlap the rest of backward), between 1 and 25 MB.
     ``compression`` names a preset of ``COMPRESSION`` (SDP4Bit's quantized gradients and
-    weight differences), run after weight-update sharding."""
+    weight differences), run after weight-update sharding; ``local`` devices per node (a
+    mesh with a node axis) gives its gradients two hops."""
     spec = (f"dce,data-parallel{{axis={axis}}},"
             f"weight-update-sharding{{axis={axis}, layout={layout}}},dce")
     if compression is not None:
-        spec += "," + COMPRESSION[compression].format(axis=axis) + ",dce"
+        preset = COMPRESSION[compression].format(axis=axis)
+        if local:
+            preset = preset.replace("levels=auto", f"levels=2, local={local}")
+        spec += "," + preset + ",dce"
     if shard_params:
         spec += f",shard-params{{axis={axis}}},dce"
     if grad_bytes is None:

@@ -1,4 +1,5 @@
-"""SDP4Bit's quantized gradients (TLq-HS; Jia et al. 2024, arXiv 2410.15526), one hop.
+"""SDP4Bit's quantized gradients (TLq-HS; Jia et al. 2024, arXiv 2410.15526): one hop, two
+hops (node x local), or plain data parallelism's all-reduces.
 
 Weight-update sharding reduce-scatters each gradient in fp32. This pass makes that
 reduce-scatter an all-to-all of ``bits``-bit integers: each device transforms its whole
@@ -14,11 +15,16 @@ Stochastic rounding draws from an explicit key, ``%qg.key: key[] comm_state(slot
 advanced by ``rng_next`` per gradient and returned; each device rounds with numbers of its
 own (a varying value draws by its place among the devices' values laid end to end).
 
-Levels: the issue's two-level form (8-bit all-to-all inside a node, 4-bit across nodes)
-needs a data axis split into node x local; ``levels=auto`` and ``levels=1`` give the one
-hop, which is what a mesh whose data axis is one level runs. ``levels=2`` is refused with a
-hint until the two-hop lowering exists. A gradient whose piece is smaller than a group stays
-an fp32 reduce-scatter; the plan lists it."""
+Levels: with ``levels=2, local=L`` (or ``local=L`` under ``levels=auto``) the data axis's
+N devices are N/L nodes of L consecutive devices and the exchange takes SDP4Bit's two hops:
+``intra-bits`` (8) among each node's devices (``all_to_all{local=L, level=local}``, the
+pieces reordered so that chunk b holds the rows of the devices b of every node), the
+receivers average and requantize their node's partial mean to ``bits`` (4), then
+``all_to_all{level=node}`` among the devices with the same place in their node. A level
+of one device gives one hop. ``all-reduce=true`` rewrites plain data parallelism's
+gradient all-reduces instead: the quantized exchange above, then each device's averaged
+piece quantized to ``bits``, all-gathered and dequantized whole. A gradient whose piece is
+smaller than a group stays fp32; the plan lists it."""
 
 from __future__ import annotations
 
@@ -30,10 +36,10 @@ from ..ir.core import (Attrs, Graph, Input, InputKind, InputRole, Op, Output, Ou
                        OutputRole, Value)
 from ..ir.ops import op_def
 from ..ir.shape_rules import piece_layout
-from ..ir.types import VARYING, DType, TensorType, Varying
+from ..ir.types import VARYING, DType, Shard, TensorType, Varying
 from .base import Pass, PassContext, PassFailure, register_pass
 from .data_parallel import require_axis
-from .quantize_weight_diff import KEY_SLOT, error_bound
+from .quantize_weight_diff import KEY_SLOT, error_bound, moved_to_front
 
 
 @dataclass(frozen=True)
@@ -52,16 +58,30 @@ class QuantizeGradsRecord:
     params: Mapping[str, str] = field(default_factory=dict)    # gradient -> its parameter
     # collective result -> (the tensor it belongs to, what it serves), for the plan
     payloads: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    local: int = 0          # two hops: devices per node (hop 1 among them, in intra_bits)
+    intra_bits: int = 8
+    all_reduce: bool = False    # all-reduces: the averaged pieces all-gathered in `bits` too
 
     @property
     def bound(self) -> str:
-        """The declared error of one device's contribution, per group (Hadamard domain)."""
-        return error_bound(self.bits, "stochastic")
+        """The declared error of one device's contribution, per group (Hadamard domain);
+        two hops: each hop's, the second's of the node's partial sum."""
+        if self.hops == 2:
+            out = (f"{error_bound(self.intra_bits, 'stochastic')} inside a node + "
+                   f"{error_bound(self.bits, 'stochastic')} of the node's sum across nodes")
+        else:
+            out = error_bound(self.bits, "stochastic")
+        if self.all_reduce:
+            out += (f", then {error_bound(self.bits, 'stochastic')} of the averaged "
+                    "gradient's group (all-gathered)")
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's ``notes["quantize-grads"]``."""
         return {"axis": self.axis, "bits": self.bits, "group": self.group,
                 "hadamard": self.hadamard, "hops": self.hops, "error_bound": self.bound,
+                "local": self.local, "intra_bits": self.intra_bits,
+                "all_reduce": self.all_reduce,
                 "quantized": list(self.quantized), "kept": [list(k) for k in self.kept],
                 "bytes_before": dict(self.bytes_before), "bytes_after": dict(self.bytes_after),
                 "params": dict(self.params)}
@@ -104,6 +124,12 @@ class QuantizeGrads(Pass):
     group: int = 128
     hadamard: int = 32
     levels: str = "auto"
+    # devices per node: the axis's N devices as N/local nodes of `local` consecutive ones
+    # (row-major ranks), for the two-hop form; 0: one level
+    local: int = 0
+    # data parallelism without weight-update sharding: each gradient's all-reduce becomes
+    # the quantized reduce-scatter (all-to-all) and a 4-bit all-gather of the averaged piece
+    all_reduce: bool = False
 
     def __call__(self, graph: Graph, ctx: PassContext) -> Graph:
         n = require_axis(graph, self.axis, self.name)
@@ -114,25 +140,121 @@ class QuantizeGrads(Pass):
         if h < 0 or (h and (h & (h - 1) or self.group % h)):
             raise PassFailure(f"{self.name}: hadamard={h} must be 0 or a power of two that "
                               f"divides group={self.group}")
-        if self.levels not in ("auto", "1"):
-            raise PassFailure(f"{self.name}: levels={self.levels!r}: only the one-hop form "
-                              "is lowered (auto, 1)",
-                              hint="use levels=1; the two-hop node x local form is not "
-                                   "implemented yet")
-        sites = [op for op in graph.ops if op.name == "reduce_scatter" and len(op.inputs) == 1
-                 and op.attrs.get("axis") == self.axis and op.attrs.get("dim") == "flat"
-                 and isinstance(graph.value_types()[op.inputs[0]].placement(self.axis),
-                                Varying)]
+        if self.levels not in ("auto", "1", "2"):
+            raise PassFailure(f"{self.name}: levels={self.levels!r} is not auto, 1 or 2")
+        hops = self.hops(n)
+        types = graph.value_types()
+        if self.all_reduce:
+            sites = [op for op in graph.ops if op.name == "all_reduce" and len(op.inputs) == 1
+                     and op.attrs.get("axis") == self.axis
+                     and isinstance(types[op.inputs[0]].placement(self.axis), Varying)
+                     and param_of(graph, op.result.name) is not None]
+            if not sites:
+                raise PassFailure(f"{self.name}: no gradient is all-reduced over "
+                                  f"{self.axis!r}",
+                                  hint=f"run data-parallel{{axis={self.axis}}} first (and "
+                                       "this pass before comm-fusion); after "
+                                       "weight-update-sharding leave all-reduce unset")
+        else:
+            sites = [op for op in graph.ops if op.name == "reduce_scatter"
+                     and len(op.inputs) == 1 and op.attrs.get("axis") == self.axis
+                     and isinstance(types[op.inputs[0]].placement(self.axis), Varying)]
         if not sites:
-            raise PassFailure(f"{self.name}: no gradient is reduce-scattered to flat pieces "
-                              f"over {self.axis!r}",
-                              hint=f"run weight-update-sharding{{axis={self.axis}, "
-                                   "layout=flat} first (and this pass before comm-fusion)")
+            raise PassFailure(f"{self.name}: no gradient is reduce-scattered over "
+                              f"{self.axis!r}",
+                              hint=f"run weight-update-sharding{{axis={self.axis}}} first "
+                                   "(and this pass before comm-fusion)")
         if n == 1:
             return graph
-        return self.rewrite(graph, n, sites, ctx)
+        return self.rewrite(graph, n, sites, ctx, hops)
 
-    def rewrite(self, g: Graph, n: int, sites: list[Op], ctx: PassContext) -> Graph:
+    def hops(self, n: int) -> int:
+        """1 or 2: two when the axis is split into nodes (``local`` devices each) of more
+        than one device and there is more than one node."""
+        two = self.levels == "2" or (self.levels == "auto" and self.local > 0)
+        if not two:
+            return 1
+        if self.local <= 0:
+            raise PassFailure(f"{self.name}: levels=2 needs the devices per node",
+                              hint="give local=L (the axis's N devices are N/L nodes of L "
+                                   "consecutive devices), e.g. levels=2, local=2")
+        if n % self.local:
+            raise PassFailure(f"{self.name}: local={self.local} does not divide the axis's "
+                              f"{n} devices into nodes",
+                              hint="local must divide the data axis size")
+        if self.local in (1, n):
+            return 1          # one node, or one device per node: a level of size 1
+        return 2
+
+    def exchange(self, emit: Any, var: Any, gname: str, q: str, s: str, nq: int, bits: int,
+                 level: dict[str, Any], st: DType) -> tuple[str, str]:
+        """pack q, then all_to_all the bytes and the scales (of dtype ``st``) over
+        ``level``'s devices: (received bytes, received scales)."""
+        ng = nq // self.group
+        nb = nq * bits // 8
+        (p,) = emit("pack", (q,), [(f"{gname}.qg.packed", var((nb,), DType.u8))], bits=bits)
+        (pr,) = emit("all_to_all", (p,), [(f"{gname}.qg.packed.recv", var((nb,), DType.u8))],
+                     axis=self.axis, from_dim=0, to_dim=0, **level)
+        (sr,) = emit("all_to_all", (s,), [(f"{gname}.qg.scales.recv", var((ng,), st))],
+                     axis=self.axis, from_dim=0, to_dim=0, **level)
+        return pr, sr
+
+    def receive(self, emit: Any, var: Any, gname: str, pr: str, sr: str, nq: int,
+                senders: int, each: int, dtype: DType, red: str, bits: int) -> list[str]:
+        """unpack and dequantize what ``senders`` devices sent (``each`` values from each),
+        then their mean (or sum): [the result]."""
+        (qr,) = emit("unpack", (pr,), [(f"{gname}.qg.q.recv", var((nq,), DType.i8))],
+                     bits=bits, dtype="i8")
+        (dq,) = emit("dequantize", (qr, sr), [(f"{gname}.qg.recv", var((nq,), dtype))],
+                     bits=bits, group_size=self.group, dtype=dtype.value)
+        (rows,) = emit("reshape", (dq,), [(f"{gname}.qg.rows", var((senders, each), dtype))])
+        return emit(red, (rows,), [(f"{gname}.qg.sum", var((each,), dtype))],
+                    dims=(0,), keepdim=False)
+
+    def gather(self, emit: Any, var: Any, ops: list[Op], common: dict, gname: str, tot: str,
+               key: str, res: Value, n: int, kq: int) -> tuple[str, str]:
+        """The all-reduce's second half: this device's averaged piece ``tot`` quantized
+        to ``bits`` (stochastic, ``key``), its bytes and scales all-gathered, the whole
+        dequantized into ``res``: (gathered bytes, gathered scales)."""
+        ax, G, dt = self.axis, self.group, res.type.dtype
+        nb = kq * self.bits // 8
+        q, s = emit("quantize", (tot, key), [(f"{gname}.qg.mean.q", var((kq,), DType.i8)),
+                                             (f"{gname}.qg.mean.scales", var((kq // G,), dt))],
+                    bits=self.bits, group_size=G, rounding="stochastic")
+        (p,) = emit("pack", (q,), [(f"{gname}.qg.mean.packed", var((nb,), DType.u8))],
+                    bits=self.bits)
+        piece = Shard(0)
+        (ps,) = emit("as_shard", (p,), [(f"{gname}.qg.mean.piece",
+                                         TensorType((n * nb,), DType.u8)
+                                         .with_placement(ax, piece))], axis=ax, dim=0)
+        (ss,) = emit("as_shard", (s,), [(f"{gname}.qg.mean.scales.piece",
+                                         TensorType((n * kq // G,), dt)
+                                         .with_placement(ax, piece))], axis=ax, dim=0)
+        (pg,) = emit("all_gather", (ps,), [(f"{gname}.qg.mean.full",
+                                            TensorType((n * nb,), DType.u8))], axis=ax, dim=0)
+        (sg,) = emit("all_gather", (ss,), [(f"{gname}.qg.mean.scales.full",
+                                            TensorType((n * kq // G,), dt))], axis=ax, dim=0)
+        (qg,) = emit("unpack", (pg,), [(f"{gname}.qg.mean.q.full",
+                                        TensorType((n * kq,), DType.i8))],
+                     bits=self.bits, dtype="i8")
+        ops.append(Op("dequantize", (qg, sg), (res,),
+                      Attrs({"bits": self.bits, "group_size": G, "pieces": n,
+                             "dtype": dt.value}), **common))
+        return pg, sg
+
+    @staticmethod
+    def reorder(emit: Any, var: Any, v: str, shape: tuple[int, int, int], dtype: DType,
+                hint: str) -> str:
+        """Flat v of (nodes, local, m) rows as (local, nodes, m), flattened again."""
+        k, ll, m = shape
+        (r,) = emit("reshape", (v,), [(f"{hint}.rows", var(shape, dtype))])
+        (t,) = emit("transpose", (r,), [(f"{hint}.by_local", var((ll, k, m), dtype))],
+                    perm=(1, 0, 2))
+        (f,) = emit("reshape", (t,), [(f"{hint}.sorted", var((k * ll * m,), dtype))])
+        return f
+
+    def rewrite(self, g: Graph, n: int, sites: list[Op], ctx: PassContext,
+                hops: int = 1) -> Graph:
         ax, G = self.axis, self.group
         names = g.fresh_names()
         types = g.value_types()
@@ -144,11 +266,10 @@ class QuantizeGrads(Pass):
         params: dict[str, str] = {}
         payloads: dict[str, tuple[str, str]] = {}
         h = self.hadamard
-        d_rs, d_a2a = op_def("reduce_scatter"), op_def("all_to_all")
         for site in sites:
             gname, res = site.inputs[0], site.result
             gt = types[gname]
-            before[res.name] = d_rs.comm_bytes(site, [gt], [res.type], n)
+            before[res.name] = op_def(site.name).comm_bytes(site, [gt], [res.type], n)
             after[res.name] = before[res.name]
             k, kq = piece_layout(gt.numel, n, G)
             param = param_of(g, res.name)
@@ -173,45 +294,91 @@ class QuantizeGrads(Pass):
             def var(shape: tuple[int, ...], dtype: DType) -> TensorType:
                 return TensorType(shape, dtype).with_placement(ax, VARYING)
 
-            nq, ng, nb = n * kq, n * kq // G, n * kq * self.bits // 8
-            qattrs = {"bits": self.bits, "group_size": G, "pieces": n,
+            red = "reduce_mean" if site.attrs["op"] == "avg" else "reduce_sum"
+            first_bits = self.intra_bits if hops == 2 else self.bits
+            nq, ng = n * kq, n * kq // G
+            qattrs = {"bits": first_bits, "group_size": G, "pieces": n,
                       "rounding": "stochastic"}
             if self.hadamard:
                 qattrs["hadamard"] = self.hadamard
-            q, s = emit("quantize", (gname, key_now),
+            dim = site.attrs.get("dim", "flat")
+            moved = not self.all_reduce and dim not in ("flat", 0)
+            src = gname
+            if moved:       # a shard along dim d: its pieces are chunks once d is first
+                perm, inv, mshape = moved_to_front(gt.shape, int(dim))
+                (src,) = emit("transpose", (gname,), [(f"{gname}.qg.moved",
+                                                       var(mshape, gt.dtype))], perm=perm)
+            q, s = emit("quantize", (src, key_now),
                         [(f"{gname}.qg.q", var((nq,), DType.i8)),
                          (f"{gname}.qg.scales", var((ng,), gt.dtype))], **qattrs)
-            (p,) = emit("pack", (q,), [(f"{gname}.qg.packed", var((nb,), DType.u8))],
-                        bits=self.bits)
-            (pr,) = emit("all_to_all", (p,), [(f"{gname}.qg.packed.recv", var((nb,), DType.u8))],
-                         axis=ax, from_dim=0, to_dim=0)
-            (sr,) = emit("all_to_all", (s,), [(f"{gname}.qg.scales.recv", var((ng,), gt.dtype))],
-                         axis=ax, from_dim=0, to_dim=0)
-            (qr,) = emit("unpack", (pr,), [(f"{gname}.qg.q.recv", var((nq,), DType.i8))],
-                         bits=self.bits, dtype="i8")
-            (dq,) = emit("dequantize", (qr, sr), [(f"{gname}.qg.recv", var((nq,), gt.dtype))],
-                         bits=self.bits, group_size=G, dtype=gt.dtype.value)
-            (rows,) = emit("reshape", (dq,), [(f"{gname}.qg.rows", var((n, kq), gt.dtype))])
-            red = "reduce_mean" if site.attrs["op"] == "avg" else "reduce_sum"
-            (tot,) = emit(red, (rows,), [(f"{gname}.qg.sum", var((kq,), gt.dtype))],
-                          dims=(0,), keepdim=False)
+            if hops == 1:
+                pr, sr = self.exchange(emit, var, gname, q, s, nq, self.bits, {}, gt.dtype)
+                (tot,) = self.receive(emit, var, gname, pr, sr, nq, n, kq, gt.dtype, red,
+                                      self.bits)
+            else:
+                L = self.local
+                K = n // L
+                # hop 1, inside a node: the rows (pieces) sent to local device b are those
+                # of the devices b of every node; reordered (node, local) -> (local, node)
+                q, s = (self.reorder(emit, var, v, (K, L, m), dt, f"{gname}.qg.{what}")
+                        for v, m, dt, what in ((q, kq, DType.i8, "q"),
+                                               (s, kq // G, gt.dtype, "scales")))
+                lv = {"local": L, "level": "local"}
+                pr, sr = self.exchange(emit, var, gname, q, s, nq, first_bits, lv, gt.dtype)
+                (part,) = self.receive(emit, var, gname, pr, sr, nq, L, K * kq, gt.dtype,
+                                       red, first_bits)
+                # hop 2, across nodes: the node's partial sum requantized in ``bits``
+                (key_now,) = emit("rng_next", (key_now,), [("qg.key.next", key_t)])
+                q2, s2 = emit("quantize", (part, key_now),
+                              [(f"{gname}.qg.q2", var((K * kq,), DType.i8)),
+                               (f"{gname}.qg.scales2", var((K * kq // G,), gt.dtype))],
+                              bits=self.bits, group_size=G, rounding="stochastic")
+                nv = {"local": L, "level": "node"}
+                pr2, sr2 = self.exchange(emit, var, f"{gname}.2", q2, s2, K * kq, self.bits,
+                                         nv, gt.dtype)
+                (tot,) = self.receive(emit, var, f"{gname}.2", pr2, sr2, K * kq, K, kq,
+                                      gt.dtype, red, self.bits)
+                payloads.update({pr: (param or res.name, f"gradient of {param or res.name} "
+                                      f"({first_bits}-bit inside a node, Hadamard {h})"),
+                                 sr: (param or res.name, f"scales of the gradient of "
+                                      f"{param or res.name} inside a node")})
+                pr, sr = pr2, sr2
             if self.hadamard:
                 (tot,) = emit("hadamard", (tot,), [(f"{gname}.qg.back",
                                                     var((kq,), gt.dtype))],
                               block=self.hadamard)
-            ops.append(Op("as_shard", (tot,), (res,), Attrs({"axis": ax, "dim": "flat"}),
-                          **common))
+            if self.all_reduce:
+                (key_now,) = emit("rng_next", (key_now,), [("qg.key.next", key_t)])
+                gathered = self.gather(emit, var, ops, common, gname, tot, key_now, res, n,
+                                       kq)
+            elif moved:
+                (piece,) = emit("as_shard", (tot,),
+                                [(f"{gname}.qg.piece",
+                                  TensorType(mshape, gt.dtype).with_placement(ax, Shard(0)))],
+                                axis=ax, dim=0)
+                ops.append(Op("transpose", (piece,), (res,), Attrs({"perm": inv}), **common))
+            else:
+                ops.append(Op("as_shard", (tot,), (res,), Attrs({"axis": ax, "dim": dim}),
+                              **common))
             (key_now,) = emit("rng_next", (key_now,), [("qg.key.next", key_t)])
             sent = {v.name: v.type for o in ops for v in o.results}
-            after[res.name] = sum(d_a2a.comm_bytes(o, [sent[o.inputs[0]]], [o.result.type], n)
-                                  for o in ops if o.name == "all_to_all")
+            after[res.name] = sum(op_def(o.name).comm_bytes(o, [sent[o.inputs[0]]],
+                                                            [o.result.type], n)
+                                  for o in ops if o.name in ("all_to_all", "all_gather"))
             replace[id(site)] = ops
             quantized.append(res.name)
-            what = f"gradient of {param or res.name} ({self.bits}-bit, Hadamard {h})"
+            across = " across nodes" if hops == 2 else ""
+            what = f"gradient of {param or res.name} ({self.bits}-bit{across}, Hadamard {h})"
             owner = param or res.name
             payloads.update({pr: (owner, what), sr: (owner, f"scales of the {what}")})
-        record = QuantizeGradsRecord(ax, self.bits, G, self.hadamard, 1, tuple(quantized),
-                                     tuple(kept), before, after, params, payloads)
+            if self.all_reduce:
+                mean = f"averaged gradient of {owner} ({self.bits}-bit)"
+                payloads.update({gathered[0]: (owner, mean),
+                                 gathered[1]: (owner, f"scales of the {mean}")})
+        record = QuantizeGradsRecord(ax, self.bits, G, self.hadamard, hops, tuple(quantized),
+                                     tuple(kept), before, after, params, payloads,
+                                     self.local if hops == 2 else 0, self.intra_bits,
+                                     self.all_reduce)
         ctx.decisions[self.name] = record
         if not quantized:      # every gradient too small: the plan says why, nothing changes
             return g

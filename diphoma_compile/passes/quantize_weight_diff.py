@@ -38,6 +38,19 @@ from .data_parallel import require_axis
 
 KEY_SLOT = "rng_key"
 MASTER_SLOT = "master"
+# the pieces a quantized payload is cut into: flat pieces (the PyTorch layout) or dim-0
+# shards of a dimension the axis divides (the JAX layout): either way device j's piece is
+# chunk j of the flattened tensor. A shard along another dimension d is moved to dim 0
+# first (``moved_to_front``), and back after.
+
+
+def moved_to_front(shape: tuple[int, ...], dim: int) -> tuple[tuple[int, ...],
+                                                                tuple[int, ...],
+                                                                tuple[int, ...]]:
+    """(perm moving ``dim`` to the front, its inverse, the moved shape)."""
+    perm = (dim,) + tuple(i for i in range(len(shape)) if i != dim)
+    inv = tuple(perm.index(i) for i in range(len(shape)))
+    return perm, inv, tuple(shape[i] for i in perm)
 
 
 def error_bound(bits: int, rounding: str) -> str:
@@ -101,10 +114,9 @@ class QuantizeWeightDiff(Pass):
                               "byte)")
         targets = _gathered_params(graph, self.axis)
         if not targets:
-            raise PassFailure(f"{self.name}: no parameter is all-gathered from flat pieces "
-                              f"over {self.axis!r}",
-                              hint=f"run weight-update-sharding{{axis={self.axis}, "
-                                   "layout=flat} first")
+            raise PassFailure(f"{self.name}: no parameter is all-gathered from flat or "
+                              f"dim-0 pieces over {self.axis!r}",
+                              hint=f"run weight-update-sharding{{axis={self.axis}}} first")
         if n == 1:
             return graph
         dirty: set[str] = set()
@@ -160,7 +172,9 @@ class QuantizeWeightDiff(Pass):
             reads[old_piece] = master
             extra_outputs.append(Output(new, _replaces(master)))
             common = {"phase": gather.phase, "loc": gather.loc}
-            piece_t = new_t.with_placement(ax, FLAT_DIRTY if new_t.placement(ax) == FLAT_DIRTY
+            dim = gather.attrs["dim"]
+            piece_t = new_t.with_placement(ax, new_t.placement(ax) if dim != "flat"
+                                           else FLAT_DIRTY if new_t.placement(ax) == FLAT_DIRTY
                                            else FLAT)
             ops: list[Op] = []
 
@@ -176,6 +190,13 @@ class QuantizeWeightDiff(Pass):
                 diff = new
             else:
                 (diff,) = emit("sub", (new, old_piece), [(f"{w}.qwd.diff", piece_t)])
+            moved = dim not in ("flat", 0)
+            if moved:       # a shard along dim d: its pieces are chunks once d is first
+                perm, inv, mshape = moved_to_front(wt.shape, int(dim))
+                (diff,) = emit("transpose", (diff,),
+                               [(f"{w}.qwd.diff.moved",
+                                 TensorType(mshape, wt.dtype).with_placement(ax, shard0))],
+                               perm=perm)
             qins = (diff, key_now) if self.rounding == "stochastic" else (diff,)
             q, s = emit("quantize", qins,
                         [(f"{w}.qwd.q", TensorType((nq,), DType.i8).with_placement(ax, shard0)),
@@ -194,9 +215,14 @@ class QuantizeWeightDiff(Pass):
             (qg,) = emit("unpack", (pg,), [(f"{w}.qwd.q.full", TensorType((nq,), DType.i8))],
                          bits=self.bits, dtype="i8")
             (delta,) = emit("dequantize", (qg, sg), [(f"{w}.qwd.delta",
-                                                      TensorType(wt.shape, wt.dtype))],
+                                                      TensorType(mshape if moved else wt.shape,
+                                                                 wt.dtype))],
                             bits=self.bits, group_size=self.group, pieces=n,
                             dtype=wt.dtype.value)
+            if moved:
+                (delta,) = emit("transpose", (delta,),
+                                [(f"{w}.qwd.delta.back", TensorType(wt.shape, wt.dtype))],
+                                perm=inv)
             if self.naive:     # the dequantized weights are the new value itself
                 ops[-1] = ops[-1].replace(results=(gather.result,))
             else:
@@ -237,7 +263,8 @@ def _replaces(name: str) -> OutputRole:
 
 
 def _gathered_params(g: Graph, axis: str) -> dict[str, Op]:
-    """Parameter -> the all-gather of flat pieces that makes its new value."""
+    """Parameter -> the all-gather of its pieces (flat or along a dim) that makes its new
+    value."""
     params = {i.name for i in g.inputs if i.role.kind is InputKind.param}
     producer = {v.name: op for op in g.ops for v in op.results}
     out: dict[str, Op] = {}
@@ -246,7 +273,7 @@ def _gathered_params(g: Graph, axis: str) -> dict[str, Op]:
             continue
         op = producer.get(o.name)
         if op is not None and op.name == "all_gather" and len(op.inputs) == 1 and \
-                op.attrs.get("axis") == axis and op.attrs.get("dim") == "flat":
+                op.attrs.get("axis") == axis:
             out[o.role.target] = op
     return out
 

@@ -40,6 +40,7 @@ from typing import Any
 from ..ir.analysis import op_cost
 from ..ir.core import Graph, Op
 from ..ir.device_model import DeviceModel, device_model
+from ..ir.opdef import level_size
 from ..ir.ops import Category, is_view, op_def
 from ..ir.types import FlatShard, Shard, TensorType, Varying
 
@@ -121,7 +122,7 @@ def estimate_compute(graph: Graph, model: DeviceModel | str = DEFAULT_DEVICE_MOD
             continue
         if _comm(op):
             axis = op.attrs.get("axis")
-            n = sizes.get(str(axis), 1)
+            n = level_size(op, sizes.get(str(axis), 1))     # a level's devices (two hops)
             sent = op_cost(op, types, sizes).comm_bytes
             comm_free = max(now, comm_free) + model.collective_s(op.name, sent, n, str(axis))
             if op.attrs.get("async"):

@@ -266,8 +266,11 @@ def _quantized_lines(plan: Plan) -> list[str]:
     qg = plan.decision(QuantizeGradsRecord)
     qwd = plan.decision(QuantizeWeightDiffRecord)
     if qg is not None:
+        hops = ("1 hop" if qg.hops == 1 else
+                f"2 hops: {qg.intra_bits}-bit among each node's {qg.local} devices, then "
+                f"{qg.bits}-bit across nodes")
         out += ["", f"quantize-grads ({qg.bits}-bit, group {qg.group}, Hadamard {qg.hadamard}, "
-                    f"{qg.hops} hop; error per group <= {qg.bound} of each device's "
+                    f"{hops}; error per group <= {qg.bound} of each device's "
                     "transformed gradient, stochastic):"]
         out += _before_after({qg.params.get(g, g): (qg.bytes_before[g], qg.bytes_after[g])
                               for g in qg.quantized})

@@ -209,7 +209,7 @@ class _Builder:
 
     def comm(self, op: Op) -> fx.Node:
         """The program's node reading the Comm of the collective's axis."""
-        axis = str(op.attrs["axis"])
+        axis = comm_key(op)
         if axis not in self.comms:
             raise BackendError(f"the program has a {op.name} over mesh axis {axis!r} but no "
                                "process group was given for that axis",
@@ -218,6 +218,15 @@ class _Builder:
         if axis not in self.comm_nodes:
             self.comm_nodes[axis] = self.fx.get_attr(f"comm_{axis}")
         return self.comm_nodes[axis]
+
+
+def comm_key(op: Op) -> str:
+    """The Comm a collective runs on: its axis's, or with ``local=L, level=...`` the
+    axis's level (``dp__local2`` among one node's L devices, ``dp__node2`` across nodes)."""
+    axis = str(op.attrs["axis"])
+    if op.attrs.get("local"):
+        return f"{axis}__{op.attrs.get('level', 'local')}{int(op.attrs['local'])}"
+    return axis
 
 
 # ------------------------------------------------------------------ elementwise
@@ -466,6 +475,8 @@ def _bucket(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
         return b.call(collectives.all_gather_bucket,
                       [comm, xs, a["dim"], [b.local(v.type) for v in op.results]],
                       {**asy, "dests": [b.destination(v.name) for v in op.results]})
+    if op.name == "all_to_all" and int(a["from_dim"]) == 0 == int(a["to_dim"]):
+        return b.call(collectives.all_to_all_bucket, [comm, xs], asy)
     raise UnsupportedOpError(f"the torch backend has no bucketed {op.name}")
 
 
@@ -584,7 +595,7 @@ def _all_to_all(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
     """Each rank's piece split along to_dim, chunk j to rank j, joined along from_dim."""
     a = op.attrs
     return b.call(collectives.all_to_all, [comm, b.node(op.inputs[0]), int(a["from_dim"]),
-                                           int(a["to_dim"])])
+                                           int(a["to_dim"])], _async(op))
 
 
 def _as_shard(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:

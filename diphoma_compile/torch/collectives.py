@@ -399,7 +399,8 @@ def all_gather_bucket(comm: Comm, xs: list[torch.Tensor], dim: Any,
     return _start(comm, _gather_launch(comm, out, src), finish, async_op)
 
 
-def all_to_all(comm: Comm, x: torch.Tensor, from_dim: int, to_dim: int) -> torch.Tensor:
+def all_to_all(comm: Comm, x: torch.Tensor, from_dim: int, to_dim: int,
+               async_op: bool = False) -> Any:
     """S(from_dim) -> S(to_dim): this rank's piece cut along ``to_dim`` into N chunks, chunk
     j sent to rank j, the N chunks received joined along ``from_dim``."""
     n = comm.size
@@ -408,10 +409,36 @@ def all_to_all(comm: Comm, x: torch.Tensor, from_dim: int, to_dim: int) -> torch
     if n == 1:
         return x
     out = torch.empty_like(src)
-    t0 = time.perf_counter()
-    dist.all_to_all_single(out, src, group=comm.group)
-    comm.blocked_s += time.perf_counter() - t0
-    return torch.cat(list(out.unbind(0)), dim=from_dim)
+
+    def launch(a: bool) -> Any:
+        return dist.all_to_all_single(out, src, group=comm.group, async_op=a)
+
+    def finish() -> torch.Tensor:
+        return torch.cat(list(out.unbind(0)), dim=from_dim)
+    return _start(comm, launch, finish, async_op)
+
+
+def all_to_all_bucket(comm: Comm, xs: list[torch.Tensor], async_op: bool = False) -> Any:
+    """all_to_all of k 1-d payloads in one call: chunk j of each member goes to rank j; each
+    result is the N chunks received, sender by sender."""
+    n = comm.size
+    rows = [x.reshape(n, -1) for x in xs]
+    src = torch.cat(rows, dim=1).contiguous()         # row j: every member's chunk j
+    comm._count("all_to_all", int(_frac(comm) * src.numel() * src.element_size()))
+    out = torch.empty_like(src)
+
+    def launch(a: bool) -> Any:
+        if n > 1:
+            return dist.all_to_all_single(out, src, group=comm.group, async_op=a)
+        out.copy_(src)
+        return None
+
+    widths = [r.shape[1] for r in rows]
+    del rows
+
+    def finish() -> tuple[torch.Tensor, ...]:
+        return tuple(c.reshape(-1) for c in out.split(widths, dim=1))
+    return _start(comm, launch, finish, async_op)
 
 
 # ------------------------------------------------------------------ memory model

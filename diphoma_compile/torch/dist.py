@@ -31,7 +31,7 @@ from ..mesh import Mesh
 from ..report.memory import MemoryReport
 from . import collectives
 from .codegen import program
-from .groups import coordinates, new_axis_groups
+from .groups import coordinates, new_axis_groups, new_level_groups
 from .runtime import TorchStep
 from .state import Captured, Slot
 
@@ -82,6 +82,8 @@ class TorchDistStep(TorchStep):
                                                         and dist.is_initialized())
         self.comms = {a: collectives.Comm(a, n, r, g) for a, (n, r, g) in where.items()}
         self.comm = self.comms[axis]
+        # an axis split into nodes (two-hop quantize-grads): a Comm per level, by comm_key
+        self.level_comms = self._level_comms(graph)
         # for collectives outside the step (resharding, gathering state): not counted in
         # the step's bytes
         self._sides = {a: collectives.Comm(a, n, r, g) for a, (n, r, g) in where.items()}
@@ -110,7 +112,21 @@ class TorchDistStep(TorchStep):
     def _program(self, graph: Graph, captured: Captured) -> Any:
         """This rank's program: a callable from the graph's inputs to its outputs (fx, or
         Inductor's code when the step was traced for it)."""
-        return program(graph, captured, self.comms)
+        return program(graph, captured, {**self.comms, **self.level_comms})
+
+    def _level_comms(self, graph: Graph) -> dict[str, Any]:
+        need = sorted({(str(op.attrs["axis"]), int(op.attrs["local"])) for op in graph.ops
+                       if op.attrs.get("local") and op.name == "all_to_all"})
+        out: dict[str, Any] = {}
+        for axis, local in need:
+            if dist.get_world_size() != self.mesh.size:
+                raise BackendError(f"the step splits mesh axis {axis!r} into nodes of {local} "
+                                   "devices, which needs the mesh's ranks to be the world's",
+                                   hint="run the mesh on the whole world")
+            for level, (n, r, g) in new_level_groups(self.mesh, axis, local).items():
+                key = f"{axis}__{level}{local}"
+                out[key] = collectives.Comm(key, n, r, g)
+        return out
 
     # ------------------------------------------------------------------ checks
     def _check_equal_shares(self, graph: Graph) -> None:
@@ -318,7 +334,7 @@ class TorchDistStep(TorchStep):
     def comm_bytes(self) -> int:
         """Bytes this rank sent in the step's collectives so far (ring model), over every
         mesh axis."""
-        return sum(c.bytes_sent for c in self.comms.values())
+        return sum(c.bytes_sent for c in (*self.comms.values(), *self.level_comms.values()))
 
     def _broadcast_module_states(self) -> None:
         # as DDP does at construction: every rank starts from the mesh's first rank's
@@ -426,7 +442,7 @@ class TorchDistStep(TorchStep):
                            hidden_comm_s=max(comm_s - exposed, 0.0), steps=steps)
 
     def _blocked(self) -> float:
-        return sum(c.blocked_s for c in self.comms.values())
+        return sum(c.blocked_s for c in (*self.comms.values(), *self.level_comms.values()))
 
     def _barrier_group(self) -> Any:
         # one axis: its group; several: every rank of the mesh (WORLD, or the user's mesh)

@@ -52,3 +52,28 @@ def new_axis_groups(mesh: Mesh, parent: Any = None) -> dict[str, Any]:
                 mine[name] = g
     return mine
 
+
+
+def level_ranks(mesh: Mesh, axis: str, local: int) -> dict[str, list[list[int]]]:
+    """The two levels of ``axis`` split into nodes of ``local`` consecutive devices: for
+    ``local`` the devices of each node, for ``node`` the devices with the same place in
+    their node (one per node, in node order), over every group of the axis."""
+    out: dict[str, list[list[int]]] = {"local": [], "node": []}
+    for members in axis_ranks(mesh, axis):
+        out["local"] += [members[a:a + local] for a in range(0, len(members), local)]
+        out["node"] += [members[b::local] for b in range(local)]
+    return out
+
+
+def new_level_groups(mesh: Mesh, axis: str, local: int) -> dict[str, tuple[int, int, Any]]:
+    """This rank's (size, index, process group) at each level of ``axis`` split into nodes
+    of ``local`` devices (``dist.new_group`` on every rank, every group in the same order;
+    mesh ranks are world ranks)."""
+    me = dist.get_rank()
+    mine: dict[str, tuple[int, int, Any]] = {}
+    for level, groups in level_ranks(mesh, axis, local).items():
+        for members in groups:
+            g = dist.new_group(members)
+            if me in members:
+                mine[level] = (len(members), members.index(me), g)
+    return mine

@@ -45,17 +45,45 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def uniform(key: torch.Tensor, n: int, offset: int = 0) -> torch.Tensor:
     """n uniform float32 numbers in [0, 1): elements ``offset .. offset + n`` of the stream
     of ``key`` (the same for the same key and indices on every device). Counter-based: a
-    hash of the key and each element's index, in int32 arithmetic (cheap on a CPU)."""
+    hash of the key and each element's index (murmur3's finalizer), in int32 arithmetic
+    done in place (shifts made logical by masks; products wrap)."""
     k = int(key) & _M32
     seed = _i32(int(_mix(torch.tensor(k, dtype=torch.int64))))
-    idx = torch.arange(offset, offset + n, dtype=torch.int32)
-    bits = _mix32(idx * _i32(0x9E3779B1) + seed)
-    return ((bits >> 8) & 0xFFFFFF).to(torch.float32) * (1.0 / (1 << 24))
+    x = torch.arange(offset, offset + n, dtype=torch.int32)
+    x.mul_(_i32(0x9E3779B1)).add_(seed)
+    t = torch.empty_like(x)
+    for shift, mask, mul in ((16, 0xFFFF, 0x85EBCA6B), (13, 0x7FFFF, 0xC2B2AE35),
+                             (16, 0xFFFF, None)):
+        torch.bitwise_right_shift(x, shift, out=t)
+        x.bitwise_xor_(t.bitwise_and_(mask))
+        if mul is not None:
+            x.mul_(_i32(mul))
+    x.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF)
+    return x.to(torch.float32).mul_(1.0 / (1 << 24))
 
 
 def qmax(bits: int) -> int:
     """The largest magnitude of a symmetric bits-bit code (7 for 4 bits, 127 for 8)."""
     return (1 << (bits - 1)) - 1
+
+
+def _groups(flat: torch.Tensor, p: int, group: int, padded: bool) -> tuple[torch.Tensor, int]:
+    """Flat values as rows of ``group``: zero-padded to p chunks of k, each chunk to whole
+    groups when ``padded``, the whole to whole groups (a view when nothing needs padding);
+    and the values the p chunks hold, padding included."""
+    n = flat.numel()
+    k = -(-n // p)
+    kq = -(-k // group) * group if padded else k
+    if p * k == n and kq == k and (p * kq) % group == 0:
+        return flat.view(-1, group), p * kq
+    rows = torch.nn.functional.pad(flat, (0, p * k - n)).view(p, k)
+    if kq != k:
+        rows = torch.nn.functional.pad(rows, (0, kq - k))
+    whole = rows.reshape(-1)
+    tail = (-whole.numel()) % group
+    if tail:
+        whole = torch.nn.functional.pad(whole, (0, tail))
+    return whole.view(-1, group), p * kq
 
 
 def quantize(x: torch.Tensor, bits: int, group: int, noise: torch.Tensor | None,
@@ -66,29 +94,20 @@ def quantize(x: torch.Tensor, bits: int, group: int, noise: torch.Tensor | None,
     N chunks each padded to whole groups (this process holds one chunk when N is the
     axis size and x is its flat piece: pass pieces=1 then)."""
     flat = x.reshape(-1).to(torch.float32)
-    if noise is not None:
-        noise = noise.reshape(-1)
     p = 1 if pieces is None else pieces
-    k = -(-flat.numel() // p)
-    kq = -(-k // group) * group if pieces is not None else k
-    rows = torch.nn.functional.pad(flat, (0, p * k - flat.numel())).view(p, k)
-    rows = torch.nn.functional.pad(rows, (0, kq - k))
-    tail = (-rows.numel()) % group
-    g = torch.nn.functional.pad(rows.reshape(-1), (0, tail)).view(-1, group)
+    g, used = _groups(flat, p, group, pieces is not None)
     if hadamard_block:
         g = hadamard(g, hadamard_block)   # blocks divide the group: rows stay rows
-    scale = g.abs().amax(dim=1) / qmax(bits)
+    qm = qmax(bits)
+    scale = g.abs().amax(dim=1) / qm
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    y = g / safe[:, None]
+    y = g / safe[:, None]                 # a new tensor: the in-place steps below are its own
     if noise is None:
-        q = torch.round(y)
+        y.round_()
     else:
-        u = torch.nn.functional.pad(noise, (0, p * k - noise.numel())).view(p, k)
-        u = torch.nn.functional.pad(u, (0, kq - k)).reshape(-1)
-        u = torch.nn.functional.pad(u, (0, tail)).view(-1, group)
-        q = torch.floor(y + u)
-    q = q.clamp(-qmax(bits), qmax(bits)).to(torch.int8).reshape(-1)
-    q = q[:rows.numel()]
+        u, _ = _groups(noise.reshape(-1), p, group, pieces is not None)
+        y.add_(u).floor_()
+    q = y.clamp_(-qm, qm).to(torch.int8).reshape(-1)[:used]
     if pieces is None:
         q = q.view(x.shape)
     return q, scale.to(x.dtype)
@@ -111,29 +130,30 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, group: int, dtype: torch.d
 
 def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     """Signed bits-bit integers into uint8: 4 bits two per byte (low nibble first), 8 bits
-    one per byte; each stored as q + 2^(bits-1)."""
-    flat = q.reshape(-1).to(torch.int16) + (1 << (bits - 1))
-    if bits == 8:
-        return flat.to(torch.uint8)
-    if bits != 4:
+    one per byte; each stored as q + 2^(bits-1) (in uint8, whose wrap-around makes the
+    two's complement bits of q come out right)."""
+    if bits not in (4, 8):
         raise NotImplementedError(f"pack of {bits}-bit values (4 and 8 are lowered)")
-    if flat.numel() % 2:
-        flat = torch.cat([flat, flat.new_zeros(1)])
-    pairs = flat.view(-1, 2)
-    return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8)
+    u = q.reshape(-1).to(torch.int8).view(torch.uint8) + (1 << (bits - 1))
+    if bits == 8:
+        return u
+    if u.numel() % 2:
+        u = torch.cat([u, u.new_zeros(1)])
+    pairs = u.view(-1, 2)
+    return pairs[:, 0] | (pairs[:, 1] << 4)
 
 
 def unpack(packed: torch.Tensor, bits: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     """The inverse of ``pack``: ``shape`` signed integers."""
-    b = packed.reshape(-1).to(torch.int16)
+    b = packed.reshape(-1)
+    n = math.prod(shape)
     if bits == 8:
-        vals = b
+        vals = b[:n] - 128
     elif bits == 4:
-        vals = torch.stack([b & 0xF, b >> 4], dim=1).reshape(-1)
+        vals = torch.stack([b & 0xF, b >> 4], dim=1).reshape(-1)[:n] - 8
     else:
         raise NotImplementedError(f"unpack of {bits}-bit values (4 and 8 are lowered)")
-    n = math.prod(shape)
-    return (vals[:n] - (1 << (bits - 1))).reshape(shape).to(dtype)
+    return vals.view(torch.int8).reshape(shape).to(dtype)
 
 
 @functools.lru_cache(maxsize=8)

@@ -859,20 +859,147 @@ def run_quantized_grads(rank: int, world: int) -> dict:
             "plain_plan": plain.comm_bytes_per_step, "kinds": dict(step.comm.calls)}
 
 
+QG2_SPEC = SPEC + (",quantize-grads{bits=4, intra-bits=8, group=128, hadamard=32, levels=2, "
+                   "local=2}")
+
+
+@check("quantized_grads_two_hop")
+def run_quantized_grads_two_hop(rank: int, world: int) -> dict:
+    """quantize-grads with two hops on 2 nodes x 2 devices (dp index = node * 2 + local):
+    hop 1 inside each node 8-bit, the receivers average and requantize to 4 bits, hop 2
+    across nodes. One SGD step at lr 1: the averaged gradient differs from the exact mean,
+    in the Hadamard domain, by at most the mean over nodes of (hop 1: the mean over the
+    node's senders of their group's absmax/127) + (hop 2: the node's partial mean's group
+    absmax/7, the partial taken exactly plus hop 1's bound), computed here from every
+    rank's own gradient."""
+    from models import MLP
+    local_n, G = 2, 128
+    nodes = world // local_n
+    torch.manual_seed(0)
+    model = MLP(32, 200, 64)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    g = torch.Generator().manual_seed(4)
+    batch = {"x": torch.randn(4 * world, 32, generator=g),
+             "y": torch.randint(0, 64, (4 * world,), generator=g)}
+    mine = local((batch,), rank, world)
+    graph, dist_graph, cap, step = build(mlp_step, model, opt, mine, world, QG2_SPEC)
+    loss = F.cross_entropy(ref(mine[0]["x"]), mine[0]["y"])
+    loss.backward()
+    w0 = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    c0 = step.comm_bytes
+    step(model, opt, *mine)
+    counted = step.comm_bytes - c0
+    excess, ratio = -1.0, 0.0
+    for name, p in model.named_parameters():
+        grad = dict(ref.named_parameters())[name].grad.reshape(-1).contiguous()
+        every = [torch.empty_like(grad) for _ in range(world)]
+        dist.all_gather(every, grad)
+        if grad.numel() // world < G:
+            continue           # kept fp32
+        # each device's gradient in the Hadamard domain, as (destination piece, kq) rows
+        hd = torch.stack([hadamard_blocks(piece_rows(e, world, G).reshape(-1))
+                          .view(world, -1) for e in every])         # (sender, dest, kq)
+        amax8 = hd.view(world, world, -1, G).abs().amax(-1) / 127   # (sender, dest, groups)
+        exact = hd.mean(0)                                          # (dest, kq)
+        bound = torch.zeros(exact.shape[0], exact.shape[1] // G, dtype=torch.float64)
+        for a in range(nodes):
+            members = list(range(a * local_n, (a + 1) * local_n))
+            e1 = amax8[members].mean(0)                             # (dest, groups)
+            part = hd[members].mean(0).view(world, -1, G).abs().amax(-1)
+            bound += (e1 + (part + e1) / 7) / nodes
+        got = (w0[name].reshape(-1).double() - p.detach().reshape(-1).double())   # lr 1
+        err = hadamard_blocks(piece_rows(got.float(), world, G).reshape(-1)).view(world, -1)
+        err = (err - exact).abs()
+        b = bound.repeat_interleave(G, dim=1)
+        slack = 4e-7 * float(w0[name].abs().max())      # fp32 rounding of w - lr * g
+        excess = max(excess, float((err - b * (1 + 1e-5) - slack).max()))
+        ratio = max(ratio, float((err / b.clamp_min(1e-30)).max()))
+    plain = build_plan(Pipeline.from_spec(SPEC).run(graph.replace(mesh=Mesh({"dp": world})),
+                                                    PassContext()))
+    levels = {k: dict(c.calls) for k, c in step.level_comms.items()}
+    return {"excess": excess, "ratio": ratio, "counted": counted,
+            "plan": build_plan(dist_graph).comm_bytes_per_step,
+            "plain_plan": plain.comm_bytes_per_step, "levels": levels,
+            "sizes": {k: c.size for k, c in step.level_comms.items()},
+            "level_bytes": {k: c.bytes_sent for k, c in step.level_comms.items()}}
+
+
+QAR_SPEC = ("data-parallel{axis=dp},dce,"
+            "quantize-grads{bits=4, group=128, hadamard=32, all-reduce=true}")
+
+
+@check("quantized_all_reduce")
+def run_quantized_all_reduce(rank: int, world: int) -> dict:
+    """quantize-grads{all-reduce=true} on plain data parallelism (no weight-update
+    sharding), one SGD step at lr 1: the quantized all-to-all averages each piece (error in
+    the Hadamard domain within the mean of the senders' absmax/7), then each device's 4-bit
+    averaged piece is all-gathered (error within absmax/7 of its group). Checked per
+    32-value block in L2 (the transform is orthonormal): |g - mean| <= |stage 1| + |stage 2|
+    with stage 2's group absmax bounded by the exact mean's plus stage 1's error. Every rank
+    computes with the same gradient; bytes as planned."""
+    from models import MLP
+    torch.manual_seed(0)
+    model = MLP(32, 256, 64)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    g = torch.Generator().manual_seed(5)
+    batch = {"x": torch.randn(4 * world, 32, generator=g),
+             "y": torch.randint(0, 64, (4 * world,), generator=g)}
+    mine = local((batch,), rank, world)
+    graph, dist_graph, cap, step = build(mlp_step, model, opt, mine, world, QAR_SPEC)
+    F.cross_entropy(ref(mine[0]["x"]), mine[0]["y"]).backward()
+    w0 = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    c0 = step.comm_bytes
+    step(model, opt, *mine)
+    counted = step.comm_bytes - c0
+    excess, ratio, checked = -1.0, 0.0, 0
+    for name, p in model.named_parameters():
+        grad = dict(ref.named_parameters())[name].grad.reshape(-1).contiguous()
+        every = [torch.empty_like(grad) for _ in range(world)]
+        dist.all_gather(every, grad)
+        if grad.numel() // world < 128:
+            continue
+        checked += 1
+        exact = torch.stack(every).double().mean(0)
+        got = w0[name].reshape(-1).double() - p.detach().reshape(-1).double()     # lr 1
+        scales = [piece_rows(hadamard_blocks(piece_rows(e, world, 128).reshape(-1))
+                             .float(), 1, 128).reshape(-1, 128).abs().amax(1) / 7
+                  for e in every]
+        e1 = torch.stack(scales).double().mean(0).repeat_interleave(128)  # per element, H
+        e1_block = e1.view(-1, 32).norm(dim=1)                            # L2 per block
+        amax = piece_rows(exact.float(), world, 128).double().reshape(-1, 128).abs().amax(1)
+        e1_group = e1_block.view(-1, 4).max(1).values                     # 4 blocks a group
+        a2 = (amax + e1_group) / 7 * 32 ** 0.5                            # L2 of stage 2
+        bound = e1_block + a2.repeat_interleave(4)
+        err = piece_rows((got - exact).float(), world, 128).double().reshape(-1, 32).norm(dim=1)
+        slack = 4e-7 * float(w0[name].abs().max()) * 32 ** 0.5
+        excess = max(excess, float((err - bound * (1 + 1e-5) - slack).max()))
+        ratio = max(ratio, float((err / bound.clamp_min(1e-30)).max()))
+    plain = build_plan(Pipeline.from_spec("data-parallel{axis=dp}").run(
+        graph.replace(mesh=Mesh({"dp": world})), PassContext()))
+    return {"excess": excess, "ratio": ratio, "checked": checked, "counted": counted,
+            "plan": build_plan(dist_graph).comm_bytes_per_step,
+            "plain_plan": plain.comm_bytes_per_step, "kinds": dict(step.comm.calls),
+            "param_sum": float(sum(p.detach().double().sum() for p in model.parameters()))}
+
+
 @check("sdp4bit_preset")
 def run_sdp4bit_preset(rank: int, world: int) -> dict:
     """parallelize(compression="sdp4bit"): both quantizing passes with comm-fusion and
     schedule-comm (packed payloads in buckets, waited late) run; losses against the
-    unquantized step's; bytes as planned; ranks hold the same parameters."""
+    unquantized step's; bytes as planned; ranks hold the same parameters. Also on the mesh
+    {"node": 2, "dp": 2}: the gradients' two hops on the level groups."""
     import diphoma_compile
     from models import MLP
     out: dict = {}
-    for name, comp in (("plain", None), ("sdp4bit", "sdp4bit")):
+    meshes = (("plain", None, {"dp": world}), ("sdp4bit", "sdp4bit", {"dp": world}),
+              ("twohop", "sdp4bit", {"node": 2, "dp": world // 2}))
+    for name, comp, mesh in meshes:
         torch.manual_seed(0)
         model = MLP(32, 256, 64)
         opt = OPTS["adamw"](model.parameters())
-        step = diphoma_compile.parallelize(mlp_step, diphoma_compile.Mesh({"dp": world}),
-                                           compression=comp)
+        step = diphoma_compile.parallelize(mlp_step, mesh, compression=comp)
         g = torch.Generator().manual_seed(9)
         losses = []
         for _ in range(QWD_STEPS):
@@ -880,6 +1007,7 @@ def run_sdp4bit_preset(rank: int, world: int) -> dict:
                  "y": torch.randint(0, 64, (4 * world,), generator=g)}
             losses.append(step(model, opt, *local((b,), rank, world)).item())
         out[name] = {"losses": losses, "counted": step.runner.comm_bytes,
+                     "hops": step.plan.notes.get("quantize-grads", {}).get("hops"),
                      "plan": step.plan.comm_bytes_per_step, "calls": step.runner.calls,
                      "param_sum": float(sum(p.detach().double().sum()
                                             for p in model.parameters()))}

@@ -374,10 +374,46 @@ def test_quantized_gradients_within_declared_error(runs):
     assert r0["plan"] < 0.6 * r0["plain_plan"]
 
 
+def test_two_hop_quantized_gradients_within_declared_error(runs):
+    """quantize-grads{levels=2, local=2} on 2 nodes x 2 ranks: 8-bit inside each node,
+    requantized to 4 bits across nodes; the averaged gradient is within the two hops'
+    declared error of the exact mean (Hadamard domain), every rank alike; the exchanges run
+    on the level groups (2 ranks each), two per weight per level; bytes as planned, the
+    bytes across nodes a quarter of those inside."""
+    r0 = runs[0]["quantized_grads_two_hop"]
+    assert r0["excess"] <= 0.0, r0
+    assert 0.05 < r0["ratio"] <= 1.0 + 1e-5, r0
+    assert r0["sizes"] == {"dp__local2": 2, "dp__node2": 2}
+    assert r0["levels"] == {"dp__local2": {"all_to_all": 4}, "dp__node2": {"all_to_all": 4}}
+    for r in runs:
+        res = r["quantized_grads_two_hop"]
+        assert res["counted"] == res["plan"] and res["excess"] == r0["excess"]
+    # across nodes, 4 bits of half the rows: a quarter of the 8-bit bytes inside a node
+    across, inside = r0["level_bytes"]["dp__node2"], r0["level_bytes"]["dp__local2"]
+    assert across < 0.3 * inside
+    assert r0["plan"] < 0.7 * r0["plain_plan"]
+
+
+def test_quantized_all_reduce_within_declared_error(runs):
+    """quantize-grads{all-reduce=true} on plain data parallelism: each gradient's all-reduce
+    as a quantized all-to-all and a 4-bit all-gather of the averaged pieces; the gradient
+    every rank applies is within both stages' declared error of the exact mean, identical
+    on every rank; bytes as planned, under 0.16x of the fp32 all-reduce's."""
+    r0 = runs[0]["quantized_all_reduce"]
+    assert r0["checked"] == 2 and r0["excess"] <= 0.0, r0
+    assert 0.05 < r0["ratio"] <= 1.0 + 1e-5, r0
+    assert r0["kinds"]["all_to_all"] == 4 and r0["kinds"]["all_gather"] == 4
+    for r in runs:
+        res = r["quantized_all_reduce"]
+        assert res["counted"] == res["plan"] and res["param_sum"] == r0["param_sum"]
+    assert r0["plan"] < 0.16 * r0["plain_plan"]
+
+
 def test_sdp4bit_preset_runs_fused_and_scheduled(runs):
     """parallelize(compression="sdp4bit") with its buckets and async waits: the first loss
     (before any update) is the plain step's, the ranks agree, the bytes are as planned and
-    at most 0.16x of the unquantized plan's."""
+    at most 0.16x of the unquantized plan's; on {"node": 2, "dp": 2} the gradients take two
+    hops (8-bit inside a node: more bytes in all, under 0.3x), the ranks agree."""
     r0 = runs[0]["sdp4bit_preset"]
     plain, q = r0["plain"], r0["sdp4bit"]
     assert q["losses"][0] == plain["losses"][0]
@@ -386,6 +422,13 @@ def test_sdp4bit_preset_runs_fused_and_scheduled(runs):
         assert res["counted"] == res["calls"] * res["plan"]
         assert res["param_sum"] == q["param_sum"] and res["losses"] == q["losses"]
     assert q["plan"] <= 0.16 * plain["plan"]
+    two = r0["twohop"]
+    assert two["hops"] == 2 and two["losses"][0] == plain["losses"][0]
+    for r in runs:
+        res = r["sdp4bit_preset"]["twohop"]
+        assert res["counted"] == res["calls"] * res["plan"]
+        assert res["param_sum"] == two["param_sum"] and res["losses"] == two["losses"]
+    assert q["plan"] < two["plan"] < 0.3 * plain["plan"]
 
 
 GPT2_CASES = [f"{m}-{o}" for m in dist_checks.TP_MESHES for o in ("sgdm", "adamw")]
