@@ -36,15 +36,22 @@ from .base import Pass, PassContext, PassFailure, register_pass
 from .data_parallel import require_axis
 from .spec import parse_spec
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# schedules that run several stages per rank (stage s on rank s mod the axis size)
+LOOPED = ("interleaved",)
 # inputs every rank has: each passes its batch, the optimizer's hyperparameters are scalars
 _EVERYWHERE = (InputKind.batch, InputKind.hyper, InputKind.other)
 
 
-def bubble_fraction(schedule: str, stages: int, microbatches: int) -> float:
-    """The idle share of a rank's step under ``schedule`` with equal stage times: (S - 1) /
-    (M + S - 1) for GPipe and 1F1B (1F1B saves memory, not time)."""
-    return (stages - 1) / (microbatches + stages - 1)
+def bubble_fraction(schedule: str, stages: int, microbatches: int, ranks: int | None = None
+                    ) -> float:
+    """The idle share of a rank's step under ``schedule`` with equal stage times: (P - 1) /
+    (M + P - 1) for GPipe and 1F1B over P = S ranks (1F1B saves memory, not time), and
+    (P - 1) / (v M + P - 1) for interleaved 1F1B with v = S / P stages per rank (each
+    rank's fill and drain are v times shorter)."""
+    p = stages if ranks is None else ranks
+    v = stages // p
+    return (p - 1) / (v * microbatches + p - 1)
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,11 @@ class PipelineRecord:
     sent_bytes: tuple[int, ...]           # bytes crossing each cut (stage s -> s + 1), per mb
     tied: dict[str, tuple[int, ...]] = field(default_factory=dict)   # param -> stages
     bubble: float = 0.0
+    ranks: int = 0          # devices of the axis; stage s runs on rank s mod ranks
+
+    def rank_of(self, stage: int) -> int:
+        """The rank (index on the axis) that runs ``stage``."""
+        return stage % (self.ranks or len(self.stages))
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's ``notes["pipeline"]``."""
@@ -82,13 +94,15 @@ class PipelineRecord:
                 "microbatches": self.microbatches,
                 "stages": [s.to_dict() for s in self.stages],
                 "sent_bytes": list(self.sent_bytes),
-                "tied": {k: list(v) for k, v in self.tied.items()}, "bubble": self.bubble}
+                "tied": {k: list(v) for k, v in self.tied.items()}, "bubble": self.bubble,
+                "ranks": self.ranks or len(self.stages)}
 
 
 @register_pass
 @dataclass(frozen=True)
 class PipelineParallel(Pass):
-    """Cut the step into stages over mesh axis ``axis``; ``stages=auto`` is the axis size."""
+    """Cut the step into stages over mesh axis ``axis``; ``stages=auto`` is the axis size
+    (twice it for the interleaved schedule, which runs stage s on rank s mod the size)."""
 
     name = "pipeline"
     axis: str = "pp"
@@ -98,19 +112,26 @@ class PipelineParallel(Pass):
 
     def __call__(self, graph: Graph, ctx: PassContext) -> Graph:
         n = require_axis(graph, self.axis, self.name)
-        s = n if self.stages == "auto" else _int(self.stages, "stages")
-        if s != n:
-            raise PassFailure(f"pipeline: stages={s} but the mesh axis {self.axis!r} has {n} "
-                              "devices; one stage per device is supported",
-                              hint="leave stages=auto")
         if self.schedule not in SCHEDULES:
             raise PassFailure(f"pipeline: unknown schedule {self.schedule!r}",
                               hint=f"one of {', '.join(SCHEDULES)}")
+        looped = self.schedule in LOOPED
+        auto = 2 * n if looped else n
+        s = auto if self.stages == "auto" else _int(self.stages, "stages")
+        if not looped and s != n:
+            raise PassFailure(f"pipeline: stages={s} but the mesh axis {self.axis!r} has {n} "
+                              f"devices; schedule {self.schedule} runs one stage per device",
+                              hint="leave stages=auto, or schedule=interleaved for several "
+                                   "stages per device")
+        if looped and (s < n or s % n):
+            raise PassFailure(f"pipeline: stages={s} is not a multiple of the {n} devices "
+                              f"of the mesh axis {self.axis!r}",
+                              hint=f"stages=auto ({auto}) or another multiple of {n}")
         if self.microbatches < 1:
             raise PassFailure("pipeline: microbatches must be at least 1",
                               hint="microbatches=M with M >= 1 (M >= stages keeps the "
                                    "bubble small)")
-        cut = _Cut(graph, s, self.axis)
+        cut = _Cut(graph, s, self.axis, n)
         out = cut.rewrite()
         ctx.decisions[self.name] = cut.record(self.schedule, self.microbatches)
         return out
@@ -127,8 +148,8 @@ def _int(v: str, what: str) -> int:
 class _Cut:
     """One run of pipeline: stage of every op, then the rewritten graph."""
 
-    def __init__(self, graph: Graph, stages: int, axis: str) -> None:
-        self.g, self.n, self.ax = graph, stages, axis
+    def __init__(self, graph: Graph, stages: int, axis: str, ranks: int) -> None:
+        self.g, self.n, self.ax, self.ranks = graph, stages, axis, ranks
         self.types = graph.value_types()
         self.kind = {i.name: i.role.kind for i in graph.inputs}
         self.made: dict[str, Op] = {v.name: op for op in graph.ops for v in op.results}
@@ -304,11 +325,13 @@ class _Cut:
             tag = next(tags)
             t = self.types[name]
             ph = self.phase[id(op)]
-            out.append(Op("send", (where[(name, src)],), (), Attrs(axis=self.ax, peer=s,
+            out.append(Op("send", (where[(name, src)],), (), Attrs(axis=self.ax,
+                                                                   peer=s % self.ranks,
                                                                    tag=tag),
                           phase=ph, stage=src, loc=op.loc))
             new = names(f"{name}.s{s}")
-            out.append(Op("recv", (), (Value(new, t),), Attrs(axis=self.ax, peer=src, tag=tag),
+            out.append(Op("recv", (), (Value(new, t),),
+                          Attrs(axis=self.ax, peer=src % self.ranks, tag=tag),
                           phase=ph, stage=s, loc=op.loc))
             self.sent.append((name, src, s, ph))
             where[(name, s)] = new
@@ -343,11 +366,12 @@ class _Cut:
             src = self._stage_of(new_of[p])
             for s in sorted(stages - {src}):
                 tag = next(tags)
-                out.append(Op("send", (new_of[p],), (), Attrs(axis=self.ax, peer=s, tag=tag),
-                              phase=Phase.update, stage=src))
+                out.append(Op("send", (new_of[p],), (), Attrs(axis=self.ax, peer=s % self.ranks,
+                                                  tag=tag), phase=Phase.update, stage=src))
                 out.append(Op("recv", (), (Value(names(f"{p}.new.s{s}"),
                                                  self.types[p]),),
-                              Attrs(axis=self.ax, peer=src, tag=tag), phase=Phase.update,
+                              Attrs(axis=self.ax, peer=src % self.ranks, tag=tag),
+                              phase=Phase.update,
                               stage=s))
         self.check_flow(out)
         return self.g.replace(ops=tuple(out), outputs=tuple(outputs))
@@ -410,7 +434,9 @@ class _Cut:
             stages.append(StageInfo(s, layers, params, flops[s],
                                     sum(self.types[p].nbytes for p in params), count[s]))
         return PipelineRecord(self.ax, schedule, microbatches, tuple(stages), self.cut_bytes,
-                              dict(self.tied), bubble_fraction(schedule, self.n, microbatches))
+                              dict(self.tied),
+                              bubble_fraction(schedule, self.n, microbatches, self.ranks),
+                              self.ranks)
 
 
 def _rename_captures(op: Op, ren: dict[str, str]) -> Op:

@@ -64,20 +64,54 @@ class TorchPipelineStep(TorchDistStep):
         self.pp = self.comms[opts.axis]
         self.pp_side = self._sides[opts.axis]
         self.schedule, self.microbatches = opts.schedule, opts.microbatches
-        self.stage = self.pp.rank
-        self.actions = schedule_actions(opts.schedule, self.pp.size, opts.microbatches)[
-            self.stage]
+        self.nstages = 1 + max(op.stage for op in graph.ops if op.stage is not None)
+        self.stage = self.pp.rank           # this rank's first stage
+        self.stages = list(range(self.pp.rank, self.nstages, self.pp.size))
+        self.actions = schedule_actions(opts.schedule, self.nstages, opts.microbatches,
+                                        self.pp.size)[self.pp.rank]
         self._cut(graph)
         # seconds in this stage's programs and in whole steps: 1 - compute / wall is the
-        # share this rank waited (the measured bubble, with the transfers)
+        # share this rank waited (the measured bubble, with the transfers); busy holds
+        # (kind, microbatch, stage, start, end) of the last step's programs
         self.compute_s = self.wall_s = 0.0
+        self.busy: list[tuple[str, int, int, float, float]] = []
         return self._run
 
     # ------------------------------------------------------------------ building
     def _cut(self, graph: Graph) -> None:
-        me = self.stage
         types = graph.value_types()
         self.types = types
+        self.segs: dict[tuple[int, str], _Segment] = {}
+        self.writes: dict[str, tuple[str, int, int]] = {}     # param -> recv of its new value
+        self.acc: set[str] = set()      # per-microbatch values the update or results read
+        self.seg_of: dict[str, str] = {}
+        for me in self.stages:
+            self._cut_stage(graph, me)
+        # the same numbering on every rank: one wire tag per (microbatch, pair)
+        self.ntags = 1 + max([int(op.attrs["tag"]) for op in graph.ops
+                              if op.name == "send"] + [0])
+        self.inputs_read = {n for s in self.segs.values() for n in s.inputs}
+        self.batch = {i.name for i in graph.inputs if i.role.kind is InputKind.batch}
+        self.made_here = set(self.seg_of)
+        new_of = {o.role.target: o.name for o in graph.outputs if o.role.target is not None}
+        # a tied parameter's new value received here stands for the output that replaces it
+        self.stand_in = {}
+        for name in self.writes:
+            p = next((i.name for i in graph.inputs if name.startswith(i.name + ".new.s")),
+                     None)
+            if p is None or p not in new_of:
+                raise BackendError(f"the pipeline receives %{name}, which nothing reads",
+                                   hint="this is a bug in the pipeline pass")
+            self.stand_in[new_of[p]] = name
+        # the step's results (loss, metrics) made on other stages are broadcast from there
+        producers = {v.name: op.stage for op in graph.ops for v in op.results}
+        self.result_stage = {o.name: (None if producers.get(o.name) is None
+                                      else producers[o.name] % self.pp.size)
+                             for o in graph.outputs if o.role.target is None}
+
+    def _cut_stage(self, graph: Graph, me: int) -> None:
+        """The forward, backward and update programs of stage ``me``."""
+        types = self.types
         roles = {i.name: i.role for i in graph.inputs}
         ops = [op for op in graph.ops if op.stage == me]
         seg_of: dict[str, str] = {}           # value made on this stage -> its segment
@@ -92,7 +126,6 @@ class TorchPipelineStep(TorchDistStep):
             seg_of.update((v.name, k) for v in op.results)
             for n in free_inputs(op):
                 readers.setdefault(n, set()).add(k)
-        self.writes: dict[str, tuple[str, int, int]] = {}     # param -> recv of its new value
         for op in ops:
             if op.name == "recv":
                 name = op.results[0].name
@@ -111,7 +144,6 @@ class TorchPipelineStep(TorchDistStep):
                 segs[k[-1]].sends.append((n, int(op.attrs["peer"]), int(op.attrs["tag"])))
                 readers.setdefault(n, set()).add("S" + k[-1])
         returned = {o.name for o in graph.outputs}
-        self.acc: set[str] = set()      # per-microbatch values the update or results read
         for k in "FBU":
             made = {v.name for op in body[k] for v in op.results}
             seg = segs[k]
@@ -129,28 +161,8 @@ class TorchPipelineStep(TorchDistStep):
                               for n in seg.inputs), tuple(body[k]),
                         tuple(Output(n) for n in seg.outputs), graph.mesh)
             seg.module = build_module(sub, self.comms, in_place=False)
-        self.segs = segs
-        self.seg_of = seg_of
-        # the same numbering on every rank: one wire tag per (microbatch, pair)
-        self.ntags = 1 + max([int(op.attrs["tag"]) for op in graph.ops
-                              if op.name == "send"] + [0])
-        self.inputs_read = {n for s in segs.values() for n in s.inputs}
-        self.batch = {i.name for i in graph.inputs if i.role.kind is InputKind.batch}
-        self.made_here = set(seg_of)
-        new_of = {o.role.target: o.name for o in graph.outputs if o.role.target is not None}
-        # a tied parameter's new value received here stands for the output that replaces it
-        self.stand_in = {}
-        for name in self.writes:
-            p = next((i.name for i in graph.inputs if name.startswith(i.name + ".new.s")),
-                     None)
-            if p is None or p not in new_of:
-                raise BackendError(f"the pipeline receives %{name}, which nothing reads",
-                                   hint="this is a bug in the pipeline pass")
-            self.stand_in[new_of[p]] = name
-        # the step's results (loss, metrics) made on other stages are broadcast from there
-        producers = {v.name: op.stage for op in graph.ops for v in op.results}
-        self.result_stage = {o.name: producers.get(o.name) for o in graph.outputs
-                             if o.role.target is None}
+            self.segs[(me, k)] = seg
+        self.seg_of.update(seg_of)
 
     def _finish_init(self) -> None:
         """Batch arguments are M microbatches; other stages' parameters are let go."""
@@ -188,6 +200,15 @@ class TorchPipelineStep(TorchDistStep):
         sizes = dict(self.mesh.axes)
         works = []
         for name, peer, tag in items:
+            if peer == self.pp.rank:        # from another stage of this rank
+                got = self._local.pop(self._tag(mb, tag), None)
+                if got is None:
+                    raise BackendError(f"stage program waits for %{name} from a later "
+                                       "action of its own rank",
+                                       hint="the schedule's order is not runnable; this is "
+                                            "a bug in the pipeline schedule")
+                env[name] = got
+                continue
             t = self.types[name]
             buf = torch.empty(t.local_shape(sizes), dtype=DTYPE_TO_TORCH[t.dtype])
             works.append(dist.irecv(buf, src=self.pp.global_rank(peer), group=self.pp.group,
@@ -198,6 +219,9 @@ class TorchPipelineStep(TorchDistStep):
 
     def _send(self, items: list[tuple[str, int, int]], mb: int, env: dict) -> None:
         for name, peer, tag in items:
+            if peer == self.pp.rank:
+                self._local[self._tag(mb, tag)] = env[name]
+                continue
             t = env[name].contiguous()
             self._pending.append((dist.isend(t, dst=self.pp.global_rank(peer),
                                              group=self.pp.group, tag=self._tag(mb, tag)), t))
@@ -205,10 +229,19 @@ class TorchPipelineStep(TorchDistStep):
 
     def _run(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         t0 = time.perf_counter()
+        self._t0 = t0
+        self.busy = []
         try:
             return self._schedule(*inputs)
         finally:
             self.wall_s += time.perf_counter() - t0
+
+    def _call(self, seg: _Segment, args: list, env: dict, what: tuple[str, int, int]) -> None:
+        t1 = time.perf_counter()
+        env.update(zip(seg.outputs, seg.module(*args)))
+        t2 = time.perf_counter()
+        self.compute_s += t2 - t1
+        self.busy.append((*what, t1 - self._t0, t2 - self._t0))
 
     def _schedule(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         g = self.graph
@@ -216,31 +249,29 @@ class TorchPipelineStep(TorchDistStep):
         given = {i.name: t for i, t in zip(g.inputs, inputs)}
         chunks = {n: given[n].chunk(m, dim=0) for n in self.batch if n in self.inputs_read}
         self._pending: list[tuple[Any, torch.Tensor]] = []
-        envs: dict[int, dict[str, torch.Tensor]] = {}
+        self._local: dict[int, torch.Tensor] = {}
+        envs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         acc: dict[str, torch.Tensor] = {}
-        for kind, mb in self.actions:
-            env = envs.setdefault(mb, {})
-            seg = self.segs[kind]
+        for kind, mb, st in self.actions:
+            env = envs.setdefault((st, mb), {})
+            seg = self.segs[(st, kind)]
             self._recv(seg.recvs, mb, env)
             args = [env[n] if n in env else chunks[n][mb] if n in chunks else given[n]
                     for n in seg.inputs]
-            t1 = time.perf_counter()
-            env.update(zip(seg.outputs, seg.module(*args)))
-            self.compute_s += time.perf_counter() - t1
+            self._call(seg, args, env, (kind, mb, st))
             self._send(seg.sends, mb, env)
             for n in seg.outputs + [r[0] for r in seg.recvs]:
                 if n in self.acc:
                     acc[n] = env[n].clone() if n not in acc else acc[n] + env[n]
             if kind == "B":
-                del envs[mb]
+                del envs[(st, mb)]
         env = {n: v / m for n, v in acc.items()}
-        seg = self.segs["U"]
-        self._recv(seg.recvs, m, env)
-        args = [env[n] if n in env else given[n] for n in seg.inputs]
-        t1 = time.perf_counter()
-        env.update(zip(seg.outputs, seg.module(*args)))
-        self.compute_s += time.perf_counter() - t1
-        self._send(seg.sends, m, env)
+        for st in self.stages:
+            seg = self.segs[(st, "U")]
+            self._recv(seg.recvs, m, env)
+            args = [env[n] if n in env else given[n] for n in seg.inputs]
+            self._call(seg, args, env, ("U", m, st))
+            self._send(seg.sends, m, env)
         self._recv(list(self.writes.values()), m, env)
         for w, _ in self._pending:
             w.wait()
@@ -261,7 +292,7 @@ class TorchPipelineStep(TorchDistStep):
 
     def _result(self, name: str, value: torch.Tensor | None) -> torch.Tensor:
         """A result of the step on every rank: broadcast from the stage that made it."""
-        src = self.result_stage[name]
+        src = self.result_stage[name]      # the rank of the stage that made it
         if src is None or self.pp.size == 1:
             return value
         t = self.types[name]

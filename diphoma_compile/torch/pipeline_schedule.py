@@ -15,13 +15,16 @@ from unittest import mock
 
 from ..errors import BackendError
 
-Action = tuple[str, int]      # ("F" | "B", microbatch)
+Action = tuple[str, int, int]      # ("F" | "B", microbatch, stage)
 
 
 @lru_cache(maxsize=64)
-def schedule_actions(schedule: str, stages: int, microbatches: int
+def schedule_actions(schedule: str, stages: int, microbatches: int, ranks: int | None = None
                      ) -> tuple[tuple[Action, ...], ...]:
-    """For each rank (one stage each), its forward and backward runs in order."""
+    """For each rank, its forward and backward runs in order: one stage per rank for GPipe
+    and 1F1B; ``stages`` / ``ranks`` per rank (stage s on rank s mod ranks) for the
+    interleaved schedule."""
+    ranks = stages if ranks is None else ranks
     try:
         from torch.distributed.pipelining import schedules
         from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
@@ -29,7 +32,18 @@ def schedule_actions(schedule: str, stages: int, microbatches: int
     except ImportError as e:     # the private API moved
         raise BackendError(f"torch.distributed.pipelining's schedule generator is not "
                            f"available ({e})", hint="use torch 2.13") from None
-    if schedule == "gpipe":
+    if schedule == "interleaved":
+        if stages % ranks or microbatches % ranks:
+            raise BackendError(f"interleaved 1F1B needs the stages ({stages}) and the "
+                               f"microbatches ({microbatches}) to be multiples of the "
+                               f"{ranks} ranks",
+                               hint=f"microbatches={ranks * max(1, microbatches // ranks)}")
+        order = [list(r) for r in get_schedule_ops("Interleaved1F1B", ranks, microbatches,
+                                                   num_stages_per_rank=stages // ranks)]
+    elif stages != ranks:
+        raise BackendError(f"schedule {schedule} runs one stage per rank, not {stages} "
+                           f"stages on {ranks} ranks", hint="schedule=interleaved")
+    elif schedule == "gpipe":
         order = [list(r) for r in get_schedule_ops("GPipe", stages, microbatches)]
     elif schedule == "1f1b":
         order = [list(r) for r in get_schedule_ops("1F1B", stages, microbatches)]
@@ -45,7 +59,7 @@ def schedule_actions(schedule: str, stages: int, microbatches: int
                 [stage], microbatches).pipeline_order[stages - 1])
     else:
         raise BackendError(f"the torch runtime has no pipeline schedule {schedule!r}",
-                           hint="schedule=gpipe or schedule=1f1b")
+                           hint="schedule=gpipe, 1f1b or interleaved")
     out = []
     for rank, acts in enumerate(order):
         mine: list[Action] = []
@@ -54,8 +68,9 @@ def schedule_actions(schedule: str, stages: int, microbatches: int
                 continue
             kind = _kind(a)
             if kind in ("F", "B", "FORWARD", "FULL_BACKWARD"):
-                mine.append(("F" if kind in ("F", "FORWARD") else "B", a.microbatch_index))
-        _check(mine, rank, microbatches)
+                mine.append(("F" if kind in ("F", "FORWARD") else "B", a.microbatch_index,
+                             a.stage_index))
+        _check(mine, rank, microbatches, range(rank, stages, ranks))
         out.append(tuple(mine))
     return tuple(out)
 
@@ -65,15 +80,15 @@ def _kind(a: object) -> str:
     return str(getattr(t, "value", t))
 
 
-def _check(acts: list[Action], rank: int, microbatches: int) -> None:
-    """Each microbatch's forward once, then its backward once: else the generator changed."""
-    want = sorted([("F", m) for m in range(microbatches)] +
-                  [("B", m) for m in range(microbatches)])
-    seen: set[int] = set()
-    for kind, m in acts:
+def _check(acts: list[Action], rank: int, microbatches: int, stages: range) -> None:
+    """Each of this rank's stages runs each microbatch's forward once, then its backward
+    once: else the generator changed."""
+    want = sorted([(k, m, s) for m in range(microbatches) for s in stages for k in "FB"])
+    seen: set[tuple[int, int]] = set()
+    for kind, m, s in acts:
         if kind == "F":
-            seen.add(m)
-        elif m not in seen:
+            seen.add((m, s))
+        elif (m, s) not in seen:
             break
     else:
         if sorted(acts) == want:

@@ -1029,18 +1029,21 @@ def run_tensor_parallel_gpt2(rank: int, world: int) -> dict:
 
 # ------------------------------------------------------------------ pipeline parallelism
 
-PP_CASES = {"pp4-sgdm-1f1b": ({"pp": 4}, "sgdm", "1f1b"),
-            "pp4-adamw-1f1b": ({"pp": 4}, "adamw", "1f1b"),
-            "pp4-sgdm-gpipe": ({"pp": 4}, "sgdm", "gpipe"),
-            "dp2-pp2-sgdm-1f1b": ({"dp": 2, "pp": 2}, "sgdm", "1f1b"),
-            "dp2-pp2-adamw-gpipe": ({"dp": 2, "pp": 2}, "adamw", "gpipe")}
+# name: (mesh, optimizer, schedule, layers); interleaved runs 2 stages per rank (8 at pp=4)
+PP_CASES = {"pp4-sgdm-1f1b": ({"pp": 4}, "sgdm", "1f1b", 4),
+            "pp4-adamw-1f1b": ({"pp": 4}, "adamw", "1f1b", 4),
+            "pp4-sgdm-gpipe": ({"pp": 4}, "sgdm", "gpipe", 4),
+            "pp4-sgdm-interleaved": ({"pp": 4}, "sgdm", "interleaved", 8),
+            "pp4-adamw-interleaved": ({"pp": 4}, "adamw", "interleaved", 8),
+            "dp2-pp2-sgdm-1f1b": ({"dp": 2, "pp": 2}, "sgdm", "1f1b", 4),
+            "dp2-pp2-adamw-gpipe": ({"dp": 2, "pp": 2}, "adamw", "gpipe", 4)}
 PP_STEPS, PP_LOCAL, PP_MICRO = 3, 4, 4   # steps; sequences per dp rank; microbatches
 
 
-def tiny_gpt2() -> nn.Module:
-    """A Hugging Face GPT-2 of four small layers with its tied embedding and LM head."""
+def tiny_gpt2(layers: int = 4) -> nn.Module:
+    """A Hugging Face GPT-2 of small layers with its tied embedding and LM head."""
     import transformers
-    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=4,
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=layers,
                                   n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                   bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)
     return transformers.GPT2LMHeadModel(cfg)
@@ -1056,15 +1059,33 @@ def run_pipeline(rank: int, world: int) -> dict:
         import transformers  # noqa: F401
     except ImportError:          # the dev extra is not installed: nothing to check
         return {}
-    return {name: run_pp_case(rank, *case) for name, case in PP_CASES.items()}
+    return {name: run_pp_case(rank, world, *case) for name, case in PP_CASES.items()}
 
 
-def run_pp_case(rank: int, axes: dict[str, int], opt_name: str, schedule: str) -> dict:
+def pp_ddp_distance(rank: int, world: int, model: nn.Module, opt_name: str,
+                    batches: list[torch.Tensor], ref_sd: dict | None) -> float | None:
+    """How far DDP over the ``world`` ranks (each a 1/world share of the global batches)
+    lands from the single-device step: the issue's yardstick for AdamW (rank 0)."""
+    from torch.nn.parallel import DistributedDataParallel
+    ddp_model = copy.deepcopy(model)
+    ddp = DistributedDataParallel(ddp_model)
+    opt = OPTS[opt_name](ddp.parameters())
+    for b in batches:
+        per = b.shape[0] // world
+        hf_lm_step(ddp, opt, b[rank * per:(rank + 1) * per])
+    if ref_sd is None:
+        return None
+    return max(max_abs(ddp_model.state_dict()[k], v) for k, v in ref_sd.items())
+
+
+def run_pp_case(rank: int, world: int, axes: dict[str, int], opt_name: str, schedule: str,
+                layers: int) -> dict:
     import diphoma_compile
     dp, pp = axes.get("dp", 1), axes["pp"]
     torch.manual_seed(0)
-    model = tiny_gpt2()
+    model = tiny_gpt2(layers)
     ref = copy.deepcopy(model)
+    init = copy.deepcopy(model)
     opt, ref_opt = OPTS[opt_name](model.parameters()), OPTS[opt_name](ref.parameters())
     g = torch.Generator().manual_seed(7)
     batches = [torch.randint(0, 64, (dp * PP_LOCAL, 16), generator=g) for _ in range(PP_STEPS)]
@@ -1081,10 +1102,13 @@ def run_pp_case(rank: int, axes: dict[str, int], opt_name: str, schedule: str) -
     out = {"losses": losses, "passes": list(step.graph.passes),
            "memory": step.memory_report().to_dict(),
            "whole": sum(p.numel() * p.element_size() for p in ref.parameters()),
-           "stage": step.runner.stage, "actions": list(step.runner.actions),
+           "stage": step.runner.stage, "stages": list(step.runner.stages),
+           "actions": list(step.runner.actions), "nstages": len(rec["stages"]),
            "tied": rec["tied"], "full": torch.cat([v.reshape(-1) for v in full.values()])}
+    ref_sd = ref.state_dict() if rank == 0 else None
+    if opt_name == "adamw":          # a collective: every rank
+        out["ddp_param_abs"] = pp_ddp_distance(rank, world, init, opt_name, batches, ref_sd)
     if rank == 0:
-        ref_sd = ref.state_dict()
         out["ref_losses"] = ref_losses
         out["keys_equal"] = list(full) == list(ref_sd)
         out["param_abs"] = max(max_abs(full[k], v) for k, v in ref_sd.items())

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 import diphoma_compile  # noqa: E402
-from diphoma_compile.errors import PassError  # noqa: E402
+from diphoma_compile.errors import BackendError, PassError  # noqa: E402
 from diphoma_compile.ir import parse, print_graph  # noqa: E402
 from diphoma_compile.mesh import Mesh  # noqa: E402
 from diphoma_compile.passes import PassContext, Pipeline, PipelineRecord  # noqa: E402
@@ -148,7 +148,66 @@ GOLDEN_ACTIONS = {
 }
 
 
+# interleaved 1F1B (schedule, stages, microbatches, ranks): stage s runs on rank s mod ranks;
+# an action is written stage, kind, microbatch (torch's own notation)
+GOLDEN_INTERLEAVED = {
+    ("interleaved", 8, 4, 4): [
+        "0F0 0F1 0F2 0F3 4F0 4F1 4F2 4F3 4B0 4B1 4B2 4B3 0B0 0B1 0B2 0B3",
+        "1F0 1F1 1F2 1F3 5F0 5F1 5F2 5F3 5B0 5B1 5B2 5B3 1B0 1B1 1B2 1B3",
+        "2F0 2F1 2F2 2F3 6F0 6F1 6F2 6B0 6F3 6B1 6B2 6B3 2B0 2B1 2B2 2B3",
+        "3F0 3F1 3F2 3F3 7F0 7B0 7F1 7B1 7F2 7B2 7F3 7B3 3B0 3B1 3B2 3B3"],
+    ("interleaved", 4, 4, 2): [
+        "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3",
+        "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3"],
+}
+
+
 @pytest.mark.parametrize("key", list(GOLDEN_ACTIONS))
 def test_schedule_actions_from_torch_are_pinned(key):
-    got = [" ".join(f"{k}{m}" for k, m in rank) for rank in schedule_actions(*key)]
+    got = [" ".join(f"{k}{m}" for k, m, _ in rank) for rank in schedule_actions(*key)]
     assert got == GOLDEN_ACTIONS[key]
+    assert all(s == r for r, rank in enumerate(schedule_actions(*key)) for _, _, s in rank)
+
+
+@pytest.mark.parametrize("key", list(GOLDEN_INTERLEAVED))
+def test_interleaved_schedule_actions_from_torch_are_pinned(key):
+    got = [" ".join(f"{s}{k}{m}" for k, m, s in rank) for rank in schedule_actions(*key)]
+    assert got == GOLDEN_INTERLEAVED[key]
+
+
+def test_interleaved_schedule_refuses_microbatches_not_a_multiple_of_the_ranks():
+    with pytest.raises(BackendError, match="multiples of the 2 ranks"):
+        schedule_actions("interleaved", 4, 3, 2)
+
+
+def test_golden_pipeline_interleaved_four_stages_on_two_ranks(golden):
+    """schedule=interleaved: stages=auto is twice the axis (4 stages of a 4-layer model on 2
+    ranks); stage s runs on rank s mod 2, so a send's peer is the rank of the reader's
+    stage; the record's bubble is (P - 1) / (v M + P - 1)."""
+    out, ctx = run(traced_gpt(layers=4), "dce,pipeline{axis=pp, microbatches=2, "
+                                         "schedule=interleaved}")
+    rec = ctx.decision(PipelineRecord)
+    assert len(rec.stages) == 4 and rec.ranks == 2
+    assert [rec.rank_of(s) for s in range(4)] == [0, 1, 0, 1]
+    recvs = {op.attrs["tag"]: op for op in out.ops if op.name == "recv"}
+    for op in out.ops:
+        if op.name == "send":
+            dst = recvs[op.attrs["tag"]]
+            assert op.attrs["peer"] == dst.stage % 2 and dst.attrs["peer"] == op.stage % 2
+    assert {op.stage for op in out.ops} == {0, 1, 2, 3}
+    assert rec.tied == {"tok.weight": (0, 3)}
+    assert rec.bubble == pytest.approx(1 / (2 * 2 + 1))
+    text = print_graph(out)
+    assert parse(text) == out
+    golden("torch_gpt_sgd.pp2_interleaved.ir", text)
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("pipeline{axis=pp, stages=3, schedule=interleaved}", "not a multiple of the 2 devices"),
+    ("pipeline{axis=pp, stages=4}", "runs one stage per device"),
+    ("pipeline{axis=pp, schedule=zigzag}", "unknown schedule 'zigzag'"),
+])
+def test_pipeline_options_that_do_not_fit_the_axis_are_refused(spec, words):
+    with pytest.raises(PassError) as e:
+        run(traced_gpt(layers=4), "dce," + spec)
+    assert words in str(e.value), str(e.value)
