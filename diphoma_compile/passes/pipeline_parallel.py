@@ -64,11 +64,14 @@ class StageInfo:
     flops: int
     param_bytes: int
     ops: int
+    forward_flops: int = 0          # of ``flops``: the forward's and the backward's, per
+    backward_flops: int = 0         # microbatch (the rest is the update, once a step)
 
     def to_dict(self) -> dict[str, Any]:
         """The stage as plain data."""
         return {"index": self.index, "layers": list(self.layers), "params": list(self.params),
-                "flops": self.flops, "param_bytes": self.param_bytes, "ops": self.ops}
+                "flops": self.flops, "param_bytes": self.param_bytes, "ops": self.ops,
+                "forward_flops": self.forward_flops, "backward_flops": self.backward_flops}
 
 
 @dataclass(frozen=True)
@@ -418,10 +421,13 @@ class _Cut:
         """What this run decided, for the plan."""
         flops = [0] * self.n
         count = [0] * self.n
+        by_phase: dict[Phase, list[int]] = {p: [0] * self.n for p in Phase}
         for op in self.g.ops:
             if id(op) in self.stage:
                 s = self.stage[id(op)]
-                flops[s] += op_cost(op, self.types, self.sizes).flops
+                f = op_cost(op, self.types, self.sizes).flops
+                flops[s] += f
+                by_phase[self.phase[id(op)]][s] += f
                 count[s] += 1
         stages = []
         for s in range(self.n):
@@ -432,7 +438,8 @@ class _Cut:
                                   hint="use fewer stages")
             layers = tuple(dict.fromkeys(p.rsplit(".", 1)[0] for p in params))
             stages.append(StageInfo(s, layers, params, flops[s],
-                                    sum(self.types[p].nbytes for p in params), count[s]))
+                                    sum(self.types[p].nbytes for p in params), count[s],
+                                    by_phase[Phase.forward][s], by_phase[Phase.backward][s]))
         return PipelineRecord(self.ax, schedule, microbatches, tuple(stages), self.cut_bytes,
                               dict(self.tied),
                               bubble_fraction(schedule, self.n, microbatches, self.ranks),

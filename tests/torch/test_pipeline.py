@@ -211,3 +211,26 @@ def test_pipeline_options_that_do_not_fit_the_axis_are_refused(spec, words):
     with pytest.raises(PassError) as e:
         run(traced_gpt(layers=4), "dce," + spec)
     assert words in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("key", [("gpipe", 4, 8, 4), ("1f1b", 4, 4, 4), ("1f1b", 4, 8, 4),
+                                 ("interleaved", 8, 4, 4), ("interleaved", 8, 8, 4),
+                                 ("interleaved", 4, 8, 2)])
+def test_schedules_laid_out_in_time_have_the_textbook_bubble(key):
+    """report/schedule.timeline places torch's action lists in time (each action when its
+    rank is free and its input is done): with equal stages, backward twice the forward, the
+    idle share is the record's bubble, (P - 1) / (v M + P - 1)."""
+    from diphoma_compile.passes.pipeline_parallel import bubble_fraction
+    from diphoma_compile.report.schedule import bubble, timeline
+    schedule, stages, micro, ranks = key
+    blocks = timeline(schedule_actions(*key), [1.0] * stages, [2.0] * stages)
+    assert len(blocks) == 2 * stages * micro
+    assert bubble(blocks) == pytest.approx(bubble_fraction(schedule, stages, micro, ranks))
+
+
+def test_a_schedule_whose_actions_wait_on_each_other_is_refused():
+    from diphoma_compile.report.schedule import ScheduleError, timeline
+    # rank 0 runs its backward before rank 1 has run the forward it waits for: stuck
+    acts = [[("F", 0, 0), ("B", 0, 0)], [("B", 0, 1), ("F", 0, 1)]]
+    with pytest.raises(ScheduleError, match="cannot run"):
+        timeline(acts, [1.0, 1.0], [2.0, 2.0])
