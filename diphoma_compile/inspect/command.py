@@ -64,9 +64,11 @@ def add_parser(sub: Any) -> None:
                    help="the machine the step time is estimated on: "
                         + ", ".join(MODELS) + f" (default {DEFAULT_DEVICE_MODEL}, whatever "
                         "this machine has: inspect needs no devices)")
-    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"),
-                   help="the pipeline schedule with a pp axis (default 1f1b; interleaved "
-                        "runs two stages per rank)")
+    p.add_argument("--schedule", default="1f1b",
+                   choices=("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv"),
+                   help="the pipeline schedule with a pp axis (default 1f1b; the others "
+                        "run two stages per rank, the zero-bubble ones interleaved-zb and "
+                        "zbv with split backward)")
     p.add_argument("--plot", metavar="FILE",
                    help="with a pp axis: draw the schedule (ranks x time, forward and "
                         "backward blocks, from the schedule's action lists and the stages' "

@@ -36,9 +36,19 @@ from .base import Pass, PassContext, PassFailure, register_pass
 from .data_parallel import require_axis
 from .spec import parse_spec
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-# schedules that run several stages per rank (stage s on rank s mod the axis size)
-LOOPED = ("interleaved",)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv")
+# schedules that run several stages per rank: stage s on rank s mod the axis size, or for
+# the V-shaped zbv rank r holds stages r and 2P - 1 - r
+LOOPED = ("interleaved", "interleaved-zb", "zbv")
+# schedules that split each backward into input-gradient (I) and weight-gradient (W) runs
+SPLIT_BACKWARD = ("interleaved-zb", "zbv")
+
+
+def stage_rank(schedule: str, stage: int, stages: int, ranks: int) -> int:
+    """The rank (index on the pipeline axis) that runs ``stage``."""
+    if schedule == "zbv":
+        return stage if stage < ranks else 2 * ranks - 1 - stage
+    return stage % ranks
 # inputs every rank has: each passes its batch, the optimizer's hyperparameters are scalars
 _EVERYWHERE = (InputKind.batch, InputKind.hyper, InputKind.other)
 
@@ -46,11 +56,18 @@ _EVERYWHERE = (InputKind.batch, InputKind.hyper, InputKind.other)
 def bubble_fraction(schedule: str, stages: int, microbatches: int, ranks: int | None = None
                     ) -> float:
     """The idle share of a rank's step under ``schedule`` with equal stage times: (P - 1) /
-    (M + P - 1) for GPipe and 1F1B over P = S ranks (1F1B saves memory, not time), and
+    (M + P - 1) for GPipe and 1F1B over P = S ranks (1F1B saves memory, not time),
     (P - 1) / (v M + P - 1) for interleaved 1F1B with v = S / P stages per rank (each
-    rank's fill and drain are v times shorter)."""
+    rank's fill and drain are v times shorter), and (P - 1) / (3 v M + P - 1) for the
+    zero-bubble ones when forward, input-gradient and weight-gradient runs take equal
+    time."""
     p = stages if ranks is None else ranks
     v = stages // p
+    if schedule in SPLIT_BACKWARD:
+        # torch's zero-bubble schedules fill the fill and drain with weight-gradient runs:
+        # laid out in time (report/schedule.py) with F = I = W they idle (P - 1) forward
+        # times of the 3 v M (tests/torch/test_pipeline.py checks it)
+        return (p - 1) / (3 * v * microbatches + p - 1)
     return (p - 1) / (v * microbatches + p - 1)
 
 
@@ -89,7 +106,7 @@ class PipelineRecord:
 
     def rank_of(self, stage: int) -> int:
         """The rank (index on the axis) that runs ``stage``."""
-        return stage % (self.ranks or len(self.stages))
+        return stage_rank(self.schedule, stage, len(self.stages), self.ranks or len(self.stages))
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's ``notes["pipeline"]``."""
@@ -134,7 +151,10 @@ class PipelineParallel(Pass):
             raise PassFailure("pipeline: microbatches must be at least 1",
                               hint="microbatches=M with M >= 1 (M >= stages keeps the "
                                    "bubble small)")
-        cut = _Cut(graph, s, self.axis, n)
+        if self.schedule == "zbv" and s != 2 * n:
+            raise PassFailure(f"pipeline: schedule zbv runs two stages per device in a V, not "
+                              f"{s} stages on {n} devices", hint=f"stages=auto ({2 * n})")
+        cut = _Cut(graph, s, self.axis, n, self.schedule)
         out = cut.rewrite()
         ctx.decisions[self.name] = cut.record(self.schedule, self.microbatches)
         return out
@@ -151,8 +171,10 @@ def _int(v: str, what: str) -> int:
 class _Cut:
     """One run of pipeline: stage of every op, then the rewritten graph."""
 
-    def __init__(self, graph: Graph, stages: int, axis: str, ranks: int) -> None:
+    def __init__(self, graph: Graph, stages: int, axis: str, ranks: int,
+                 schedule: str = "1f1b") -> None:
         self.g, self.n, self.ax, self.ranks = graph, stages, axis, ranks
+        self.rank = [stage_rank(schedule, s, stages, ranks) for s in range(stages)]
         self.types = graph.value_types()
         self.kind = {i.name: i.role.kind for i in graph.inputs}
         self.made: dict[str, Op] = {v.name: op for op in graph.ops for v in op.results}
@@ -329,12 +351,12 @@ class _Cut:
             t = self.types[name]
             ph = self.phase[id(op)]
             out.append(Op("send", (where[(name, src)],), (), Attrs(axis=self.ax,
-                                                                   peer=s % self.ranks,
+                                                                   peer=self.rank[s],
                                                                    tag=tag),
                           phase=ph, stage=src, loc=op.loc))
             new = names(f"{name}.s{s}")
             out.append(Op("recv", (), (Value(new, t),),
-                          Attrs(axis=self.ax, peer=src % self.ranks, tag=tag),
+                          Attrs(axis=self.ax, peer=self.rank[src], tag=tag),
                           phase=ph, stage=s, loc=op.loc))
             self.sent.append((name, src, s, ph))
             where[(name, s)] = new
@@ -369,11 +391,11 @@ class _Cut:
             src = self._stage_of(new_of[p])
             for s in sorted(stages - {src}):
                 tag = next(tags)
-                out.append(Op("send", (new_of[p],), (), Attrs(axis=self.ax, peer=s % self.ranks,
+                out.append(Op("send", (new_of[p],), (), Attrs(axis=self.ax, peer=self.rank[s],
                                                   tag=tag), phase=Phase.update, stage=src))
                 out.append(Op("recv", (), (Value(names(f"{p}.new.s{s}"),
                                                  self.types[p]),),
-                              Attrs(axis=self.ax, peer=src % self.ranks, tag=tag),
+                              Attrs(axis=self.ax, peer=self.rank[src], tag=tag),
                               phase=Phase.update,
                               stage=s))
         self.check_flow(out)

@@ -5,6 +5,8 @@ costs; the bubble it implies, and its picture (``diphoma inspect --plot schedule
 
 A forward of stage s waits for the same microbatch's forward on stage s - 1, a backward for
 its backward on stage s + 1 (the last stage's for its own forward); sending takes no time.
+A split backward (zero-bubble schedules) is its input-gradient part I, which the earlier
+stage waits for, and its weight-gradient part W, which waits for I only.
 With equal stages this gives the textbook bubbles ((P - 1) / (M + P - 1) for GPipe and 1F1B,
 (P - 1) / (v M + P - 1) interleaved); with the stages' own costs it gives what an uneven cut
 costs. matplotlib is imported only to draw."""
@@ -16,7 +18,7 @@ from pathlib import Path
 
 from ..errors import DiphomaError
 
-Action = tuple[str, int, int]          # ("F" | "B", microbatch, stage)
+Action = tuple[str, int, int]          # ("F" | "B" | "I" | "W", microbatch, stage)
 
 
 class ScheduleError(DiphomaError):
@@ -37,9 +39,10 @@ class Block:
 
 
 def timeline(actions: list[list[Action]] | tuple, forward: list[float],
-             backward: list[float]) -> list[Block]:
+             backward: list[float], input_share: float = 0.5) -> list[Block]:
     """Each rank's ``actions`` placed in time, ``forward[s]`` / ``backward[s]`` long on stage
-    s (any unit): an action starts when its rank is free and its input is done."""
+    s (any unit; a split backward's I takes ``input_share`` of it, W the rest): an action
+    starts when its rank is free and its input is done."""
     stages = len(forward)
     done: dict[tuple[str, int, int], float] = {}
     free = [0.0] * len(actions)
@@ -53,12 +56,18 @@ def timeline(actions: list[list[Action]] | tuple, forward: list[float],
                 kind, mb, s = acts[nxt[r]]
                 if kind == "F":
                     dep = ("F", mb, s - 1) if s > 0 else None
-                else:
-                    dep = ("B", mb, s + 1) if s < stages - 1 else ("F", mb, s)
+                elif kind == "W":
+                    dep = ("I", mb, s)
+                elif s == stages - 1:
+                    dep = ("F", mb, s)
+                else:           # the next stage's backward, whole or its input part
+                    dep = ("B", mb, s + 1) if ("B", mb, s + 1) in done else ("I", mb, s + 1)
                 if dep is not None and dep not in done:
                     break
                 start = max(free[r], done[dep] if dep is not None else 0.0)
-                end = start + (forward[s] if kind == "F" else backward[s])
+                cost = {"F": forward[s], "B": backward[s], "I": input_share * backward[s],
+                        "W": (1 - input_share) * backward[s]}[kind]
+                end = start + cost
                 done[(kind, mb, s)] = free[r] = end
                 out.append(Block(r, kind, mb, s, start, end))
                 nxt[r] += 1
@@ -100,7 +109,7 @@ def plot(blocks: list[Block], path: str | Path, title: str = "") -> Path:
     colors = plt.get_cmap("tab10")
     for b in blocks:
         shade = colors(b.stage % 10 if stages > 1 else 0)
-        alpha = 0.45 if b.kind == "F" else 0.95
+        alpha = {"F": 0.4, "I": 0.75, "W": 0.95}.get(b.kind, 0.95)
         ax.barh(b.rank, b.end - b.start, left=b.start, height=0.8, color=shade, alpha=alpha,
                 edgecolor="black", linewidth=0.5)
         label = f"{b.kind}{b.microbatch}" if stages == len(ranks) else \
@@ -111,7 +120,7 @@ def plot(blocks: list[Block], path: str | Path, title: str = "") -> Path:
     ax.set_yticklabels([f"rank {r}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlim(0, span)
-    ax.set_xlabel("time (stage costs; F light, B dark)")
+    ax.set_xlabel("time (stage costs; F light, B / I / W darker)")
     ax.set_title(title or f"bubble {bubble(blocks):.1%}", fontsize=8)
     fig.tight_layout()
     path = Path(path)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ..errors import BackendError
 from ..ir.analysis import free_inputs
 from ..ir.core import Graph, Input, InputKind, InputRole, Op, Output, Phase, Value
-from ..passes.pipeline_parallel import pipeline_of
+from ..passes.pipeline_parallel import SPLIT_BACKWARD, pipeline_of, stage_rank
 from .build import build_module
 from .dist import TorchDistStep
 from .ops import DTYPE_TO_TORCH
@@ -65,8 +65,12 @@ class TorchPipelineStep(TorchDistStep):
         self.pp_side = self._sides[opts.axis]
         self.schedule, self.microbatches = opts.schedule, opts.microbatches
         self.nstages = 1 + max(op.stage for op in graph.ops if op.stage is not None)
-        self.stage = self.pp.rank           # this rank's first stage
-        self.stages = list(range(self.pp.rank, self.nstages, self.pp.size))
+        self.stages = [s for s in range(self.nstages)
+                       if stage_rank(opts.schedule, s, self.nstages, self.pp.size) == self.pp.rank]
+        self.stage = self.stages[0]         # this rank's first stage
+        # zero-bubble schedules run each backward as its input-gradient part (I: what the
+        # previous stage waits for) and its weight-gradient part (W: the rest)
+        self.kinds = "FIWU" if opts.schedule in SPLIT_BACKWARD else "FBU"
         self.actions = schedule_actions(opts.schedule, self.nstages, opts.microbatches,
                                         self.pp.size)[self.pp.rank]
         self._cut(graph)
@@ -85,6 +89,15 @@ class TorchPipelineStep(TorchDistStep):
         self.writes: dict[str, tuple[str, int, int]] = {}     # param -> recv of its new value
         self.acc: set[str] = set()      # per-microbatch values the update or results read
         self.seg_of: dict[str, str] = {}
+        self.split: dict[int, tuple[int, int]] = {}   # stage -> ops in its I and W parts
+        # tags of the backward values a stage's backward reads (activation gradients): what
+        # makes them is the input-gradient part of a split backward
+        phase_of = {v.name: op.phase for op in graph.ops for v in op.results}
+        bwd_readers = {n for op in graph.ops if op.phase is Phase.backward
+                       for n in free_inputs(op)}
+        self.grad_tags = {int(op.attrs["tag"]) for op in graph.ops if op.name == "recv"
+                          and op.results[0].name in bwd_readers
+                          and phase_of.get(op.results[0].name) is Phase.backward}
         for me in self.stages:
             self._cut_stage(graph, me)
         # the same numbering on every rank: one wire tag per (microbatch, pair)
@@ -106,7 +119,8 @@ class TorchPipelineStep(TorchDistStep):
         # the step's results (loss, metrics) made on other stages are broadcast from there
         producers = {v.name: op.stage for op in graph.ops for v in op.results}
         self.result_stage = {o.name: (None if producers.get(o.name) is None
-                                      else producers[o.name] % self.pp.size)
+                                      else stage_rank(self.schedule, producers[o.name],
+                                                      self.nstages, self.pp.size))
                              for o in graph.outputs if o.role.target is None}
 
     def _cut_stage(self, graph: Graph, me: int) -> None:
@@ -114,14 +128,18 @@ class TorchPipelineStep(TorchDistStep):
         types = self.types
         roles = {i.name: i.role for i in graph.inputs}
         ops = [op for op in graph.ops if op.stage == me]
+        kinds = self.kinds
         seg_of: dict[str, str] = {}           # value made on this stage -> its segment
-        segs = {k: _Segment() for k in "FBU"}
-        body: dict[str, list[Op]] = {k: [] for k in "FBU"}
+        segs = {k: _Segment() for k in kinds}
+        body: dict[str, list[Op]] = {k: [] for k in kinds}
         readers: dict[str, set[str]] = {}
+        input_grad = self._input_gradient(ops) if "I" in kinds else set()
         for op in ops:
             if op.name in ("send", "recv"):
                 continue
             k = _SEGMENTS[op.phase or Phase.forward]
+            if k == "B" and "I" in kinds:
+                k = "I" if id(op) in input_grad else "W"
             body[k].append(op)
             seg_of.update((v.name, k) for v in op.results)
             for n in free_inputs(op):
@@ -133,9 +151,9 @@ class TorchPipelineStep(TorchDistStep):
                 if not where:           # a tied parameter's new value: written, not read
                     self.writes[name] = (name, int(op.attrs["peer"]), int(op.attrs["tag"]))
                     continue
-                k = min(where, key="FBU".index)
+                k = min(where, key=kinds.index)
                 if op.phase is Phase.backward and k == "F":
-                    k = "B"
+                    k = kinds[1]
                 segs[k].recvs.append((name, int(op.attrs["peer"]), int(op.attrs["tag"])))
                 seg_of[name] = "R" + k
             elif op.name == "send":
@@ -143,18 +161,20 @@ class TorchPipelineStep(TorchDistStep):
                 k = seg_of.get(n, "F")
                 segs[k[-1]].sends.append((n, int(op.attrs["peer"]), int(op.attrs["tag"])))
                 readers.setdefault(n, set()).add("S" + k[-1])
+        if "I" in kinds:
+            self.split[me] = (len(body["I"]), len(body["W"]))
         returned = {o.name for o in graph.outputs}
-        for k in "FBU":
+        for k in kinds:
             made = {v.name for op in body[k] for v in op.results}
             seg = segs[k]
             seg.inputs = list(dict.fromkeys(n for op in body[k] for n in free_inputs(op)
                                             if n not in made))
             seg.outputs = [n for n in made if (readers.get(n, set()) - {k}) or n in returned]
-            if k in "FB":
+            if k != "U":
                 self.acc.update(n for n in seg.outputs
                                 if "U" in readers.get(n, set()) or n in returned)
             for n, _, _ in seg.recvs:
-                if k in "FB" and ("U" in readers.get(n, set()) or n in returned):
+                if k != "U" and ("U" in readers.get(n, set()) or n in returned):
                     self.acc.add(n)
             sub = Graph(f"{graph.name}.stage{me}.{k}",
                         tuple(Input(Value(n, types[n]), roles.get(n, InputRole()))
@@ -163,6 +183,22 @@ class TorchPipelineStep(TorchDistStep):
             seg.module = build_module(sub, self.comms, in_place=False)
             self.segs[(me, k)] = seg
         self.seg_of.update(seg_of)
+
+    def _input_gradient(self, ops: list[Op]) -> set[int]:
+        """id() of the backward ops of one stage that the gradients it sends to an earlier
+        stage's backward depend on (the rest, weight gradients, can wait)."""
+        made = {v.name: op for op in ops for v in op.results}
+        need = [op.inputs[0] for op in ops if op.name == "send" and op.phase is Phase.backward
+                and int(op.attrs["tag"]) in self.grad_tags]
+        out: set[int] = set()
+        while need:
+            op = made.get(need.pop())
+            if op is None or id(op) in out or op.phase is not Phase.backward \
+                    or op.name == "recv":
+                continue
+            out.add(id(op))
+            need.extend(free_inputs(op))
+        return out
 
     def _finish_init(self) -> None:
         """Batch arguments are M microbatches; other stages' parameters are let go."""
@@ -263,7 +299,7 @@ class TorchPipelineStep(TorchDistStep):
             for n in seg.outputs + [r[0] for r in seg.recvs]:
                 if n in self.acc:
                     acc[n] = env[n].clone() if n not in acc else acc[n] + env[n]
-            if kind == "B":
+            if kind in "BW":
                 del envs[(st, mb)]
         env = {n: v / m for n, v in acc.items()}
         for st in self.stages:

@@ -15,7 +15,12 @@ from unittest import mock
 
 from ..errors import BackendError
 
-Action = tuple[str, int, int]      # ("F" | "B", microbatch, stage)
+Action = tuple[str, int, int]      # ("F" | "B" | "I" | "W", microbatch, stage)
+# torch's names of the generators, by our schedule name, for several stages per rank
+_LOOPED = {"interleaved": "Interleaved1F1B", "interleaved-zb": "InterleavedZeroBubble",
+           "zbv": "ZBVZeroBubble"}
+_KINDS = {"F": "F", "FORWARD": "F", "B": "B", "FULL_BACKWARD": "B", "I": "I",
+          "BACKWARD_INPUT": "I", "W": "W", "BACKWARD_WEIGHT": "W"}
 
 
 @lru_cache(maxsize=64)
@@ -32,13 +37,13 @@ def schedule_actions(schedule: str, stages: int, microbatches: int, ranks: int |
     except ImportError as e:     # the private API moved
         raise BackendError(f"torch.distributed.pipelining's schedule generator is not "
                            f"available ({e})", hint="use torch 2.13") from None
-    if schedule == "interleaved":
+    if schedule in _LOOPED:
         if stages % ranks or microbatches % ranks:
-            raise BackendError(f"interleaved 1F1B needs the stages ({stages}) and the "
+            raise BackendError(f"schedule {schedule} needs the stages ({stages}) and the "
                                f"microbatches ({microbatches}) to be multiples of the "
                                f"{ranks} ranks",
                                hint=f"microbatches={ranks * max(1, microbatches // ranks)}")
-        order = [list(r) for r in get_schedule_ops("Interleaved1F1B", ranks, microbatches,
+        order = [list(r) for r in get_schedule_ops(_LOOPED[schedule], ranks, microbatches,
                                                    num_stages_per_rank=stages // ranks)]
     elif stages != ranks:
         raise BackendError(f"schedule {schedule} runs one stage per rank, not {stages} "
@@ -59,18 +64,17 @@ def schedule_actions(schedule: str, stages: int, microbatches: int, ranks: int |
                 [stage], microbatches).pipeline_order[stages - 1])
     else:
         raise BackendError(f"the torch runtime has no pipeline schedule {schedule!r}",
-                           hint="schedule=gpipe, 1f1b or interleaved")
+                           hint="schedule=gpipe, 1f1b, interleaved, interleaved-zb or zbv")
     out = []
     for rank, acts in enumerate(order):
         mine: list[Action] = []
         for a in acts:
             if a is None:
                 continue
-            kind = _kind(a)
-            if kind in ("F", "B", "FORWARD", "FULL_BACKWARD"):
-                mine.append(("F" if kind in ("F", "FORWARD") else "B", a.microbatch_index,
-                             a.stage_index))
-        _check(mine, rank, microbatches, range(rank, stages, ranks))
+            kind = _KINDS.get(_kind(a))
+            if kind is not None:
+                mine.append((kind, a.microbatch_index, a.stage_index))
+        _check(mine, rank, microbatches, sorted({s for _, _, s in mine}))
         out.append(tuple(mine))
     return tuple(out)
 
@@ -80,16 +84,19 @@ def _kind(a: object) -> str:
     return str(getattr(t, "value", t))
 
 
-def _check(acts: list[Action], rank: int, microbatches: int, stages: range) -> None:
+def _check(acts: list[Action], rank: int, microbatches: int, stages: list[int]) -> None:
     """Each of this rank's stages runs each microbatch's forward once, then its backward
-    once: else the generator changed."""
-    want = sorted([(k, m, s) for m in range(microbatches) for s in stages for k in "FB"])
-    seen: set[tuple[int, int]] = set()
+    once (whole, or its input-gradient part then its weight-gradient part): else the
+    generator changed."""
+    split = any(k == "I" for k, _, _ in acts)
+    want = sorted([(k, m, s) for m in range(microbatches) for s in stages
+                   for k in ("FIW" if split else "FB")])
+    before = {"F": None, "B": "F", "I": "F", "W": "I"}
+    seen: set[tuple[str, int, int]] = set()
     for kind, m, s in acts:
-        if kind == "F":
-            seen.add((m, s))
-        elif (m, s) not in seen:
+        if before[kind] is not None and (before[kind], m, s) not in seen:
             break
+        seen.add((kind, m, s))
     else:
         if sorted(acts) == want:
             return

@@ -1029,12 +1029,15 @@ def run_tensor_parallel_gpt2(rank: int, world: int) -> dict:
 
 # ------------------------------------------------------------------ pipeline parallelism
 
-# name: (mesh, optimizer, schedule, layers); interleaved runs 2 stages per rank (8 at pp=4)
+# name: (mesh, optimizer, schedule, layers); interleaved, interleaved-zb and zbv run 2
+# stages per rank (8 at pp=4); the zero-bubble ones split each backward into I and W
 PP_CASES = {"pp4-sgdm-1f1b": ({"pp": 4}, "sgdm", "1f1b", 4),
             "pp4-adamw-1f1b": ({"pp": 4}, "adamw", "1f1b", 4),
             "pp4-sgdm-gpipe": ({"pp": 4}, "sgdm", "gpipe", 4),
             "pp4-sgdm-interleaved": ({"pp": 4}, "sgdm", "interleaved", 8),
             "pp4-adamw-interleaved": ({"pp": 4}, "adamw", "interleaved", 8),
+            "pp4-sgdm-zbv": ({"pp": 4}, "sgdm", "zbv", 8),
+            "dp2-pp2-adamw-interleaved-zb": ({"dp": 2, "pp": 2}, "adamw", "interleaved-zb", 4),
             "dp2-pp2-sgdm-1f1b": ({"dp": 2, "pp": 2}, "sgdm", "1f1b", 4),
             "dp2-pp2-adamw-gpipe": ({"dp": 2, "pp": 2}, "adamw", "gpipe", 4)}
 PP_STEPS, PP_LOCAL, PP_MICRO = 3, 4, 4   # steps; sequences per dp rank; microbatches
@@ -1104,6 +1107,7 @@ def run_pp_case(rank: int, world: int, axes: dict[str, int], opt_name: str, sche
            "whole": sum(p.numel() * p.element_size() for p in ref.parameters()),
            "stage": step.runner.stage, "stages": list(step.runner.stages),
            "actions": list(step.runner.actions), "nstages": len(rec["stages"]),
+           "split": dict(step.runner.split),
            "tied": rec["tied"], "full": torch.cat([v.reshape(-1) for v in full.values()])}
     ref_sd = ref.state_dict() if rank == 0 else None
     if opt_name == "adamw":          # a collective: every rank

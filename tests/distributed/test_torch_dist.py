@@ -533,3 +533,23 @@ def test_pipeline_interleaved_ranks_run_two_stages_each(runs):
     assert all(r["nstages"] == 8 for r in res)
     got = " ".join(f"{s}{k}{m}" for k, m, s in res[3]["actions"])
     assert got == "3F0 3F1 3F2 3F3 7F0 7B0 7F1 7B1 7F2 7B2 7F3 7B3 3B0 3B1 3B2 3B3"
+
+
+def test_pipeline_zero_bubble_splits_each_backward(runs):
+    """zbv over pp=4 (8 stages in a V: rank r runs stages r and 7 - r, so the loss is made
+    on rank 0) and interleaved-zb over dp=2 x pp=2: each rank runs torch's F/I/W action
+    lists, every stage's backward is cut into an input-gradient part I (what the earlier
+    stage waits for) and a weight-gradient part W, both holding ops on every stage but the
+    first (whose I is empty: nothing waits for its input gradient)."""
+    if not runs[0]["pp"]:
+        pytest.skip("transformers is not installed")
+    zbv = [r["pp"]["pp4-sgdm-zbv"] for r in runs]
+    assert [r["stages"] for r in zbv] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    for r in zbv + [r["pp"]["dp2-pp2-adamw-interleaved-zb"] for r in runs]:
+        kinds = {k for k, _, _ in r["actions"]}
+        assert kinds == {"F", "I", "W"}, kinds
+        for stage, (n_i, n_w) in r["split"].items():
+            assert n_w > 0 and (n_i > 0) == (stage > 0), (stage, n_i, n_w)
+    got = " ".join(f"{s}{k}{m}" for k, m, s in zbv[3]["actions"])
+    assert got == ("3F0 4F0 3F1 4F1 3F2 4F2 3F3 4F3 4I0 4W0 3I0 3W0 4I1 4W1 3I1 3W1 4I2 4W2 "
+                   "3I2 3W2 4I3 4W3 3I3 3W3"), got

@@ -159,6 +159,18 @@ GOLDEN_INTERLEAVED = {
     ("interleaved", 4, 4, 2): [
         "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3",
         "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3"],
+    # zero-bubble: each backward as its input-gradient (I) and weight-gradient (W) runs
+    ("interleaved-zb", 4, 4, 2): [
+        "0F0 0F1 2F0 2F1 2I0 2W0 0F2 2I1 2W1 0F3 0I0 0W0 2F2 0I1 0W1 2F3 2I2 2W2 2I3 2W3 0I2 "
+        "0W2 0I3 0W3",
+        "1F0 1F1 3F0 3I0 3F1 3I1 3W0 1F2 1I0 3W1 1F3 1I1 1W0 3F2 3I2 1W1 3F3 3I3 3W2 1I2 3W3 "
+        "1I3 1W2 1W3"],
+    # the V: rank r runs stages r and 2P - 1 - r
+    ("zbv", 4, 4, 2): [
+        "0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2 3I2 3W2 0I1 0W1 3F3 3I3 3W3 0I2 "
+        "0W2 0I3 0W3",
+        "1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1F3 1I1 1W1 2F3 2I2 2W2 1I2 2I3 1I3 "
+        "1W2 2W3 1W3"],
 }
 
 
@@ -215,16 +227,19 @@ def test_pipeline_options_that_do_not_fit_the_axis_are_refused(spec, words):
 
 @pytest.mark.parametrize("key", [("gpipe", 4, 8, 4), ("1f1b", 4, 4, 4), ("1f1b", 4, 8, 4),
                                  ("interleaved", 8, 4, 4), ("interleaved", 8, 8, 4),
-                                 ("interleaved", 4, 8, 2)])
+                                 ("interleaved", 4, 8, 2), ("interleaved-zb", 8, 8, 4),
+                                 ("zbv", 8, 8, 4), ("zbv", 4, 8, 2)])
 def test_schedules_laid_out_in_time_have_the_textbook_bubble(key):
     """report/schedule.timeline places torch's action lists in time (each action when its
     rank is free and its input is done): with equal stages, backward twice the forward, the
-    idle share is the record's bubble, (P - 1) / (v M + P - 1)."""
+    idle share is the record's bubble, (P - 1) / (v M + P - 1), and for the zero-bubble
+    schedules (input and weight gradients each as long as the forward) (P - 1) /
+    (3 v M + P - 1)."""
     from diphoma_compile.passes.pipeline_parallel import bubble_fraction
     from diphoma_compile.report.schedule import bubble, timeline
     schedule, stages, micro, ranks = key
     blocks = timeline(schedule_actions(*key), [1.0] * stages, [2.0] * stages)
-    assert len(blocks) == 2 * stages * micro
+    assert len(blocks) == (3 if "zb" in schedule else 2) * stages * micro
     assert bubble(blocks) == pytest.approx(bubble_fraction(schedule, stages, micro, ranks))
 
 
@@ -234,3 +249,17 @@ def test_a_schedule_whose_actions_wait_on_each_other_is_refused():
     acts = [[("F", 0, 0), ("B", 0, 0)], [("B", 0, 1), ("F", 0, 1)]]
     with pytest.raises(ScheduleError, match="cannot run"):
         timeline(acts, [1.0, 1.0], [2.0, 2.0])
+
+
+def test_zbv_places_stages_in_a_v():
+    """zbv: 4 stages on 2 ranks as 0 1 | 1 0 (stage 1 and 2 on rank 1: their pair is sent
+    and received on that rank); stages=auto is twice the axis, any other count refused."""
+    out, ctx = run(traced_gpt(layers=4), "dce,pipeline{axis=pp, microbatches=2, schedule=zbv}")
+    rec = ctx.decision(PipelineRecord)
+    assert [rec.rank_of(s) for s in range(4)] == [0, 1, 1, 0]
+    recvs = {op.attrs["tag"]: op for op in out.ops if op.name == "recv"}
+    pairs = {(op.stage, recvs[op.attrs["tag"]].stage, op.attrs["peer"]) for op in out.ops
+             if op.name == "send" and op.phase.value == "forward"}
+    assert pairs == {(0, 1, 1), (1, 2, 1), (2, 3, 0)}
+    with pytest.raises(PassError, match="two stages per device in a V"):
+        run(traced_gpt(layers=4), "dce,pipeline{axis=pp, stages=6, schedule=zbv}")
