@@ -300,7 +300,16 @@ class _Cut:
                     for n in reads if n in self.kind} - {-1}
             others = {self.stage[id(self.made[n])] for n in reads if n in self.made
                       and id(self.made[n]) in self.stage}
-            if others:
+            if others and self.phase[id(op)] is Phase.update:
+                # update math on values of several stages (a global gradient-norm clip:
+                # each gradient's norm, their total, each gradient times the factor) runs
+                # where most of its input bytes are, so only scalars cross
+                held: dict[int, int] = defaultdict(int)
+                for n in reads:
+                    if n in self.made and id(self.made[n]) in self.stage:
+                        held[self.stage[id(self.made[n])]] += self.types[n].nbytes
+                s = max(held, key=lambda k: (held[k], -k))
+            elif others:
                 s = min(others)
             elif mine:
                 s = min(mine)
@@ -422,14 +431,6 @@ class _Cut:
         """Values cross stages only the ways a pipeline schedule orders: forward ones to
         later stages, backward ones to earlier stages (gradients flow back)."""
         for name, src, dst, ph in self.sent:
-            if ph is Phase.update:
-                raise PassFailure(
-                    f"pipeline: the optimizer update combines values of several stages "
-                    f"(%{name} is made on stage {src} and read on stage {dst}): a global "
-                    "gradient-norm clip or another update over all parameters at once is "
-                    "not supported under a pipeline yet", op=self.made.get(name),
-                    hint="drop the global clip (or clip each parameter's gradient on its "
-                         "own), or leave the pp axis out of the mesh")
             if ph is Phase.backward and dst > src:
                 raise PassFailure(
                     f"pipeline: cannot cut the step into {self.n} stages: the backward "

@@ -98,6 +98,7 @@ class TorchPipelineStep(TorchDistStep):
         self.grad_tags = {int(op.attrs["tag"]) for op in graph.ops if op.name == "recv"
                           and op.results[0].name in bwd_readers
                           and phase_of.get(op.results[0].name) is Phase.backward}
+        self._rounds(graph)
         for me in self.stages:
             self._cut_stage(graph, me)
         # the same numbering on every rank: one wire tag per (microbatch, pair)
@@ -128,7 +129,7 @@ class TorchPipelineStep(TorchDistStep):
         types = self.types
         roles = {i.name: i.role for i in graph.inputs}
         ops = [op for op in graph.ops if op.stage == me]
-        kinds = self.kinds
+        kinds = [k for k in self.kinds if k != "U"] + [f"U{r}" for r in range(self.nrounds)]
         seg_of: dict[str, str] = {}           # value made on this stage -> its segment
         segs = {k: _Segment() for k in kinds}
         body: dict[str, list[Op]] = {k: [] for k in kinds}
@@ -140,6 +141,8 @@ class TorchPipelineStep(TorchDistStep):
             k = _SEGMENTS[op.phase or Phase.forward]
             if k == "B" and "I" in kinds:
                 k = "I" if id(op) in input_grad else "W"
+            elif k == "U":
+                k = f"U{self.op_round[id(op)]}"
             body[k].append(op)
             seg_of.update((v.name, k) for v in op.results)
             for n in free_inputs(op):
@@ -158,24 +161,24 @@ class TorchPipelineStep(TorchDistStep):
                 seg_of[name] = "R" + k
             elif op.name == "send":
                 n = op.inputs[0]
-                k = seg_of.get(n, "F")
-                segs[k[-1]].sends.append((n, int(op.attrs["peer"]), int(op.attrs["tag"])))
-                readers.setdefault(n, set()).add("S" + k[-1])
+                k = seg_of.get(n, "F").removeprefix("R")
+                segs[k].sends.append((n, int(op.attrs["peer"]), int(op.attrs["tag"])))
+                readers.setdefault(n, set()).add("S" + k)
         if "I" in kinds:
             self.split[me] = (len(body["I"]), len(body["W"]))
         returned = {o.name for o in graph.outputs}
+        def updates(n: str) -> bool:       # read by the update or returned
+            return any(r.startswith("U") for r in readers.get(n, ())) or n in returned
+
         for k in kinds:
             made = {v.name for op in body[k] for v in op.results}
             seg = segs[k]
             seg.inputs = list(dict.fromkeys(n for op in body[k] for n in free_inputs(op)
                                             if n not in made))
             seg.outputs = [n for n in made if (readers.get(n, set()) - {k}) or n in returned]
-            if k != "U":
-                self.acc.update(n for n in seg.outputs
-                                if "U" in readers.get(n, set()) or n in returned)
-            for n, _, _ in seg.recvs:
-                if k != "U" and ("U" in readers.get(n, set()) or n in returned):
-                    self.acc.add(n)
+            if not k.startswith("U"):
+                self.acc.update(n for n in seg.outputs if updates(n))
+                self.acc.update(n for n, _, _ in seg.recvs if updates(n))
             sub = Graph(f"{graph.name}.stage{me}.{k}",
                         tuple(Input(Value(n, types[n]), roles.get(n, InputRole()))
                               for n in seg.inputs), tuple(body[k]),
@@ -183,6 +186,42 @@ class TorchPipelineStep(TorchDistStep):
             seg.module = build_module(sub, self.comms, in_place=False)
             self.segs[(me, k)] = seg
         self.seg_of.update(seg_of)
+
+    def _rounds(self, graph: Graph) -> None:
+        """Cut the update into rounds by the values it receives from other stages' updates
+        (a global gradient-norm clip: each stage's gradient norms go to one stage, which
+        sends the clip factor back): round r reads only what rounds before r sent, so every
+        rank runs round 0 of all its stages, then round 1, ... without waiting on itself."""
+        value: dict[str, int] = {}
+        sent: dict[int, int] = {}
+        self.op_round: dict[int, int] = {}
+        for op in graph.ops:
+            if op.phase is not Phase.update:
+                continue
+            if op.name == "send":
+                sent[int(op.attrs["tag"])] = value.get(op.inputs[0], 0)
+            elif op.name == "recv":
+                value[op.results[0].name] = sent.get(int(op.attrs["tag"]), -1) + 1
+            else:
+                r = max([value.get(n, 0) for n in free_inputs(op)] + [0])
+                self.op_round[id(op)] = r
+                value.update((v.name, r) for v in op.results)
+        # then as late as their readers allow: math on the hyperparameters alone (the
+        # learning rate's scalars, which a program may keep on the host) runs in the round
+        # of the update that reads it rather than crossing from round 0
+        readers: dict[str, list[Op]] = {}
+        for op in graph.ops:
+            for n in free_inputs(op):
+                readers.setdefault(n, []).append(op)
+        returned = {o.name for o in graph.outputs}
+        for op in reversed(graph.ops):
+            if id(op) not in self.op_round:
+                continue
+            late = [self.op_round.get(id(r)) for v in op.results
+                    for r in readers.get(v.name, ())]
+            if late and None not in late and not any(v.name in returned for v in op.results):
+                self.op_round[id(op)] = max(self.op_round[id(op)], min(late))
+        self.nrounds = 1 + max(self.op_round.values(), default=0)
 
     def _input_gradient(self, ops: list[Op]) -> set[int]:
         """id() of the backward ops of one stage that the gradients it sends to an earlier
@@ -302,12 +341,13 @@ class TorchPipelineStep(TorchDistStep):
             if kind in "BW":
                 del envs[(st, mb)]
         env = {n: v / m for n, v in acc.items()}
-        for st in self.stages:
-            seg = self.segs[(st, "U")]
-            self._recv(seg.recvs, m, env)
-            args = [env[n] if n in env else given[n] for n in seg.inputs]
-            self._call(seg, args, env, ("U", m, st))
-            self._send(seg.sends, m, env)
+        for r in range(self.nrounds):
+            for st in self.stages:
+                seg = self.segs[(st, f"U{r}")]
+                self._recv(seg.recvs, m, env)
+                args = [env[n] if n in env else given[n] for n in seg.inputs]
+                self._call(seg, args, env, ("U", m, st))
+                self._send(seg.sends, m, env)
         self._recv(list(self.writes.values()), m, env)
         for w, _ in self._pending:
             w.wait()

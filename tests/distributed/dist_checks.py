@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch"))
 import gpt as gpt_example  # noqa: E402  (examples/gpt.py)
 from models import ResNetStem, classify_step, image_batches  # noqa: E402
 from models import classify_step as mlp_step  # noqa: E402
-from models import hf_lm_step  # noqa: E402
+from models import hf_lm_step, hf_lm_step_clipped  # noqa: E402
 from test_propagation_torch import Block  # noqa: E402
 from test_propagation_torch import step as squares_step  # noqa: E402
 
@@ -1030,7 +1030,8 @@ def run_tensor_parallel_gpt2(rank: int, world: int) -> dict:
 # ------------------------------------------------------------------ pipeline parallelism
 
 # name: (mesh, optimizer, schedule, layers); interleaved, interleaved-zb and zbv run 2
-# stages per rank (8 at pp=4); the zero-bubble ones split each backward into I and W
+# stages per rank (8 at pp=4); the zero-bubble ones split each backward into I and W;
+# a sixth True: the step clips the gradients' global norm (clip_grad_norm_)
 PP_CASES = {"pp4-sgdm-1f1b": ({"pp": 4}, "sgdm", "1f1b", 4),
             "pp4-adamw-1f1b": ({"pp": 4}, "adamw", "1f1b", 4),
             "pp4-sgdm-gpipe": ({"pp": 4}, "sgdm", "gpipe", 4),
@@ -1038,6 +1039,9 @@ PP_CASES = {"pp4-sgdm-1f1b": ({"pp": 4}, "sgdm", "1f1b", 4),
             "pp4-adamw-interleaved": ({"pp": 4}, "adamw", "interleaved", 8),
             "pp4-sgdm-zbv": ({"pp": 4}, "sgdm", "zbv", 8),
             "dp2-pp2-adamw-interleaved-zb": ({"dp": 2, "pp": 2}, "adamw", "interleaved-zb", 4),
+            "pp4-sgdm-1f1b-clip": ({"pp": 4}, "sgdm", "1f1b", 4, True),
+            "dp2-pp2-adamw-interleaved-clip": ({"dp": 2, "pp": 2}, "adamw", "interleaved", 4,
+                                               True),
             "dp2-pp2-sgdm-1f1b": ({"dp": 2, "pp": 2}, "sgdm", "1f1b", 4),
             "dp2-pp2-adamw-gpipe": ({"dp": 2, "pp": 2}, "adamw", "gpipe", 4)}
 PP_STEPS, PP_LOCAL, PP_MICRO = 3, 4, 4   # steps; sequences per dp rank; microbatches
@@ -1066,7 +1070,8 @@ def run_pipeline(rank: int, world: int) -> dict:
 
 
 def pp_ddp_distance(rank: int, world: int, model: nn.Module, opt_name: str,
-                    batches: list[torch.Tensor], ref_sd: dict | None) -> float | None:
+                    batches: list[torch.Tensor], ref_sd: dict | None,
+                    step_fn: Callable = hf_lm_step) -> float | None:
     """How far DDP over the ``world`` ranks (each a 1/world share of the global batches)
     lands from the single-device step: the issue's yardstick for AdamW (rank 0)."""
     from torch.nn.parallel import DistributedDataParallel
@@ -1075,15 +1080,16 @@ def pp_ddp_distance(rank: int, world: int, model: nn.Module, opt_name: str,
     opt = OPTS[opt_name](ddp.parameters())
     for b in batches:
         per = b.shape[0] // world
-        hf_lm_step(ddp, opt, b[rank * per:(rank + 1) * per])
+        step_fn(ddp, opt, b[rank * per:(rank + 1) * per])
     if ref_sd is None:
         return None
     return max(max_abs(ddp_model.state_dict()[k], v) for k, v in ref_sd.items())
 
 
 def run_pp_case(rank: int, world: int, axes: dict[str, int], opt_name: str, schedule: str,
-                layers: int) -> dict:
+                layers: int, clip: bool = False) -> dict:
     import diphoma_compile
+    step_fn = hf_lm_step_clipped if clip else hf_lm_step
     dp, pp = axes.get("dp", 1), axes["pp"]
     torch.manual_seed(0)
     model = tiny_gpt2(layers)
@@ -1093,13 +1099,13 @@ def run_pp_case(rank: int, world: int, axes: dict[str, int], opt_name: str, sche
     g = torch.Generator().manual_seed(7)
     batches = [torch.randint(0, 64, (dp * PP_LOCAL, 16), generator=g) for _ in range(PP_STEPS)]
     row = rank // pp                  # this rank's dp index (ranks laid out row-major)
-    step = diphoma_compile.parallelize(hf_lm_step, diphoma_compile.Mesh(axes),
+    step = diphoma_compile.parallelize(step_fn, diphoma_compile.Mesh(axes),
                                        microbatches=PP_MICRO, schedule=schedule)
     losses, ref_losses = [], []
     for b in batches:
         losses.append(step(model, opt, b[row * PP_LOCAL:(row + 1) * PP_LOCAL]).item())
         if rank == 0:
-            ref_losses.append(hf_lm_step(ref, ref_opt, b).item())
+            ref_losses.append(step_fn(ref, ref_opt, b).item())
     full = step.state_dict()           # a collective: every rank
     rec = step.plan.notes["pipeline"]
     out = {"losses": losses, "passes": list(step.graph.passes),
@@ -1107,11 +1113,12 @@ def run_pp_case(rank: int, world: int, axes: dict[str, int], opt_name: str, sche
            "whole": sum(p.numel() * p.element_size() for p in ref.parameters()),
            "stage": step.runner.stage, "stages": list(step.runner.stages),
            "actions": list(step.runner.actions), "nstages": len(rec["stages"]),
-           "split": dict(step.runner.split),
+           "split": dict(step.runner.split), "rounds": step.runner.nrounds,
            "tied": rec["tied"], "full": torch.cat([v.reshape(-1) for v in full.values()])}
     ref_sd = ref.state_dict() if rank == 0 else None
     if opt_name == "adamw":          # a collective: every rank
-        out["ddp_param_abs"] = pp_ddp_distance(rank, world, init, opt_name, batches, ref_sd)
+        out["ddp_param_abs"] = pp_ddp_distance(rank, world, init, opt_name, batches, ref_sd,
+                                               step_fn)
     if rank == 0:
         out["ref_losses"] = ref_losses
         out["keys_equal"] = list(full) == list(ref_sd)

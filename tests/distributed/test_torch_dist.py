@@ -553,3 +553,19 @@ def test_pipeline_zero_bubble_splits_each_backward(runs):
     got = " ".join(f"{s}{k}{m}" for k, m, s in zbv[3]["actions"])
     assert got == ("3F0 4F0 3F1 4F1 3F2 4F2 3F3 4F3 4I0 4W0 3I0 3W0 4I1 4W1 3I1 3W1 4I2 4W2 "
                    "3I2 3W2 4I3 4W3 3I3 3W3"), got
+
+
+def test_pipeline_global_gradient_clip_runs_in_rounds(runs):
+    """clip_grad_norm_ under a pipeline (pp=4 1F1B, dp=2 x pp=2 interleaved): the update runs
+    in rounds (norms to the stage that totals them, the factor back, then the updates), and
+    the clip acted (the losses after the first step differ from the same case unclipped);
+    parity with one device is test_pipeline_matches_single_device's."""
+    if not runs[0]["pp"]:
+        pytest.skip("transformers is not installed")
+    for case, plain in (("pp4-sgdm-1f1b-clip", "pp4-sgdm-1f1b"),
+                        ("dp2-pp2-adamw-interleaved-clip", None)):
+        for r in runs:
+            assert r["pp"][case]["rounds"] == 3, (case, r["pp"][case]["rounds"])
+        if plain is not None:
+            a, b = runs[0]["pp"][case]["losses"], runs[0]["pp"][plain]["losses"]
+            assert a[0] == b[0] and abs(a[1] - b[1]) > 1e-4, (a, b)
