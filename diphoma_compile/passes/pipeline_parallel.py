@@ -459,6 +459,15 @@ class _Cut:
             if count[s] == 0:
                 raise PassFailure(f"pipeline: stage {s} would hold no op",
                                   hint="use fewer stages")
+            if not params:
+                # the cut fell between ops of one layer (an embedding's sum, say): the
+                # model has fewer layers than stages
+                raise PassFailure(
+                    f"pipeline: stage {s} of {self.n} would hold no parameter: the model "
+                    f"has too few layers to give each of {self.n} stages one",
+                    hint=f"use fewer stages than {self.n} (fewer devices on the "
+                         f"{self.ax!r} axis, or a schedule with one stage per device), or "
+                         "a model with more layers")
             layers = tuple(dict.fromkeys(p.rsplit(".", 1)[0] for p in params))
             stages.append(StageInfo(s, layers, params, flops[s],
                                     sum(self.types[p].nbytes for p in params), count[s],

@@ -76,7 +76,8 @@ class TorchPipelineStep(TorchDistStep):
         self._cut(graph)
         # seconds in this stage's programs and in whole steps: 1 - compute / wall is the
         # share this rank waited (the measured bubble, with the transfers); busy holds
-        # (kind, microbatch, stage, start, end) of the last step's programs
+        # (kind, microbatch, stage, start, end) of the last step's programs, in
+        # time.perf_counter() seconds (one clock for every process of the machine)
         self.compute_s = self.wall_s = 0.0
         self.busy: list[tuple[str, int, int, float, float]] = []
         return self._run
@@ -304,7 +305,6 @@ class TorchPipelineStep(TorchDistStep):
 
     def _run(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         t0 = time.perf_counter()
-        self._t0 = t0
         self.busy = []
         try:
             return self._schedule(*inputs)
@@ -316,7 +316,7 @@ class TorchPipelineStep(TorchDistStep):
         env.update(zip(seg.outputs, seg.module(*args)))
         t2 = time.perf_counter()
         self.compute_s += t2 - t1
-        self.busy.append((*what, t1 - self._t0, t2 - self._t0))
+        self.busy.append((*what, t1, t2))
 
     def _schedule(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         g = self.graph

@@ -102,6 +102,19 @@ def test_a_model_too_small_to_split_is_refused(stages, words):
     assert "hint: use" in str(e.value)
 
 
+@pytest.mark.parametrize("mesh, spec", [
+    ({"pp": 4}, "dce,pipeline{axis=pp, schedule=interleaved}"),     # 8 stages, 2 layers
+    ({"pp": 8}, "dce,pipeline"),
+])
+def test_fewer_layers_than_stages_is_refused(mesh, spec):
+    """A 2-layer GPT cut into 8 stages: the cut points inside the embedding's sum would
+    leave a stage with ops but no parameter; refused, saying the model has too few layers."""
+    with pytest.raises(PassError) as e:
+        run(traced_gpt(layers=2, mesh=mesh), spec)
+    assert "too few layers" in str(e.value) and "of 8 would hold no parameter" in str(e.value)
+    assert "hint: use fewer stages than 8" in str(e.value)
+
+
 def test_a_global_gradient_clip_is_staged():
     """clip_grad_norm_ sums every stage's gradients: each gradient's norm is taken on its
     stage, only those scalars cross to the stage that totals them (the one holding most),
