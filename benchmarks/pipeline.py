@@ -20,7 +20,8 @@ with two stages per rank). Rank 0 prints one row per variant:
 Then, for diphoma, the bubble of the forward/backward part alone, from the executor's
 record of when each program ran on each rank (time.perf_counter, one clock for every
 process of the machine), per timed step: 1 - (a rank's seconds in forward/backward programs)
-/ (first forward start to last backward end over all ranks), the largest over ranks;
+/ (first forward start to last backward end over all ranks), the largest over ranks (the
+median over steps, and the best step);
 beside it the same schedule laid out in time (report/schedule.py) with each program's
 measured mean duration (what the schedule itself costs with these uneven stages) and with
 equal stages (the theory). The gap between measured and laid-out is what the runtime adds
@@ -129,9 +130,10 @@ def _diphoma(rank: int, args, batches) -> dict:
 
 
 def _measured_bubble(every: list, stages: int, schedule: str, micro: int, ranks: int
-                     ) -> tuple[float, float, float]:
-    """(measured, laid out with the measured durations, laid out with equal stages): the
-    forward/backward part's idle share, the largest over ranks, median over steps."""
+                     ) -> tuple[float, float, float, float]:
+    """(measured, its best step, laid out with the measured durations, laid out with equal
+    stages): the forward/backward part's idle share, the largest over ranks, median over
+    steps."""
     from diphoma_compile.report.schedule import bubble, timeline
     from diphoma_compile.torch.pipeline_schedule import schedule_actions
     steps = len(every[0])
@@ -158,7 +160,7 @@ def _measured_bubble(every: list, stages: int, schedule: str, micro: int, ranks:
         share = 0.5
     laid = bubble(timeline(acts, fwd, bwd, share))
     equal = bubble(timeline(acts, [1.0] * stages, [2.0] * stages))
-    return statistics.median(measured), laid, equal
+    return statistics.median(measured), min(measured), laid, equal
 
 
 def _torch(rank: int, args, batches) -> dict:
@@ -212,9 +214,12 @@ def _run(rank: int, args, port: int) -> None:
         for name, r in rows.items():
             print(f"{name:30} {r['s']:8.4f} {r['bubble']:7.1%} {ours['theory']:7.1%} "
                   f"{r['loss']:8.4f}")
-        got, laid, equal = _measured_bubble(ours["records"], ours["stages"], args.schedule,
-                                            m, args.nproc)
-        print(f"forward/backward bubble (diphoma): measured {got:.1%}, laid out with the "
+        if args.dump:
+            torch.save(ours["records"], args.dump)
+        got, best, laid, equal = _measured_bubble(ours["records"], ours["stages"],
+                                                  args.schedule, m, args.nproc)
+        print(f"forward/backward bubble (diphoma): measured {got:.1%} (best step "
+              f"{best:.1%}), laid out with the "
               f"measured durations {laid:.1%}, with equal stages {equal:.1%}; "
               f"measured / laid out {got / laid if laid else float('nan'):.2f}, "
               f"/ equal {got / equal if equal else float('nan'):.2f}")
@@ -231,6 +236,8 @@ def main() -> None:
                    choices=("1f1b", "gpipe", "interleaved", "interleaved-zb", "zbv"))
     p.add_argument("--layers", type=int, default=None,
                    help="layers of the GPT (default: one per stage)")
+    p.add_argument("--dump", metavar="FILE",
+                   help="save diphoma's per-rank records of its programs' runs (torch.save)")
     p.add_argument("--no-torch", action="store_true",
                    help="skip the torch.distributed.pipelining variant")
     p.add_argument("--embd", type=int, default=128)

@@ -34,6 +34,7 @@ from ..ir.core import Attrs, Graph, InputKind, Op, OutputKind, Phase, Value
 from ..ir.ops import op_def, random_draw
 from .base import Pass, PassContext, PassFailure, register_pass
 from .data_parallel import require_axis
+from .pipeline_pack import pack_update_scalars
 from .spec import parse_spec
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv")
@@ -408,6 +409,7 @@ class _Cut:
                               phase=Phase.update,
                               stage=s))
         self.check_flow(out)
+        out = pack_update_scalars(out, names)
         return self.g.replace(ops=tuple(out), outputs=tuple(outputs))
 
     def _stage_of(self, name: str) -> int:

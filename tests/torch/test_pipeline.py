@@ -117,9 +117,10 @@ def test_fewer_layers_than_stages_is_refused(mesh, spec):
 
 def test_a_global_gradient_clip_is_staged():
     """clip_grad_norm_ sums every stage's gradients: each gradient's norm is taken on its
-    stage, only those scalars cross to the stage that totals them (the one holding most),
-    and the clip factor goes back to every other stage; no gradient crosses in the update
-    (the only tensor sent there is the tied embedding's new value)."""
+    stage, the norms cross packed (one message of all a stage's norms) to the stage that
+    totals them (the one holding most), and the clip factor goes back to every other stage
+    as a scalar; no gradient crosses in the update (the only other tensor sent there is the
+    tied embedding's new value)."""
     torch.manual_seed(0)
     model = GPT(vocab=16, d=8, layers=4, heads=2, block=4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -129,16 +130,18 @@ def test_a_global_gradient_clip_is_staged():
     out, ctx = run(g.replace(mesh=Mesh({"pp": 4})), "dce,pipeline")
     types = out.value_types()
     recvs = [op for op in out.ops if op.name == "recv" and op.phase.value == "update"]
-    tensors = [op.results[0].name for op in recvs if types[op.results[0].name].shape != ()]
-    assert tensors == ["tok.weight.new.s3"], tensors
-    scalars = [op for op in recvs if types[op.results[0].name].shape == ()]
-    per_stage = {s: sum(op.stage == s for op in scalars) for s in range(4)}
-    total = max(per_stage, key=per_stage.get)      # receives every other stage's norms
-    assert per_stage[total] > 3, per_stage
-    # the factor comes back from it: one scalar to each of the three other stages
-    assert {s: n for s, n in per_stage.items() if s != total} == \
-        {s: 1 for s in range(4) if s != total}, per_stage
-    assert all(op.attrs["peer"] == total for op in scalars if op.stage != total)
+    shapes = sorted((op.stage, types[op.results[0].name].shape) for op in recvs)
+    total = next(s for s, shape in shapes if len(shape) == 1)     # gets the packed norms
+    packed = [(s, shape) for s, shape in shapes if s == total]
+    back = [(s, shape) for s, shape in shapes if s != total]
+    assert len(packed) == 3 and all(n > 1 for _, (n,) in packed), packed
+    # the three other stages: the clip factor, and the last the tied embedding's new value
+    assert sorted(s for s, shape in back if shape == ()) == [s for s in range(4) if s != total]
+    assert [shape for _, shape in back if shape != ()] == [types["tok.weight"].shape]
+    sizes = sum(n for _, (n,) in packed)
+    norms_on = sum(1 for op in out.ops if op.name == "norm" and op.stage != total
+                   and op.phase.value == "update")
+    assert sizes == norms_on, (sizes, norms_on)
 
 
 def test_parallelize_picks_the_pipeline_pass_from_the_axis_name():
@@ -287,3 +290,20 @@ def test_zbv_places_stages_in_a_v():
     assert pairs == {(0, 1, 1), (1, 2, 1), (2, 3, 0)}
     with pytest.raises(PassError, match="two stages per device in a V"):
         run(traced_gpt(layers=4), "dce,pipeline{axis=pp, stages=6, schedule=zbv}")
+
+
+def test_golden_pipeline_global_clip_packed(golden):
+    """The clipped step over pp=2: stage 1's gradient norms cross packed into one message
+    (reshape to [1], concat, send; recv, slice, reshape), the factor comes back."""
+    torch.manual_seed(0)
+    model = GPT(vocab=16, d=8, layers=2, heads=2, block=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seq = torch.randint(0, 16, (2, 5))
+    g = diphoma_compile.trace(lm_step_clipped, model, opt,
+                              {"idx": seq[:, :-1], "targets": seq[:, 1:]})
+    out, _ = run(g.replace(mesh=Mesh({"pp": 2})), "dce,pipeline")
+    names = [op.name for op in out.ops]
+    assert names.count("concat") == 1 and names.count("slice") > 1
+    text = print_graph(out)
+    assert parse(text) == out
+    golden("torch_gpt_clip.pp2.ir", text)
