@@ -153,11 +153,11 @@ def _measured_bubble(every: list, stages: int, schedule: str, micro: int, ranks:
     if any(k == "I" for k, _, _ in acts[0]):
         fwd = [mean[("F", s)] for s in range(stages)]
         bwd = [mean[("I", s)] + mean[("W", s)] for s in range(stages)]
-        share = statistics.mean(mean[("I", s)] / bwd[s] for s in range(stages))
+        share = [mean[("I", s)] / bwd[s] for s in range(stages)]
     else:
         fwd = [mean[("F", s)] for s in range(stages)]
         bwd = [mean[("B", s)] for s in range(stages)]
-        share = 0.5
+        share = [0.5] * stages
     laid = bubble(timeline(acts, fwd, bwd, share))
     equal = bubble(timeline(acts, [1.0] * stages, [2.0] * stages))
     return statistics.median(measured), min(measured), laid, equal

@@ -208,7 +208,8 @@ def plot_schedule(plan: Any, framework: str, path: str) -> None:
     actions = frameworks.get(framework).pipeline_actions(rec.schedule, stages,
                                                          rec.microbatches, rec.ranks or stages)
     blocks = timeline(actions, [max(s.forward_flops, 1) for s in rec.stages],
-                      [max(s.backward_flops, 1) for s in rec.stages])
+                      [max(s.backward_flops, 1) for s in rec.stages],
+                      [s.input_grad_flops / max(s.backward_flops, 1) for s in rec.stages])
     plot(blocks, path, f"{rec.schedule}: {rec.ranks or stages} ranks, {stages} stages, "
                        f"{rec.microbatches} microbatches; bubble {bubble(blocks):.1%} with "
                        f"these stages ({rec.bubble:.1%} with equal ones)")

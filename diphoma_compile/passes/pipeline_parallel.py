@@ -84,12 +84,14 @@ class StageInfo:
     ops: int
     forward_flops: int = 0          # of ``flops``: the forward's and the backward's, per
     backward_flops: int = 0         # microbatch (the rest is the update, once a step)
+    input_grad_flops: int = 0       # of the backward's: its input-gradient part (I)
 
     def to_dict(self) -> dict[str, Any]:
         """The stage as plain data."""
         return {"index": self.index, "layers": list(self.layers), "params": list(self.params),
                 "flops": self.flops, "param_bytes": self.param_bytes, "ops": self.ops,
-                "forward_flops": self.forward_flops, "backward_flops": self.backward_flops}
+                "forward_flops": self.forward_flops, "backward_flops": self.backward_flops,
+                "input_grad_flops": self.input_grad_flops}
 
 
 @dataclass(frozen=True)
@@ -410,6 +412,7 @@ class _Cut:
                               stage=s))
         self.check_flow(out)
         out = pack_update_scalars(out, names)
+        self.out = out
         return self.g.replace(ops=tuple(out), outputs=tuple(outputs))
 
     def _stage_of(self, name: str) -> int:
@@ -447,6 +450,13 @@ class _Cut:
         flops = [0] * self.n
         count = [0] * self.n
         by_phase: dict[Phase, list[int]] = {p: [0] * self.n for p in Phase}
+        in_grad = [0] * self.n
+        split = input_gradient_ops(self.out)
+        types = dict(self.types)
+        types.update((v.name, v.type) for op in self.out for v in op.results)
+        for op in self.out:
+            if id(op) in split:
+                in_grad[op.stage] += op_cost(op, types, self.sizes).flops
         for op in self.g.ops:
             if id(op) in self.stage:
                 s = self.stage[id(op)]
@@ -473,7 +483,8 @@ class _Cut:
             layers = tuple(dict.fromkeys(p.rsplit(".", 1)[0] for p in params))
             stages.append(StageInfo(s, layers, params, flops[s],
                                     sum(self.types[p].nbytes for p in params), count[s],
-                                    by_phase[Phase.forward][s], by_phase[Phase.backward][s]))
+                                    by_phase[Phase.forward][s], by_phase[Phase.backward][s],
+                                    in_grad[s]))
         return PipelineRecord(self.ax, schedule, microbatches, tuple(stages), self.cut_bytes,
                               dict(self.tied),
                               bubble_fraction(schedule, self.n, microbatches, self.ranks),
@@ -537,3 +548,27 @@ def pipeline_of(graph: Graph) -> PipelineParallel | None:
             return got[0] if got else None
     return None
 
+
+
+def input_gradient_ops(ops: tuple[Op, ...] | list[Op]) -> set[int]:
+    """id() of the backward ops of a staged graph that a split backward runs as its
+    input-gradient part I: those the gradients a stage sends to an earlier stage's backward
+    depend on, walking back inside the stage's backward. The rest of a stage's backward
+    (weight and bias gradients) is its W part; the first stage's I is empty."""
+    phase_of = {v.name: op.phase for op in ops for v in op.results}
+    bwd_reads = {n for op in ops if op.phase is Phase.backward for n in free_inputs(op)}
+    grad_tags = {op.attrs["tag"] for op in ops if op.name == "recv"
+                 and op.results[0].name in bwd_reads
+                 and phase_of.get(op.results[0].name) is Phase.backward}
+    made = {(v.name, op.stage): op for op in ops for v in op.results}
+    need = [(op.inputs[0], op.stage) for op in ops if op.name == "send"
+            and op.phase is Phase.backward and op.attrs["tag"] in grad_tags]
+    out: set[int] = set()
+    while need:
+        name, stage = need.pop()
+        op = made.get((name, stage))
+        if op is None or id(op) in out or op.phase is not Phase.backward or op.name == "recv":
+            continue
+        out.add(id(op))
+        need.extend((n, stage) for n in free_inputs(op))
+    return out

@@ -39,10 +39,11 @@ class Block:
 
 
 def timeline(actions: list[list[Action]] | tuple, forward: list[float],
-             backward: list[float], input_share: float = 0.5) -> list[Block]:
+             backward: list[float], input_share: float | list[float] = 0.5) -> list[Block]:
     """Each rank's ``actions`` placed in time, ``forward[s]`` / ``backward[s]`` long on stage
-    s (any unit; a split backward's I takes ``input_share`` of it, W the rest): an action
-    starts when its rank is free and its input is done."""
+    s (any unit; a split backward's I takes ``input_share`` of it, or ``input_share[s]``,
+    W the rest): an action starts when its rank is free and its input is done."""
+    shares = input_share if isinstance(input_share, list) else [input_share] * len(forward)
     stages = len(forward)
     done: dict[tuple[str, int, int], float] = {}
     free = [0.0] * len(actions)
@@ -65,8 +66,8 @@ def timeline(actions: list[list[Action]] | tuple, forward: list[float],
                 if dep is not None and dep not in done:
                     break
                 start = max(free[r], done[dep] if dep is not None else 0.0)
-                cost = {"F": forward[s], "B": backward[s], "I": input_share * backward[s],
-                        "W": (1 - input_share) * backward[s]}[kind]
+                cost = {"F": forward[s], "B": backward[s], "I": shares[s] * backward[s],
+                        "W": (1 - shares[s]) * backward[s]}[kind]
                 end = start + cost
                 done[(kind, mb, s)] = free[r] = end
                 out.append(Block(r, kind, mb, s, start, end))

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from ..passes.comm_fusion import CommFusionRecord
 from ..passes.data_parallel import DataParallelRecord
-from ..passes.pipeline_parallel import PipelineRecord
+from ..passes.pipeline_parallel import SPLIT_BACKWARD, PipelineRecord
 from ..passes.quantize_grads import QuantizeGradsRecord
 from ..passes.quantize_weight_diff import QuantizeWeightDiffRecord
 from ..passes.schedule_comm import ScheduleCommRecord
@@ -160,8 +160,9 @@ def pipeline_lines(pp: PipelineRecord | None, mesh: dict[str, int]) -> list[str]
     n = len(pp.stages)
     ranks = pp.ranks or n
     looped = ranks != n
-    theory = (f"(P - 1) / (v M + P - 1), P = {ranks} ranks, v = {n // ranks} stages per rank"
-              if looped else "(S - 1) / (M + S - 1)")
+    vm = "3 v M" if pp.schedule in SPLIT_BACKWARD else "v M"
+    theory = (f"(P - 1) / ({vm} + P - 1), P = {ranks} ranks, v = {n // ranks} stages per "
+              "rank" if looped else "(S - 1) / (M + S - 1)")
     lines = ["", f"pipeline over {pp.axis}={ranks}: " + (f"{n} stages, " if looped else "")
                  + f"schedule {pp.schedule}, "
                  f"{pp.microbatches} microbatch(es), bubble {pp.bubble:.1%} of each rank's "

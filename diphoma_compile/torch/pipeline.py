@@ -28,7 +28,8 @@ import torch.distributed as dist
 from ..errors import BackendError
 from ..ir.analysis import free_inputs
 from ..ir.core import Graph, Input, InputKind, InputRole, Op, Output, Phase, Value
-from ..passes.pipeline_parallel import SPLIT_BACKWARD, pipeline_of, stage_rank
+from ..passes.pipeline_parallel import (SPLIT_BACKWARD, input_gradient_ops, pipeline_of,
+                                        stage_rank)
 from .build import build_module
 from .dist import TorchDistStep
 from .ops import DTYPE_TO_TORCH
@@ -91,14 +92,9 @@ class TorchPipelineStep(TorchDistStep):
         self.acc: set[str] = set()      # per-microbatch values the update or results read
         self.seg_of: dict[str, str] = {}
         self.split: dict[int, tuple[int, int]] = {}   # stage -> ops in its I and W parts
-        # tags of the backward values a stage's backward reads (activation gradients): what
-        # makes them is the input-gradient part of a split backward
-        phase_of = {v.name: op.phase for op in graph.ops for v in op.results}
-        bwd_readers = {n for op in graph.ops if op.phase is Phase.backward
-                       for n in free_inputs(op)}
-        self.grad_tags = {int(op.attrs["tag"]) for op in graph.ops if op.name == "recv"
-                          and op.results[0].name in bwd_readers
-                          and phase_of.get(op.results[0].name) is Phase.backward}
+        # a split backward's input-gradient part: what the gradients sent to an earlier
+        # stage's backward depend on
+        self.input_grad = input_gradient_ops(graph.ops) if "I" in self.kinds else set()
         self._rounds(graph)
         for me in self.stages:
             self._cut_stage(graph, me)
@@ -135,7 +131,7 @@ class TorchPipelineStep(TorchDistStep):
         segs = {k: _Segment() for k in kinds}
         body: dict[str, list[Op]] = {k: [] for k in kinds}
         readers: dict[str, set[str]] = {}
-        input_grad = self._input_gradient(ops) if "I" in kinds else set()
+        input_grad = self.input_grad if "I" in kinds else set()
         for op in ops:
             if op.name in ("send", "recv"):
                 continue
@@ -223,22 +219,6 @@ class TorchPipelineStep(TorchDistStep):
             if late and None not in late and not any(v.name in returned for v in op.results):
                 self.op_round[id(op)] = max(self.op_round[id(op)], min(late))
         self.nrounds = 1 + max(self.op_round.values(), default=0)
-
-    def _input_gradient(self, ops: list[Op]) -> set[int]:
-        """id() of the backward ops of one stage that the gradients it sends to an earlier
-        stage's backward depend on (the rest, weight gradients, can wait)."""
-        made = {v.name: op for op in ops for v in op.results}
-        need = [op.inputs[0] for op in ops if op.name == "send" and op.phase is Phase.backward
-                and int(op.attrs["tag"]) in self.grad_tags]
-        out: set[int] = set()
-        while need:
-            op = made.get(need.pop())
-            if op is None or id(op) in out or op.phase is not Phase.backward \
-                    or op.name == "recv":
-                continue
-            out.add(id(op))
-            need.extend(free_inputs(op))
-        return out
 
     def _finish_init(self) -> None:
         """Batch arguments are M microbatches; other stages' parameters are let go."""
