@@ -38,13 +38,19 @@ def schedule_actions(schedule: str, stages: int, microbatches: int, ranks: int |
         raise BackendError(f"torch.distributed.pipelining's schedule generator is not "
                            f"available ({e})", hint="use torch 2.13") from None
     if schedule in _LOOPED:
-        if stages % ranks or microbatches % ranks:
-            raise BackendError(f"schedule {schedule} needs the stages ({stages}) and the "
-                               f"microbatches ({microbatches}) to be multiples of the "
-                               f"{ranks} ranks",
-                               hint=f"microbatches={ranks * max(1, microbatches // ranks)}")
-        order = [list(r) for r in get_schedule_ops(_LOOPED[schedule], ranks, microbatches,
-                                                   num_stages_per_rank=stages // ranks)]
+        if stages % ranks:
+            raise BackendError(f"schedule {schedule} needs the stages ({stages}) to be a "
+                               f"multiple of the {ranks} ranks",
+                               hint=f"stages={2 * ranks}")
+        try:
+            got = get_schedule_ops(_LOOPED[schedule], ranks, microbatches,
+                                   num_stages_per_rank=stages // ranks)
+        except (ValueError, AssertionError) as e:      # its own rules on M
+            raise BackendError(f"torch's {_LOOPED[schedule]} schedule refuses {microbatches} "
+                               f"microbatches on {ranks} ranks: {e}",
+                               hint=f"microbatches={ranks * max(1, microbatches // ranks)} "
+                                    f"(a multiple of the {ranks} ranks)") from None
+        order = [list(r) for r in got]
     elif stages != ranks:
         raise BackendError(f"schedule {schedule} runs one stage per rank, not {stages} "
                            f"stages on {ranks} ranks", hint="schedule=interleaved")

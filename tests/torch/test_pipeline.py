@@ -214,9 +214,14 @@ def test_interleaved_schedule_actions_from_torch_are_pinned(key):
     assert got == GOLDEN_INTERLEAVED[key]
 
 
-def test_interleaved_schedule_refuses_microbatches_not_a_multiple_of_the_ranks():
-    with pytest.raises(BackendError, match="multiples of the 2 ranks"):
-        schedule_actions("interleaved", 4, 3, 2)
+def test_interleaved_schedule_refuses_microbatches_torch_refuses():
+    """torch's interleaved generators want M a multiple of its rounds (max(1, M // P)): 5
+    microbatches on 2 ranks are refused with its reason, 3 are fine."""
+    with pytest.raises(BackendError) as e:
+        schedule_actions("interleaved", 4, 5, 2)
+    assert "refuses 5 microbatches on 2 ranks" in str(e.value)
+    assert "hint: microbatches=4" in str(e.value)
+    assert len(schedule_actions("interleaved", 4, 3, 2)[0]) == 2 * 2 * 3
 
 
 def test_golden_pipeline_interleaved_four_stages_on_two_ranks(golden):
