@@ -7,7 +7,8 @@ flops among the places where fewest bytes cross (layer boundaries: the residual 
 A backward op runs on the stage of the latest forward activations it reads (its forward
 op's stage, which holds them); one that reads none runs on the highest stage that reads its
 results. An update op runs on the stage of the parameter it updates (the lowest stage that
-reads the parameter in forward). Values
+reads the parameter in forward); other update math over several stages' values (a global
+gradient-norm clip) runs where most of its input bytes are, so only scalars cross. Values
 that depend only on the batch, hyperparameters and constants (label shifts, masks, the
 learning rate's scalar math) are computed again on each stage that reads them rather than
 sent. Every other value read on another stage than its own becomes a ``send`` on its stage
@@ -20,8 +21,10 @@ Microbatching is the data-parallel idea over time: the step is traced at one mic
 (the local batch / M), the forward and backward ops run once per microbatch, and what leaves
 them for the update or the step's results (gradients, the loss) is averaged over the M
 microbatches, as data-parallel averages over devices (the loss is a mean over the batch).
-The graph keeps one copy of the per-microbatch ops; the schedule (GPipe, 1F1B) orders their
-runs on each stage, and is the runtime's."""
+The graph keeps one copy of the per-microbatch ops; the schedule (GPipe, 1F1B, interleaved
+1F1B, the zero-bubble ones) orders their runs on each stage, and is the runtime's. With
+several stages per rank, stage s runs on rank s mod P (zbv: in a V, rank r holds r and
+2P - 1 - r); a send's ``peer`` is the other end's rank, its ``stage`` field its stage."""
 
 from __future__ import annotations
 

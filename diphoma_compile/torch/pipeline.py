@@ -1,17 +1,20 @@
-"""The per-rank runtime of a pipelined torch step: this rank's stage, run on a schedule.
+"""The per-rank runtime of a pipelined torch step: this rank's stages, run on a schedule.
 
 The ``pipeline`` pass left every op a stage and the values that cross stages as send/recv
-pairs. A rank (its coordinate on the pipeline axis is its stage) cuts its ops into three
-programs, each built by ``build.py``: forward and backward, run once per microbatch, and the
-update, run once. Between them: the values received (``irecv``, waited for before the
-program that reads them), the values sent (``isend``, waited for at the end of the step),
-and what leaves the microbatches for the update or the step's results (gradients, the loss)
-averaged over the microbatches. The order of forward and backward runs is the schedule's
-(``pipeline_schedule.py``). Each rank passes its whole local batch; the batch inputs are cut
-into M microbatches along their first dimension. The loss and metrics are broadcast from
-their stage, so every rank returns the global batch's.
+pairs. A rank runs one stage (GPipe, 1F1B: its coordinate on the pipeline axis) or several
+(interleaved: stages r, r + P, ...; zbv: r and 2P - 1 - r), and cuts each stage's ops into
+programs, each built by ``build.py``: forward and backward (the zero-bubble schedules: its
+input-gradient part I and weight-gradient part W), run once per microbatch, and the update,
+run once (in rounds when it receives from other stages' updates, as a global gradient-norm
+clip does). Between them: the values received (``irecv``, waited for before the program
+that reads them; in memory between two stages of one rank), the values sent (``isend``,
+waited for at the end of the step), and what leaves the microbatches for the update or the
+step's results (gradients, the loss) averaged over the microbatches. The order of the runs
+is the schedule's (``pipeline_schedule.py``). Each rank passes its whole local batch; the
+batch inputs are cut into M microbatches along their first dimension. The loss and metrics
+are broadcast from their stage's rank, so every rank returns the global batch's.
 
-A rank holds only the parameters its stage reads (others are emptied, as
+A rank holds only the parameters its stages read (others are emptied, as
 torch.distributed.pipelining deletes other stages' modules); a tied parameter (GPT-2's
 embedding and LM head) lives on both its stages, and the one that does not update it
 receives the new value. ``state_dict()`` gathers the whole model on every rank."""
