@@ -5,17 +5,27 @@ LM head untied: torch's PipelineStage cannot hold a weight on two stages) with A
 gloo ranks on the CPU.
 
     python benchmarks/pipeline.py [--steps 6] [--warmup 2] [--nproc 4] [--micro 4]
-        [--schedule 1f1b|gpipe] [--embd 128 --vocab 1024 --seq 64 --batch 16]
+        [--schedule 1f1b|gpipe|interleaved|interleaved-zb|zbv] [--layers N]
+        [--embd 128 --vocab 1024 --seq 64 --batch 16] [--no-torch]
 
-One stage per rank, one layer per stage (n_layer = nproc). Rank 0 prints one row per
-variant:
+One layer per stage by default (n_layer = the stages: nproc, twice that for the schedules
+with two stages per rank). Rank 0 prints one row per variant:
   s/step      median wall time of one step (a barrier before and after; after --warmup);
   bubble      diphoma: 1 - (seconds in its stage programs) / (step wall), the largest over
               ranks (the idle share: waiting for activations and gradients, plus the
-              transfers); torch: not measured (its executor is not instrumented here);
-  theory      (S - 1) / (M + S - 1), the bubble of equal stages;
+              transfers and the update); torch: not measured (its executor is not
+              instrumented here; it runs only 1f1b and gpipe);
+  theory      the schedule's bubble with equal stages ((P - 1) / (v M + P - 1), the plan's);
   loss        the last step's loss (both variants start from the same weights and batches).
-No asserts: the machine is noisy; read the ratios.
+Then, for diphoma, the bubble of the forward/backward part alone, from the executor's
+record of when each program ran on each rank (time.perf_counter, one clock for every
+process of the machine), per timed step: 1 - (a rank's seconds in forward/backward programs)
+/ (first forward start to last backward end over all ranks), the largest over ranks (the
+median over steps, and the best step);
+beside it the same schedule laid out in time (report/schedule.py) with each program's
+measured mean duration (what the schedule itself costs with these uneven stages) and with
+equal stages (the theory). The gap between measured and laid-out is what the runtime adds
+(transfers, waiting on a shared core). No asserts: the machine is noisy; read the ratios.
 """
 
 from __future__ import annotations
@@ -69,8 +79,8 @@ class _Stage(nn.Module):
 
 def _model(args) -> GPT:
     torch.manual_seed(0)
-    cfg = GPTConfig(block_size=args.seq, vocab_size=args.vocab, n_layer=args.nproc, n_head=4,
-                    n_embd=args.embd)
+    cfg = GPTConfig(block_size=args.seq, vocab_size=args.vocab, n_layer=args.layers,
+                    n_head=4, n_embd=args.embd)
     model = GPT(cfg)
     model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())   # untied
     return model
@@ -102,11 +112,55 @@ def _diphoma(rank: int, args, batches) -> dict:
     one()          # trace and build
     runner = step.runner
     runner.compute_s = runner.wall_s = 0.0
-    s, loss = _timed(one, args.steps, args.warmup)
+    records: list[list] = []
+
+    def recorded() -> float:
+        loss = one()
+        records.append([b for b in runner.busy if b[0] != "U"])
+        return loss
+    s, loss = _timed(recorded, args.steps, args.warmup)
     share = 1 - runner.compute_s / max(runner.wall_s, 1e-12)
     worst = torch.tensor([share])
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return {"s": s, "bubble": worst.item(), "loss": loss}
+    every: list = [None] * args.nproc
+    dist.all_gather_object(every, records[args.warmup:])
+    rec = step.plan.notes["pipeline"]
+    return {"s": s, "bubble": worst.item(), "loss": loss, "theory": rec["bubble"],
+            "records": every, "stages": len(rec["stages"])}
+
+
+def _measured_bubble(every: list, stages: int, schedule: str, micro: int, ranks: int
+                     ) -> tuple[float, float, float, float]:
+    """(measured, its best step, laid out with the measured durations, laid out with equal
+    stages): the forward/backward part's idle share, the largest over ranks, median over
+    steps."""
+    from diphoma_compile.report.schedule import bubble, timeline
+    from diphoma_compile.torch.pipeline_schedule import schedule_actions
+    steps = len(every[0])
+    measured, span_of = [], {}
+    dur: dict[tuple[str, int], list[float]] = {}
+    for k in range(steps):
+        blocks = [b for r in range(ranks) for b in every[r][k]]
+        t0 = min(b[3] for b in blocks)
+        t1 = max(b[4] for b in blocks)
+        busy = [sum(b[4] - b[3] for b in every[r][k]) for r in range(ranks)]
+        measured.append(1 - min(busy) / (t1 - t0))
+        span_of[k] = t1 - t0
+        for kind, _, st, a, b in blocks:
+            dur.setdefault((kind, st), []).append(b - a)
+    mean = {k: statistics.mean(v) for k, v in dur.items()}
+    acts = schedule_actions(schedule, stages, micro, ranks)
+    if any(k == "I" for k, _, _ in acts[0]):
+        fwd = [mean[("F", s)] for s in range(stages)]
+        bwd = [mean[("I", s)] + mean[("W", s)] for s in range(stages)]
+        share = [mean[("I", s)] / bwd[s] for s in range(stages)]
+    else:
+        fwd = [mean[("F", s)] for s in range(stages)]
+        bwd = [mean[("B", s)] for s in range(stages)]
+        share = [0.5] * stages
+    laid = bubble(timeline(acts, fwd, bwd, share))
+    equal = bubble(timeline(acts, [1.0] * stages, [2.0] * stages))
+    return statistics.median(measured), min(measured), laid, equal
 
 
 def _torch(rank: int, args, batches) -> dict:
@@ -147,16 +201,28 @@ def _run(rank: int, args, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=args.nproc)
     cfg = GPTConfig(block_size=args.seq, vocab_size=args.vocab)
     batches = [make_batch(cfg, args.batch, seed) for seed in range(4)]
-    rows = {"diphoma": _diphoma(rank, args, copy.deepcopy(batches)),
-            "torch.distributed.pipelining": _torch(rank, args, batches)}
+    rows = {"diphoma": _diphoma(rank, args, copy.deepcopy(batches))}
+    if args.schedule in ("1f1b", "gpipe") and args.layers == args.nproc and not args.no_torch:
+        rows["torch.distributed.pipelining"] = _torch(rank, args, batches)
     if rank == 0:
-        s_, m = args.nproc, args.micro
-        theory = (s_ - 1) / (m + s_ - 1)
-        print(f"{args.nproc} gloo ranks, schedule {args.schedule}, {m} microbatches, "
-              f"batch {args.batch} x {args.seq}, d={args.embd}")
+        m = args.micro
+        ours = rows["diphoma"]
+        print(f"{args.nproc} gloo ranks, schedule {args.schedule}, {ours['stages']} stages, "
+              f"{m} microbatches, batch {args.batch} x {args.seq}, d={args.embd}, "
+              f"{args.layers} layers")
         print(f"{'variant':30} {'s/step':>8} {'bubble':>7} {'theory':>7} {'loss':>8}")
         for name, r in rows.items():
-            print(f"{name:30} {r['s']:8.4f} {r['bubble']:7.1%} {theory:7.1%} {r['loss']:8.4f}")
+            print(f"{name:30} {r['s']:8.4f} {r['bubble']:7.1%} {ours['theory']:7.1%} "
+                  f"{r['loss']:8.4f}")
+        if args.dump:
+            torch.save(ours["records"], args.dump)
+        got, best, laid, equal = _measured_bubble(ours["records"], ours["stages"],
+                                                  args.schedule, m, args.nproc)
+        print(f"forward/backward bubble (diphoma): measured {got:.1%} (best step "
+              f"{best:.1%}), laid out with the "
+              f"measured durations {laid:.1%}, with equal stages {equal:.1%}; "
+              f"measured / laid out {got / laid if laid else float('nan'):.2f}, "
+              f"/ equal {got / equal if equal else float('nan'):.2f}")
     dist.destroy_process_group()
 
 
@@ -166,12 +232,21 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--micro", type=int, default=4)
-    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    p.add_argument("--schedule", default="1f1b",
+                   choices=("1f1b", "gpipe", "interleaved", "interleaved-zb", "zbv"))
+    p.add_argument("--layers", type=int, default=None,
+                   help="layers of the GPT (default: one per stage)")
+    p.add_argument("--dump", metavar="FILE",
+                   help="save diphoma's per-rank records of its programs' runs (torch.save)")
+    p.add_argument("--no-torch", action="store_true",
+                   help="skip the torch.distributed.pipelining variant")
     p.add_argument("--embd", type=int, default=128)
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
     args = p.parse_args()
+    if args.layers is None:
+        args.layers = args.nproc * (1 if args.schedule in ("1f1b", "gpipe") else 2)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

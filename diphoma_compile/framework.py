@@ -69,6 +69,11 @@ class Framework(Protocol):
     def inspect_target(self) -> Any:
         """``diphoma inspect``: the module that builds a plannable step from a user's file."""
 
+    def pipeline_actions(self, schedule: str, stages: int, microbatches: int,
+                         ranks: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+        """Each rank's (kind, microbatch, stage) runs under a pipeline ``schedule``, as this
+        framework's runtime orders them; a BackendError where it has no pipeline runtime."""
+
 
 def get(name: str) -> Framework:
     """The framework called ``name`` (its package is imported now)."""

@@ -64,6 +64,15 @@ def add_parser(sub: Any) -> None:
                    help="the machine the step time is estimated on: "
                         + ", ".join(MODELS) + f" (default {DEFAULT_DEVICE_MODEL}, whatever "
                         "this machine has: inspect needs no devices)")
+    p.add_argument("--schedule", default="1f1b",
+                   choices=("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv"),
+                   help="the pipeline schedule with a pp axis (default 1f1b; the others "
+                        "run two stages per rank, the zero-bubble ones interleaved-zb and "
+                        "zbv with split backward)")
+    p.add_argument("--plot", metavar="FILE",
+                   help="with a pp axis: draw the schedule (ranks x time, forward and "
+                        "backward blocks, from the schedule's action lists and the stages' "
+                        "flops) into FILE (.png, .svg, .pdf; needs matplotlib)")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("--rows", type=int, default=60,
                    help="text tables longer than this group repeated layers (default 60)")
@@ -141,7 +150,8 @@ def build_target(args: argparse.Namespace, mesh: Mesh, axis: str) -> Target:
 
 def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump: Any,
                 stream: Any, clock: list | None = None, verify_passes: bool = True,
-                device_model: str = DEFAULT_DEVICE_MODEL) -> tuple[Any, Any, list]:
+                device_model: str = DEFAULT_DEVICE_MODEL, schedule: str = "1f1b"
+                ) -> tuple[Any, Any, list]:
     """Trace the step, run the pipeline for ``mesh`` (dumping as asked), and build the
     plan, as ``ParallelStep.trace()`` does, estimating the step time on ``device_model``;
     ``clock`` collects (stage, time) pairs.
@@ -155,7 +165,7 @@ def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump:
     from ..ir.verify import verify
     from ..api import pipeline_settings, run_passes, trace_step
     from ..passes import PassContext
-    pipeline = pipeline_settings(mesh, passes, None, "1f1b")
+    pipeline = pipeline_settings(mesh, passes, None, schedule)
     fw, graph, _ = trace_step(target.step, target.args, mesh, axis, None,
                               pipeline.microbatches if pipeline is not None else 1)
     clock.append(("trace", time.perf_counter()))
@@ -186,6 +196,25 @@ def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump:
     return graph, plan, ctx.records
 
 
+def plot_schedule(plan: Any, framework: str, path: str) -> None:
+    """``--plot``: the plan's pipeline schedule laid out in time, drawn into ``path``."""
+    from ..passes.pipeline_parallel import PipelineRecord
+    from ..report.schedule import bubble, plot, timeline
+    rec = plan.decision(PipelineRecord)
+    if rec is None:
+        raise InspectError("--plot draws a pipeline schedule, and this plan has none",
+                           hint="give the mesh a pp axis, e.g. --mesh pp=4")
+    stages = len(rec.stages)
+    actions = frameworks.get(framework).pipeline_actions(rec.schedule, stages,
+                                                         rec.microbatches, rec.ranks or stages)
+    blocks = timeline(actions, [max(s.forward_flops, 1) for s in rec.stages],
+                      [max(s.backward_flops, 1) for s in rec.stages],
+                      [s.input_grad_flops / max(s.backward_flops, 1) for s in rec.stages])
+    plot(blocks, path, f"{rec.schedule}: {rec.ranks or stages} ranks, {stages} stages, "
+                       f"{rec.microbatches} microbatches; bubble {bubble(blocks):.1%} with "
+                       f"these stages ({rec.bubble:.1%} with equal ones)")
+
+
 def unread_inputs(graph: Any, inputs: dict[str, str]) -> list[str]:
     """The graph inputs among ``inputs`` that no op and no output of ``graph`` reads."""
     from ..ir.analysis import users
@@ -211,8 +240,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         target = build_target(args, mesh, axis)
         clock.append(("load and build", time.perf_counter()))
         graph, plan, records = plan_target(target, mesh, axis, args.passes, dump, stream,
-                                           clock, args.verify_passes, args.device_model)
+                                           clock, args.verify_passes, args.device_model,
+                                           args.schedule)
     plan = replace(plan, context=dict(target.context))
+    if args.plot:
+        plot_schedule(plan, target.framework, args.plot)
+        clock.append(("plot", time.perf_counter()))
     report = plan.to_json() + "\n" if args.format == "json" else plan.to_text(args.rows)
     if args.out:
         Path(args.out).write_text(report)

@@ -113,6 +113,13 @@ class JaxFramework:
         from . import inspect_target
         return inspect_target
 
+    def pipeline_actions(self, schedule: str, stages: int, microbatches: int,
+                         ranks: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+        """No pipeline runtime on JAX yet."""
+        raise BackendError("the JAX backend has no pipeline runtime (a mesh with a pp axis "
+                           "is refused)", hint="plan a PyTorch model, or leave out the pp "
+                                               "axis")
+
 
 def _resized(args: tuple, nums: Sequence[int], size: Callable[[str, Any], Any]) -> tuple:
     """``args`` with each leaf of the arguments ``nums`` replaced by ``size(name, leaf)``."""

@@ -7,7 +7,8 @@ flops among the places where fewest bytes cross (layer boundaries: the residual 
 A backward op runs on the stage of the latest forward activations it reads (its forward
 op's stage, which holds them); one that reads none runs on the highest stage that reads its
 results. An update op runs on the stage of the parameter it updates (the lowest stage that
-reads the parameter in forward). Values
+reads the parameter in forward); other update math over several stages' values (a global
+gradient-norm clip) runs where most of its input bytes are, so only scalars cross. Values
 that depend only on the batch, hyperparameters and constants (label shifts, masks, the
 learning rate's scalar math) are computed again on each stage that reads them rather than
 sent. Every other value read on another stage than its own becomes a ``send`` on its stage
@@ -20,8 +21,10 @@ Microbatching is the data-parallel idea over time: the step is traced at one mic
 (the local batch / M), the forward and backward ops run once per microbatch, and what leaves
 them for the update or the step's results (gradients, the loss) is averaged over the M
 microbatches, as data-parallel averages over devices (the loss is a mean over the batch).
-The graph keeps one copy of the per-microbatch ops; the schedule (GPipe, 1F1B) orders their
-runs on each stage, and is the runtime's."""
+The graph keeps one copy of the per-microbatch ops; the schedule (GPipe, 1F1B, interleaved
+1F1B, the zero-bubble ones) orders their runs on each stage, and is the runtime's. With
+several stages per rank, stage s runs on rank s mod P (zbv: in a V, rank r holds r and
+2P - 1 - r); a send's ``peer`` is the other end's rank, its ``stage`` field its stage."""
 
 from __future__ import annotations
 
@@ -34,17 +37,42 @@ from ..ir.core import Attrs, Graph, InputKind, Op, OutputKind, Phase, Value
 from ..ir.ops import op_def, random_draw
 from .base import Pass, PassContext, PassFailure, register_pass
 from .data_parallel import require_axis
+from .pipeline_pack import pack_update_scalars
 from .spec import parse_spec
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv")
+# schedules that run several stages per rank: stage s on rank s mod the axis size, or for
+# the V-shaped zbv rank r holds stages r and 2P - 1 - r
+LOOPED = ("interleaved", "interleaved-zb", "zbv")
+# schedules that split each backward into input-gradient (I) and weight-gradient (W) runs
+SPLIT_BACKWARD = ("interleaved-zb", "zbv")
+
+
+def stage_rank(schedule: str, stage: int, stages: int, ranks: int) -> int:
+    """The rank (index on the pipeline axis) that runs ``stage``."""
+    if schedule == "zbv":
+        return stage if stage < ranks else 2 * ranks - 1 - stage
+    return stage % ranks
 # inputs every rank has: each passes its batch, the optimizer's hyperparameters are scalars
 _EVERYWHERE = (InputKind.batch, InputKind.hyper, InputKind.other)
 
 
-def bubble_fraction(schedule: str, stages: int, microbatches: int) -> float:
-    """The idle share of a rank's step under ``schedule`` with equal stage times: (S - 1) /
-    (M + S - 1) for GPipe and 1F1B (1F1B saves memory, not time)."""
-    return (stages - 1) / (microbatches + stages - 1)
+def bubble_fraction(schedule: str, stages: int, microbatches: int, ranks: int | None = None
+                    ) -> float:
+    """The idle share of a rank's step under ``schedule`` with equal stage times: (P - 1) /
+    (M + P - 1) for GPipe and 1F1B over P = S ranks (1F1B saves memory, not time),
+    (P - 1) / (v M + P - 1) for interleaved 1F1B with v = S / P stages per rank (each
+    rank's fill and drain are v times shorter), and (P - 1) / (3 v M + P - 1) for the
+    zero-bubble ones when forward, input-gradient and weight-gradient runs take equal
+    time."""
+    p = stages if ranks is None else ranks
+    v = stages // p
+    if schedule in SPLIT_BACKWARD:
+        # torch's zero-bubble schedules fill the fill and drain with weight-gradient runs:
+        # laid out in time (report/schedule.py) with F = I = W they idle (P - 1) forward
+        # times of the 3 v M (tests/torch/test_pipeline.py checks it)
+        return (p - 1) / (3 * v * microbatches + p - 1)
+    return (p - 1) / (v * microbatches + p - 1)
 
 
 @dataclass(frozen=True)
@@ -57,11 +85,16 @@ class StageInfo:
     flops: int
     param_bytes: int
     ops: int
+    forward_flops: int = 0          # of ``flops``: the forward's and the backward's, per
+    backward_flops: int = 0         # microbatch (the rest is the update, once a step)
+    input_grad_flops: int = 0       # of the backward's: its input-gradient part (I)
 
     def to_dict(self) -> dict[str, Any]:
         """The stage as plain data."""
         return {"index": self.index, "layers": list(self.layers), "params": list(self.params),
-                "flops": self.flops, "param_bytes": self.param_bytes, "ops": self.ops}
+                "flops": self.flops, "param_bytes": self.param_bytes, "ops": self.ops,
+                "forward_flops": self.forward_flops, "backward_flops": self.backward_flops,
+                "input_grad_flops": self.input_grad_flops}
 
 
 @dataclass(frozen=True)
@@ -75,6 +108,11 @@ class PipelineRecord:
     sent_bytes: tuple[int, ...]           # bytes crossing each cut (stage s -> s + 1), per mb
     tied: dict[str, tuple[int, ...]] = field(default_factory=dict)   # param -> stages
     bubble: float = 0.0
+    ranks: int = 0          # devices of the axis; stage s runs on rank s mod ranks
+
+    def rank_of(self, stage: int) -> int:
+        """The rank (index on the axis) that runs ``stage``."""
+        return stage_rank(self.schedule, stage, len(self.stages), self.ranks or len(self.stages))
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's ``notes["pipeline"]``."""
@@ -82,13 +120,15 @@ class PipelineRecord:
                 "microbatches": self.microbatches,
                 "stages": [s.to_dict() for s in self.stages],
                 "sent_bytes": list(self.sent_bytes),
-                "tied": {k: list(v) for k, v in self.tied.items()}, "bubble": self.bubble}
+                "tied": {k: list(v) for k, v in self.tied.items()}, "bubble": self.bubble,
+                "ranks": self.ranks or len(self.stages)}
 
 
 @register_pass
 @dataclass(frozen=True)
 class PipelineParallel(Pass):
-    """Cut the step into stages over mesh axis ``axis``; ``stages=auto`` is the axis size."""
+    """Cut the step into stages over mesh axis ``axis``; ``stages=auto`` is the axis size
+    (twice it for the interleaved schedule, which runs stage s on rank s mod the size)."""
 
     name = "pipeline"
     axis: str = "pp"
@@ -98,19 +138,29 @@ class PipelineParallel(Pass):
 
     def __call__(self, graph: Graph, ctx: PassContext) -> Graph:
         n = require_axis(graph, self.axis, self.name)
-        s = n if self.stages == "auto" else _int(self.stages, "stages")
-        if s != n:
-            raise PassFailure(f"pipeline: stages={s} but the mesh axis {self.axis!r} has {n} "
-                              "devices; one stage per device is supported",
-                              hint="leave stages=auto")
         if self.schedule not in SCHEDULES:
             raise PassFailure(f"pipeline: unknown schedule {self.schedule!r}",
                               hint=f"one of {', '.join(SCHEDULES)}")
+        looped = self.schedule in LOOPED
+        auto = 2 * n if looped else n
+        s = auto if self.stages == "auto" else _int(self.stages, "stages")
+        if not looped and s != n:
+            raise PassFailure(f"pipeline: stages={s} but the mesh axis {self.axis!r} has {n} "
+                              f"devices; schedule {self.schedule} runs one stage per device",
+                              hint="leave stages=auto, or schedule=interleaved for several "
+                                   "stages per device")
+        if looped and (s < n or s % n):
+            raise PassFailure(f"pipeline: stages={s} is not a multiple of the {n} devices "
+                              f"of the mesh axis {self.axis!r}",
+                              hint=f"stages=auto ({auto}) or another multiple of {n}")
         if self.microbatches < 1:
             raise PassFailure("pipeline: microbatches must be at least 1",
                               hint="microbatches=M with M >= 1 (M >= stages keeps the "
                                    "bubble small)")
-        cut = _Cut(graph, s, self.axis)
+        if self.schedule == "zbv" and s != 2 * n:
+            raise PassFailure(f"pipeline: schedule zbv runs two stages per device in a V, not "
+                              f"{s} stages on {n} devices", hint=f"stages=auto ({2 * n})")
+        cut = _Cut(graph, s, self.axis, n, self.schedule)
         out = cut.rewrite()
         ctx.decisions[self.name] = cut.record(self.schedule, self.microbatches)
         return out
@@ -127,8 +177,10 @@ def _int(v: str, what: str) -> int:
 class _Cut:
     """One run of pipeline: stage of every op, then the rewritten graph."""
 
-    def __init__(self, graph: Graph, stages: int, axis: str) -> None:
-        self.g, self.n, self.ax = graph, stages, axis
+    def __init__(self, graph: Graph, stages: int, axis: str, ranks: int,
+                 schedule: str = "1f1b") -> None:
+        self.g, self.n, self.ax, self.ranks = graph, stages, axis, ranks
+        self.rank = [stage_rank(schedule, s, stages, ranks) for s in range(stages)]
         self.types = graph.value_types()
         self.kind = {i.name: i.role.kind for i in graph.inputs}
         self.made: dict[str, Op] = {v.name: op for op in graph.ops for v in op.results}
@@ -254,7 +306,16 @@ class _Cut:
                     for n in reads if n in self.kind} - {-1}
             others = {self.stage[id(self.made[n])] for n in reads if n in self.made
                       and id(self.made[n]) in self.stage}
-            if others:
+            if others and self.phase[id(op)] is Phase.update:
+                # update math on values of several stages (a global gradient-norm clip:
+                # each gradient's norm, their total, each gradient times the factor) runs
+                # where most of its input bytes are, so only scalars cross
+                held: dict[int, int] = defaultdict(int)
+                for n in reads:
+                    if n in self.made and id(self.made[n]) in self.stage:
+                        held[self.stage[id(self.made[n])]] += self.types[n].nbytes
+                s = max(held, key=lambda k: (held[k], -k))
+            elif others:
                 s = min(others)
             elif mine:
                 s = min(mine)
@@ -304,11 +365,13 @@ class _Cut:
             tag = next(tags)
             t = self.types[name]
             ph = self.phase[id(op)]
-            out.append(Op("send", (where[(name, src)],), (), Attrs(axis=self.ax, peer=s,
+            out.append(Op("send", (where[(name, src)],), (), Attrs(axis=self.ax,
+                                                                   peer=self.rank[s],
                                                                    tag=tag),
                           phase=ph, stage=src, loc=op.loc))
             new = names(f"{name}.s{s}")
-            out.append(Op("recv", (), (Value(new, t),), Attrs(axis=self.ax, peer=src, tag=tag),
+            out.append(Op("recv", (), (Value(new, t),),
+                          Attrs(axis=self.ax, peer=self.rank[src], tag=tag),
                           phase=ph, stage=s, loc=op.loc))
             self.sent.append((name, src, s, ph))
             where[(name, s)] = new
@@ -343,13 +406,16 @@ class _Cut:
             src = self._stage_of(new_of[p])
             for s in sorted(stages - {src}):
                 tag = next(tags)
-                out.append(Op("send", (new_of[p],), (), Attrs(axis=self.ax, peer=s, tag=tag),
-                              phase=Phase.update, stage=src))
+                out.append(Op("send", (new_of[p],), (), Attrs(axis=self.ax, peer=self.rank[s],
+                                                  tag=tag), phase=Phase.update, stage=src))
                 out.append(Op("recv", (), (Value(names(f"{p}.new.s{s}"),
                                                  self.types[p]),),
-                              Attrs(axis=self.ax, peer=src, tag=tag), phase=Phase.update,
+                              Attrs(axis=self.ax, peer=self.rank[src], tag=tag),
+                              phase=Phase.update,
                               stage=s))
         self.check_flow(out)
+        out = pack_update_scalars(out, names)
+        self.out = out
         return self.g.replace(ops=tuple(out), outputs=tuple(outputs))
 
     def _stage_of(self, name: str) -> int:
@@ -373,14 +439,6 @@ class _Cut:
         """Values cross stages only the ways a pipeline schedule orders: forward ones to
         later stages, backward ones to earlier stages (gradients flow back)."""
         for name, src, dst, ph in self.sent:
-            if ph is Phase.update:
-                raise PassFailure(
-                    f"pipeline: the optimizer update combines values of several stages "
-                    f"(%{name} is made on stage {src} and read on stage {dst}): a global "
-                    "gradient-norm clip or another update over all parameters at once is "
-                    "not supported under a pipeline yet", op=self.made.get(name),
-                    hint="drop the global clip (or clip each parameter's gradient on its "
-                         "own), or leave the pp axis out of the mesh")
             if ph is Phase.backward and dst > src:
                 raise PassFailure(
                     f"pipeline: cannot cut the step into {self.n} stages: the backward "
@@ -394,10 +452,20 @@ class _Cut:
         """What this run decided, for the plan."""
         flops = [0] * self.n
         count = [0] * self.n
+        by_phase: dict[Phase, list[int]] = {p: [0] * self.n for p in Phase}
+        in_grad = [0] * self.n
+        split = input_gradient_ops(self.out)
+        types = dict(self.types)
+        types.update((v.name, v.type) for op in self.out for v in op.results)
+        for op in self.out:
+            if id(op) in split:
+                in_grad[op.stage] += op_cost(op, types, self.sizes).flops
         for op in self.g.ops:
             if id(op) in self.stage:
                 s = self.stage[id(op)]
-                flops[s] += op_cost(op, self.types, self.sizes).flops
+                f = op_cost(op, self.types, self.sizes).flops
+                flops[s] += f
+                by_phase[self.phase[id(op)]][s] += f
                 count[s] += 1
         stages = []
         for s in range(self.n):
@@ -406,11 +474,24 @@ class _Cut:
             if count[s] == 0:
                 raise PassFailure(f"pipeline: stage {s} would hold no op",
                                   hint="use fewer stages")
+            if not params:
+                # the cut fell between ops of one layer (an embedding's sum, say): the
+                # model has fewer layers than stages
+                raise PassFailure(
+                    f"pipeline: stage {s} of {self.n} would hold no parameter: the model "
+                    f"has too few layers to give each of {self.n} stages one",
+                    hint=f"use fewer stages than {self.n} (fewer devices on the "
+                         f"{self.ax!r} axis, or a schedule with one stage per device), or "
+                         "a model with more layers")
             layers = tuple(dict.fromkeys(p.rsplit(".", 1)[0] for p in params))
             stages.append(StageInfo(s, layers, params, flops[s],
-                                    sum(self.types[p].nbytes for p in params), count[s]))
+                                    sum(self.types[p].nbytes for p in params), count[s],
+                                    by_phase[Phase.forward][s], by_phase[Phase.backward][s],
+                                    in_grad[s]))
         return PipelineRecord(self.ax, schedule, microbatches, tuple(stages), self.cut_bytes,
-                              dict(self.tied), bubble_fraction(schedule, self.n, microbatches))
+                              dict(self.tied),
+                              bubble_fraction(schedule, self.n, microbatches, self.ranks),
+                              self.ranks)
 
 
 def _rename_captures(op: Op, ren: dict[str, str]) -> Op:
@@ -470,3 +551,27 @@ def pipeline_of(graph: Graph) -> PipelineParallel | None:
             return got[0] if got else None
     return None
 
+
+
+def input_gradient_ops(ops: tuple[Op, ...] | list[Op]) -> set[int]:
+    """id() of the backward ops of a staged graph that a split backward runs as its
+    input-gradient part I: those the gradients a stage sends to an earlier stage's backward
+    depend on, walking back inside the stage's backward. The rest of a stage's backward
+    (weight and bias gradients) is its W part; the first stage's I is empty."""
+    phase_of = {v.name: op.phase for op in ops for v in op.results}
+    bwd_reads = {n for op in ops if op.phase is Phase.backward for n in free_inputs(op)}
+    grad_tags = {op.attrs["tag"] for op in ops if op.name == "recv"
+                 and op.results[0].name in bwd_reads
+                 and phase_of.get(op.results[0].name) is Phase.backward}
+    made = {(v.name, op.stage): op for op in ops for v in op.results}
+    need = [(op.inputs[0], op.stage) for op in ops if op.name == "send"
+            and op.phase is Phase.backward and op.attrs["tag"] in grad_tags]
+    out: set[int] = set()
+    while need:
+        name, stage = need.pop()
+        op = made.get((name, stage))
+        if op is None or id(op) in out or op.phase is not Phase.backward or op.name == "recv":
+            continue
+        out.add(id(op))
+        need.extend((n, stage) for n in free_inputs(op))
+    return out

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from ..passes.comm_fusion import CommFusionRecord
 from ..passes.data_parallel import DataParallelRecord
-from ..passes.pipeline_parallel import PipelineRecord
+from ..passes.pipeline_parallel import SPLIT_BACKWARD, PipelineRecord
 from ..passes.quantize_grads import QuantizeGradsRecord
 from ..passes.quantize_weight_diff import QuantizeWeightDiffRecord
 from ..passes.schedule_comm import ScheduleCommRecord
@@ -158,12 +158,20 @@ def pipeline_lines(pp: PipelineRecord | None, mesh: dict[str, int]) -> list[str]
     if pp is None:
         return []
     n = len(pp.stages)
-    lines = ["", f"pipeline over {pp.axis}={n}: schedule {pp.schedule}, {pp.microbatches} "
-                 f"microbatch(es), bubble {pp.bubble:.1%} of each rank's step "
-                 "((S - 1) / (M + S - 1), equal stages)"]
+    ranks = pp.ranks or n
+    looped = ranks != n
+    vm = "3 v M" if pp.schedule in SPLIT_BACKWARD else "v M"
+    theory = (f"(P - 1) / ({vm} + P - 1), P = {ranks} ranks, v = {n // ranks} stages per "
+              "rank" if looped else "(S - 1) / (M + S - 1)")
+    lines = ["", f"pipeline over {pp.axis}={ranks}: " + (f"{n} stages, " if looped else "")
+                 + f"schedule {pp.schedule}, "
+                 f"{pp.microbatches} microbatch(es), bubble {pp.bubble:.1%} of each rank's "
+                 f"step ({theory}, equal stages)"]
     rows = [[str(s.index), _layer_groups(s.layers), str(len(s.params)), human(s.param_bytes),
-             flops_text(s.flops)] for s in pp.stages]
-    lines += _table(rows, ["stage", "layers", "params", "param bytes", "flops/microbatch"])
+             flops_text(s.flops)] + ([str(pp.rank_of(s.index))] if looped else [])
+            for s in pp.stages]
+    lines += _table(rows, ["stage", "layers", "params", "param bytes", "flops/microbatch"]
+                    + (["rank"] if looped else []))
     if pp.sent_bytes:
         lines.append("  activations crossing each cut per microbatch: "
                      + ", ".join(human(b) for b in pp.sent_bytes))
@@ -184,7 +192,8 @@ def pipeline_lines(pp: PipelineRecord | None, mesh: dict[str, int]) -> list[str]
         key = ", ".join(f"{a}={v}" for a, v in coord.items() if a != pp.axis) or "all"
         groups.setdefault(key, []).append(r)
     lines.append(f"  rank grid (row-major over {', '.join(a for a, _ in axes)}): ranks of "
-                 f"stages 0..{n - 1}")
+                 f"{pp.axis} 0..{ranks - 1}" + (f" (stage s on {pp.axis} s mod {ranks})"
+                                                if looped else f" (stages 0..{n - 1})"))
     lines += [f"    {k}: {' '.join(map(str, v))}" for k, v in groups.items()]
     return lines
 

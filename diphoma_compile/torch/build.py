@@ -350,6 +350,29 @@ def _emit_reshape(b: _Builder, op: Op) -> Any:
     return b.call(emit_target(op.name), [b.node(op.inputs[0]), dst])
 
 
+def _replicated(b: _Builder, op: Op) -> None:
+    if any(b.g_types[n].placements for n in op.inputs) or op.result.type.placements:
+        raise UnsupportedOpError(f"the torch backend runs {op.name} on whole values only, "
+                                 "not on pieces of a sharded one",
+                                 hint="this is a bug in the pass that made it")
+
+
+def _emit_concat(b: _Builder, op: Op) -> fx.Node:
+    """Values joined along ``dim`` (whole values: the pipeline packs scalars with it)."""
+    _replicated(b, op)
+    return b.call(aten.cat.default, [[b.node(n) for n in op.inputs], int(op.attrs["dim"])])
+
+
+def _emit_slice(b: _Builder, op: Op) -> fx.Node:
+    """A strided window of a whole value, one dimension at a time."""
+    _replicated(b, op)
+    x = b.node(op.inputs[0])
+    strides = op.attrs.get("strides") or [1] * len(op.attrs["starts"])
+    for d, (lo, hi, step) in enumerate(zip(op.attrs["starts"], op.attrs["limits"], strides)):
+        x = b.call(aten.slice.Tensor, [x, d, int(lo), int(hi), int(step)])
+    return x
+
+
 def _emit_broadcast(b: _Builder, op: Op) -> fx.Node:
     """An expanded view, after a reshape that puts the kept dims where ``dims`` says."""
     src = b.g_types[op.inputs[0]]
@@ -625,6 +648,7 @@ _OWN: dict[str, _Emit] = {
     "square": _emit_square, "addcmul": _emit_scaled_ternary, "addcdiv": _emit_scaled_ternary,
     "convert": _emit_convert, "norm": _emit_norm, "dot": _emit_dot,
     "transpose": _emit_transpose, "reshape": _emit_reshape,
+    "concat": _emit_concat, "slice": _emit_slice,
     "broadcast_in_dim": _emit_broadcast, "literal": _emit_literal, "full": _emit_full,
     "opaque": _emit_opaque, "wait": _emit_wait,
     **{name: _emit_collective for name in _COLLECTIVES}, **_QUANT,
@@ -651,7 +675,8 @@ _EMIT = _emitters()
 
 # the lowerings whose results may be views of (or aliases to) their inputs: permute,
 # reshape, expand, narrow, the gathered buffer's view, and opaque calls (by their schema)
-_VIEWS = {"transpose", "reshape", "broadcast_in_dim", "take_shard", "all_gather", "opaque"}
+_VIEWS = {"transpose", "reshape", "broadcast_in_dim", "take_shard", "all_gather", "opaque",
+          "slice"}
 
 
 def _makes_storage(op: Op) -> bool:

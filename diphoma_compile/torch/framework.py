@@ -96,5 +96,11 @@ class TorchFramework:
         from . import inspect_target
         return inspect_target
 
+    def pipeline_actions(self, schedule: str, stages: int, microbatches: int,
+                         ranks: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+        """torch.distributed.pipelining's action lists (pipeline_schedule.py)."""
+        from .pipeline_schedule import schedule_actions
+        return schedule_actions(schedule, stages, microbatches, ranks)
+
 
 FRAMEWORK = TorchFramework()

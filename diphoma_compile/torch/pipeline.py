@@ -1,17 +1,20 @@
-"""The per-rank runtime of a pipelined torch step: this rank's stage, run on a schedule.
+"""The per-rank runtime of a pipelined torch step: this rank's stages, run on a schedule.
 
 The ``pipeline`` pass left every op a stage and the values that cross stages as send/recv
-pairs. A rank (its coordinate on the pipeline axis is its stage) cuts its ops into three
-programs, each built by ``build.py``: forward and backward, run once per microbatch, and the
-update, run once. Between them: the values received (``irecv``, waited for before the
-program that reads them), the values sent (``isend``, waited for at the end of the step),
-and what leaves the microbatches for the update or the step's results (gradients, the loss)
-averaged over the microbatches. The order of forward and backward runs is the schedule's
-(``pipeline_schedule.py``). Each rank passes its whole local batch; the batch inputs are cut
-into M microbatches along their first dimension. The loss and metrics are broadcast from
-their stage, so every rank returns the global batch's.
+pairs. A rank runs one stage (GPipe, 1F1B: its coordinate on the pipeline axis) or several
+(interleaved: stages r, r + P, ...; zbv: r and 2P - 1 - r), and cuts each stage's ops into
+programs, each built by ``build.py``: forward and backward (the zero-bubble schedules: its
+input-gradient part I and weight-gradient part W), run once per microbatch, and the update,
+run once (in rounds when it receives from other stages' updates, as a global gradient-norm
+clip does). Between them: the values received (``irecv``, waited for before the program
+that reads them; in memory between two stages of one rank), the values sent (``isend``,
+waited for at the end of the step), and what leaves the microbatches for the update or the
+step's results (gradients, the loss) averaged over the microbatches. The order of the runs
+is the schedule's (``pipeline_schedule.py``). Each rank passes its whole local batch; the
+batch inputs are cut into M microbatches along their first dimension. The loss and metrics
+are broadcast from their stage's rank, so every rank returns the global batch's.
 
-A rank holds only the parameters its stage reads (others are emptied, as
+A rank holds only the parameters its stages read (others are emptied, as
 torch.distributed.pipelining deletes other stages' modules); a tied parameter (GPT-2's
 embedding and LM head) lives on both its stages, and the one that does not update it
 receives the new value. ``state_dict()`` gathers the whole model on every rank."""
@@ -28,7 +31,8 @@ import torch.distributed as dist
 from ..errors import BackendError
 from ..ir.analysis import free_inputs
 from ..ir.core import Graph, Input, InputKind, InputRole, Op, Output, Phase, Value
-from ..passes.pipeline_parallel import pipeline_of
+from ..passes.pipeline_parallel import (SPLIT_BACKWARD, input_gradient_ops, pipeline_of,
+                                        stage_rank)
 from .build import build_module
 from .dist import TorchDistStep
 from .ops import DTYPE_TO_TORCH
@@ -64,79 +68,45 @@ class TorchPipelineStep(TorchDistStep):
         self.pp = self.comms[opts.axis]
         self.pp_side = self._sides[opts.axis]
         self.schedule, self.microbatches = opts.schedule, opts.microbatches
-        self.stage = self.pp.rank
-        self.actions = schedule_actions(opts.schedule, self.pp.size, opts.microbatches)[
-            self.stage]
+        self.nstages = 1 + max(op.stage for op in graph.ops if op.stage is not None)
+        self.stages = [s for s in range(self.nstages)
+                       if stage_rank(opts.schedule, s, self.nstages, self.pp.size) == self.pp.rank]
+        self.stage = self.stages[0]         # this rank's first stage
+        # zero-bubble schedules run each backward as its input-gradient part (I: what the
+        # previous stage waits for) and its weight-gradient part (W: the rest)
+        self.kinds = "FIWU" if opts.schedule in SPLIT_BACKWARD else "FBU"
+        self.actions = schedule_actions(opts.schedule, self.nstages, opts.microbatches,
+                                        self.pp.size)[self.pp.rank]
         self._cut(graph)
         # seconds in this stage's programs and in whole steps: 1 - compute / wall is the
-        # share this rank waited (the measured bubble, with the transfers)
+        # share this rank waited (the measured bubble, with the transfers); busy holds
+        # (kind, microbatch, stage, start, end) of the last step's programs, in
+        # time.perf_counter() seconds (one clock for every process of the machine)
         self.compute_s = self.wall_s = 0.0
+        self.busy: list[tuple[str, int, int, float, float]] = []
         return self._run
 
     # ------------------------------------------------------------------ building
     def _cut(self, graph: Graph) -> None:
-        me = self.stage
         types = graph.value_types()
         self.types = types
-        roles = {i.name: i.role for i in graph.inputs}
-        ops = [op for op in graph.ops if op.stage == me]
-        seg_of: dict[str, str] = {}           # value made on this stage -> its segment
-        segs = {k: _Segment() for k in "FBU"}
-        body: dict[str, list[Op]] = {k: [] for k in "FBU"}
-        readers: dict[str, set[str]] = {}
-        for op in ops:
-            if op.name in ("send", "recv"):
-                continue
-            k = _SEGMENTS[op.phase or Phase.forward]
-            body[k].append(op)
-            seg_of.update((v.name, k) for v in op.results)
-            for n in free_inputs(op):
-                readers.setdefault(n, set()).add(k)
+        self.segs: dict[tuple[int, str], _Segment] = {}
         self.writes: dict[str, tuple[str, int, int]] = {}     # param -> recv of its new value
-        for op in ops:
-            if op.name == "recv":
-                name = op.results[0].name
-                where = readers.get(name)
-                if not where:           # a tied parameter's new value: written, not read
-                    self.writes[name] = (name, int(op.attrs["peer"]), int(op.attrs["tag"]))
-                    continue
-                k = min(where, key="FBU".index)
-                if op.phase is Phase.backward and k == "F":
-                    k = "B"
-                segs[k].recvs.append((name, int(op.attrs["peer"]), int(op.attrs["tag"])))
-                seg_of[name] = "R" + k
-            elif op.name == "send":
-                n = op.inputs[0]
-                k = seg_of.get(n, "F")
-                segs[k[-1]].sends.append((n, int(op.attrs["peer"]), int(op.attrs["tag"])))
-                readers.setdefault(n, set()).add("S" + k[-1])
-        returned = {o.name for o in graph.outputs}
         self.acc: set[str] = set()      # per-microbatch values the update or results read
-        for k in "FBU":
-            made = {v.name for op in body[k] for v in op.results}
-            seg = segs[k]
-            seg.inputs = list(dict.fromkeys(n for op in body[k] for n in free_inputs(op)
-                                            if n not in made))
-            seg.outputs = [n for n in made if (readers.get(n, set()) - {k}) or n in returned]
-            if k in "FB":
-                self.acc.update(n for n in seg.outputs
-                                if "U" in readers.get(n, set()) or n in returned)
-            for n, _, _ in seg.recvs:
-                if k in "FB" and ("U" in readers.get(n, set()) or n in returned):
-                    self.acc.add(n)
-            sub = Graph(f"{graph.name}.stage{me}.{k}",
-                        tuple(Input(Value(n, types[n]), roles.get(n, InputRole()))
-                              for n in seg.inputs), tuple(body[k]),
-                        tuple(Output(n) for n in seg.outputs), graph.mesh)
-            seg.module = build_module(sub, self.comms, in_place=False)
-        self.segs = segs
-        self.seg_of = seg_of
+        self.seg_of: dict[str, str] = {}
+        self.split: dict[int, tuple[int, int]] = {}   # stage -> ops in its I and W parts
+        # a split backward's input-gradient part: what the gradients sent to an earlier
+        # stage's backward depend on
+        self.input_grad = input_gradient_ops(graph.ops) if "I" in self.kinds else set()
+        self._rounds(graph)
+        for me in self.stages:
+            self._cut_stage(graph, me)
         # the same numbering on every rank: one wire tag per (microbatch, pair)
         self.ntags = 1 + max([int(op.attrs["tag"]) for op in graph.ops
                               if op.name == "send"] + [0])
-        self.inputs_read = {n for s in segs.values() for n in s.inputs}
+        self.inputs_read = {n for s in self.segs.values() for n in s.inputs}
         self.batch = {i.name for i in graph.inputs if i.role.kind is InputKind.batch}
-        self.made_here = set(seg_of)
+        self.made_here = set(self.seg_of)
         new_of = {o.role.target: o.name for o in graph.outputs if o.role.target is not None}
         # a tied parameter's new value received here stands for the output that replaces it
         self.stand_in = {}
@@ -149,8 +119,109 @@ class TorchPipelineStep(TorchDistStep):
             self.stand_in[new_of[p]] = name
         # the step's results (loss, metrics) made on other stages are broadcast from there
         producers = {v.name: op.stage for op in graph.ops for v in op.results}
-        self.result_stage = {o.name: producers.get(o.name) for o in graph.outputs
-                             if o.role.target is None}
+        self.result_stage = {o.name: (None if producers.get(o.name) is None
+                                      else stage_rank(self.schedule, producers[o.name],
+                                                      self.nstages, self.pp.size))
+                             for o in graph.outputs if o.role.target is None}
+
+    def _cut_stage(self, graph: Graph, me: int) -> None:
+        """The forward, backward and update programs of stage ``me``."""
+        types = self.types
+        roles = {i.name: i.role for i in graph.inputs}
+        ops = [op for op in graph.ops if op.stage == me]
+        kinds = [k for k in self.kinds if k != "U"] + [f"U{r}" for r in range(self.nrounds)]
+        seg_of: dict[str, str] = {}           # value made on this stage -> its segment
+        segs = {k: _Segment() for k in kinds}
+        body: dict[str, list[Op]] = {k: [] for k in kinds}
+        readers: dict[str, set[str]] = {}
+        input_grad = self.input_grad if "I" in kinds else set()
+        for op in ops:
+            if op.name in ("send", "recv"):
+                continue
+            k = _SEGMENTS[op.phase or Phase.forward]
+            if k == "B" and "I" in kinds:
+                k = "I" if id(op) in input_grad else "W"
+            elif k == "U":
+                k = f"U{self.op_round[id(op)]}"
+            body[k].append(op)
+            seg_of.update((v.name, k) for v in op.results)
+            for n in free_inputs(op):
+                readers.setdefault(n, set()).add(k)
+        for op in ops:
+            if op.name == "recv":
+                name = op.results[0].name
+                where = readers.get(name)
+                if not where:           # a tied parameter's new value: written, not read
+                    self.writes[name] = (name, int(op.attrs["peer"]), int(op.attrs["tag"]))
+                    continue
+                k = min(where, key=kinds.index)
+                if op.phase is Phase.backward and k == "F":
+                    k = kinds[1]
+                segs[k].recvs.append((name, int(op.attrs["peer"]), int(op.attrs["tag"])))
+                seg_of[name] = "R" + k
+            elif op.name == "send":
+                n = op.inputs[0]
+                k = seg_of.get(n, "F").removeprefix("R")
+                segs[k].sends.append((n, int(op.attrs["peer"]), int(op.attrs["tag"])))
+                readers.setdefault(n, set()).add("S" + k)
+        if "I" in kinds:
+            self.split[me] = (len(body["I"]), len(body["W"]))
+        returned = {o.name for o in graph.outputs}
+        def updates(n: str) -> bool:       # read by the update or returned
+            return any(r.startswith("U") for r in readers.get(n, ())) or n in returned
+
+        for k in kinds:
+            made = {v.name for op in body[k] for v in op.results}
+            seg = segs[k]
+            seg.inputs = list(dict.fromkeys(n for op in body[k] for n in free_inputs(op)
+                                            if n not in made))
+            seg.outputs = [n for n in made if (readers.get(n, set()) - {k}) or n in returned]
+            if not k.startswith("U"):
+                self.acc.update(n for n in seg.outputs if updates(n))
+                self.acc.update(n for n, _, _ in seg.recvs if updates(n))
+            sub = Graph(f"{graph.name}.stage{me}.{k}",
+                        tuple(Input(Value(n, types[n]), roles.get(n, InputRole()))
+                              for n in seg.inputs), tuple(body[k]),
+                        tuple(Output(n) for n in seg.outputs), graph.mesh)
+            seg.module = build_module(sub, self.comms, in_place=False)
+            self.segs[(me, k)] = seg
+        self.seg_of.update(seg_of)
+
+    def _rounds(self, graph: Graph) -> None:
+        """Cut the update into rounds by the values it receives from other stages' updates
+        (a global gradient-norm clip: each stage's gradient norms go to one stage, which
+        sends the clip factor back): round r reads only what rounds before r sent, so every
+        rank runs round 0 of all its stages, then round 1, ... without waiting on itself."""
+        value: dict[str, int] = {}
+        sent: dict[int, int] = {}
+        self.op_round: dict[int, int] = {}
+        for op in graph.ops:
+            if op.phase is not Phase.update:
+                continue
+            if op.name == "send":
+                sent[int(op.attrs["tag"])] = value.get(op.inputs[0], 0)
+            elif op.name == "recv":
+                value[op.results[0].name] = sent.get(int(op.attrs["tag"]), -1) + 1
+            else:
+                r = max([value.get(n, 0) for n in free_inputs(op)] + [0])
+                self.op_round[id(op)] = r
+                value.update((v.name, r) for v in op.results)
+        # then as late as their readers allow: math on the hyperparameters alone (the
+        # learning rate's scalars, which a program may keep on the host) runs in the round
+        # of the update that reads it rather than crossing from round 0
+        readers: dict[str, list[Op]] = {}
+        for op in graph.ops:
+            for n in free_inputs(op):
+                readers.setdefault(n, []).append(op)
+        returned = {o.name for o in graph.outputs}
+        for op in reversed(graph.ops):
+            if id(op) not in self.op_round:
+                continue
+            late = [self.op_round.get(id(r)) for v in op.results
+                    for r in readers.get(v.name, ())]
+            if late and None not in late and not any(v.name in returned for v in op.results):
+                self.op_round[id(op)] = max(self.op_round[id(op)], min(late))
+        self.nrounds = 1 + max(self.op_round.values(), default=0)
 
     def _finish_init(self) -> None:
         """Batch arguments are M microbatches; other stages' parameters are let go."""
@@ -188,6 +259,15 @@ class TorchPipelineStep(TorchDistStep):
         sizes = dict(self.mesh.axes)
         works = []
         for name, peer, tag in items:
+            if peer == self.pp.rank:        # from another stage of this rank
+                got = self._local.pop(self._tag(mb, tag), None)
+                if got is None:
+                    raise BackendError(f"stage program waits for %{name} from a later "
+                                       "action of its own rank",
+                                       hint="the schedule's order is not runnable; this is "
+                                            "a bug in the pipeline schedule")
+                env[name] = got
+                continue
             t = self.types[name]
             buf = torch.empty(t.local_shape(sizes), dtype=DTYPE_TO_TORCH[t.dtype])
             works.append(dist.irecv(buf, src=self.pp.global_rank(peer), group=self.pp.group,
@@ -198,6 +278,9 @@ class TorchPipelineStep(TorchDistStep):
 
     def _send(self, items: list[tuple[str, int, int]], mb: int, env: dict) -> None:
         for name, peer, tag in items:
+            if peer == self.pp.rank:
+                self._local[self._tag(mb, tag)] = env[name]
+                continue
             t = env[name].contiguous()
             self._pending.append((dist.isend(t, dst=self.pp.global_rank(peer),
                                              group=self.pp.group, tag=self._tag(mb, tag)), t))
@@ -205,10 +288,18 @@ class TorchPipelineStep(TorchDistStep):
 
     def _run(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         t0 = time.perf_counter()
+        self.busy = []
         try:
             return self._schedule(*inputs)
         finally:
             self.wall_s += time.perf_counter() - t0
+
+    def _call(self, seg: _Segment, args: list, env: dict, what: tuple[str, int, int]) -> None:
+        t1 = time.perf_counter()
+        env.update(zip(seg.outputs, seg.module(*args)))
+        t2 = time.perf_counter()
+        self.compute_s += t2 - t1
+        self.busy.append((*what, t1, t2))
 
     def _schedule(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         g = self.graph
@@ -216,31 +307,30 @@ class TorchPipelineStep(TorchDistStep):
         given = {i.name: t for i, t in zip(g.inputs, inputs)}
         chunks = {n: given[n].chunk(m, dim=0) for n in self.batch if n in self.inputs_read}
         self._pending: list[tuple[Any, torch.Tensor]] = []
-        envs: dict[int, dict[str, torch.Tensor]] = {}
+        self._local: dict[int, torch.Tensor] = {}
+        envs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         acc: dict[str, torch.Tensor] = {}
-        for kind, mb in self.actions:
-            env = envs.setdefault(mb, {})
-            seg = self.segs[kind]
+        for kind, mb, st in self.actions:
+            env = envs.setdefault((st, mb), {})
+            seg = self.segs[(st, kind)]
             self._recv(seg.recvs, mb, env)
             args = [env[n] if n in env else chunks[n][mb] if n in chunks else given[n]
                     for n in seg.inputs]
-            t1 = time.perf_counter()
-            env.update(zip(seg.outputs, seg.module(*args)))
-            self.compute_s += time.perf_counter() - t1
+            self._call(seg, args, env, (kind, mb, st))
             self._send(seg.sends, mb, env)
             for n in seg.outputs + [r[0] for r in seg.recvs]:
                 if n in self.acc:
                     acc[n] = env[n].clone() if n not in acc else acc[n] + env[n]
-            if kind == "B":
-                del envs[mb]
+            if kind in "BW":
+                del envs[(st, mb)]
         env = {n: v / m for n, v in acc.items()}
-        seg = self.segs["U"]
-        self._recv(seg.recvs, m, env)
-        args = [env[n] if n in env else given[n] for n in seg.inputs]
-        t1 = time.perf_counter()
-        env.update(zip(seg.outputs, seg.module(*args)))
-        self.compute_s += time.perf_counter() - t1
-        self._send(seg.sends, m, env)
+        for r in range(self.nrounds):
+            for st in self.stages:
+                seg = self.segs[(st, f"U{r}")]
+                self._recv(seg.recvs, m, env)
+                args = [env[n] if n in env else given[n] for n in seg.inputs]
+                self._call(seg, args, env, ("U", m, st))
+                self._send(seg.sends, m, env)
         self._recv(list(self.writes.values()), m, env)
         for w, _ in self._pending:
             w.wait()
@@ -261,7 +351,7 @@ class TorchPipelineStep(TorchDistStep):
 
     def _result(self, name: str, value: torch.Tensor | None) -> torch.Tensor:
         """A result of the step on every rank: broadcast from the stage that made it."""
-        src = self.result_stage[name]
+        src = self.result_stage[name]      # the rank of the stage that made it
         if src is None or self.pp.size == 1:
             return value
         t = self.types[name]

@@ -15,13 +15,21 @@ from unittest import mock
 
 from ..errors import BackendError
 
-Action = tuple[str, int]      # ("F" | "B", microbatch)
+Action = tuple[str, int, int]      # ("F" | "B" | "I" | "W", microbatch, stage)
+# torch's names of the generators, by our schedule name, for several stages per rank
+_LOOPED = {"interleaved": "Interleaved1F1B", "interleaved-zb": "InterleavedZeroBubble",
+           "zbv": "ZBVZeroBubble"}
+_KINDS = {"F": "F", "FORWARD": "F", "B": "B", "FULL_BACKWARD": "B", "I": "I",
+          "BACKWARD_INPUT": "I", "W": "W", "BACKWARD_WEIGHT": "W"}
 
 
 @lru_cache(maxsize=64)
-def schedule_actions(schedule: str, stages: int, microbatches: int
+def schedule_actions(schedule: str, stages: int, microbatches: int, ranks: int | None = None
                      ) -> tuple[tuple[Action, ...], ...]:
-    """For each rank (one stage each), its forward and backward runs in order."""
+    """For each rank, its forward and backward runs in order: one stage per rank for GPipe
+    and 1F1B; ``stages`` / ``ranks`` per rank (stage s on rank s mod ranks) for the
+    interleaved schedule."""
+    ranks = stages if ranks is None else ranks
     try:
         from torch.distributed.pipelining import schedules
         from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
@@ -29,7 +37,24 @@ def schedule_actions(schedule: str, stages: int, microbatches: int
     except ImportError as e:     # the private API moved
         raise BackendError(f"torch.distributed.pipelining's schedule generator is not "
                            f"available ({e})", hint="use torch 2.13") from None
-    if schedule == "gpipe":
+    if schedule in _LOOPED:
+        if stages % ranks:
+            raise BackendError(f"schedule {schedule} needs the stages ({stages}) to be a "
+                               f"multiple of the {ranks} ranks",
+                               hint=f"stages={2 * ranks}")
+        try:
+            got = get_schedule_ops(_LOOPED[schedule], ranks, microbatches,
+                                   num_stages_per_rank=stages // ranks)
+        except (ValueError, AssertionError) as e:      # its own rules on M
+            raise BackendError(f"torch's {_LOOPED[schedule]} schedule refuses {microbatches} "
+                               f"microbatches on {ranks} ranks: {e}",
+                               hint=f"microbatches={ranks * max(1, microbatches // ranks)} "
+                                    f"(a multiple of the {ranks} ranks)") from None
+        order = [list(r) for r in got]
+    elif stages != ranks:
+        raise BackendError(f"schedule {schedule} runs one stage per rank, not {stages} "
+                           f"stages on {ranks} ranks", hint="schedule=interleaved")
+    elif schedule == "gpipe":
         order = [list(r) for r in get_schedule_ops("GPipe", stages, microbatches)]
     elif schedule == "1f1b":
         order = [list(r) for r in get_schedule_ops("1F1B", stages, microbatches)]
@@ -45,17 +70,17 @@ def schedule_actions(schedule: str, stages: int, microbatches: int
                 [stage], microbatches).pipeline_order[stages - 1])
     else:
         raise BackendError(f"the torch runtime has no pipeline schedule {schedule!r}",
-                           hint="schedule=gpipe or schedule=1f1b")
+                           hint="schedule=gpipe, 1f1b, interleaved, interleaved-zb or zbv")
     out = []
     for rank, acts in enumerate(order):
         mine: list[Action] = []
         for a in acts:
             if a is None:
                 continue
-            kind = _kind(a)
-            if kind in ("F", "B", "FORWARD", "FULL_BACKWARD"):
-                mine.append(("F" if kind in ("F", "FORWARD") else "B", a.microbatch_index))
-        _check(mine, rank, microbatches)
+            kind = _KINDS.get(_kind(a))
+            if kind is not None:
+                mine.append((kind, a.microbatch_index, a.stage_index))
+        _check(mine, rank, microbatches, sorted({s for _, _, s in mine}))
         out.append(tuple(mine))
     return tuple(out)
 
@@ -65,16 +90,19 @@ def _kind(a: object) -> str:
     return str(getattr(t, "value", t))
 
 
-def _check(acts: list[Action], rank: int, microbatches: int) -> None:
-    """Each microbatch's forward once, then its backward once: else the generator changed."""
-    want = sorted([("F", m) for m in range(microbatches)] +
-                  [("B", m) for m in range(microbatches)])
-    seen: set[int] = set()
-    for kind, m in acts:
-        if kind == "F":
-            seen.add(m)
-        elif m not in seen:
+def _check(acts: list[Action], rank: int, microbatches: int, stages: list[int]) -> None:
+    """Each of this rank's stages runs each microbatch's forward once, then its backward
+    once (whole, or its input-gradient part then its weight-gradient part): else the
+    generator changed."""
+    split = any(k == "I" for k, _, _ in acts)
+    want = sorted([(k, m, s) for m in range(microbatches) for s in stages
+                   for k in ("FIW" if split else "FB")])
+    before = {"F": None, "B": "F", "I": "F", "W": "I"}
+    seen: set[tuple[str, int, int]] = set()
+    for kind, m, s in acts:
+        if before[kind] is not None and (before[kind], m, s) not in seen:
             break
+        seen.add((kind, m, s))
     else:
         if sorted(acts) == want:
             return

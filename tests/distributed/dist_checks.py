@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch"))
 import gpt as gpt_example  # noqa: E402  (examples/gpt.py)
 from models import ResNetStem, classify_step, image_batches  # noqa: E402
 from models import classify_step as mlp_step  # noqa: E402
-from models import hf_lm_step  # noqa: E402
+from models import hf_lm_step, hf_lm_step_clipped  # noqa: E402
 from test_propagation_torch import Block  # noqa: E402
 from test_propagation_torch import step as squares_step  # noqa: E402
 
@@ -1157,18 +1157,27 @@ def run_tensor_parallel_gpt2(rank: int, world: int) -> dict:
 
 # ------------------------------------------------------------------ pipeline parallelism
 
-PP_CASES = {"pp4-sgdm-1f1b": ({"pp": 4}, "sgdm", "1f1b"),
-            "pp4-adamw-1f1b": ({"pp": 4}, "adamw", "1f1b"),
-            "pp4-sgdm-gpipe": ({"pp": 4}, "sgdm", "gpipe"),
-            "dp2-pp2-sgdm-1f1b": ({"dp": 2, "pp": 2}, "sgdm", "1f1b"),
-            "dp2-pp2-adamw-gpipe": ({"dp": 2, "pp": 2}, "adamw", "gpipe")}
+# name: (mesh, optimizer, schedule, layers); interleaved, interleaved-zb and zbv run 2
+# stages per rank (8 at pp=4); the zero-bubble ones split each backward into I and W;
+# a sixth True: the step clips the gradients' global norm (clip_grad_norm_)
+PP_CASES = {"pp4-sgdm-1f1b": ({"pp": 4}, "sgdm", "1f1b", 4),
+            "pp4-adamw-1f1b": ({"pp": 4}, "adamw", "1f1b", 4),
+            "pp4-sgdm-gpipe": ({"pp": 4}, "sgdm", "gpipe", 4),
+            "pp4-sgdm-interleaved": ({"pp": 4}, "sgdm", "interleaved", 8),
+            "pp4-sgdm-zbv": ({"pp": 4}, "sgdm", "zbv", 8),
+            "dp2-pp2-adamw-interleaved-zb": ({"dp": 2, "pp": 2}, "adamw", "interleaved-zb", 4),
+            "pp4-sgdm-1f1b-clip": ({"pp": 4}, "sgdm", "1f1b", 4, True),
+            "dp2-pp2-adamw-interleaved-clip": ({"dp": 2, "pp": 2}, "adamw", "interleaved", 4,
+                                               True),
+            "dp2-pp2-sgdm-1f1b": ({"dp": 2, "pp": 2}, "sgdm", "1f1b", 4),
+            "dp2-pp2-adamw-gpipe": ({"dp": 2, "pp": 2}, "adamw", "gpipe", 4)}
 PP_STEPS, PP_LOCAL, PP_MICRO = 3, 4, 4   # steps; sequences per dp rank; microbatches
 
 
-def tiny_gpt2() -> nn.Module:
-    """A Hugging Face GPT-2 of four small layers with its tied embedding and LM head."""
+def tiny_gpt2(layers: int = 4) -> nn.Module:
+    """A Hugging Face GPT-2 of small layers with its tied embedding and LM head."""
     import transformers
-    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=4,
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=layers,
                                   n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                   bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)
     return transformers.GPT2LMHeadModel(cfg)
@@ -1184,35 +1193,60 @@ def run_pipeline(rank: int, world: int) -> dict:
         import transformers  # noqa: F401
     except ImportError:          # the dev extra is not installed: nothing to check
         return {}
-    return {name: run_pp_case(rank, *case) for name, case in PP_CASES.items()}
+    return {name: run_pp_case(rank, world, *case) for name, case in PP_CASES.items()}
 
 
-def run_pp_case(rank: int, axes: dict[str, int], opt_name: str, schedule: str) -> dict:
+def pp_ddp_distance(rank: int, world: int, model: nn.Module, opt_name: str,
+                    batches: list[torch.Tensor], ref_sd: dict | None,
+                    step_fn: Callable = hf_lm_step) -> float | None:
+    """How far DDP over the ``world`` ranks (each a 1/world share of the global batches)
+    lands from the single-device step: the issue's yardstick for AdamW (rank 0)."""
+    from torch.nn.parallel import DistributedDataParallel
+    ddp_model = copy.deepcopy(model)
+    ddp = DistributedDataParallel(ddp_model)
+    opt = OPTS[opt_name](ddp.parameters())
+    for b in batches:
+        per = b.shape[0] // world
+        step_fn(ddp, opt, b[rank * per:(rank + 1) * per])
+    if ref_sd is None:
+        return None
+    return max(max_abs(ddp_model.state_dict()[k], v) for k, v in ref_sd.items())
+
+
+def run_pp_case(rank: int, world: int, axes: dict[str, int], opt_name: str, schedule: str,
+                layers: int, clip: bool = False) -> dict:
     import diphoma_compile
+    step_fn = hf_lm_step_clipped if clip else hf_lm_step
     dp, pp = axes.get("dp", 1), axes["pp"]
     torch.manual_seed(0)
-    model = tiny_gpt2()
+    model = tiny_gpt2(layers)
     ref = copy.deepcopy(model)
+    init = copy.deepcopy(model)
     opt, ref_opt = OPTS[opt_name](model.parameters()), OPTS[opt_name](ref.parameters())
     g = torch.Generator().manual_seed(7)
     batches = [torch.randint(0, 64, (dp * PP_LOCAL, 16), generator=g) for _ in range(PP_STEPS)]
     row = rank // pp                  # this rank's dp index (ranks laid out row-major)
-    step = diphoma_compile.parallelize(hf_lm_step, diphoma_compile.Mesh(axes),
+    step = diphoma_compile.parallelize(step_fn, diphoma_compile.Mesh(axes),
                                        microbatches=PP_MICRO, schedule=schedule)
     losses, ref_losses = [], []
     for b in batches:
         losses.append(step(model, opt, b[row * PP_LOCAL:(row + 1) * PP_LOCAL]).item())
         if rank == 0:
-            ref_losses.append(hf_lm_step(ref, ref_opt, b).item())
+            ref_losses.append(step_fn(ref, ref_opt, b).item())
     full = step.state_dict()           # a collective: every rank
     rec = step.plan.notes["pipeline"]
     out = {"losses": losses, "passes": list(step.graph.passes),
            "memory": step.memory_report().to_dict(),
            "whole": sum(p.numel() * p.element_size() for p in ref.parameters()),
-           "stage": step.runner.stage, "actions": list(step.runner.actions),
+           "stage": step.runner.stage, "stages": list(step.runner.stages),
+           "actions": list(step.runner.actions), "nstages": len(rec["stages"]),
+           "split": dict(step.runner.split), "rounds": step.runner.nrounds,
            "tied": rec["tied"], "full": torch.cat([v.reshape(-1) for v in full.values()])}
+    ref_sd = ref.state_dict() if rank == 0 else None
+    if opt_name == "adamw":          # a collective: every rank
+        out["ddp_param_abs"] = pp_ddp_distance(rank, world, init, opt_name, batches, ref_sd,
+                                               step_fn)
     if rank == 0:
-        ref_sd = ref.state_dict()
         out["ref_losses"] = ref_losses
         out["keys_equal"] = list(full) == list(ref_sd)
         out["param_abs"] = max(max_abs(full[k], v) for k, v in ref_sd.items())

@@ -434,3 +434,39 @@ def test_pipeline_plan_shows_stages_schedule_and_rank_grid(capsys, mesh, grid):
                      "--input", "int64[8,16]<64", "--mesh", mesh)
     stages = plan["notes"]["pipeline"]["stages"]
     assert [s["index"] for s in stages] == [0, 1] and all(s["flops"] > 0 for s in stages)
+
+
+FOUR_LAYERS = "GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=4, n_head=2, n_embd=32))"
+
+
+def test_plot_draws_the_pipeline_schedule(capsys, tmp_path):
+    """--plot FILE writes a picture of the schedule (ranks x time) laid out from the
+    schedule's action lists and the stages' flops; --schedule interleaved plans 4 stages of
+    a 4-layer model on pp=2, two per rank."""
+    pytest.importorskip("matplotlib")
+    out_png = tmp_path / "schedule.png"
+    rc, out, err = inspect(capsys, GPT, "--init", FOUR_LAYERS, "--input", "int64[8,16]<64",
+                           "--input", "int64[8,16]<64", "--mesh", "pp=2",
+                           "--schedule", "interleaved", "--plot", str(out_png))
+    assert rc == 0, err
+    assert "pipeline over pp=2: 4 stages, schedule interleaved" in out
+    data = out_png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_plot_without_matplotlib_says_to_install_it(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)      # import matplotlib fails
+    out_png = tmp_path / "schedule.png"
+    rc, out, err = inspect(capsys, GPT, "--init", TINY_GPT, "--input", "int64[8,16]<64",
+                           "--input", "int64[8,16]<64", "--mesh", "pp=2",
+                           "--plot", str(out_png))
+    assert rc != 0
+    assert "--plot needs matplotlib" in err and "pip install matplotlib" in err
+    assert not out_png.exists()
+
+
+def test_plot_without_a_pipeline_is_refused(capsys, tmp_path):
+    rc, out, err = inspect(capsys, GPT, "--init", TINY_GPT, "--input", "int64[8,16]<64",
+                           "--input", "int64[8,16]<64", "--mesh", "dp=2",
+                           "--plot", str(tmp_path / "s.png"))
+    assert rc != 0 and "this plan has none" in err

@@ -86,3 +86,22 @@ graph @g (%a: f32[4,3] param, %v: f32[3] param) {
 """)
     with pytest.raises(UnsupportedOpError, match="no lowering for dot"):
         build_module(g)
+
+
+def test_concat_and_slice_run_as_cat_and_strided_slices():
+    """concat and slice (the pipeline packs a stage's gradient norms with them) run as
+    torch.cat and aten.slice, one dimension at a time."""
+    g = parse("""# diphoma-ir v1
+graph @g (%a: f32[2,3] param, %b: f32[1,3] param) {
+  %c: f32[3,3] = concat(%a, %b) {dim=0}
+  %s: f32[2,2] = slice(%c) {starts=[1, 0], limits=[3, 3], strides=[1, 2]}
+  return (
+    %c other,
+    %s other,
+  )
+}
+""")
+    a, b = torch.randn(2, 3), torch.randn(1, 3)
+    c, s = build_module(g)(a, b)
+    want = torch.cat([a, b], 0)
+    assert torch.equal(c, want) and torch.equal(s, want[1:3, 0:3:2])

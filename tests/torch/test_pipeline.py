@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 import diphoma_compile  # noqa: E402
-from diphoma_compile.errors import PassError  # noqa: E402
+from diphoma_compile.errors import BackendError, PassError  # noqa: E402
 from diphoma_compile.ir import parse, print_graph  # noqa: E402
 from diphoma_compile.mesh import Mesh  # noqa: E402
 from diphoma_compile.passes import PassContext, Pipeline, PipelineRecord  # noqa: E402
@@ -102,19 +102,46 @@ def test_a_model_too_small_to_split_is_refused(stages, words):
     assert "hint: use" in str(e.value)
 
 
-def test_a_global_gradient_clip_is_refused():
-    """clip_grad_norm_ sums every stage's gradients: the update would need values of all
-    stages at once, which the schedule cannot order (refused rather than deadlocked)."""
+@pytest.mark.parametrize("mesh, spec", [
+    ({"pp": 4}, "dce,pipeline{axis=pp, schedule=interleaved}"),     # 8 stages, 2 layers
+    ({"pp": 8}, "dce,pipeline"),
+])
+def test_fewer_layers_than_stages_is_refused(mesh, spec):
+    """A 2-layer GPT cut into 8 stages: the cut points inside the embedding's sum would
+    leave a stage with ops but no parameter; refused, saying the model has too few layers."""
+    with pytest.raises(PassError) as e:
+        run(traced_gpt(layers=2, mesh=mesh), spec)
+    assert "too few layers" in str(e.value) and "of 8 would hold no parameter" in str(e.value)
+    assert "hint: use fewer stages than 8" in str(e.value)
+
+
+def test_a_global_gradient_clip_is_staged():
+    """clip_grad_norm_ sums every stage's gradients: each gradient's norm is taken on its
+    stage, the norms cross packed (one message of all a stage's norms) to the stage that
+    totals them (the one holding most), and the clip factor goes back to every other stage
+    as a scalar; no gradient crosses in the update (the only other tensor sent there is the
+    tied embedding's new value)."""
     torch.manual_seed(0)
-    model = GPT(vocab=16, d=8, layers=2, heads=2, block=4)
+    model = GPT(vocab=16, d=8, layers=4, heads=2, block=4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seq = torch.randint(0, 16, (2, 5))
     g = diphoma_compile.trace(lm_step_clipped, model, opt,
                               {"idx": seq[:, :-1], "targets": seq[:, 1:]})
-    with pytest.raises(PassError) as e:
-        run(g.replace(mesh=Mesh({"pp": 2})), "dce,pipeline")
-    assert "combines values of several stages" in str(e.value)
-    assert "gradient-norm clip" in str(e.value)
+    out, ctx = run(g.replace(mesh=Mesh({"pp": 4})), "dce,pipeline")
+    types = out.value_types()
+    recvs = [op for op in out.ops if op.name == "recv" and op.phase.value == "update"]
+    shapes = sorted((op.stage, types[op.results[0].name].shape) for op in recvs)
+    total = next(s for s, shape in shapes if len(shape) == 1)     # gets the packed norms
+    packed = [(s, shape) for s, shape in shapes if s == total]
+    back = [(s, shape) for s, shape in shapes if s != total]
+    assert len(packed) == 3 and all(n > 1 for _, (n,) in packed), packed
+    # the three other stages: the clip factor, and the last the tied embedding's new value
+    assert sorted(s for s, shape in back if shape == ()) == [s for s in range(4) if s != total]
+    assert [shape for _, shape in back if shape != ()] == [types["tok.weight"].shape]
+    sizes = sum(n for _, (n,) in packed)
+    norms_on = sum(1 for op in out.ops if op.name == "norm" and op.stage != total
+                   and op.phase.value == "update")
+    assert sizes == norms_on, (sizes, norms_on)
 
 
 def test_parallelize_picks_the_pipeline_pass_from_the_axis_name():
@@ -148,7 +175,144 @@ GOLDEN_ACTIONS = {
 }
 
 
+# interleaved 1F1B (schedule, stages, microbatches, ranks): stage s runs on rank s mod ranks;
+# an action is written stage, kind, microbatch (torch's own notation)
+GOLDEN_INTERLEAVED = {
+    ("interleaved", 8, 4, 4): [
+        "0F0 0F1 0F2 0F3 4F0 4F1 4F2 4F3 4B0 4B1 4B2 4B3 0B0 0B1 0B2 0B3",
+        "1F0 1F1 1F2 1F3 5F0 5F1 5F2 5F3 5B0 5B1 5B2 5B3 1B0 1B1 1B2 1B3",
+        "2F0 2F1 2F2 2F3 6F0 6F1 6F2 6B0 6F3 6B1 6B2 6B3 2B0 2B1 2B2 2B3",
+        "3F0 3F1 3F2 3F3 7F0 7B0 7F1 7B1 7F2 7B2 7F3 7B3 3B0 3B1 3B2 3B3"],
+    ("interleaved", 4, 4, 2): [
+        "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3",
+        "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3"],
+    # zero-bubble: each backward as its input-gradient (I) and weight-gradient (W) runs
+    ("interleaved-zb", 4, 4, 2): [
+        "0F0 0F1 2F0 2F1 2I0 2W0 0F2 2I1 2W1 0F3 0I0 0W0 2F2 0I1 0W1 2F3 2I2 2W2 2I3 2W3 0I2 "
+        "0W2 0I3 0W3",
+        "1F0 1F1 3F0 3I0 3F1 3I1 3W0 1F2 1I0 3W1 1F3 1I1 1W0 3F2 3I2 1W1 3F3 3I3 3W2 1I2 3W3 "
+        "1I3 1W2 1W3"],
+    # the V: rank r runs stages r and 2P - 1 - r
+    ("zbv", 4, 4, 2): [
+        "0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2 3I2 3W2 0I1 0W1 3F3 3I3 3W3 0I2 "
+        "0W2 0I3 0W3",
+        "1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1F3 1I1 1W1 2F3 2I2 2W2 1I2 2I3 1I3 "
+        "1W2 2W3 1W3"],
+}
+
+
 @pytest.mark.parametrize("key", list(GOLDEN_ACTIONS))
 def test_schedule_actions_from_torch_are_pinned(key):
-    got = [" ".join(f"{k}{m}" for k, m in rank) for rank in schedule_actions(*key)]
+    got = [" ".join(f"{k}{m}" for k, m, _ in rank) for rank in schedule_actions(*key)]
     assert got == GOLDEN_ACTIONS[key]
+    assert all(s == r for r, rank in enumerate(schedule_actions(*key)) for _, _, s in rank)
+
+
+@pytest.mark.parametrize("key", list(GOLDEN_INTERLEAVED))
+def test_interleaved_schedule_actions_from_torch_are_pinned(key):
+    got = [" ".join(f"{s}{k}{m}" for k, m, s in rank) for rank in schedule_actions(*key)]
+    assert got == GOLDEN_INTERLEAVED[key]
+
+
+def test_interleaved_schedule_refuses_microbatches_torch_refuses():
+    """torch's interleaved generators want M a multiple of its rounds (max(1, M // P)): 5
+    microbatches on 2 ranks are refused with its reason, 3 are fine."""
+    with pytest.raises(BackendError) as e:
+        schedule_actions("interleaved", 4, 5, 2)
+    assert "refuses 5 microbatches on 2 ranks" in str(e.value)
+    assert "hint: microbatches=4" in str(e.value)
+    assert len(schedule_actions("interleaved", 4, 3, 2)[0]) == 2 * 2 * 3
+
+
+def test_golden_pipeline_interleaved_four_stages_on_two_ranks(golden):
+    """schedule=interleaved: stages=auto is twice the axis (4 stages of a 4-layer model on 2
+    ranks); stage s runs on rank s mod 2, so a send's peer is the rank of the reader's
+    stage; the record's bubble is (P - 1) / (v M + P - 1)."""
+    out, ctx = run(traced_gpt(layers=4), "dce,pipeline{axis=pp, microbatches=2, "
+                                         "schedule=interleaved}")
+    rec = ctx.decision(PipelineRecord)
+    assert len(rec.stages) == 4 and rec.ranks == 2
+    assert [rec.rank_of(s) for s in range(4)] == [0, 1, 0, 1]
+    recvs = {op.attrs["tag"]: op for op in out.ops if op.name == "recv"}
+    for op in out.ops:
+        if op.name == "send":
+            dst = recvs[op.attrs["tag"]]
+            assert op.attrs["peer"] == dst.stage % 2 and dst.attrs["peer"] == op.stage % 2
+    assert {op.stage for op in out.ops} == {0, 1, 2, 3}
+    assert rec.tied == {"tok.weight": (0, 3)}
+    assert rec.bubble == pytest.approx(1 / (2 * 2 + 1))
+    text = print_graph(out)
+    assert parse(text) == out
+    golden("torch_gpt_sgd.pp2_interleaved.ir", text)
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("pipeline{axis=pp, stages=3, schedule=interleaved}", "not a multiple of the 2 devices"),
+    ("pipeline{axis=pp, stages=4}", "runs one stage per device"),
+    ("pipeline{axis=pp, schedule=zigzag}", "unknown schedule 'zigzag'"),
+])
+def test_pipeline_options_that_do_not_fit_the_axis_are_refused(spec, words):
+    with pytest.raises(PassError) as e:
+        run(traced_gpt(layers=4), "dce," + spec)
+    assert words in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("key", [("gpipe", 4, 8, 4), ("1f1b", 4, 4, 4), ("1f1b", 4, 8, 4),
+                                 ("interleaved", 8, 4, 4), ("interleaved", 8, 8, 4),
+                                 ("interleaved", 4, 8, 2), ("interleaved-zb", 8, 8, 4),
+                                 ("zbv", 8, 8, 4), ("zbv", 4, 8, 2)])
+def test_schedules_laid_out_in_time_have_the_textbook_bubble(key):
+    """report/schedule.timeline places torch's action lists in time (each action when its
+    rank is free and its input is done): with equal stages, backward twice the forward, the
+    idle share is the record's bubble, (P - 1) / (v M + P - 1), and for the zero-bubble
+    schedules (input and weight gradients each as long as the forward) (P - 1) /
+    (3 v M + P - 1)."""
+    from diphoma_compile.passes.pipeline_parallel import bubble_fraction
+    from diphoma_compile.report.schedule import bubble, timeline
+    schedule, stages, micro, ranks = key
+    blocks = timeline(schedule_actions(*key), [1.0] * stages, [2.0] * stages)
+    assert len(blocks) == (3 if "zb" in schedule else 2) * stages * micro
+    assert bubble(blocks) == pytest.approx(bubble_fraction(schedule, stages, micro, ranks))
+
+
+def test_a_schedule_whose_actions_wait_on_each_other_is_refused():
+    from diphoma_compile.report.schedule import ScheduleError, timeline
+    # rank 0 runs its backward before rank 1 has run the forward it waits for: stuck
+    acts = [[("F", 0, 0), ("B", 0, 0)], [("B", 0, 1), ("F", 0, 1)]]
+    with pytest.raises(ScheduleError, match="cannot run"):
+        timeline(acts, [1.0, 1.0], [2.0, 2.0])
+
+
+def test_zbv_places_stages_in_a_v():
+    """zbv: 4 stages on 2 ranks as 0 1 | 1 0 (stage 1 and 2 on rank 1: their pair is sent
+    and received on that rank); stages=auto is twice the axis, any other count refused."""
+    out, ctx = run(traced_gpt(layers=4), "dce,pipeline{axis=pp, microbatches=2, schedule=zbv}")
+    rec = ctx.decision(PipelineRecord)
+    assert [rec.rank_of(s) for s in range(4)] == [0, 1, 1, 0]
+    recvs = {op.attrs["tag"]: op for op in out.ops if op.name == "recv"}
+    pairs = {(op.stage, recvs[op.attrs["tag"]].stage, op.attrs["peer"]) for op in out.ops
+             if op.name == "send" and op.phase.value == "forward"}
+    assert pairs == {(0, 1, 1), (1, 2, 1), (2, 3, 0)}
+    # the plan costs each backward's input-gradient part: none on the first stage (nothing
+    # waits for its input's gradient), a part of the backward on the others
+    grads = [(st.input_grad_flops, st.backward_flops) for st in rec.stages]
+    assert grads[0][0] == 0 and all(0 < i < b for i, b in grads[1:]), grads
+    with pytest.raises(PassError, match="two stages per device in a V"):
+        run(traced_gpt(layers=4), "dce,pipeline{axis=pp, stages=6, schedule=zbv}")
+
+
+def test_golden_pipeline_global_clip_packed(golden):
+    """The clipped step over pp=2: stage 1's gradient norms cross packed into one message
+    (reshape to [1], concat, send; recv, slice, reshape), the factor comes back."""
+    torch.manual_seed(0)
+    model = GPT(vocab=16, d=8, layers=2, heads=2, block=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seq = torch.randint(0, 16, (2, 5))
+    g = diphoma_compile.trace(lm_step_clipped, model, opt,
+                              {"idx": seq[:, :-1], "targets": seq[:, 1:]})
+    out, _ = run(g.replace(mesh=Mesh({"pp": 2})), "dce,pipeline")
+    names = [op.name for op in out.ops]
+    assert names.count("concat") == 1 and names.count("slice") > 1
+    text = print_graph(out)
+    assert parse(text) == out
+    golden("torch_gpt_clip.pp2.ir", text)

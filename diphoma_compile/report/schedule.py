@@ -1,0 +1,135 @@
+"""A pipeline schedule laid out in time: each rank's actions (forward or backward of a
+microbatch on one of its stages, in the schedule's order) placed at the earliest moment the
+rank is free and the action's input has arrived, with each stage's forward and backward
+costs; the bubble it implies, and its picture (``diphoma inspect --plot schedule.png``).
+
+A forward of stage s waits for the same microbatch's forward on stage s - 1, a backward for
+its backward on stage s + 1 (the last stage's for its own forward); sending takes no time.
+A split backward (zero-bubble schedules) is its input-gradient part I, which the earlier
+stage waits for, and its weight-gradient part W, which waits for I only.
+With equal stages this gives the textbook bubbles ((P - 1) / (M + P - 1) for GPipe and 1F1B,
+(P - 1) / (v M + P - 1) interleaved); with the stages' own costs it gives what an uneven cut
+costs. matplotlib is imported only to draw."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import DiphomaError
+
+Action = tuple[str, int, int]          # ("F" | "B" | "I" | "W", microbatch, stage)
+
+
+class ScheduleError(DiphomaError):
+    """A schedule that cannot be laid out (an action waits for one that never runs), or a
+    picture that cannot be drawn."""
+
+
+@dataclass(frozen=True)
+class Block:
+    """One action in time."""
+
+    rank: int
+    kind: str
+    microbatch: int
+    stage: int
+    start: float
+    end: float
+
+
+def timeline(actions: list[list[Action]] | tuple, forward: list[float],
+             backward: list[float], input_share: float | list[float] = 0.5) -> list[Block]:
+    """Each rank's ``actions`` placed in time, ``forward[s]`` / ``backward[s]`` long on stage
+    s (any unit; a split backward's I takes ``input_share`` of it, or ``input_share[s]``,
+    W the rest): an action starts when its rank is free and its input is done."""
+    shares = input_share if isinstance(input_share, list) else [input_share] * len(forward)
+    stages = len(forward)
+    done: dict[tuple[str, int, int], float] = {}
+    free = [0.0] * len(actions)
+    nxt = [0] * len(actions)
+    out: list[Block] = []
+    left = sum(len(a) for a in actions)
+    while left:
+        moved = False
+        for r, acts in enumerate(actions):
+            while nxt[r] < len(acts):
+                kind, mb, s = acts[nxt[r]]
+                if kind == "F":
+                    dep = ("F", mb, s - 1) if s > 0 else None
+                elif kind == "W":
+                    dep = ("I", mb, s)
+                elif s == stages - 1:
+                    dep = ("F", mb, s)
+                else:           # the next stage's backward, whole or its input part
+                    dep = ("B", mb, s + 1) if ("B", mb, s + 1) in done else ("I", mb, s + 1)
+                if dep is not None and dep not in done:
+                    break
+                start = max(free[r], done[dep] if dep is not None else 0.0)
+                cost = {"F": forward[s], "B": backward[s], "I": shares[s] * backward[s],
+                        "W": (1 - shares[s]) * backward[s]}[kind]
+                end = start + cost
+                done[(kind, mb, s)] = free[r] = end
+                out.append(Block(r, kind, mb, s, start, end))
+                nxt[r] += 1
+                left -= 1
+                moved = True
+        if not moved:
+            stuck = {r: acts[nxt[r]] for r, acts in enumerate(actions) if nxt[r] < len(acts)}
+            raise ScheduleError(f"the schedule cannot run: each rank's next action waits for "
+                                f"one that no rank can run first ({stuck})",
+                                hint="use another schedule or number of microbatches")
+    return out
+
+
+def bubble(blocks: list[Block]) -> float:
+    """The idle share of the busiest-to-finish rank's step: 1 - its busy time / the step
+    (the makespan over all ranks)."""
+    span = max(b.end for b in blocks) - min(b.start for b in blocks)
+    ranks = {b.rank for b in blocks}
+    busy = min(sum(b.end - b.start for b in blocks if b.rank == r) for r in ranks)
+    return 1 - busy / span if span else 0.0
+
+
+def plot(blocks: list[Block], path: str | Path, title: str = "") -> Path:
+    """Draw ``blocks`` as ranks x time (forward blocks light, backward dark, labelled with
+    stage and microbatch) into ``path`` (png, svg, pdf: by its suffix)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ScheduleError("--plot needs matplotlib, which is not installed",
+                            hint="pip install matplotlib (or pip install "
+                                 "'diphoma_compile[dev]')") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ranks = sorted({b.rank for b in blocks})
+    span = max(b.end for b in blocks)
+    stages = max(b.stage for b in blocks) + 1
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(blocks) / max(len(ranks), 1)),
+                                    0.6 * len(ranks) + 1.2))
+    colors = plt.get_cmap("tab10")
+    for b in blocks:
+        shade = colors(b.stage % 10 if stages > 1 else 0)
+        alpha = {"F": 0.4, "I": 0.75, "W": 0.95}.get(b.kind, 0.95)
+        ax.barh(b.rank, b.end - b.start, left=b.start, height=0.8, color=shade, alpha=alpha,
+                edgecolor="black", linewidth=0.5)
+        label = f"{b.kind}{b.microbatch}" if stages == len(ranks) else \
+            f"{b.stage}{b.kind}{b.microbatch}"
+        ax.text(b.start + (b.end - b.start) / 2, b.rank, label, ha="center", va="center",
+                fontsize=7)
+    ax.set_yticks(ranks)
+    ax.set_yticklabels([f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlim(0, span)
+    ax.set_xlabel("time (stage costs; F light, B / I / W darker)")
+    ax.set_title(title or f"bubble {bubble(blocks):.1%}", fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    try:
+        fig.savefig(path)
+    except (OSError, ValueError) as e:
+        raise ScheduleError(f"cannot write the schedule picture {path}: {e}",
+                            hint="a writable path ending in .png, .svg or .pdf") from None
+    finally:
+        plt.close(fig)
+    return path
