@@ -70,18 +70,21 @@ def shard_placement(t: TensorType, n: int, layout: str) -> tuple[Placement, str]
 def linked_placement(t: TensorType, param: TensorType, n: int,
                      layout: str) -> tuple[Placement, str]:
     """Where optimizer state of another shape than its parameter is stored: a factored
-    moment (the parameter's shape less one dimension, as Adafactor's row and column
-    statistics) split along the parameter's split dimension when it keeps it; else whole,
+    moment (the parameter's shape less one dimension, as optax's Adafactor row and column
+    statistics, or with that dimension of size 1, as torch's) split along the parameter's split dimension when it keeps it; else whole,
     and why."""
     if t.numel <= 1:
         return REPLICATE, "a scalar: cheaper to repeat than to split"
     pp, why = shard_placement(param, n, layout)
     lost = [a for a in range(param.rank)
             if param.shape[:a] + param.shape[a + 1:] == t.shape]
-    if not lost:
+    # torch.optim.Adafactor keeps the reduced dimension, as size 1 ([rows, 1], [1, cols])
+    kept = [a for a in range(param.rank) if t.rank == param.rank and param.shape[a] > 1
+            and t.shape == param.shape[:a] + (1,) + param.shape[a + 1:]]
+    if not lost and not kept:
         return REPLICATE, (f"its shape {list(t.shape)} is not its parameter's "
-                           f"{list(param.shape)} less one dimension, so no piece of it "
-                           "follows the parameter's")
+                           f"{list(param.shape)} less one dimension (or with it of size "
+                           "1), so no piece of it follows the parameter's")
     if isinstance(pp, Replicate):
         return REPLICATE, f"its parameter stays whole ({why})"
     if not isinstance(pp, Shard):
@@ -90,6 +93,7 @@ def linked_placement(t: TensorType, param: TensorType, n: int,
                            "no flat piece that follows it")
     # the state's dimension that is the parameter's split one, for each dimension it may lack
     follows = {None if a == pp.dim else pp.dim - (a < pp.dim) for a in lost}
+    follows |= {None if a == pp.dim else pp.dim for a in kept}
     if len(follows) > 1:
         return REPLICATE, (f"which dimension of {list(param.shape)} it lacks cannot be told "
                            "from the shapes, so whether it keeps the parameter's split "

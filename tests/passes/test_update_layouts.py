@@ -66,3 +66,16 @@ def test_an_unknown_layout_is_refused():
     assert parse_spec("weight-update-sharding{layout=dims-or-flat}")[0].layout == "dims-or-flat"
     with pytest.raises(PassFailure, match="layout='rows' is not one of flat, dims, dims-or-flat"):
         WeightUpdateSharding(axis="dp", layout="rows")(g, PassContext())
+
+
+def test_torch_s_keepdim_factored_moments_follow_their_parameter_too():
+    """torch.optim.Adafactor keeps the reduced dimension as size 1: row_var [rows, 1],
+    col_var [1, cols]. Under layout=dims the row moment of a row-split weight is split with
+    it; under torch's flat layout both stay whole, and the plan says it is the flat split."""
+    assert linked_placement(t(24, 1), t(24, 48), 8, "dims") == (Shard(0), "")
+    p, why = linked_placement(t(1, 48), t(24, 48), 8, "dims")
+    assert p == REPLICATE and "lacks the parameter's split dimension 0" in why
+    p, why = linked_placement(t(24, 1), t(24, 48), 8, "flat")
+    assert p == REPLICATE and "split flat" in why
+    p, why = linked_placement(t(24, 2), t(24, 48), 8, "dims")
+    assert p == REPLICATE and "of size 1" in why
