@@ -71,8 +71,8 @@ def linked_placement(t: TensorType, param: TensorType, n: int,
                      layout: str) -> tuple[Placement, str]:
     """Where optimizer state of another shape than its parameter is stored: a factored
     moment (the parameter's shape less one dimension, as optax's Adafactor row and column
-    statistics, or with that dimension of size 1, as torch's) split along the parameter's split dimension when it keeps it; else whole,
-    and why."""
+    statistics, or with that dimension of size 1, as torch's) split along the parameter's
+    split dimension when it keeps it; else whole, and why."""
     if t.numel <= 1:
         return REPLICATE, "a scalar: cheaper to repeat than to split"
     pp, why = shard_placement(param, n, layout)
