@@ -14,6 +14,7 @@ for at once, which is how ``profile`` measures the whole communication time."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from typing import Any
@@ -243,7 +244,7 @@ def all_gather(comm: Comm, x: torch.Tensor, dim: Any, shape: list[int],
 
     def finish() -> torch.Tensor:
         if dim == "flat":
-            return out[:_numel(shape)].view(shape)
+            return out[:math.prod(shape)].view(shape)
         return out.movedim(0, dim)
     return _start(comm, _gather_launch(comm, out, src), finish, async_op)
 
@@ -340,11 +341,13 @@ def reduce_scatter_bucket(comm: Comm, xs: list[torch.Tensor], op: str, dim: Any,
     return _start_scatter(comm, src, True, [src.numel() // n], op, shaped, async_op)
 
 
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+def _member(r: torch.Tensor, n: int, dim: Any, piece: list[int],
+             shape: list[int]) -> torch.Tensor:
+    """One bucket member's whole value from its gathered rows ``r`` (n, m): padding dropped
+    (flat), or the ranks' pieces joined along ``dim``."""
+    if dim == "flat":
+        return r.reshape(-1)[:math.prod(shape)].view(shape)
+    return r.reshape([n * piece[0]] + piece[1:]).movedim(0, dim)
 
 
 def _unpack_into(dest: torch.Tensor, r: torch.Tensor, n: int, dim: Any,
@@ -352,9 +355,7 @@ def _unpack_into(dest: torch.Tensor, r: torch.Tensor, n: int, dim: Any,
     """Write the gathered rows ``r`` (n, m) of one bucket member straight into ``dest``, the
     storage of the whole value (the parameter it replaces), with no copy in between."""
     if not dest.is_contiguous():
-        whole = r.reshape(-1)[:dest.numel()].view(dest.shape) if dim == "flat" else \
-            r.reshape([n * piece[0]] + piece[1:]).movedim(0, dim)
-        return dest.copy_(whole)
+        return dest.copy_(_member(r, n, dim, piece, list(dest.shape)))
     if dim == "flat":
         numel, m = dest.numel(), r.shape[1]
         flat = dest.view(-1)
@@ -389,12 +390,8 @@ def all_gather_bucket(comm: Comm, xs: list[torch.Tensor], dim: Any,
         rows = out.view(n, -1).split(widths, dim=1)
         res = []
         for r, piece, shape, dest in zip(rows, pieces, shapes, into):
-            if dest is not None:
-                res.append(_unpack_into(dest, r, n, dim, piece))
-            elif dim == "flat":
-                res.append(r.reshape(-1)[:_numel(shape)].view(shape))
-            else:
-                res.append(r.reshape([n * piece[0]] + piece[1:]).movedim(0, dim))
+            res.append(_unpack_into(dest, r, n, dim, piece) if dest is not None
+                       else _member(r, n, dim, piece, shape))
         return tuple(res)
     return _start(comm, _gather_launch(comm, out, src), finish, async_op)
 
@@ -474,7 +471,7 @@ def scratch_bytes(graph: Any, in_place: Any = ()) -> dict[int, int]:
         bucket = len(op.inputs) > 1
         if op.name == "reduce_scatter":
             t = types[op.inputs[0]]
-            padded = dim == "flat" and _numel(list(t.local_shape(sizes))) % n
+            padded = dim == "flat" and math.prod(t.local_shape(sizes)) % n
             if bucket or dim not in (0, "flat") or padded:
                 add(k, sum(_padded(types[i], b, n, dim, sizes)
                            for i, b in zip(op.inputs, local)))
@@ -494,5 +491,5 @@ def _padded(t: Any, nbytes: int, n: int, dim: Any, sizes: dict[str, int]) -> int
     """Bytes of a value laid out as n rows: zero-padded to a multiple of n when flat."""
     if dim != "flat":
         return nbytes
-    numel = _numel(list(t.local_shape(sizes)))
+    numel = math.prod(t.local_shape(sizes))
     return -(-numel // n) * n * (nbytes // numel if numel else 0)
