@@ -51,6 +51,7 @@ class _Segment:
     outputs: list[str] = field(default_factory=list)
     recvs: list[tuple[str, int, int]] = field(default_factory=list)   # name, peer, tag
     sends: list[tuple[str, int, int]] = field(default_factory=list)
+    acc: list[str] = field(default_factory=list)   # summed over microbatches (made or received)
 
 
 class TorchPipelineStep(TorchDistStep):
@@ -92,7 +93,6 @@ class TorchPipelineStep(TorchDistStep):
         self.types = types
         self.segs: dict[tuple[int, str], _Segment] = {}
         self.writes: dict[str, tuple[str, int, int]] = {}     # param -> recv of its new value
-        self.acc: set[str] = set()      # per-microbatch values the update or results read
         self.seg_of: dict[str, str] = {}
         self.split: dict[int, tuple[int, int]] = {}   # stage -> ops in its I and W parts
         # a split backward's input-gradient part: what the gradients sent to an earlier
@@ -177,8 +177,7 @@ class TorchPipelineStep(TorchDistStep):
                                             if n not in made))
             seg.outputs = [n for n in made if (readers.get(n, set()) - {k}) or n in returned]
             if not k.startswith("U"):
-                self.acc.update(n for n in seg.outputs if updates(n))
-                self.acc.update(n for n, _, _ in seg.recvs if updates(n))
+                seg.acc = [n for n in seg.outputs + [r[0] for r in seg.recvs] if updates(n)]
             sub = Graph(f"{graph.name}.stage{me}.{k}",
                         tuple(Input(Value(n, types[n]), roles.get(n, InputRole()))
                               for n in seg.inputs), tuple(body[k]),
@@ -255,9 +254,24 @@ class TorchPipelineStep(TorchDistStep):
     def _tag(self, mb: int, tag: int) -> int:
         return mb * self.ntags + tag
 
-    def _recv(self, items: list[tuple[str, int, int]], mb: int, env: dict) -> None:
+    def _post(self, items: list[tuple[str, int, int]], mb: int) -> list:
+        """Post the receives of ``items`` from other ranks: (name, buffer, work) each."""
         sizes = dict(self.mesh.axes)
-        works = []
+        posted = []
+        for name, peer, tag in items:
+            if peer == self.pp.rank:
+                continue
+            t = self.types[name]
+            buf = torch.empty(t.local_shape(sizes), dtype=DTYPE_TO_TORCH[t.dtype])
+            posted.append((name, buf, dist.irecv(buf, src=self.pp.global_rank(peer),
+                                                 group=self.pp.group,
+                                                 tag=self._tag(mb, tag))))
+        return posted
+
+    def _recv(self, items: list[tuple[str, int, int]], mb: int, env: dict,
+              posted: list | None = None) -> None:
+        """Put the values of ``items`` into ``env``: from this rank's other stages, or
+        received (``posted`` earlier by ``_post``, or posted now) and waited for."""
         for name, peer, tag in items:
             if peer == self.pp.rank:        # from another stage of this rank
                 got = self._local.pop(self._tag(mb, tag), None)
@@ -267,14 +281,9 @@ class TorchPipelineStep(TorchDistStep):
                                        hint="the schedule's order is not runnable; this is "
                                             "a bug in the pipeline schedule")
                 env[name] = got
-                continue
-            t = self.types[name]
-            buf = torch.empty(t.local_shape(sizes), dtype=DTYPE_TO_TORCH[t.dtype])
-            works.append(dist.irecv(buf, src=self.pp.global_rank(peer), group=self.pp.group,
-                                    tag=self._tag(mb, tag)))
+        for name, buf, work in (self._post(items, mb) if posted is None else posted):
+            work.wait()
             env[name] = buf
-        for w in works:
-            w.wait()
 
     def _send(self, items: list[tuple[str, int, int]], mb: int, env: dict) -> None:
         for name, peer, tag in items:
@@ -294,9 +303,19 @@ class TorchPipelineStep(TorchDistStep):
         finally:
             self.wall_s += time.perf_counter() - t0
 
-    def _call(self, seg: _Segment, args: list, env: dict, what: tuple[str, int, int]) -> None:
+    def _call(self, seg: _Segment, args: list, env: dict, what: tuple[str, int, int],
+              acc: dict[str, torch.Tensor] | None = None) -> None:
+        """Run one program; with ``acc``, add what leaves the microbatch (gradients, the
+        loss) into the sum over microbatches, in place, as autograd accumulates into
+        ``.grad`` within the backward (so it counts as the program's time)."""
         t1 = time.perf_counter()
         env.update(zip(seg.outputs, seg.module(*args)))
+        if acc is not None:
+            for n in seg.acc:
+                if n not in acc:
+                    acc[n] = env[n].clone()     # an output may be a view of an input
+                else:
+                    acc[n].add_(env[n])
         t2 = time.perf_counter()
         self.compute_s += t2 - t1
         self.busy.append((*what, t1, t2))
@@ -310,17 +329,23 @@ class TorchPipelineStep(TorchDistStep):
         self._local: dict[int, torch.Tensor] = {}
         envs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         acc: dict[str, torch.Tensor] = {}
-        for kind, mb, st in self.actions:
+        # the receives of the next action are posted before this one runs, so its inputs
+        # arrive while this rank computes (one action ahead: 1F1B's bound on what is in
+        # flight holds)
+        actions = self.actions
+        posted = self._post(self.segs[(actions[0][2], actions[0][0])].recvs, actions[0][1]) \
+            if actions else []
+        for k, (kind, mb, st) in enumerate(actions):
             env = envs.setdefault((st, mb), {})
             seg = self.segs[(st, kind)]
-            self._recv(seg.recvs, mb, env)
+            self._recv(seg.recvs, mb, env, posted)
+            if k + 1 < len(actions):
+                nk, nmb, nst = actions[k + 1]
+                posted = self._post(self.segs[(nst, nk)].recvs, nmb)
             args = [env[n] if n in env else chunks[n][mb] if n in chunks else given[n]
                     for n in seg.inputs]
-            self._call(seg, args, env, (kind, mb, st))
+            self._call(seg, args, env, (kind, mb, st), acc)
             self._send(seg.sends, mb, env)
-            for n in seg.outputs + [r[0] for r in seg.recvs]:
-                if n in self.acc:
-                    acc[n] = env[n].clone() if n not in acc else acc[n] + env[n]
             if kind in "BW":
                 del envs[(st, mb)]
         env = {n: v / m for n, v in acc.items()}
