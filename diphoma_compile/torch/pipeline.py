@@ -2,9 +2,10 @@
 
 The ``pipeline`` pass left every op a stage and the values that cross stages as send/recv
 pairs. A rank runs one stage (GPipe, 1F1B: its coordinate on the pipeline axis) or several
-(interleaved: stages r, r + P, ...; zbv: r and 2P - 1 - r), and cuts each stage's ops into
-programs, each built by ``build.py``: forward and backward (the zero-bubble schedules: its
-input-gradient part I and weight-gradient part W), run once per microbatch, and the update,
+(interleaved: stages r, r + P, ...; zbv: r and 2P - 1 - r); each stage's ops are cut into
+programs (``passes/pipeline_programs.py``), each built by ``build.py``: forward and
+backward (the zero-bubble schedules: its input-gradient part I and weight-gradient part
+W), run once per microbatch, and the update,
 run once (in rounds when it receives from other stages' updates, as a global gradient-norm
 clip does). Between them: the values received (``irecv``, waited for before the program
 that reads them; in memory between two stages of one rank), the values sent (``isend``,
@@ -22,37 +23,20 @@ receives the new value. ``state_dict()`` gathers the whole model on every rank."
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..errors import BackendError
-from ..ir.analysis import free_inputs
-from ..ir.core import Graph, Input, InputKind, InputRole, Op, Output, Phase, Value
-from ..passes.pipeline_parallel import (SPLIT_BACKWARD, input_gradient_ops, pipeline_of,
-                                        stage_rank)
+from ..ir.core import Graph, InputKind
+from ..passes.pipeline_parallel import pipeline_of, stage_rank
+from ..passes.pipeline_programs import stage_programs
 from .build import build_module
 from .dist import TorchDistStep
 from .ops import DTYPE_TO_TORCH
 from .pipeline_schedule import schedule_actions
 from .state import Captured, Slot
-
-_SEGMENTS = {Phase.forward: "F", Phase.backward: "B", Phase.update: "U"}
-
-
-@dataclass
-class _Segment:
-    """One program of this stage: its module, what it reads and returns, its sends/recvs."""
-
-    module: Any = None
-    inputs: list[str] = field(default_factory=list)
-    outputs: list[str] = field(default_factory=list)
-    recvs: list[tuple[str, int, int]] = field(default_factory=list)   # name, peer, tag
-    sends: list[tuple[str, int, int]] = field(default_factory=list)
-    acc: list[str] = field(default_factory=list)   # summed over microbatches (made or received)
-
 
 class TorchPipelineStep(TorchDistStep):
     """A distributed step whose ranks each run one pipeline stage on a schedule."""
@@ -73,9 +57,6 @@ class TorchPipelineStep(TorchDistStep):
         self.stages = [s for s in range(self.nstages)
                        if stage_rank(opts.schedule, s, self.nstages, self.pp.size) == self.pp.rank]
         self.stage = self.stages[0]         # this rank's first stage
-        # zero-bubble schedules run each backward as its input-gradient part (I: what the
-        # previous stage waits for) and its weight-gradient part (W: the rest)
-        self.kinds = "FIWU" if opts.schedule in SPLIT_BACKWARD else "FBU"
         self.actions = schedule_actions(opts.schedule, self.nstages, opts.microbatches,
                                         self.pp.size)[self.pp.rank]
         self._cut(graph)
@@ -89,24 +70,17 @@ class TorchPipelineStep(TorchDistStep):
 
     # ------------------------------------------------------------------ building
     def _cut(self, graph: Graph) -> None:
-        types = graph.value_types()
-        self.types = types
-        self.segs: dict[tuple[int, str], _Segment] = {}
-        self.writes: dict[str, tuple[str, int, int]] = {}     # param -> recv of its new value
-        self.seg_of: dict[str, str] = {}
-        self.split: dict[int, tuple[int, int]] = {}   # stage -> ops in its I and W parts
-        # a split backward's input-gradient part: what the gradients sent to an earlier
-        # stage's backward depend on
-        self.input_grad = input_gradient_ops(graph.ops) if "I" in self.kinds else set()
-        self._rounds(graph)
-        for me in self.stages:
-            self._cut_stage(graph, me)
+        self.types = graph.value_types()
+        cut = stage_programs(graph, self.stages, self.schedule)
+        self.segs = cut.programs
+        self.nrounds, self.split, self.writes = cut.nrounds, cut.split, cut.writes
+        self.modules = {key: build_module(prog.graph, self.comms, in_place=False)
+                        for key, prog in self.segs.items()}
         # the same numbering on every rank: one wire tag per (microbatch, pair)
         self.ntags = 1 + max([int(op.attrs["tag"]) for op in graph.ops
                               if op.name == "send"] + [0])
-        self.inputs_read = {n for s in self.segs.values() for n in s.inputs}
+        self.inputs_read = cut.inputs_read
         self.batch = {i.name for i in graph.inputs if i.role.kind is InputKind.batch}
-        self.made_here = set(self.seg_of)
         new_of = {o.role.target: o.name for o in graph.outputs if o.role.target is not None}
         # a tied parameter's new value received here stands for the output that replaces it
         self.stand_in = {}
@@ -123,104 +97,6 @@ class TorchPipelineStep(TorchDistStep):
                                       else stage_rank(self.schedule, producers[o.name],
                                                       self.nstages, self.pp.size))
                              for o in graph.outputs if o.role.target is None}
-
-    def _cut_stage(self, graph: Graph, me: int) -> None:
-        """The forward, backward and update programs of stage ``me``."""
-        types = self.types
-        roles = {i.name: i.role for i in graph.inputs}
-        ops = [op for op in graph.ops if op.stage == me]
-        kinds = [k for k in self.kinds if k != "U"] + [f"U{r}" for r in range(self.nrounds)]
-        seg_of: dict[str, str] = {}           # value made on this stage -> its segment
-        segs = {k: _Segment() for k in kinds}
-        body: dict[str, list[Op]] = {k: [] for k in kinds}
-        readers: dict[str, set[str]] = {}
-        input_grad = self.input_grad if "I" in kinds else set()
-        for op in ops:
-            if op.name in ("send", "recv"):
-                continue
-            k = _SEGMENTS[op.phase or Phase.forward]
-            if k == "B" and "I" in kinds:
-                k = "I" if id(op) in input_grad else "W"
-            elif k == "U":
-                k = f"U{self.op_round[id(op)]}"
-            body[k].append(op)
-            seg_of.update((v.name, k) for v in op.results)
-            for n in free_inputs(op):
-                readers.setdefault(n, set()).add(k)
-        for op in ops:
-            if op.name == "recv":
-                name = op.results[0].name
-                where = readers.get(name)
-                if not where:           # a tied parameter's new value: written, not read
-                    self.writes[name] = (name, int(op.attrs["peer"]), int(op.attrs["tag"]))
-                    continue
-                k = min(where, key=kinds.index)
-                if op.phase is Phase.backward and k == "F":
-                    k = kinds[1]
-                segs[k].recvs.append((name, int(op.attrs["peer"]), int(op.attrs["tag"])))
-                seg_of[name] = "R" + k
-            elif op.name == "send":
-                n = op.inputs[0]
-                k = seg_of.get(n, "F").removeprefix("R")
-                segs[k].sends.append((n, int(op.attrs["peer"]), int(op.attrs["tag"])))
-                readers.setdefault(n, set()).add("S" + k)
-        if "I" in kinds:
-            self.split[me] = (len(body["I"]), len(body["W"]))
-        returned = {o.name for o in graph.outputs}
-        def updates(n: str) -> bool:       # read by the update or returned
-            return any(r.startswith("U") for r in readers.get(n, ())) or n in returned
-
-        for k in kinds:
-            made = {v.name for op in body[k] for v in op.results}
-            seg = segs[k]
-            seg.inputs = list(dict.fromkeys(n for op in body[k] for n in free_inputs(op)
-                                            if n not in made))
-            seg.outputs = [n for n in made if (readers.get(n, set()) - {k}) or n in returned]
-            if not k.startswith("U"):
-                seg.acc = [n for n in seg.outputs + [r[0] for r in seg.recvs] if updates(n)]
-            sub = Graph(f"{graph.name}.stage{me}.{k}",
-                        tuple(Input(Value(n, types[n]), roles.get(n, InputRole()))
-                              for n in seg.inputs), tuple(body[k]),
-                        tuple(Output(n) for n in seg.outputs), graph.mesh)
-            seg.module = build_module(sub, self.comms, in_place=False)
-            self.segs[(me, k)] = seg
-        self.seg_of.update(seg_of)
-
-    def _rounds(self, graph: Graph) -> None:
-        """Cut the update into rounds by the values it receives from other stages' updates
-        (a global gradient-norm clip: each stage's gradient norms go to one stage, which
-        sends the clip factor back): round r reads only what rounds before r sent, so every
-        rank runs round 0 of all its stages, then round 1, ... without waiting on itself."""
-        value: dict[str, int] = {}
-        sent: dict[int, int] = {}
-        self.op_round: dict[int, int] = {}
-        for op in graph.ops:
-            if op.phase is not Phase.update:
-                continue
-            if op.name == "send":
-                sent[int(op.attrs["tag"])] = value.get(op.inputs[0], 0)
-            elif op.name == "recv":
-                value[op.results[0].name] = sent.get(int(op.attrs["tag"]), -1) + 1
-            else:
-                r = max([value.get(n, 0) for n in free_inputs(op)] + [0])
-                self.op_round[id(op)] = r
-                value.update((v.name, r) for v in op.results)
-        # then as late as their readers allow: math on the hyperparameters alone (the
-        # learning rate's scalars, which a program may keep on the host) runs in the round
-        # of the update that reads it rather than crossing from round 0
-        readers: dict[str, list[Op]] = {}
-        for op in graph.ops:
-            for n in free_inputs(op):
-                readers.setdefault(n, []).append(op)
-        returned = {o.name for o in graph.outputs}
-        for op in reversed(graph.ops):
-            if id(op) not in self.op_round:
-                continue
-            late = [self.op_round.get(id(r)) for v in op.results
-                    for r in readers.get(v.name, ())]
-            if late and None not in late and not any(v.name in returned for v in op.results):
-                self.op_round[id(op)] = max(self.op_round[id(op)], min(late))
-        self.nrounds = 1 + max(self.op_round.values(), default=0)
 
     def _finish_init(self) -> None:
         """Batch arguments are M microbatches; other stages' parameters are let go."""
@@ -303,13 +179,14 @@ class TorchPipelineStep(TorchDistStep):
         finally:
             self.wall_s += time.perf_counter() - t0
 
-    def _call(self, seg: _Segment, args: list, env: dict, what: tuple[str, int, int],
+    def _call(self, key: tuple[int, str], args: list, env: dict, what: tuple[str, int, int],
               acc: dict[str, torch.Tensor] | None = None) -> None:
         """Run one program; with ``acc``, add what leaves the microbatch (gradients, the
         loss) into the sum over microbatches, in place, as autograd accumulates into
         ``.grad`` within the backward (so it counts as the program's time)."""
         t1 = time.perf_counter()
-        env.update(zip(seg.outputs, seg.module(*args)))
+        seg = self.segs[key]
+        env.update(zip(seg.outputs, self.modules[key](*args)))
         if acc is not None:
             for n in seg.acc:
                 if n not in acc:
@@ -344,7 +221,7 @@ class TorchPipelineStep(TorchDistStep):
                 posted = self._post(self.segs[(nst, nk)].recvs, nmb)
             args = [env[n] if n in env else chunks[n][mb] if n in chunks else given[n]
                     for n in seg.inputs]
-            self._call(seg, args, env, (kind, mb, st), acc)
+            self._call((st, kind), args, env, (kind, mb, st), acc)
             self._send(seg.sends, mb, env)
             if kind in "BW":
                 del envs[(st, mb)]
@@ -354,7 +231,7 @@ class TorchPipelineStep(TorchDistStep):
                 seg = self.segs[(st, f"U{r}")]
                 self._recv(seg.recvs, m, env)
                 args = [env[n] if n in env else given[n] for n in seg.inputs]
-                self._call(seg, args, env, ("U", m, st))
+                self._call((st, f"U{r}"), args, env, ("U", m, st))
                 self._send(seg.sends, m, env)
         self._recv(list(self.writes.values()), m, env)
         for w, _ in self._pending:

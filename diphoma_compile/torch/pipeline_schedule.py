@@ -5,13 +5,13 @@ These are private torch APIs (``_schedule_visualizer.get_schedule_ops``, a sched
 ``pipeline_order`` built over mock stages), pinned by golden action lists in
 tests/torch/test_pipeline_schedule.py. In torch 2.13 ``Schedule1F1B``'s ``pipeline_order``
 is wrong for the last rank (it numbers that rank's forwards 1..M instead of 0..M-1), so that
-rank's order is taken from ``ScheduleInterleaved1F1B`` over one stage per rank, which gives
-the last rank's strict F0 B0 F1 B1 ... alternation."""
+rank's order is written out: 1F1B's strict F0 B0 F1 B1 ... alternation on the last rank
+(``ScheduleInterleaved1F1B`` over one stage per rank gives the same, but refuses M that is
+not a multiple of M // P)."""
 
 from __future__ import annotations
 
 from functools import lru_cache
-from unittest import mock
 
 from ..errors import BackendError
 
@@ -31,9 +31,7 @@ def schedule_actions(schedule: str, stages: int, microbatches: int, ranks: int |
     interleaved schedule."""
     ranks = stages if ranks is None else ranks
     try:
-        from torch.distributed.pipelining import schedules
         from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-        from torch.distributed.pipelining.stage import PipelineStage
     except ImportError as e:     # the private API moved
         raise BackendError(f"torch.distributed.pipelining's schedule generator is not "
                            f"available ({e})", hint="use torch 2.13") from None
@@ -57,17 +55,20 @@ def schedule_actions(schedule: str, stages: int, microbatches: int, ranks: int |
     elif schedule == "gpipe":
         order = [list(r) for r in get_schedule_ops("GPipe", stages, microbatches)]
     elif schedule == "1f1b":
-        order = [list(r) for r in get_schedule_ops("1F1B", stages, microbatches)]
+        try:
+            order = [list(r) for r in get_schedule_ops("1F1B", stages, microbatches)]
+        except ValueError as e:        # its own rule: M >= P
+            raise BackendError(f"torch's 1F1B schedule refuses {microbatches} microbatches "
+                               f"on {ranks} ranks: {e}",
+                               hint=f"microbatches={ranks} or more, or schedule=gpipe"
+                               ) from None
         last = [a.microbatch_index for a in order[-1] if a is not None
                 and _kind(a) == "F"]
         if last == list(range(1, microbatches + 1)):
-            # torch 2.13's Schedule1F1B numbers the last rank's forwards from 1: take
-            # that rank from Interleaved1F1B over one stage per rank (F0 B0 F1 B1 ...)
-            stage = mock.create_autospec(PipelineStage, instance=True)
-            stage.group_size, stage.submod, stage.num_stages = stages, None, stages
-            stage.group_rank = stage.stage_index = stages - 1
-            order[-1] = list(schedules.ScheduleInterleaved1F1B(
-                [stage], microbatches).pipeline_order[stages - 1])
+            # torch 2.13's Schedule1F1B numbers the last rank's forwards from 1: that
+            # rank's 1F1B order is the strict alternation F0 B0 F1 B1 ...
+            order[-1] = [_Written(k, m, stages - 1) for m in range(microbatches)
+                         for k in ("F", "B")]
     else:
         raise BackendError(f"the torch runtime has no pipeline schedule {schedule!r}",
                            hint="schedule=gpipe, 1f1b, interleaved, interleaved-zb or zbv")
@@ -83,6 +84,13 @@ def schedule_actions(schedule: str, stages: int, microbatches: int, ranks: int |
         _check(mine, rank, microbatches, sorted({s for _, _, s in mine}))
         out.append(tuple(mine))
     return tuple(out)
+
+
+class _Written:
+    """An action written here, read like torch's ``_Action``."""
+
+    def __init__(self, kind: str, microbatch: int, stage: int) -> None:
+        self.computation_type, self.microbatch_index, self.stage_index = kind, microbatch, stage
 
 
 def _kind(a: object) -> str:

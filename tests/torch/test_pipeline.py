@@ -208,10 +208,29 @@ def test_schedule_actions_from_torch_are_pinned(key):
     assert all(s == r for r, rank in enumerate(schedule_actions(*key)) for _, _, s in rank)
 
 
+@pytest.mark.parametrize("schedule, ranks, microbatches",
+                         [("gpipe", 2, 1), ("gpipe", 4, 2), ("gpipe", 4, 7), ("1f1b", 2, 2),
+                          ("1f1b", 2, 5), ("1f1b", 4, 4), ("1f1b", 4, 7), ("1f1b", 3, 8)])
+def test_written_out_orders_are_torchs(schedule, ranks, microbatches):
+    """The orders the JAX runtime uses (passes/pipeline_orders.py, written out) are torch's
+    generators' action for action."""
+    from diphoma_compile.passes.pipeline_orders import rank_orders
+    ours = rank_orders(schedule, ranks, microbatches)
+    torchs = schedule_actions(schedule, ranks, microbatches, ranks)
+    assert [list(r) for r in ours] == [[tuple(a) for a in r] for r in torchs]
+
+
 @pytest.mark.parametrize("key", list(GOLDEN_INTERLEAVED))
 def test_interleaved_schedule_actions_from_torch_are_pinned(key):
     got = [" ".join(f"{s}{k}{m}" for k, m, s in rank) for rank in schedule_actions(*key)]
     assert got == GOLDEN_INTERLEAVED[key]
+
+
+def test_1f1b_with_fewer_microbatches_than_ranks_is_refused_with_torchs_reason():
+    with pytest.raises(BackendError) as e:
+        schedule_actions("1f1b", 4, 2, 4)
+    assert "refuses 2 microbatches on 4 ranks" in str(e.value)
+    assert "microbatches=4 or more" in str(e.value)
 
 
 def test_interleaved_schedule_refuses_microbatches_torch_refuses():

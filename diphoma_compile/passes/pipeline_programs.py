@@ -1,0 +1,175 @@
+"""A staged graph's programs: each pipeline stage's ops cut into the programs a runtime runs.
+
+After the ``pipeline`` pass every op has a stage and the values crossing stages are
+send/recv pairs. Each stage's ops become programs of their own (each a ``Graph``): forward
+and backward (F, B), run once per microbatch, or, for the schedules that split the
+backward, its input-gradient part I (what the gradients sent to an earlier stage depend
+on) and its weight-gradient part W; and the update, run once, in rounds (U0, U1, ...) when
+it receives from other stages' updates (a global gradient-norm clip: norms in, the factor
+back), so a round never waits for itself. Each program lists what it reads, what it
+returns, the values it receives before it runs and sends after, and which of its values
+leave the microbatch (summed over the microbatches: gradients, the loss). A tied
+parameter's new value received by a stage that does not update it is read by no program:
+it is listed in ``writes`` (the runtime writes it into that stage's copy).
+
+Framework-neutral: the torch runtime (``torch/pipeline.py``) builds each program with
+``build.py``, the JAX one (``jax/pipeline.py``) under ``jax.jit`` on the stage's devices."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..ir.analysis import free_inputs
+from ..ir.core import Graph, Input, InputRole, Op, Output, Phase, Value
+from .pipeline_parallel import SPLIT_BACKWARD, input_gradient_ops
+
+_KIND = {Phase.forward: "F", Phase.backward: "B", Phase.update: "U"}
+Transfer = tuple[str, int, int]         # value name, peer (rank on the axis), tag
+
+
+@dataclass
+class StageProgram:
+    """One program of a stage: its graph and the values around it."""
+
+    graph: Graph
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    recvs: list[Transfer] = field(default_factory=list)
+    sends: list[Transfer] = field(default_factory=list)
+    acc: list[str] = field(default_factory=list)   # summed over microbatches (made or received)
+
+
+@dataclass
+class StagePrograms:
+    """The programs of some stages of a staged graph, by (stage, kind)."""
+
+    kinds: str                              # "FBU" or, split backward, "FIWU"
+    nrounds: int                            # update rounds U0 .. U{nrounds - 1}
+    programs: dict[tuple[int, str], StageProgram] = field(default_factory=dict)
+    writes: dict[str, Transfer] = field(default_factory=dict)   # received, read by none
+    split: dict[int, tuple[int, int]] = field(default_factory=dict)  # stage -> ops in I, W
+    made: set[str] = field(default_factory=set)     # values made or received on the stages
+
+    def kinds_of_stage(self) -> list[str]:
+        """The program kinds of a stage, in the order they run within a microbatch, then
+        the update rounds."""
+        return [k for k in self.kinds if k != "U"] + [f"U{r}" for r in range(self.nrounds)]
+
+    @property
+    def inputs_read(self) -> set[str]:
+        """Every graph input or value some program of these stages reads."""
+        return {n for p in self.programs.values() for n in p.inputs}
+
+
+def stage_programs(graph: Graph, stages: list[int], schedule: str) -> StagePrograms:
+    """The programs of ``stages`` of the staged ``graph`` under ``schedule`` (one that
+    splits the backward gives I and W programs instead of B)."""
+    op_round, nrounds = update_rounds(graph)
+    out = StagePrograms("FIWU" if schedule in SPLIT_BACKWARD else "FBU", nrounds)
+    input_grad = input_gradient_ops(graph.ops) if "I" in out.kinds else set()
+    for me in stages:
+        _cut_stage(graph, me, out, op_round, input_grad)
+    return out
+
+
+def _cut_stage(graph: Graph, me: int, out: StagePrograms, op_round: dict[int, int],
+               input_grad: set[int]) -> None:
+    types = graph.value_types()
+    roles = {i.name: i.role for i in graph.inputs}
+    ops = [op for op in graph.ops if op.stage == me]
+    kinds = out.kinds_of_stage()
+    split = "I" in kinds
+    seg_of: dict[str, str] = {}           # value made on this stage -> its program
+    body: dict[str, list[Op]] = {k: [] for k in kinds}
+    recvs: dict[str, list[Transfer]] = {k: [] for k in kinds}
+    sends: dict[str, list[Transfer]] = {k: [] for k in kinds}
+    readers: dict[str, set[str]] = {}
+    for op in ops:
+        if op.name in ("send", "recv"):
+            continue
+        k = _KIND[op.phase or Phase.forward]
+        if k == "B" and split:
+            k = "I" if id(op) in input_grad else "W"
+        elif k == "U":
+            k = f"U{op_round[id(op)]}"
+        body[k].append(op)
+        seg_of.update((v.name, k) for v in op.results)
+        for n in free_inputs(op):
+            readers.setdefault(n, set()).add(k)
+    for op in ops:
+        if op.name == "recv":
+            name = op.results[0].name
+            where = readers.get(name)
+            if not where:           # a tied parameter's new value: written, not read
+                out.writes[name] = (name, int(op.attrs["peer"]), int(op.attrs["tag"]))
+                continue
+            k = min(where, key=kinds.index)
+            if op.phase is Phase.backward and k == "F":
+                k = kinds[1]
+            recvs[k].append((name, int(op.attrs["peer"]), int(op.attrs["tag"])))
+            seg_of[name] = "R" + k
+        elif op.name == "send":
+            n = op.inputs[0]
+            k = seg_of.get(n, "F").removeprefix("R")
+            sends[k].append((n, int(op.attrs["peer"]), int(op.attrs["tag"])))
+            readers.setdefault(n, set()).add("S" + k)
+    if split:
+        out.split[me] = (len(body["I"]), len(body["W"]))
+    returned = {o.name for o in graph.outputs}
+
+    def updates(n: str) -> bool:       # read by the update or returned
+        return any(r.startswith("U") for r in readers.get(n, ())) or n in returned
+
+    for k in kinds:
+        made = {v.name for op in body[k] for v in op.results}
+        inputs = list(dict.fromkeys(n for op in body[k] for n in free_inputs(op)
+                                    if n not in made))
+        outputs = [n for n in made if (readers.get(n, set()) - {k}) or n in returned]
+        sub = Graph(f"{graph.name}.stage{me}.{k}",
+                    tuple(Input(Value(n, types[n]), roles.get(n, InputRole()))
+                          for n in inputs), tuple(body[k]),
+                    tuple(Output(n) for n in outputs), graph.mesh)
+        acc = [] if k.startswith("U") else \
+            [n for n in outputs + [r[0] for r in recvs[k]] if updates(n)]
+        out.programs[(me, k)] = StageProgram(sub, inputs, outputs, recvs[k], sends[k], acc)
+    out.made.update(seg_of)
+
+
+def update_rounds(graph: Graph) -> tuple[dict[int, int], int]:
+    """(id(op) -> its round, the number of rounds) for the update ops of a staged graph.
+
+    Round r reads only what rounds before r sent (a global gradient-norm clip: each stage's
+    gradient norms go to one stage, which sends the clip factor back), so every rank runs
+    round 0 of all its stages, then round 1, ... without waiting on itself."""
+    value: dict[str, int] = {}
+    sent: dict[int, int] = {}
+    op_round: dict[int, int] = {}
+    for op in graph.ops:
+        if op.phase is not Phase.update:
+            continue
+        if op.name == "send":
+            sent[int(op.attrs["tag"])] = value.get(op.inputs[0], 0)
+        elif op.name == "recv":
+            value[op.results[0].name] = sent.get(int(op.attrs["tag"]), -1) + 1
+        else:
+            r = max([value.get(n, 0) for n in free_inputs(op)] + [0])
+            op_round[id(op)] = r
+            value.update((v.name, r) for v in op.results)
+    # then as late as their readers allow: math on the hyperparameters alone (the learning
+    # rate's scalars, which a program may keep on the host) runs in the round of the update
+    # that reads it rather than crossing from round 0
+    readers: dict[str, list[Op]] = {}
+    for op in graph.ops:
+        for n in free_inputs(op):
+            readers.setdefault(n, []).append(op)
+    returned = {o.name for o in graph.outputs}
+    for op in reversed(graph.ops):
+        if id(op) not in op_round:
+            continue
+        late = [op_round.get(id(r)) for v in op.results for r in readers.get(v.name, ())]
+        if late and None not in late and not any(v.name in returned for v in op.results):
+            op_round[id(op)] = max(op_round[id(op)], min(late))
+    return op_round, 1 + max(op_round.values(), default=0)
+
+
+__all__ = ["StageProgram", "StagePrograms", "Transfer", "stage_programs", "update_rounds"]
