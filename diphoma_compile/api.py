@@ -264,6 +264,11 @@ def pipeline_settings(mesh: Mesh, passes: str | None, microbatches: int | None,
         return found[-1] if found else None
     pp = pipeline_axis(mesh)
     if pp is None or mesh.axis_size(pp) == 1:
+        if microbatches not in (None, 1):
+            raise DiphomaError(f"microbatches={microbatches} is for pipeline parallelism, "
+                               "and the mesh has no pipeline axis of several devices",
+                               hint="add a pp axis to the mesh (Mesh({'dp': 2, 'pp': 2})), "
+                                    "or leave microbatches unset")
         return None
     m = mesh.axis_size(pp) if microbatches is None else microbatches
     return PipelineParallel(axis=pp, microbatches=m, schedule=schedule)
@@ -326,7 +331,7 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
         if pipeline is not None:
             # per-microbatch collectives over dp, no buckets: a bucket would mix stages
             if data and mesh.axis_size(axis) > 1:
-                parts.append(default_passes(axis, layout=fw.update_layout,
+                parts.append(default_passes(axis, layout=fw.pipeline_update_layout,
                                             shard_params=shard_params))
             else:
                 parts.append("dce")

@@ -27,6 +27,7 @@ class Framework(Protocol):
     packages: tuple[str, ...]       # top-level modules whose use marks a user file as ours
     update_layout: str              # weight-update sharding's layout for its backend:
     #                                 flat, dims or dims-or-flat
+    pipeline_update_layout: str     # the same under a pipeline
     backend: str                    # one line for the plan: how the program runs
 
     def owns(self, args: tuple) -> bool:

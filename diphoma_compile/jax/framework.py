@@ -26,6 +26,8 @@ class JaxFramework:
     # shardings need even splits: a dimension N divides, else the padded flat form stored
     # as a 1-D array (jax/layout.py)
     update_layout = "dims-or-flat"
+    # a pipeline's stages run values split along a dimension only (jax/pipeline.py)
+    pipeline_update_layout = "dims"
     backend = ("jax.jit over jax.shard_map with NamedSharding in/out; the collectives are "
                "explicit, so buckets run as planned (XLA's combiner thresholds are not used)")
 
@@ -43,22 +45,27 @@ class JaxFramework:
                     batch_argnums: tuple[int, ...] | None = None,
                     codegen: str | None = None, microbatches: int = 1) -> tuple[Graph, Any]:
         """The step at the per-device batch: each batch leaf's dim 0 divided by N. The batch
-        is ``batch_argnums``, or argument 2 and the later arguments with its rows.
-        Microbatches (pipeline parallelism) are not supported on JAX yet."""
+        is ``batch_argnums``, or argument 2 and the later arguments with its rows. With a
+        pipeline axis, at one microbatch: the device's share divided by ``microbatches``."""
         _check_codegen(codegen)
         pp = pipeline_axis(mesh)
-        if microbatches != 1 or (pp is not None and mesh.axis_size(pp) > 1):
-            raise FrontendError("pipeline parallelism (a pp axis, microbatches) is not "
-                                "supported for JAX steps yet",
-                                hint="drop the pp axis from the mesh, or use a PyTorch step")
-        n = mesh.axis_size(axis)
+        staged = pp is not None and mesh.axis_size(pp) > 1
+        if microbatches != 1 and not staged:
+            raise FrontendError("microbatches are for pipeline parallelism, and the mesh "
+                                "has no pp axis of several devices",
+                                hint="add a pp axis to the mesh, or leave microbatches unset")
+        # the global batch is cut into the data axis's shares, each into M microbatches
+        n = (1 if staged and axis == pp else mesh.axis_size(axis)) * microbatches
         if batch_argnums is None:
             nums = infer_batch_argnums(args)
             check_rows_pair(step_fn, args, nums, n)
         else:
             nums = tuple(batch_argnums)
             StepSignature(batch_argnums=nums).check(len(args))
-        return self.trace(step_fn, local_args(args, n, axis, nums), batch_argnums=nums)
+        among = (f"{n // microbatches} data-parallel shares x {microbatches} microbatches"
+                 if staged else None)
+        return self.trace(step_fn, local_args(args, n, axis, nums, among),
+                          batch_argnums=nums)
 
     def compile(self, graph: Graph, extra: Any) -> Callable:
         """The graph under jax.jit on one device, returning the step's own result tree."""
@@ -72,8 +79,12 @@ class JaxFramework:
         ``donate`` None: the mesh's step donates parameters and optimizer state (the old
         model's buffers hold the new one; docs/jax.md), the one-device step does not (it is
         ``compile``'s program, straight into jax.jit)."""
+        from ..passes.pipeline_parallel import pipeline_of
         from .comm_state import JaxCommStateStep, has_comm_state
         from .parallel import JaxOneDeviceStep, JaxParallelStep
+        if pipeline_of(graph) is not None:
+            from .pipeline import JaxPipelineStep
+            return JaxPipelineStep(graph, extra, mesh=user_mesh)
         if runs_on_one_device(graph):
             return JaxOneDeviceStep(graph, extra, mesh=user_mesh, donate=bool(donate))
         donate = True if donate is None else donate
@@ -115,10 +126,14 @@ class JaxFramework:
 
     def pipeline_actions(self, schedule: str, stages: int, microbatches: int,
                          ranks: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
-        """No pipeline runtime on JAX yet."""
-        raise BackendError("the JAX backend has no pipeline runtime (a mesh with a pp axis "
-                           "is refused)", hint="plan a PyTorch model, or leave out the pp "
-                                               "axis")
+        """Each rank's (kind, microbatch, stage) actions: GPipe and 1F1B, written out
+        (``passes/pipeline_orders.py``); the JAX runtime runs one stage per device group."""
+        from ..passes.pipeline_orders import ORDERED, rank_orders
+        if schedule not in ORDERED or stages != ranks:
+            raise BackendError(f"the JAX pipeline runtime runs GPipe and 1F1B with one stage "
+                               f"per device group, not {schedule} with {stages} stages on "
+                               f"{ranks}", hint="schedule='1f1b' or 'gpipe'")
+        return rank_orders(schedule, ranks, microbatches)
 
 
 def _resized(args: tuple, nums: Sequence[int], size: Callable[[str, Any], Any]) -> tuple:
@@ -131,9 +146,12 @@ def _resized(args: tuple, nums: Sequence[int], size: Callable[[str, Any], Any]) 
     return tuple(out)
 
 
-def local_args(args: tuple, n: int, axis: str, batch_argnums: Sequence[int] = (2,)) -> tuple:
+def local_args(args: tuple, n: int, axis: str, batch_argnums: Sequence[int] = (2,),
+               among: str | None = None) -> tuple:
     """The step's arguments with each batch leaf's dim 0 divided among ``n`` devices (as
-    abstract shapes: tracing reads no data)."""
+    abstract shapes: tracing reads no data); ``among`` says what the n parts are, for the
+    error (default: the devices of ``axis``)."""
+    among = among or f"the {n} devices of axis {axis!r}"
     nums = [k for k in batch_argnums if k < len(args)]
 
     def local(name: str, x: Any) -> Any:
@@ -145,7 +163,7 @@ def local_args(args: tuple, n: int, axis: str, batch_argnums: Sequence[int] = (2
                                  "arguments")
         if shape[0] % n:
             raise MeshError(f"batch leaf {name} has {shape[0]} examples, which do not divide "
-                            f"among the {n} devices of axis {axis!r}",
+                            f"among {among}",
                             hint=f"use a global batch that is a multiple of {n}")
         return jax.ShapeDtypeStruct((shape[0] // n, *shape[1:]), x.dtype)
     return _resized(args, nums, local)

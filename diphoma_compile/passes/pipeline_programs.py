@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..ir.analysis import free_inputs
-from ..ir.core import Graph, Input, InputRole, Op, Output, Phase, Value
+from ..ir.core import Graph, Input, InputKind, InputRole, Op, Output, Phase, Value
+from ..ir.opdef import is_pure
 from .pipeline_parallel import SPLIT_BACKWARD, input_gradient_ops
 
 _KIND = {Phase.forward: "F", Phase.backward: "B", Phase.update: "U"}
@@ -83,7 +84,6 @@ def _cut_stage(graph: Graph, me: int, out: StagePrograms, op_round: dict[int, in
     body: dict[str, list[Op]] = {k: [] for k in kinds}
     recvs: dict[str, list[Transfer]] = {k: [] for k in kinds}
     sends: dict[str, list[Transfer]] = {k: [] for k in kinds}
-    readers: dict[str, set[str]] = {}
     for op in ops:
         if op.name in ("send", "recv"):
             continue
@@ -94,8 +94,14 @@ def _cut_stage(graph: Graph, me: int, out: StagePrograms, op_round: dict[int, in
             k = f"U{op_round[id(op)]}"
         body[k].append(op)
         seg_of.update((v.name, k) for v in op.results)
-        for n in free_inputs(op):
-            readers.setdefault(n, set()).add(k)
+    _share_invariants(graph, body)
+    readers = {}
+    for k, b in body.items():
+        made_k = {v.name for op in b for v in op.results}
+        for op in b:
+            for n in free_inputs(op):
+                if n not in made_k:
+                    readers.setdefault(n, set()).add(k)
     for op in ops:
         if op.name == "recv":
             name = op.results[0].name
@@ -133,6 +139,40 @@ def _cut_stage(graph: Graph, me: int, out: StagePrograms, op_round: dict[int, in
             [n for n in outputs + [r[0] for r in recvs[k]] if updates(n)]
         out.programs[(me, k)] = StageProgram(sub, inputs, outputs, recvs[k], sends[k], acc)
     out.made.update(seg_of)
+
+
+def _share_invariants(graph: Graph, body: dict[str, list[Op]]) -> None:
+    """Give each update program its own copy of the forward and backward ops it reads that
+    are the same in every microbatch (constants and math on the hyperparameters alone:
+    the 1 an optimizer's step count adds), so they are computed there rather than handed
+    over and summed over the microbatches as gradients are (an integer count averaged
+    over M would come out a float)."""
+    hyper = {i.name for i in graph.inputs
+             if i.role.kind in (InputKind.hyper, InputKind.other)}
+    invariant: dict[str, Op] = {}
+    for k, b in body.items():
+        if k.startswith("U"):
+            continue
+        for op in b:
+            if is_pure(op) and not op.regions and \
+                    all(n in invariant or n in hyper for n in free_inputs(op)):
+                invariant.update((v.name, op) for v in op.results)
+    if not invariant:
+        return
+    order = {id(op): n for n, op in enumerate(graph.ops)}
+    for k, b in body.items():
+        if not k.startswith("U"):
+            continue
+        made = {v.name for op in b for v in op.results}
+        need = [n for op in b for n in free_inputs(op) if n in invariant and n not in made]
+        copied: dict[int, Op] = {}
+        while need:
+            op = invariant[need.pop()]
+            if id(op) in copied:
+                continue
+            copied[id(op)] = op
+            need.extend(n for n in free_inputs(op) if n in invariant)
+        body[k][:0] = sorted(copied.values(), key=lambda op: order[id(op)])
 
 
 def update_rounds(graph: Graph) -> tuple[dict[int, int], int]:

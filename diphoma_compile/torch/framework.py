@@ -19,6 +19,7 @@ class TorchFramework:
     name = "torch"
     packages = ("torch",)
     update_layout = "flat"
+    pipeline_update_layout = "flat"
     backend = ("torch.distributed per-rank program; collectives run as planned (buckets "
                "packed, async ones waited where first needed)")
 

@@ -1,0 +1,257 @@
+"""The JAX runtime of a pipelined step: each stage on its own devices, one controller.
+
+The ``pipeline`` pass left every op a stage and the values crossing stages as send/recv
+pairs; ``passes/pipeline_programs.py`` cuts each stage into its programs (forward and
+backward, run once per microbatch; the update, in rounds). Here stage s runs on the
+devices whose coordinate on the pipeline axis is s (a sub-mesh: the data axis's devices of
+that column), and each program is ``jax.jit`` over ``jax.shard_map`` on that sub-mesh, the
+same per-device lowering as the data-parallel step (its data-parallel collectives run
+inside, per microbatch). This is MPMD from one controller, as JAX runs several programs on
+several devices: the controller dispatches every rank's actions in the schedule's per-rank
+order (``passes/pipeline_orders.py``: GPipe or 1F1B), each as soon as the values it
+receives have been dispatched; dispatch is asynchronous, so the stages' devices compute
+concurrently, each in its schedule's order, and a value crossing stages is
+``jax.device_put`` onto the receiving stage's devices (a device-to-device copy).
+
+The user passes the global batch; each batch leaf is cut into data-parallel shares and M
+microbatches (rows [d L + m b, d L + (m + 1) b) of data index d's L rows are its
+microbatch m, as the torch runtime cuts a rank's local batch). Gradients and the loss are
+summed over microbatches on their stage and divided by M. Parameters and optimizer state
+come back on their stage's devices (replicated over the data axis, or split where
+weight-update sharding split them); a parameter read on two stages (a tied embedding) is
+returned from the stage that updates it and copied to the other at the next step.
+
+Not done here: the interleaved and zero-bubble schedules (several stages per device), and
+donation of parameters and optimizer state (each step returns new arrays)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from ..errors import BackendError, MeshError
+from ..ir.core import Graph, InputKind
+from ..ir.types import Varying
+from ..passes.pipeline_orders import ORDERED, rank_orders
+from ..passes.pipeline_parallel import pipeline_of
+from ..passes.pipeline_programs import StageProgram, stage_programs
+from ..report.memory import MemoryReport
+from .compile import check_alive, dtype_matches, graph_function
+from .layout import flat_axis
+from .parallel import (MeasuredRunner, PerDeviceLowering, _global_shape, _spec, jax_mesh,
+                       per_device_bytes)
+from .trees import output_tree
+
+
+class JaxPipelineStep(MeasuredRunner):
+    """A staged graph run over a mesh with a pipeline axis: call it like the user's step
+    with the global batch; it returns the global batch's loss."""
+
+    def __init__(self, graph: Graph, out_tree: Any = None, *, mesh: Any = None) -> None:
+        opts = pipeline_of(graph)
+        if opts is None:
+            raise BackendError("the graph was not cut into pipeline stages",
+                               hint="run the pipeline pass")
+        if opts.schedule not in ORDERED:
+            raise BackendError(f"the JAX pipeline runtime runs one stage per device group "
+                               f"(GPipe, 1F1B), not schedule {opts.schedule!r}",
+                               hint="schedule='1f1b' or 'gpipe' for a JAX step, or a "
+                                    "PyTorch step for the interleaved and zero-bubble ones")
+        self.graph = graph
+        self.out_tree = out_tree if out_tree is not None else output_tree(graph)
+        self._tree_jit = None
+        self.mesh = jax_mesh(mesh if mesh is not None else graph.mesh)
+        self.sizes = {str(k): int(v) for k, v in self.mesh.shape.items()}
+        for name, size in graph.mesh.axes:
+            if self.sizes.get(name) != size:
+                have = ", ".join(f"{n}={s}" for n, s in self.sizes.items())
+                raise MeshError(f"the graph was partitioned for mesh axis {name}={size}, but "
+                                f"the device mesh has {have}",
+                                hint="run the passes with the mesh you run on")
+        self.axis, self.m, self.schedule = opts.axis, opts.microbatches, opts.schedule
+        self.ranks = self.sizes[self.axis]
+        self.nstages = 1 + max(op.stage for op in graph.ops if op.stage is not None)
+        self.types = graph.value_types()
+        self.cut = stage_programs(graph, list(range(self.nstages)), opts.schedule)
+        self.orders = rank_orders(opts.schedule, self.ranks, self.m)
+        names = tuple(self.mesh.axis_names)
+        k = names.index(self.axis)
+        # stage s: the devices at coordinate s of the pipeline axis (that axis size 1)
+        self.sub = [jax.sharding.Mesh(np.take(self.mesh.devices, [s], axis=k), names)
+                    for s in range(self.ranks)]
+        self.fns = {key: self._jit(key, prog) for key, prog in self.cut.programs.items()}
+        self.reads = {s: {n for (st, _), p in self.cut.programs.items() if st == s
+                          for n in p.inputs} for s in range(self.nstages)}
+        self.batch = {i.name for i in graph.inputs if i.role.kind is InputKind.batch}
+        self._state_inputs = {i.name for i in graph.inputs
+                              if i.role.kind in (InputKind.param, InputKind.opt_state)}
+        self.device_count = self.mesh.size
+        self._last: tuple = ()
+        # (stage, name) -> the parameters and optimizer state the last step placed there
+        self._held: dict[tuple[int, str], Any] = {}
+
+    # ------------------------------------------------------------------ building
+    def _sharding(self, stage: int, name: str) -> NamedSharding:
+        t = self.types[name]
+        if flat_axis(t) is not None:
+            raise BackendError(f"%{name} is split flat ({t}); the JAX pipeline runtime runs "
+                               "values split along a dimension only",
+                               hint="this is a bug: parallelize plans JAX pipelines with "
+                                    "weight-update sharding's layout=dims")
+        return NamedSharding(self.sub[stage], _spec(t, self.mesh.axis_names, f"%{name}"))
+
+    def _jit(self, key: tuple[int, str], prog: StageProgram) -> Any:
+        stage = key[0]
+        fn = graph_function(prog.graph, PerDeviceLowering(dict(self.graph.mesh.axes)))
+        ins = [self._sharding(stage, n) for n in prog.inputs]
+        outs = [self._sharding(stage, n) for n in prog.outputs]
+        body = jax.shard_map(fn, mesh=self.sub[stage], in_specs=tuple(s.spec for s in ins),
+                             out_specs=tuple(s.spec for s in outs), check_vma=False)
+        return jax.jit(body, in_shardings=tuple(ins), out_shardings=tuple(outs))
+
+    # ------------------------------------------------------------------ inputs
+    def _data_ways(self, name: str) -> int:
+        t = self.types[name]
+        return int(np.prod([self.sizes[a] for a, p in t.placements
+                             if isinstance(p, Varying)], dtype=np.int64))
+
+    def _microbatches(self, name: str, leaf: Any) -> list[Any]:
+        """A global batch leaf cut into M microbatches, each a global array of the data
+        axis's shares of that microbatch."""
+        t = self.types[name]
+        d = self._data_ways(name)
+        want = (t.shape[0] * d * self.m, *t.shape[1:])
+        shape = tuple(np.shape(leaf))
+        if shape[:1] and shape[0] != want[0] and shape[0] % (d * self.m):
+            raise MeshError(f"the global batch leaf {name} has {shape[0]} rows, which do not "
+                            f"split into {d} data-parallel shares of {self.m} microbatches",
+                            hint=f"use a global batch that is a multiple of {d * self.m}")
+        if shape != want or not dtype_matches(getattr(leaf, "dtype", None), t.dtype):
+            raise BackendError(f"batch leaf {name} is {getattr(leaf, 'dtype', None)}"
+                               f"{list(shape)}; the pipelined step expects {t.dtype}"
+                               f"{list(want)} ({d} data shares x {self.m} microbatches x "
+                               f"{t.shape[0]} rows)",
+                               hint="call it with the global arrays of the shapes it was "
+                                    "parallelized for")
+        x = jnp.reshape(leaf, (d, self.m, t.shape[0], *t.shape[1:]))
+        return [jnp.reshape(x[:, m], (d * t.shape[0], *t.shape[1:])) for m in range(self.m)]
+
+    def _check(self, name: str, leaf: Any) -> None:
+        check_alive(name, leaf)
+        t = self.types[name]
+        shape = tuple(np.shape(leaf))
+        if shape != _global_shape(t, self.sizes) or \
+                not dtype_matches(getattr(leaf, "dtype", None), t.dtype):
+            raise BackendError(f"input {name} is {getattr(leaf, 'dtype', None)}"
+                               f"{list(shape)}; the pipelined step expects {t.dtype}"
+                               f"{list(_global_shape(t, self.sizes))}",
+                               hint="pass the parameters and optimizer state the step "
+                                    "was traced with, or the ones it returned")
+
+    # ------------------------------------------------------------------ running
+    def run(self, leaves: list[Any]) -> Sequence[Any]:
+        g = self.graph
+        given = dict(zip((i.name for i in g.inputs), leaves))
+        chunks = {n: self._microbatches(n, given[n]) for n in self.batch
+                  if any(n in r for r in self.reads.values())}
+        placed: dict[tuple[int, str], Any] = {}
+        for s in range(self.nstages):
+            for i in g.inputs:
+                if i.name in self.reads[s] and i.name not in self.batch:
+                    x = jax.device_put(given[i.name], self._sharding(s, i.name))
+                    placed[(s, i.name)] = x
+        envs: dict[tuple[int, int], dict[str, Any]] = {}
+        mail: dict[tuple[int, int], Any] = {}          # (tag, microbatch) -> value sent
+        acc: dict[int, dict[str, Any]] = {s: {} for s in range(self.nstages)}
+
+        def ready(key: tuple[int, str], mb: int) -> bool:
+            return all((tag, mb) in mail for _, _, tag in self.cut.programs[key].recvs)
+
+        def call(key: tuple[int, str], mb: int, env: dict, reduce: bool) -> None:
+            s = key[0]
+            prog = self.cut.programs[key]
+            for name, _, tag in prog.recvs:
+                env[name] = jax.device_put(mail.pop((tag, mb)), self._sharding(s, name))
+            args = [env[n] if n in env else chunks[n][mb] if n in chunks
+                    else placed[(s, n)] for n in prog.inputs]
+            env.update(zip(prog.outputs, self.fns[key](*args)))
+            for name, _, tag in prog.sends:
+                mail[(tag, mb)] = env[name]
+            if reduce:
+                for n in prog.acc:
+                    acc[s][n] = env[n] if n not in acc[s] else acc[s][n] + env[n]
+
+        # every rank's actions in its own order, each dispatched once what it receives
+        # has been dispatched (its inputs are futures: the devices wait, not the controller)
+        queues = [deque(order) for order in self.orders]
+        self.dispatched: list[tuple[str, int, int]] = []
+        while any(queues):
+            moved = False
+            for q in queues:
+                while q and ready((q[0][2], q[0][0]), q[0][1]):
+                    kind, mb, s = q.popleft()
+                    self.dispatched.append((kind, mb, s))
+                    env = envs.setdefault((s, mb), {})
+                    call((s, kind), mb, env, True)
+                    if kind == "B":
+                        del envs[(s, mb)]
+                    moved = True
+            if not moved:
+                raise BackendError("the pipeline schedule waits on itself",
+                                   hint="this is a bug in the pipeline schedule")
+        final = {s: {n: v / self.m for n, v in acc[s].items()} for s in range(self.nstages)}
+        for r in range(self.cut.nrounds):
+            for s in range(self.nstages):
+                call((s, f"U{r}"), self.m, final[s], False)
+        self._held = {k: x for k, x in placed.items()
+                      if k[1] in self._state_inputs}
+        made = {n: v for s in range(self.nstages) for n, v in final[s].items()}
+        out = []
+        for o in g.outputs:
+            if o.name in made:
+                out.append(made[o.name])
+            elif o.name in given:
+                out.append(given[o.name])
+            else:
+                raise BackendError(f"no stage made the step's output %{o.name}",
+                                   hint="this is a bug in the pipeline programs")
+        self._last = tuple(out)
+        return out
+
+    def flatten(self, args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        """(input leaves, the treedef of each argument); shapes are checked as the leaves
+        are placed on their stages."""
+        leaves, treedefs = self.leaves(args)
+        for i, leaf in zip(self.graph.inputs, leaves):
+            if i.name not in self.batch:
+                self._check(i.name, leaf)
+        return leaves, treedefs
+
+    def __call__(self, *args: Any) -> Any:
+        leaves, treedefs = self.flatten(args)
+        outs = self.run(leaves)
+        if self.out_tree is not None:
+            return jax.tree.unflatten(self.out_tree, outs)
+        return self._by_roles(args, treedefs, outs)
+
+    def memory_report(self) -> MemoryReport:
+        """Parameter and optimizer-state bytes per device, measured from the arrays the
+        last step placed on each stage's devices (a tied parameter on both of its stages);
+        planned from the graph's types before the first call."""
+        if not self._held:
+            return super().memory_report()
+        kinds = {i.name: i.role.kind for i in self.graph.inputs}
+        param = [k for k in self._held if kinds[k[1]] is InputKind.param]
+        state = [k for k in self._held if kinds[k[1]] is InputKind.opt_state]
+        return MemoryReport(per_device_bytes([self._held[k] for k in param]),
+                            per_device_bytes([self._held[k] for k in state]),
+                            devices=self.device_count, measured=True)
+
+
+__all__ = ["JaxPipelineStep"]
