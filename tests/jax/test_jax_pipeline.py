@@ -100,8 +100,10 @@ def test_the_runtime_dispatches_each_stage_in_its_1f1b_order(sgdm):
     assert warm == ["F", "F", "F", "F", "B"]       # rank 0 of 4: four forwards first
 
 
-def test_adamw_gpipe_is_as_close_as_data_parallelism():
-    tx = optax.adamw(1e-2)
+def test_clipped_adamw_gpipe_is_as_close_as_data_parallelism():
+    """AdamW behind a global gradient-norm clip: each stage's norms go to one stage, the
+    factor comes back (the update in rounds)."""
+    tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2))
     step, params, batches = _case(tx)
     ref_state, ref_losses = _train(jax.jit(step), params, tx, batches)
     pp = diphoma_compile.parallelize(step, MESH, microbatches=2, schedule="gpipe")
@@ -112,6 +114,7 @@ def test_adamw_gpipe_is_as_close_as_data_parallelism():
     dp_state = (dp.user_shapes(dp_state[0], 0), dp.user_shapes(dp_state[1], 1))
     ours, theirs = _distance(state, ref_state), _distance(dp_state, ref_state)
     assert ours <= 4 * max(theirs, 1e-7), (ours, theirs)
+    assert pp.runner.cut.nrounds >= 2           # norms in, then the factor back
 
 
 def test_schedules_with_several_stages_per_device_are_refused():
