@@ -5,7 +5,7 @@ JAX ``jax.jit`` of the user's step against diphoma_compile's ``compile`` and
 
     python benchmarks/step_speed.py [--steps 10] [--layers 4 --embd 256 --vocab 8192
         --seq 128 --batch 8] [--device cpu|cuda] [--torch fx,inductor,eager,torch.compile]
-        [--jax jit,compile,parallelize] [--skip-torch] [--skip-jax]
+        [--jax jit,compile,parallelize] [--skip-torch] [--skip-jax] [--memory]
 
 Each variant trains its own copy of the same model (same seed) on the same batches. The
 steps are interleaved (step k of every variant, in an order that rotates, before step k+1),
@@ -14,6 +14,9 @@ so that a machine shared with other work slows every variant alike. Printed per 
   median ms the median of the later calls (CUDA: synchronized);
   vs eager  the median's ratio to eager's (jax: to jax.jit's); below 1 is faster;
   loss dev  the largest |loss - eager loss| over the steps.
+With --memory (torch), each diphoma variant then runs one more step under
+``measure_memory()``: the peak of tensor memory the step reaches above what it held before
+(parameters, optimizer state, gradients, batch), and the op where it peaks.
 No asserts: the machine is noisy; read the ratios."""
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ def bench_torch(a: argparse.Namespace) -> None:
         return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
 
     variants = {}
+    compiled = {}
     for name in a.torch:
         model, opt = fresh()
         if name == "eager":
@@ -93,13 +97,13 @@ def bench_torch(a: argparse.Namespace) -> None:
         else:
             step = diphoma_compile.compile(train_step, model, opt, *batches[0],
                                            codegen=name)
-        holder = {}
+        label = name if name in ("eager", "torch.compile") else f"diphoma {name}"
+        if label.startswith("diphoma"):
+            compiled[label] = (step, model, opt)
 
-        def run(k, step=step, model=model, opt=opt, holder=holder):
-            out = step(model, opt, *batches[k])
-            holder["step"] = step
-            return out
-        variants[name if name in ("eager", "torch.compile") else f"diphoma {name}"] = run
+        def run(k, step=step, model=model, opt=opt):
+            return step(model, opt, *batches[k])
+        variants[label] = run
 
     def sync(loss):
         if device.type == "cuda":
@@ -109,6 +113,10 @@ def bench_torch(a: argparse.Namespace) -> None:
     _report(f"torch on {device} ({torch.get_num_threads()} threads): GPT {a.layers} layers, "
              f"d={a.embd}, vocab {a.vocab}, seq {a.seq}, batch {a.batch}, AdamW",
              rows, "eager")
+    if a.memory:
+        print("\nthe step's transient peak (measure_memory: above what it held before)")
+        for label, (step, model, opt) in compiled.items():
+            print(f"{label:<18}{step.measure_memory(model, opt, *batches[0])}")
 
 
 def bench_jax(a: argparse.Namespace) -> None:
@@ -193,6 +201,8 @@ def main() -> None:
     p.add_argument("--jax", default="jit,compile,parallelize")
     p.add_argument("--skip-torch", action="store_true")
     p.add_argument("--skip-jax", action="store_true")
+    p.add_argument("--memory", action="store_true",
+                   help="also measure each diphoma variant's peak memory in one step")
     a = p.parse_args()
     a.torch = [v.strip() for v in a.torch.split(",") if v.strip()]
     a.jax = [v.strip() for v in a.jax.split(",") if v.strip()]

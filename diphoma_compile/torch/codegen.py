@@ -107,12 +107,15 @@ class InductorProgram:
 def program(graph: Any, captured: Any, comms: dict | None = None) -> Any:
     """The runnable program of ``graph`` for the code generator it was traced for
     (``captured.codegen``): the fx GraphModule, or it under Inductor. For Inductor the
-    module updates nothing in place (the runtime writes results back), reads no 0-d tensor
-    on the host, and its collectives are functional."""
+    module, as the fx one, writes each new parameter and optimizer state into its input's
+    storage where the input is read no more (``build.updates_in_place``: Inductor keeps
+    such a mutation of a graph input and stores the fused update kernel's result there, so
+    the runtime writes nothing back and the old and new values never live side by side),
+    reads no 0-d tensor on the host, and its collectives are functional."""
     from .build import build_module
     if captured.codegen != "inductor":
         return build_module(graph, comms, device=captured.device)
     for c in (comms or {}).values():
         c.functional = True
-    gm = build_module(graph, comms, in_place=False, device=captured.device, host_reads=False)
+    gm = build_module(graph, comms, in_place=True, device=captured.device, host_reads=False)
     return InductorProgram(gm, graph.name)

@@ -22,7 +22,13 @@ LOSS_TOL = 1e-5
 PARAM_TOL = 1e-5
 
 
-def test_inductor_matches_eager_and_reads_lr_every_call():
+def test_inductor_matches_eager_and_reads_lr_every_call(monkeypatch):
+    from diphoma_compile.torch import runtime
+    written = []      # what the runtime copies back into the model and optimizer
+    write = runtime.TorchStep._write
+    monkeypatch.setattr(runtime.TorchStep, "_write",
+                        lambda self, slot, new: (written.append(slot.name),
+                                                 write(self, slot, new)))
     torch.manual_seed(0)
     model = MLP()
     twin = copy.deepcopy(model)
@@ -48,6 +54,8 @@ def test_inductor_matches_eager_and_reads_lr_every_call():
         assert step.module.compiled is compiled      # compiled once, never again
     # the optimizer state is the optimizer's own, updated in place
     assert all(int(opt.state[p]["step"]) == len(batches) for p in model.parameters())
+    # by the compiled program itself: nothing was written back after it ran
+    assert written == []
 
 
 def test_codegen_choices():
