@@ -77,10 +77,14 @@ class Pending:
         return self.finish()
 
 
-def _start(comm: Comm, launch: Any, finish: Any, async_op: bool) -> Any:
+def _start(comm: Comm, launch: Any, finish: Any, async_op: bool,
+           functional_async: bool = True) -> Any:
     """Run ``launch(async_op)`` (which returns a work handle or None) and finish now, or
-    hand back a Pending to finish at the wait."""
-    go_async = async_op and not comm.force_sync and not comm.functional and comm.size > 1
+    hand back a Pending to finish at the wait. A functional collective started async is
+    waited for (``wait_tensor``) where the program waits for it, so that a code generator
+    tracing the program sees the computation in between, to overlap with the transfer."""
+    go_async = (async_op and not comm.force_sync and comm.size > 1
+                and (functional_async or not comm.functional))
     t0 = time.perf_counter()
     work = launch(go_async)
     comm.blocked_s += time.perf_counter() - t0
@@ -95,10 +99,37 @@ def wait(p: Any) -> Any:
 
 def _functional(comm: Comm, kind: str, x: torch.Tensor, *args: Any) -> torch.Tensor:
     """The ``_c10d_functional`` collective ``kind`` of ``x`` on the axis's group, waited
-    for (Inductor schedules the wait; every functional collective needs its wait_tensor)."""
+    for (every functional collective needs its wait_tensor)."""
+    return torch.ops._c10d_functional.wait_tensor(_functional_launch(comm, kind, x, *args))
+
+
+def _functional_launch(comm: Comm, kind: str, x: torch.Tensor, *args: Any) -> torch.Tensor:
+    """The ``_c10d_functional`` collective ``kind`` of ``x``, started: its result may be
+    read only after ``wait_tensor``."""
     group = comm.group if comm.group is not None else dist.group.WORLD
-    fc = torch.ops._c10d_functional
-    return fc.wait_tensor(getattr(fc, kind)(x, *args, group.group_name))
+    return getattr(torch.ops._c10d_functional, kind)(x, *args, group.group_name)
+
+
+class _FunctionalWork:
+    """A functional collective in flight, as a work handle: ``wait()`` waits for its result
+    and copies it into ``into`` (the buffer the non-functional call would fill)."""
+
+    def __init__(self, into: torch.Tensor, started: torch.Tensor) -> None:
+        self.into, self.started = into, started
+
+    def wait(self) -> None:
+        self.into.copy_(torch.ops._c10d_functional.wait_tensor(self.started))
+
+
+def _functional_into(comm: Comm, into: torch.Tensor, async_op: bool, kind: str,
+                     x: torch.Tensor, *args: Any) -> _FunctionalWork | None:
+    """Start the functional collective ``kind`` whose result goes into ``into``: a work
+    handle when ``async_op``, else waited for and copied now (None)."""
+    work = _FunctionalWork(into, _functional_launch(comm, kind, x, *args))
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def _frac(comm: Comm) -> float:
@@ -132,7 +163,7 @@ def all_reduce(comm: Comm, x: torch.Tensor, op: str, owned: bool = False,
 
     def launch(a: bool) -> Any:
         if comm.size > 1 and comm.functional:
-            t.copy_(_functional(comm, "all_reduce", t, _FUNCTIONAL_OP[op]))
+            return _functional_into(comm, t, a, "all_reduce", t, _FUNCTIONAL_OP[op])
         elif comm.size > 1:
             return dist.all_reduce(t, op=_reduce_op(op), group=comm.group, async_op=a)
         return None
@@ -201,8 +232,8 @@ def _start_scatter(comm: Comm, src: torch.Tensor, owned: bool, out_shape: list[i
 def _scatter_launch(comm: Comm, out: torch.Tensor, src: torch.Tensor, op: str) -> Any:
     def launch(a: bool) -> Any:
         if comm.size > 1 and comm.functional:
-            out.copy_(_functional(comm, "reduce_scatter_tensor", src, _FUNCTIONAL_OP[op],
-                                  comm.size))
+            return _functional_into(comm, out, a, "reduce_scatter_tensor", src,
+                                    _FUNCTIONAL_OP[op], comm.size)
         elif comm.size > 1:
             return _reduce_scatter(out, src, op=_reduce_op(op), group=comm.group, async_op=a)
         else:
@@ -214,7 +245,7 @@ def _scatter_launch(comm: Comm, out: torch.Tensor, src: torch.Tensor, op: str) -
 def _gather_launch(comm: Comm, out: torch.Tensor, src: torch.Tensor) -> Any:
     def launch(a: bool) -> Any:
         if comm.size > 1 and comm.functional:
-            out.copy_(_functional(comm, "all_gather_into_tensor", src, comm.size))
+            return _functional_into(comm, out, a, "all_gather_into_tensor", src, comm.size)
         elif comm.size > 1:
             return _all_gather(out, src, group=comm.group, async_op=a)
         else:
@@ -309,7 +340,7 @@ def all_reduce_bucket(comm: Comm, xs: list[torch.Tensor], op: str,
 
     def launch(a: bool) -> Any:
         if comm.size > 1 and comm.functional:
-            buf.copy_(_functional(comm, "all_reduce", buf, _FUNCTIONAL_OP[op]))
+            return _functional_into(comm, buf, a, "all_reduce", buf, _FUNCTIONAL_OP[op])
         elif comm.size > 1:
             return dist.all_reduce(buf, op=_reduce_op(op), group=comm.group, async_op=a)
         return None
@@ -412,7 +443,7 @@ def all_to_all(comm: Comm, x: torch.Tensor, from_dim: int, to_dim: int,
 
     def finish() -> torch.Tensor:
         return torch.cat(list(out.unbind(0)), dim=from_dim)
-    return _start(comm, launch, finish, async_op)
+    return _start(comm, launch, finish, async_op, functional_async=False)
 
 
 def all_to_all_bucket(comm: Comm, xs: list[torch.Tensor], async_op: bool = False) -> Any:
@@ -435,7 +466,7 @@ def all_to_all_bucket(comm: Comm, xs: list[torch.Tensor], async_op: bool = False
 
     def finish() -> tuple[torch.Tensor, ...]:
         return tuple(c.reshape(-1) for c in out.split(widths, dim=1))
-    return _start(comm, launch, finish, async_op)
+    return _start(comm, launch, finish, async_op, functional_async=False)
 
 
 # ------------------------------------------------------------------ memory model

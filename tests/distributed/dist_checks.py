@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 import sys
 import time
 from collections import Counter
@@ -389,7 +390,8 @@ def run_inductor(rank: int, world: int) -> dict:
     runner = step.runner
     out = {"codegen": runner.codegen, "compile_s": step.compile_s, "losses": losses,
            "calls": dict(runner.comm.calls),
-           "functional": "_c10d_functional" in _compiled_source(runner.module)}
+           "functional": "_c10d_functional" in _compiled_source(runner.module),
+           "overlapped": _overlapped(_compiled_source(runner.module))}
     gathered = runner.gather_optimizer_state()
     if rank == 0:
         out.update(ref_losses=ref_losses, param=compare_params(model, ref),
@@ -403,6 +405,29 @@ def _compiled_source(program: Any) -> str:
     fn = getattr(program, "compiled", None)
     return "".join(str(getattr(fn, k, "") or "") for k in
                    ("inductor_post_grad_graph_str", "runnable_graph_str", "source_code"))
+
+
+def _overlapped(source: str) -> int:
+    """How many functional collectives in Inductor's generated code have a kernel (a fused
+    kernel or a matrix product) between their start and their wait_tensor."""
+    started: dict[str, int] = {}
+    kernels = 0
+    overlapped = 0
+    for line in source.splitlines():
+        line = line.strip()
+        m = re.match(r"(?:(\w+) = )?torch\.ops\._c10d_functional\.(\w+)\.default\((\w+)",
+                     line)
+        if m is None:
+            if line.startswith(("cpp_fused", "triton_", "extern_kernels.")):
+                kernels += 1
+            continue
+        out, kind, first = m.groups()
+        if kind == "wait_tensor":
+            if kernels > started.pop(first, kernels):
+                overlapped += 1
+        else:
+            started[out or first] = kernels    # all_reduce_ works in its input's buffer
+    return overlapped
 
 
 def scheduled_step(model, opt, sched, batch):
