@@ -349,7 +349,7 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
                    f"device ({fw.name})")
     return graph, build_plan(graph, ctx.decisions, backend=backend, device_model=device_model,
                              in_place=fw.in_place_updates(graph),
-                             scratch=fw.collective_scratch(graph))
+                             scratch=fw.collective_scratch(graph, device_model))
 
 
 def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,

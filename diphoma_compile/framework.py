@@ -59,9 +59,10 @@ class Framework(Protocol):
         input's storage where they are made (not held to the end of the step)."""
         ...
 
-    def collective_scratch(self, graph: Graph) -> dict[int, int]:
+    def collective_scratch(self, graph: Graph, device_model: str) -> dict[int, int]:
         """Top-level op index -> bytes the backend holds besides a collective's results
-        while it is in flight (a packed send buffer), for the plan's peak."""
+        while it is in flight (a packed send buffer), for the plan's peak; ``device_model``
+        (a name in ``ir.device_model.MODELS``) is what the plan is made for."""
         ...
 
     def module_kinds(self) -> dict[str, tuple[type, ...]]:

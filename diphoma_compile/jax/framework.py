@@ -98,7 +98,7 @@ class JaxFramework:
         plan is made; the planned peak does not count it yet.)"""
         return set()
 
-    def collective_scratch(self, graph: Graph) -> dict[int, int]:
+    def collective_scratch(self, graph: Graph, device_model: str) -> dict[int, int]:
         """None counted: XLA places the collectives' buffers itself."""
         return {}
 

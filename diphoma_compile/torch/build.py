@@ -445,10 +445,9 @@ def _all_reduce(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
 def _reduce_scatter(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
     """This rank's piece of the reduction over the axis."""
     a, src = op.attrs, op.inputs[0]
-    owned = b.uses.get(src, 0) == 1 and src in b.fresh
     return b.call(collectives.reduce_scatter,
                   [comm, b.node(src), str(a["op"]), a["dim"], b.local(op.result.type)],
-                  {**_async(op), "owned": owned})
+                  _async(op))
 
 
 def _all_gather(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:

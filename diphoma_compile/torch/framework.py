@@ -82,11 +82,13 @@ class TorchFramework:
         from .build import updates_in_place
         return set(updates_in_place(graph))
 
-    def collective_scratch(self, graph: Graph) -> dict[int, int]:
-        """The packed send buffers of collectives.py, alive until each collective's wait."""
+    def collective_scratch(self, graph: Graph, device_model: str) -> dict[int, int]:
+        """The packed send buffers of collectives.py, alive until each collective's wait
+        (and on gloo a reduce-scatter's whole receive buffer: it runs as an all_to_all)."""
         from .build import updates_in_place
-        from .collectives import scratch_bytes
-        return scratch_bytes(graph, set(updates_in_place(graph)))
+        from .collectives import plans_for_gloo, scratch_bytes
+        return scratch_bytes(graph, set(updates_in_place(graph)),
+                             receive_whole=plans_for_gloo(device_model))
 
     def module_kinds(self) -> dict[str, tuple[type, ...]]:
         """``torch-module``: subclasses of nn.Module."""
