@@ -193,7 +193,7 @@ def _run(variant: str, a: argparse.Namespace, cfg: GPTConfig, batches: list) -> 
            "transient": mem[3].item(), "plan": mem[4].item(), "tensors": mem[5].item(),
            "tensors_step": mem[6].item(), "plan_peak": mem[7].item(),
            "loss": lv.item() / world}
-    if a.profile and variant.startswith("diphoma"):
+    if a.profile and variant.startswith("diphoma") and step.runner.codegen != "inductor":
         out["profile"] = str(step.profile(model, opt, *batches[-1], steps=a.steps))
     return out
 

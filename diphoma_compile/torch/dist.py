@@ -435,6 +435,13 @@ class TorchDistStep(TorchStep):
             return _median(walls), _median(blocked)
         if steps < 1:
             raise ValueError("profile needs at least one step")
+        if self.codegen == "inductor" and not self.alone:
+            raise BackendError(
+                "profile() splits a step into computation and communication by running it "
+                "with every collective waited for at once; a program compiled by Inductor "
+                "has its collectives and their waits compiled in, so it cannot be rerun so",
+                hint="profile the same plan with parallelize(..., codegen='fx'), or time the "
+                     "Inductor program with torch.profiler")
         sync_wall, comm_s = timed(True)
         step_s, exposed = timed(False)
         return StepProfile(step_s=step_s, compute_s=max(sync_wall - comm_s, 0.0),

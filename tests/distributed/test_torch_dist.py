@@ -133,6 +133,7 @@ def test_inductor_per_rank_program_matches_single_device(runs):
         # a collective the schedule starts early (the loss's all-reduce, before the
         # backward) runs while Inductor's kernels compute: its wait_tensor comes later
         assert res["overlapped"] >= 1, res
+        assert "Inductor" in res["profile_refused"], res["profile_refused"]
     r0 = runs[0]["inductor"]
     for a, b in zip(r0["losses"], r0["ref_losses"]):
         assert abs(a - b) <= 1e-5
