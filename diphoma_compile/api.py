@@ -97,9 +97,6 @@ class ParallelStep:
                 self.user_mesh = self.mesh
         self.batch_argnums = argnums(batch_argnums)
         self.pipeline = pipeline_settings(self.mesh, passes, microbatches, schedule)
-        if self.pipeline is not None and codegen not in (None, "fx"):
-            raise DiphomaError(f"codegen={codegen!r} does not run pipeline stages yet",
-                               hint="leave codegen unset (the stages run as fx programs)")
         self.framework: str | None = None
         self._fw: Framework | None = None
         self._graph: Graph | None = None

@@ -33,6 +33,7 @@ from ..ir.core import Graph, InputKind
 from ..passes.pipeline_parallel import pipeline_of, stage_rank
 from ..passes.pipeline_programs import stage_programs
 from .build import build_module
+from .codegen import InductorProgram
 from .dist import TorchDistStep
 from .ops import DTYPE_TO_TORCH
 from .pipeline_schedule import schedule_actions
@@ -57,6 +58,7 @@ class TorchPipelineStep(TorchDistStep):
         self.stages = [s for s in range(self.nstages)
                        if stage_rank(opts.schedule, s, self.nstages, self.pp.size) == self.pp.rank]
         self.stage = self.stages[0]         # this rank's first stage
+        self._codegen, self._device = captured.codegen, captured.device
         self.actions = schedule_actions(opts.schedule, self.nstages, opts.microbatches,
                                         self.pp.size)[self.pp.rank]
         self._cut(graph)
@@ -74,7 +76,7 @@ class TorchPipelineStep(TorchDistStep):
         cut = stage_programs(graph, self.stages, self.schedule)
         self.segs = cut.programs
         self.nrounds, self.split, self.writes = cut.nrounds, cut.split, cut.writes
-        self.modules = {key: build_module(prog.graph, self.comms, in_place=False)
+        self.modules = {key: self._stage_program(prog.graph, key)
                         for key, prog in self.segs.items()}
         # the same numbering on every rank: one wire tag per (microbatch, pair)
         self.ntags = 1 + max([int(op.attrs["tag"]) for op in graph.ops
@@ -97,6 +99,28 @@ class TorchPipelineStep(TorchDistStep):
                                       else stage_rank(self.schedule, producers[o.name],
                                                       self.nstages, self.pp.size))
                              for o in graph.outputs if o.role.target is None}
+
+    def _stage_program(self, graph: Graph, key: tuple[int, str]) -> Any:
+        """One stage program: the fx module, or it compiled by Inductor on its first call
+        (``codegen="inductor"``: functional collectives over dp, no host reads). Stage
+        programs update nothing in place: the executor sums microbatches and writes the
+        update's results back."""
+        if self._codegen != "inductor":
+            return build_module(graph, self.comms, in_place=False)
+        for axis, c in self.comms.items():
+            if axis != self.pp.axis:     # the pp axis moves values between programs
+                c.functional = True
+        gm = build_module(graph, self.comms, in_place=False, device=self._device,
+                          host_reads=False)
+        return InductorProgram(gm, f"stage {key[0]} {key[1]}")
+
+    @property
+    def compile_s(self) -> float | None:
+        """Seconds Inductor spent compiling this rank's stage programs (None under fx, or
+        before they ran)."""
+        done = [m.compile_s for m in self.modules.values()
+                if getattr(m, "compile_s", None) is not None]
+        return sum(done) if done else None
 
     def _finish_init(self) -> None:
         """Batch arguments are M microbatches; other stages' parameters are let go."""

@@ -1201,7 +1201,10 @@ PP_CASES = {"pp4-sgdm-1f1b": ({"pp": 4}, "sgdm", "1f1b", 4),
             "dp2-pp2-adamw-interleaved-clip": ({"dp": 2, "pp": 2}, "adamw", "interleaved", 4,
                                                True),
             "dp2-pp2-sgdm-1f1b": ({"dp": 2, "pp": 2}, "sgdm", "1f1b", 4),
-            "dp2-pp2-adamw-gpipe": ({"dp": 2, "pp": 2}, "adamw", "gpipe", 4)}
+            "dp2-pp2-adamw-gpipe": ({"dp": 2, "pp": 2}, "adamw", "gpipe", 4),
+            # each rank's stage programs compiled by Inductor
+            "dp2-pp2-adamw-1f1b-inductor": ({"dp": 2, "pp": 2}, "adamw", "1f1b", 2, False,
+                                            "inductor")}
 PP_STEPS, PP_LOCAL, PP_MICRO = 3, 4, 4   # steps; sequences per dp rank; microbatches
 
 
@@ -1245,7 +1248,7 @@ def pp_ddp_distance(rank: int, world: int, model: nn.Module, opt_name: str,
 
 
 def run_pp_case(rank: int, world: int, axes: dict[str, int], opt_name: str, schedule: str,
-                layers: int, clip: bool = False) -> dict:
+                layers: int, clip: bool = False, codegen: str | None = None) -> dict:
     import diphoma_compile
     step_fn = hf_lm_step_clipped if clip else hf_lm_step
     dp, pp = axes.get("dp", 1), axes["pp"]
@@ -1258,7 +1261,8 @@ def run_pp_case(rank: int, world: int, axes: dict[str, int], opt_name: str, sche
     batches = [torch.randint(0, 64, (dp * PP_LOCAL, 16), generator=g) for _ in range(PP_STEPS)]
     row = rank // pp                  # this rank's dp index (ranks laid out row-major)
     step = diphoma_compile.parallelize(step_fn, diphoma_compile.Mesh(axes),
-                                       microbatches=PP_MICRO, schedule=schedule)
+                                       microbatches=PP_MICRO, schedule=schedule,
+                                       codegen=codegen)
     losses, ref_losses = [], []
     for b in batches:
         losses.append(step(model, opt, b[row * PP_LOCAL:(row + 1) * PP_LOCAL]).item())
@@ -1272,7 +1276,8 @@ def run_pp_case(rank: int, world: int, axes: dict[str, int], opt_name: str, sche
            "stage": step.runner.stage, "stages": list(step.runner.stages),
            "actions": list(step.runner.actions), "nstages": len(rec["stages"]),
            "split": dict(step.runner.split), "rounds": step.runner.nrounds,
-           "tied": rec["tied"], "full": torch.cat([v.reshape(-1) for v in full.values()])}
+           "tied": rec["tied"], "full": torch.cat([v.reshape(-1) for v in full.values()]),
+           "codegen": step.runner.codegen, "compile_s": step.compile_s}
     ref_sd = ref.state_dict() if rank == 0 else None
     if opt_name == "adamw":          # a collective: every rank
         out["ddp_param_abs"] = pp_ddp_distance(rank, world, init, opt_name, batches, ref_sd,

@@ -544,6 +544,12 @@ def test_pipeline_matches_single_device(runs, case):
     assert r0["param_abs"] <= bound, (r0["param_abs"], bound)
     assert any(p.startswith("pipeline{axis=pp") for p in r0["passes"])
     assert r0["tied"] == {"transformer.wte.weight": [0, r0["nstages"] - 1]}
+    for r in runs:
+        res = r["pp"][case]
+        if case.endswith("-inductor"):
+            assert res["codegen"] == "inductor" and res["compile_s"] > 0, res["codegen"]
+        else:
+            assert res["codegen"] == "fx" and res["compile_s"] is None
 
 
 def test_pipeline_four_stages_hold_under_two_fifths_of_the_parameters(runs):
