@@ -385,8 +385,9 @@ def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
     pieces (as FSDP2 holds its shards); ``ParallelStep.state_dict()`` gathers the whole
     model on every rank.
 
-    ``codegen`` (PyTorch) is the per-rank program's code generator, as for ``compile``;
-    under Inductor the collectives are ``_c10d_functional`` ops it may fuse around.
+    ``codegen`` (PyTorch) is the per-rank program's code generator, as for ``compile``
+    (a pipeline's stage programs each, default fx); under Inductor the collectives are
+    ``_c10d_functional`` ops it overlaps its kernels with.
 
     A mesh axis named pp (or pipe, pipeline) cuts the step into that many pipeline stages
     (``pipeline{axis=pp, microbatches=M, schedule=...}``, docs/pipeline.md): each rank
