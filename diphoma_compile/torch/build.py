@@ -259,15 +259,36 @@ def _scale(b: _Builder, op: Op, key: str, position: int) -> dict[str, Any]:
     return {key: op.attrs[key]} if key in op.attrs else {}
 
 
+def _tensor_scale(b: _Builder, op: Op, position: int) -> fx.Node | None:
+    """The 0-d operand at ``position`` when it scales as a tensor (a learning rate the
+    program does not read on the host, as for Inductor): aten takes alpha and value only
+    as numbers, so the product is then spelled out. None for a number or an attribute."""
+    if len(op.inputs) == position + 1 and op.inputs[position] not in b.scalars:
+        scale = b.node(op.inputs[position])
+        return scale if isinstance(scale, fx.Node) else None
+    return None
+
+
 def _emit_scaled_binary(b: _Builder, op: Op) -> fx.Node:
-    """x + alpha*y or x - alpha*y in one aten call."""
+    """x + alpha*y or x - alpha*y in one aten call (two with a tensor alpha)."""
     target = emit_target(op.name)
+    scale = _tensor_scale(b, op, 2)
+    if scale is not None:
+        y = b.call(aten.mul.Tensor, [b.node(op.inputs[1]), scale])
+        return b.call(target, [b.node(op.inputs[0]), y])
     kw = _scale(b, op, "alpha", 2)
     return b.call(target, [b.node(op.inputs[0]), b.operand(target, op.inputs[1])], kw)
 
 
 def _emit_scaled_ternary(b: _Builder, op: Op) -> fx.Node:
-    """addcmul / addcdiv: s + value*(t1 op t2) in one aten call."""
+    """addcmul / addcdiv: s + value*(t1 op t2) in one aten call (three with a tensor
+    value)."""
+    scale = _tensor_scale(b, op, 3)
+    if scale is not None:
+        s, t1, t2 = (b.node(i) for i in op.inputs[:3])
+        inner = aten.mul.Tensor if op.name == "addcmul" else aten.div.Tensor
+        term = b.call(aten.mul.Tensor, [b.call(inner, [t1, t2]), scale])
+        return b.call(aten.add.Tensor, [s, term])
     kw = _scale(b, op, "value", 3)
     return b.call(emit_target(op.name), [b.node(i) for i in op.inputs[:3]], kw)
 

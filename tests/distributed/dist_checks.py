@@ -1203,8 +1203,9 @@ PP_CASES = {"pp4-sgdm-1f1b": ({"pp": 4}, "sgdm", "1f1b", 4),
             "dp2-pp2-sgdm-1f1b": ({"dp": 2, "pp": 2}, "sgdm", "1f1b", 4),
             "dp2-pp2-adamw-gpipe": ({"dp": 2, "pp": 2}, "adamw", "gpipe", 4),
             # each rank's stage programs compiled by Inductor
-            "dp2-pp2-adamw-1f1b-inductor": ({"dp": 2, "pp": 2}, "adamw", "1f1b", 2, False,
-                                            "inductor")}
+            # (SGD with momentum: Adam would turn Inductor's rounding into steps of up to lr)
+            "dp2-pp2-sgdm-1f1b-inductor": ({"dp": 2, "pp": 2}, "sgdm", "1f1b", 2, False,
+                                           "inductor")}
 PP_STEPS, PP_LOCAL, PP_MICRO = 3, 4, 4   # steps; sequences per dp rank; microbatches
 
 

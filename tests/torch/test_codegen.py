@@ -131,3 +131,21 @@ def test_inductor_trace_of_a_cycled_momentum_says_use_fx(monkeypatch):
     monkeypatch.setattr(codegen, "INDUCTOR_MIN_FLOPS", 0.0)
     _, cap = trace_torch(step, model, opt, b, codegen="auto")
     assert cap.codegen == "fx"
+
+
+def test_inductor_runs_single_tensor_sgd():
+    """Single-tensor SGD (foreach=False) adds ``alpha=-lr`` with lr a tensor under the
+    Inductor trace; aten takes alpha only as a number, so the product is spelled out (it
+    failed to compile before)."""
+    torch.manual_seed(0)
+    model = MLP()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    batches = mlp_batches(3)
+    step = diphoma_compile.compile(classify_step, model, opt, batches[0], codegen="inductor")
+    for b in batches:
+        ours, want = step(model, opt, b), classify_step(twin, twin_opt, b)
+        assert abs(ours.item() - want.item()) <= LOSS_TOL
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=PARAM_TOL)
