@@ -104,18 +104,22 @@ class InductorProgram:
                  self.label, self.compile_s)
 
 
-def program(graph: Any, captured: Any, comms: dict | None = None) -> Any:
+def program(graph: Any, captured: Any, comms: dict | None = None, in_place: bool = True,
+            label: str | None = None) -> Any:
     """The runnable program of ``graph`` for the code generator it was traced for
-    (``captured.codegen``): the fx GraphModule, or it under Inductor. For Inductor the
-    module, as the fx one, writes each new parameter and optimizer state into its input's
-    storage where the input is read no more (``build.updates_in_place``: Inductor keeps
-    such a mutation of a graph input and stores the fused update kernel's result there, so
-    the runtime writes nothing back and the old and new values never live side by side),
-    reads no 0-d tensor on the host, and its collectives are functional."""
+    (``captured.codegen``): the fx GraphModule, or it under Inductor (named ``label`` in
+    its messages; the graph's name by default). ``in_place``: the module writes each new
+    parameter and optimizer state into its input's storage where the input is read no more
+    (``build.updates_in_place``; a pipeline's stage programs do not: their executor sums
+    microbatches and writes back). Inductor keeps such a mutation of a graph input and
+    stores the fused update kernel's result there, so the runtime writes nothing back and
+    the old and new values never live side by side. For Inductor the module also reads no
+    0-d tensor on the host, and its collectives are functional."""
     from .build import build_module
     if captured.codegen != "inductor":
-        return build_module(graph, comms, device=captured.device)
+        return build_module(graph, comms, in_place=in_place, device=captured.device)
     for c in (comms or {}).values():
         c.functional = True
-    gm = build_module(graph, comms, in_place=True, device=captured.device, host_reads=False)
-    return InductorProgram(gm, graph.name)
+    gm = build_module(graph, comms, in_place=in_place, device=captured.device,
+                      host_reads=False)
+    return InductorProgram(gm, label or graph.name)

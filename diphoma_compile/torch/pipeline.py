@@ -32,8 +32,7 @@ from ..errors import BackendError
 from ..ir.core import Graph, InputKind
 from ..passes.pipeline_parallel import pipeline_of, stage_rank
 from ..passes.pipeline_programs import stage_programs
-from .build import build_module
-from .codegen import InductorProgram
+from .codegen import program
 from .dist import TorchDistStep
 from .ops import DTYPE_TO_TORCH
 from .pipeline_schedule import schedule_actions
@@ -58,10 +57,9 @@ class TorchPipelineStep(TorchDistStep):
         self.stages = [s for s in range(self.nstages)
                        if stage_rank(opts.schedule, s, self.nstages, self.pp.size) == self.pp.rank]
         self.stage = self.stages[0]         # this rank's first stage
-        self._codegen, self._device = captured.codegen, captured.device
         self.actions = schedule_actions(opts.schedule, self.nstages, opts.microbatches,
                                         self.pp.size)[self.pp.rank]
-        self._cut(graph)
+        self._cut(graph, captured)
         # seconds in this stage's programs and in whole steps: 1 - compute / wall is the
         # share this rank waited (the measured bubble, with the transfers); busy holds
         # (kind, microbatch, stage, start, end) of the last step's programs, in
@@ -71,12 +69,16 @@ class TorchPipelineStep(TorchDistStep):
         return self._run
 
     # ------------------------------------------------------------------ building
-    def _cut(self, graph: Graph) -> None:
+    def _cut(self, graph: Graph, captured: Captured) -> None:
         self.types = graph.value_types()
         cut = stage_programs(graph, self.stages, self.schedule)
         self.segs = cut.programs
         self.nrounds, self.split, self.writes = cut.nrounds, cut.split, cut.writes
-        self.modules = {key: self._stage_program(prog.graph, key)
+        # each program the fx module, or it compiled by Inductor on its first call
+        # (codegen="inductor"); none updates in place: the executor sums microbatches and
+        # writes the update's results back
+        self.modules = {key: program(prog.graph, captured, self.comms, in_place=False,
+                                     label=f"stage {key[0]} {key[1]}")
                         for key, prog in self.segs.items()}
         # the same numbering on every rank: one wire tag per (microbatch, pair)
         self.ntags = 1 + max([int(op.attrs["tag"]) for op in graph.ops
@@ -99,20 +101,6 @@ class TorchPipelineStep(TorchDistStep):
                                       else stage_rank(self.schedule, producers[o.name],
                                                       self.nstages, self.pp.size))
                              for o in graph.outputs if o.role.target is None}
-
-    def _stage_program(self, graph: Graph, key: tuple[int, str]) -> Any:
-        """One stage program: the fx module, or it compiled by Inductor on its first call
-        (``codegen="inductor"``: functional collectives over dp, no host reads). Stage
-        programs update nothing in place: the executor sums microbatches and writes the
-        update's results back."""
-        if self._codegen != "inductor":
-            return build_module(graph, self.comms, in_place=False)
-        for axis, c in self.comms.items():
-            if axis != self.pp.axis:     # the pp axis moves values between programs
-                c.functional = True
-        gm = build_module(graph, self.comms, in_place=False, device=self._device,
-                          host_reads=False)
-        return InductorProgram(gm, f"stage {key[0]} {key[1]}")
 
     @property
     def compile_s(self) -> float | None:
