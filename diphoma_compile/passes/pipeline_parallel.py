@@ -555,9 +555,13 @@ def pipeline_of(graph: Graph) -> PipelineParallel | None:
 
 def input_gradient_ops(ops: tuple[Op, ...] | list[Op]) -> set[int]:
     """id() of the backward ops of a staged graph that a split backward runs as its
-    input-gradient part I: those the gradients a stage sends to an earlier stage's backward
-    depend on, walking back inside the stage's backward. The rest of a stage's backward
-    (weight and bias gradients) is its W part; the first stage's I is empty."""
+    input-gradient part I, walking back inside each stage's backward from two kinds of
+    value: the gradients the stage sends to an earlier stage's backward, and the backward
+    values read by two or more of the stage's backward ops (a gradient that fans out is an
+    activation's: the chain of activation gradients, which on the first stage sends
+    nothing but still runs down to the embedding). The rest of a stage's backward, in-trees
+    of ops that each end in a parameter's gradient (a weight's matmul, a bias's sum, an
+    embedding's scatter), is its W part."""
     phase_of = {v.name: op.phase for op in ops for v in op.results}
     bwd_reads = {n for op in ops if op.phase is Phase.backward for n in free_inputs(op)}
     grad_tags = {op.attrs["tag"] for op in ops if op.name == "recv"
@@ -566,6 +570,13 @@ def input_gradient_ops(ops: tuple[Op, ...] | list[Op]) -> set[int]:
     made = {(v.name, op.stage): op for op in ops for v in op.results}
     need = [(op.inputs[0], op.stage) for op in ops if op.name == "send"
             and op.phase is Phase.backward and op.attrs["tag"] in grad_tags]
+    readers: dict[tuple[str, int | None], int] = {}
+    for op in ops:
+        if op.phase is Phase.backward and op.name not in ("send", "recv"):
+            for n in set(free_inputs(op)):
+                readers[(n, op.stage)] = readers.get((n, op.stage), 0) + 1
+    need += [key for key, count in readers.items()
+             if count > 1 and phase_of.get(key[0]) is Phase.backward]
     out: set[int] = set()
     while need:
         name, stage = need.pop()

@@ -312,10 +312,14 @@ def test_zbv_places_stages_in_a_v():
     pairs = {(op.stage, recvs[op.attrs["tag"]].stage, op.attrs["peer"]) for op in out.ops
              if op.name == "send" and op.phase.value == "forward"}
     assert pairs == {(0, 1, 1), (1, 2, 1), (2, 3, 0)}
-    # the plan costs each backward's input-gradient part: none on the first stage (nothing
-    # waits for its input's gradient), a part of the backward on the others
+    # the plan costs each backward's input-gradient part: on every stage, the first too
+    # (its activation gradients run down to the embedding though nothing is sent), a part
+    # of the backward near the others' (it failed: the first stage's I was empty, its W the
+    # whole backward, a zero-bubble schedule's longest run)
     grads = [(st.input_grad_flops, st.backward_flops) for st in rec.stages]
-    assert grads[0][0] == 0 and all(0 < i < b for i, b in grads[1:]), grads
+    assert all(0 < i < b for i, b in grads), grads
+    shares = [i / b for i, b in grads]
+    assert max(shares) - min(shares) < 0.1, shares
     with pytest.raises(PassError, match="two stages per device in a V"):
         run(traced_gpt(layers=4), "dce,pipeline{axis=pp, stages=6, schedule=zbv}")
 
