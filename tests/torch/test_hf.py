@@ -107,3 +107,40 @@ def test_gpt2_parallelized_over_one_device_in_a_plain_process_bit_exact():
     for p, q in zip(model.parameters(), ref.parameters()):
         for k, v in opt.state[p].items():
             assert torch.equal(v, ref_opt.state[q][k]), k
+
+
+def test_gpt2_under_inductor_draws_eager_dropout_and_keeps_tied_weights(monkeypatch):
+    """codegen="inductor" on GPT-2 (dropout on, embedding tied to the LM head, clipped
+    AdamW): the compiled program updates the model and optimizer in place (nothing written
+    back), the tied weight stays one tensor, and dropout draws eager's masks from torch's
+    generator, so a seeded step matches eager to Inductor's rounding (with Inductor's own
+    random numbers the masks, and so the losses, differed by 5e-3)."""
+    from diphoma_compile.torch import runtime
+    written = []
+    write = runtime.TorchStep._write
+    monkeypatch.setattr(runtime.TorchStep, "_write",
+                        lambda self, slot, new: (written.append(slot.name),
+                                                 write(self, slot, new)))
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=128,
+                                  n_positions=32, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    model.train()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(2)
+    data = [{"ids": torch.randint(0, 128, (2, 16), generator=g)} for _ in range(3)]
+    step = diphoma_compile.compile(hf_step, model, opt, data[0], codegen="inductor")
+    for i, batch in enumerate(data):
+        torch.manual_seed(i)
+        loss = step(model, opt, batch)
+        torch.manual_seed(i)
+        want = hf_step(ref, ref_opt, batch)
+        assert abs(loss.item() - want.item()) <= 1e-5, (i, loss.item(), want.item())
+    assert step.compile_s is not None and written == []
+    assert model.lm_head.weight is model.transformer.wte.weight
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5, msg=name)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert int(opt.state[p]["step"]) == int(ref_opt.state[q]["step"]) == len(data)
