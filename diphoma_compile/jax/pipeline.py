@@ -8,7 +8,8 @@ that column), and each program is ``jax.jit`` over ``jax.shard_map`` on that sub
 same per-device lowering as the data-parallel step (its data-parallel collectives run
 inside, per microbatch). This is MPMD from one controller, as JAX runs several programs on
 several devices: the controller dispatches every rank's actions in the schedule's per-rank
-order (``passes/pipeline_orders.py``: GPipe or 1F1B), each as soon as the values it
+order (``passes/pipeline_orders.py``: GPipe, 1F1B or interleaved 1F1B, whose rank r runs
+stages r, r + P, ... on its one column of devices), each as soon as the values it
 receives have been dispatched; dispatch is asynchronous, so the stages' devices compute
 concurrently, each in its schedule's order, and a value crossing stages is
 ``jax.device_put`` onto the receiving stage's devices (a device-to-device copy).
@@ -21,8 +22,9 @@ come back on their stage's devices (replicated over the data axis, or split wher
 weight-update sharding split them); a parameter read on two stages (a tied embedding) is
 returned from the stage that updates it and copied to the other at the next step.
 
-Not done here: the interleaved and zero-bubble schedules (several stages per device), and
-donation of parameters and optimizer state (each step returns new arrays)."""
+Not done here: the zero-bubble schedules (a backward split into input- and
+weight-gradient runs), and donation of parameters and optimizer state (each step returns
+new arrays)."""
 
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ from ..errors import BackendError, MeshError
 from ..ir.core import Graph, InputKind
 from ..ir.types import Varying
 from ..passes.pipeline_orders import ORDERED, rank_orders
-from ..passes.pipeline_parallel import pipeline_of
+from ..passes.pipeline_parallel import pipeline_of, stage_rank
 from ..passes.pipeline_programs import StageProgram, stage_programs
 from ..report.memory import MemoryReport
 from .compile import check_alive, dtype_matches, graph_function
@@ -59,10 +61,11 @@ class JaxPipelineStep(MeasuredRunner):
             raise BackendError("the graph was not cut into pipeline stages",
                                hint="run the pipeline pass")
         if opts.schedule not in ORDERED:
-            raise BackendError(f"the JAX pipeline runtime runs one stage per device group "
-                               f"(GPipe, 1F1B), not schedule {opts.schedule!r}",
-                               hint="schedule='1f1b' or 'gpipe' for a JAX step, or a "
-                                    "PyTorch step for the interleaved and zero-bubble ones")
+            raise BackendError(f"the JAX pipeline runtime runs GPipe, 1F1B and interleaved "
+                               f"1F1B, not schedule {opts.schedule!r} (a zero-bubble "
+                               f"schedule splits each backward in two)",
+                               hint="schedule='1f1b', 'gpipe' or 'interleaved' for a JAX "
+                                    "step, or a PyTorch step for the zero-bubble ones")
         self.graph = graph
         self.out_tree = out_tree if out_tree is not None else output_tree(graph)
         self._tree_jit = None
@@ -79,12 +82,20 @@ class JaxPipelineStep(MeasuredRunner):
         self.nstages = 1 + max(op.stage for op in graph.ops if op.stage is not None)
         self.types = graph.value_types()
         self.cut = stage_programs(graph, list(range(self.nstages)), opts.schedule)
-        self.orders = rank_orders(opts.schedule, self.ranks, self.m)
+        try:
+            self.orders = rank_orders(opts.schedule, self.ranks, self.m, self.nstages)
+        except ValueError as e:
+            raise BackendError(f"the pipeline cannot run: {e}",
+                               hint=f"microbatches={self.ranks * max(1, self.m // self.ranks)}"
+                                    f" (a multiple of the {self.ranks} pipeline ranks)") from None
         names = tuple(self.mesh.axis_names)
         k = names.index(self.axis)
-        # stage s: the devices at coordinate s of the pipeline axis (that axis size 1)
-        self.sub = [jax.sharding.Mesh(np.take(self.mesh.devices, [s], axis=k), names)
-                    for s in range(self.ranks)]
+        # rank r: the devices at coordinate r of the pipeline axis (that axis size 1); stage
+        # s runs on rank stage_rank(s)
+        self.rank_of = [stage_rank(opts.schedule, s, self.nstages, self.ranks)
+                        for s in range(self.nstages)]
+        self.sub = [jax.sharding.Mesh(np.take(self.mesh.devices, [r], axis=k), names)
+                    for r in range(self.ranks)]
         self.fns = {key: self._jit(key, prog) for key, prog in self.cut.programs.items()}
         self.reads = {s: {n for (st, _), p in self.cut.programs.items() if st == s
                           for n in p.inputs} for s in range(self.nstages)}
@@ -104,14 +115,16 @@ class JaxPipelineStep(MeasuredRunner):
                                "values split along a dimension only",
                                hint="this is a bug: parallelize plans JAX pipelines with "
                                     "weight-update sharding's layout=dims")
-        return NamedSharding(self.sub[stage], _spec(t, self.mesh.axis_names, f"%{name}"))
+        return NamedSharding(self.sub[self.rank_of[stage]],
+                             _spec(t, self.mesh.axis_names, f"%{name}"))
 
     def _jit(self, key: tuple[int, str], prog: StageProgram) -> Any:
         stage = key[0]
         fn = graph_function(prog.graph, PerDeviceLowering(dict(self.graph.mesh.axes)))
         ins = [self._sharding(stage, n) for n in prog.inputs]
         outs = [self._sharding(stage, n) for n in prog.outputs]
-        body = jax.shard_map(fn, mesh=self.sub[stage], in_specs=tuple(s.spec for s in ins),
+        body = jax.shard_map(fn, mesh=self.sub[self.rank_of[stage]],
+                             in_specs=tuple(s.spec for s in ins),
                              out_specs=tuple(s.spec for s in outs), check_vma=False)
         return jax.jit(body, in_shardings=tuple(ins), out_shardings=tuple(outs))
 

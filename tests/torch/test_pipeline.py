@@ -220,6 +220,24 @@ def test_written_out_orders_are_torchs(schedule, ranks, microbatches):
     assert [list(r) for r in ours] == [[tuple(a) for a in r] for r in torchs]
 
 
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("per_rank", [2, 3])
+def test_written_out_interleaved_orders_are_torchs(ranks, per_rank):
+    """The interleaved 1F1B orders written out for JAX are torch's Interleaved1F1B's, action
+    for action, for M a multiple of the ranks and M = P + 1, 2P + 1 (rounds of P + 1
+    microbatches, or refused, as torch refuses them)."""
+    from diphoma_compile.passes.pipeline_orders import rank_orders
+    for m in (ranks, 2 * ranks, 3 * ranks, ranks + 1, 2 * ranks + 1):
+        try:
+            torchs = schedule_actions("interleaved", ranks * per_rank, m, ranks)
+        except BackendError:
+            with pytest.raises(ValueError, match="rounds"):
+                rank_orders("interleaved", ranks, m, ranks * per_rank)
+            continue
+        ours = rank_orders("interleaved", ranks, m, ranks * per_rank)
+        assert [list(r) for r in ours] == [[tuple(a) for a in r] for r in torchs], m
+
+
 @pytest.mark.parametrize("key", list(GOLDEN_INTERLEAVED))
 def test_interleaved_schedule_actions_from_torch_are_pinned(key):
     got = [" ".join(f"{s}{k}{m}" for k, m, s in rank) for rank in schedule_actions(*key)]
