@@ -369,9 +369,10 @@ def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
 
     ``donate`` (JAX) lets the step consume the parameter and optimizer-state arrays it is
     given, as ``jax.jit(donate_argnums=...)`` does: their buffers hold the new values, so
-    the old and new model do not both live through the step. By default (None) a step over
-    more than one device donates (0.76x the peak bytes per device of not donating, on a
-    4-layer LM at dp=8: ``benchmarks/jax_donation.py``); arrays the step returned are then
+    the old and new model do not both live through the step (a pipelined step: each
+    stage's update). By default (None) a step over more than one device donates (0.76x
+    the peak bytes per device of not donating, on a 4-layer LM at dp=8:
+    ``benchmarks/jax_donation.py``); arrays the step returned are then
     consumed when passed back, so write ``params, opt_state, loss = step(params,
     opt_state, b)`` and do not read the old ones again (arrays in another layout, such as
     the user's own first ones, are copied onto the mesh and left alone). ``donate=False``

@@ -76,15 +76,16 @@ class JaxFramework:
                         axis: str, donate: bool | None = None) -> Callable:
         """jax.jit over shard_map on the user's mesh (or one made from ``mesh``); on a mesh
         of one device, the single-device program under jax.jit, as ``compile`` runs it.
-        ``donate`` None: the mesh's step donates parameters and optimizer state (the old
-        model's buffers hold the new one; docs/jax.md), the one-device step does not (it is
-        ``compile``'s program, straight into jax.jit)."""
+        ``donate`` None: the mesh's step (data-parallel or pipelined) donates parameters
+        and optimizer state (the old model's buffers hold the new one; docs/jax.md), the
+        one-device step does not (it is ``compile``'s program, straight into jax.jit)."""
         from ..passes.pipeline_parallel import pipeline_of
         from .comm_state import JaxCommStateStep, has_comm_state
         from .parallel import JaxOneDeviceStep, JaxParallelStep
         if pipeline_of(graph) is not None:
             from .pipeline import JaxPipelineStep
-            return JaxPipelineStep(graph, extra, mesh=user_mesh)
+            return JaxPipelineStep(graph, extra, mesh=user_mesh,
+                                   donate=True if donate is None else donate)
         if runs_on_one_device(graph):
             return JaxOneDeviceStep(graph, extra, mesh=user_mesh, donate=bool(donate))
         donate = True if donate is None else donate

@@ -22,9 +22,14 @@ come back on their stage's devices (replicated over the data axis, or split wher
 weight-update sharding split them); a parameter read on two stages (a tied embedding) is
 returned from the stage that updates it and copied to the other at the next step.
 
+With ``donate`` (the default over a mesh, as the data-parallel step's), the last update
+program of a stage that reads a parameter or optimizer-state array and makes its new value
+donates it: the new value is written into the old one's buffers, so the arrays passed in
+are consumed when they are in their stage's layout (the step's own results are); arrays in
+another layout (the user's first ones) are copied onto the stage and left intact.
+
 Not done here: the zero-bubble schedules (a backward split into input- and
-weight-gradient runs), and donation of parameters and optimizer state (each step returns
-new arrays)."""
+weight-gradient runs)."""
 
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from ..errors import BackendError, MeshError
-from ..ir.core import Graph, InputKind
+from ..ir.core import Graph, InputKind, OutputKind
 from ..ir.types import Varying
 from ..passes.pipeline_orders import ORDERED, rank_orders
 from ..passes.pipeline_parallel import pipeline_of, stage_rank
@@ -55,7 +60,8 @@ class JaxPipelineStep(MeasuredRunner):
     """A staged graph run over a mesh with a pipeline axis: call it like the user's step
     with the global batch; it returns the global batch's loss."""
 
-    def __init__(self, graph: Graph, out_tree: Any = None, *, mesh: Any = None) -> None:
+    def __init__(self, graph: Graph, out_tree: Any = None, *, mesh: Any = None,
+                 donate: bool = False) -> None:
         opts = pipeline_of(graph)
         if opts is None:
             raise BackendError("the graph was not cut into pipeline stages",
@@ -96,6 +102,7 @@ class JaxPipelineStep(MeasuredRunner):
                         for s in range(self.nstages)]
         self.sub = [jax.sharding.Mesh(np.take(self.mesh.devices, [r], axis=k), names)
                     for r in range(self.ranks)]
+        self.donated = self._donations(graph) if donate else {}
         self.fns = {key: self._jit(key, prog) for key, prog in self.cut.programs.items()}
         self.reads = {s: {n for (st, _), p in self.cut.programs.items() if st == s
                           for n in p.inputs} for s in range(self.nstages)}
@@ -118,15 +125,37 @@ class JaxPipelineStep(MeasuredRunner):
         return NamedSharding(self.sub[self.rank_of[stage]],
                              _spec(t, self.mesh.axis_names, f"%{name}"))
 
+    def _donations(self, graph: Graph) -> dict[tuple[int, str], list[str]]:
+        """(stage, update program) -> the parameter and optimizer-state inputs it donates:
+        those it makes the new value of, in the last update round of the stage that reads
+        them (an earlier round's donation would delete what a later one reads)."""
+        kinds = {i.name: i.role.kind for i in graph.inputs}
+        new_of = {o.role.target: o.name for o in graph.outputs
+                  if o.role.kind is OutputKind.replaces}
+        last: dict[tuple[int, str], str] = {}       # (stage, input) -> last round reading it
+        for (st, kind), prog in sorted(self.cut.programs.items(), key=lambda kv: kv[0][1]):
+            if kind.startswith("U"):
+                for n in prog.inputs:
+                    last[(st, n)] = kind
+        out: dict[tuple[int, str], list[str]] = {}
+        for (st, n), kind in last.items():
+            if kinds.get(n) in (InputKind.param, InputKind.opt_state) and \
+                    new_of.get(n) in self.cut.programs[(st, kind)].outputs:
+                out.setdefault((st, kind), []).append(n)
+        return out
+
     def _jit(self, key: tuple[int, str], prog: StageProgram) -> Any:
         stage = key[0]
+        gone = set(self.donated.get(key, ()))
+        donate = tuple(k for k, n in enumerate(prog.inputs) if n in gone)
         fn = graph_function(prog.graph, PerDeviceLowering(dict(self.graph.mesh.axes)))
         ins = [self._sharding(stage, n) for n in prog.inputs]
         outs = [self._sharding(stage, n) for n in prog.outputs]
         body = jax.shard_map(fn, mesh=self.sub[self.rank_of[stage]],
                              in_specs=tuple(s.spec for s in ins),
                              out_specs=tuple(s.spec for s in outs), check_vma=False)
-        return jax.jit(body, in_shardings=tuple(ins), out_shardings=tuple(outs))
+        return jax.jit(body, in_shardings=tuple(ins), out_shardings=tuple(outs),
+                       donate_argnums=donate)
 
     # ------------------------------------------------------------------ inputs
     def _data_ways(self, name: str) -> int:
@@ -174,11 +203,17 @@ class JaxPipelineStep(MeasuredRunner):
         chunks = {n: self._microbatches(n, given[n]) for n in self.batch
                   if any(n in r for r in self.reads.values())}
         placed: dict[tuple[int, str], Any] = {}
+        consumed = {(s, n) for (s, _), names in self.donated.items() for n in names}
         for s in range(self.nstages):
             for i in g.inputs:
                 if i.name in self.reads[s] and i.name not in self.batch:
-                    x = jax.device_put(given[i.name], self._sharding(s, i.name))
-                    placed[(s, i.name)] = x
+                    x, sharding = given[i.name], self._sharding(s, i.name)
+                    if (s, i.name) in consumed and getattr(x, "sharding", None) != sharding:
+                        # a copy: the caller's array in another layout is left alone
+                        # (device_put alone may share the buffer a device already holds,
+                        # and the donation would delete it)
+                        x = jnp.copy(x)
+                    placed[(s, i.name)] = jax.device_put(x, sharding)
         envs: dict[tuple[int, int], dict[str, Any]] = {}
         mail: dict[tuple[int, int], Any] = {}          # (tag, microbatch) -> value sent
         acc: dict[int, dict[str, Any]] = {s: {} for s in range(self.nstages)}
@@ -222,9 +257,12 @@ class JaxPipelineStep(MeasuredRunner):
         for r in range(self.cut.nrounds):
             for s in range(self.nstages):
                 call((s, f"U{r}"), self.m, final[s], False)
-        self._held = {k: x for k, x in placed.items()
-                      if k[1] in self._state_inputs}
         made = {n: v for s in range(self.nstages) for n, v in final[s].items()}
+        new_of = {o.role.target: o.name for o in g.outputs
+                  if o.role.kind is OutputKind.replaces}
+        # what each stage holds now: a donated array's buffers hold its new value
+        self._held = {k: made[new_of[k[1]]] if k in consumed else x
+                      for k, x in placed.items() if k[1] in self._state_inputs}
         out = []
         for o in g.outputs:
             if o.name in made:

@@ -39,6 +39,16 @@ def trace_jax(step_fn: Callable, *example_args: Any, **options: Any) -> Graph:
     return trace_jax_with_tree(step_fn, *example_args, **options)[0]
 
 
+def _unplaced(x: Any) -> Any:
+    """An array laid out over several devices as its shape and dtype alone: traced as it
+    is, its sharding (a mesh's, from an earlier parallelized step) becomes a parameter of the
+    ops it meets, which the IR does not hold; the plan, not the example, places it."""
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and \
+            len(x.sharding.device_set) > 1:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type)
+    return x
+
+
 def trace_jax_with_tree(step_fn: Callable, *example_args: Any, params_argnum: int = 0,
                         opt_state_argnum: int = 1, batch_argnums: tuple[int, ...] = (2,),
                         locations: bool = True) -> tuple[Graph, Any]:
@@ -54,7 +64,8 @@ def trace_jax_with_tree(step_fn: Callable, *example_args: Any, params_argnum: in
     sig.check(len(example_args))
     inputs = step_inputs(example_args, sig)
     try:
-        closed, out_shape = jax.make_jaxpr(step_fn, return_shape=True)(*example_args)
+        closed, out_shape = jax.make_jaxpr(step_fn, return_shape=True)(
+            *jax.tree.map(_unplaced, example_args))
     except TypeError as e:
         if "JAX type" not in str(e):
             raise

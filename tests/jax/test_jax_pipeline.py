@@ -143,6 +143,33 @@ def test_interleaved_1f1b_runs_two_stages_per_device_column(sgdm):
         assert set(kernel.sharding.device_set) == set(devices[:, column]), block
 
 
+def test_update_programs_donate_the_state_they_replace(sgdm):
+    """Over a mesh the pipelined step donates, as the data-parallel one does: each stage's
+    update writes the new parameters and momentum into the old ones' buffers, so the arrays
+    a call returned are consumed by the next call (passing one again is a BackendError), the
+    user's first arrays (in another layout: copied onto the stages) are left intact, and
+    donate=False keeps everything."""
+    step, params, batches, _, pp, _ = sgdm
+    tx = optax.sgd(0.1, momentum=0.9)
+    first = (params, tx.init(params))
+    one = pp(*first, batches[0])
+    assert not any(x.is_deleted() for x in jax.tree.leaves(first))
+    two = pp(*one[:2], batches[1])
+    # every parameter and momentum array (the tied embedding's on its updating stage; the
+    # head's stage reads a copy)
+    assert all(x.is_deleted() for x in jax.tree.leaves(one[:2]))
+    with pytest.raises(BackendError, match="consumed"):
+        pp(*one[:2], batches[2])
+    donors = pp.runner.donated
+    assert {kind for _, kind in donors} == {"U0"} and len(donors) == 4    # each stage
+    # traced with the arrays a pipelined step returned, laid out on its columns (their
+    # sharding once reached the jaxpr as an op parameter the IR refused)
+    kept = diphoma_compile.parallelize(step, MESH, microbatches=4, donate=False)
+    out = kept(*two[:2], batches[2])
+    assert not any(x.is_deleted() for x in jax.tree.leaves(two[:2]))
+    np.testing.assert_allclose(float(out[2]), float(pp(*two[:2], batches[2])[2]), rtol=0)
+
+
 def test_zero_bubble_schedules_are_refused():
     tx = optax.sgd(0.1)
     step, params, batches = _case(tx)
