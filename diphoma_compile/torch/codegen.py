@@ -93,6 +93,9 @@ class InductorProgram:
         """Compile the program for these example inputs (once)."""
         from torch._inductor import config
         from torch._inductor.compile_fx import compile_fx
+        log.info("diphoma_compile: Inductor is compiling the %s program (%d nodes; once, on "
+                 "this first call: seconds for a small step, minutes for a large one)",
+                 self.label, len(self.gm.graph.nodes))
         t0 = time.perf_counter()
         try:
             # random ops (dropout) run as eager's kernels on torch's generator, so a seeded

@@ -22,7 +22,9 @@ LOSS_TOL = 1e-5
 PARAM_TOL = 1e-5
 
 
-def test_inductor_matches_eager_and_reads_lr_every_call(monkeypatch):
+def test_inductor_matches_eager_and_reads_lr_every_call(monkeypatch, caplog):
+    import logging
+    caplog.set_level(logging.INFO, logger="diphoma_compile")
     from diphoma_compile.torch import runtime
     written = []      # what the runtime copies back into the model and optimizer
     write = runtime.TorchStep._write
@@ -56,6 +58,10 @@ def test_inductor_matches_eager_and_reads_lr_every_call(monkeypatch):
     assert all(int(opt.state[p]["step"]) == len(batches) for p in model.parameters())
     # by the compiled program itself: nothing was written back after it ran
     assert written == []
+    # the first call said it was compiling, and when it was done; no later call did
+    said = [r.getMessage() for r in caplog.records if r.name == "diphoma_compile"]
+    assert sum("Inductor is compiling the step program" in m for m in said) == 1, said
+    assert sum("Inductor compiled the step program in" in m for m in said) == 1, said
 
 
 def test_codegen_choices():
