@@ -60,8 +60,8 @@ def test_inductor_matches_eager_and_reads_lr_every_call(monkeypatch, caplog):
     assert written == []
     # the first call said it was compiling, and when it was done; no later call did
     said = [r.getMessage() for r in caplog.records if r.name == "diphoma_compile"]
-    assert sum("Inductor is compiling the step program" in m for m in said) == 1, said
-    assert sum("Inductor compiled the step program in" in m for m in said) == 1, said
+    assert sum("Inductor is compiling the classify_step program" in m for m in said) == 1, said
+    assert sum("Inductor compiled the classify_step program in" in m for m in said) == 1, said
 
 
 def test_codegen_choices():
