@@ -133,10 +133,11 @@ class JaxPipelineStep(MeasuredRunner):
         new_of = {o.role.target: o.name for o in graph.outputs
                   if o.role.kind is OutputKind.replaces}
         last: dict[tuple[int, str], str] = {}       # (stage, input) -> last round reading it
-        for (st, kind), prog in sorted(self.cut.programs.items(), key=lambda kv: kv[0][1]):
-            if kind.startswith("U"):
-                for n in prog.inputs:
-                    last[(st, n)] = kind
+        for r in range(self.cut.nrounds):          # the rounds in the order they run
+            for (st, kind), prog in self.cut.programs.items():
+                if kind == f"U{r}":
+                    for n in prog.inputs:
+                        last[(st, n)] = kind
         out: dict[tuple[int, str], list[str]] = {}
         for (st, n), kind in last.items():
             if kinds.get(n) in (InputKind.param, InputKind.opt_state) and \
