@@ -17,6 +17,7 @@ from ..ir.device_model import DeviceModel
 from ..ir.ops import Category, op_def
 from ..ir.types import TensorType, Varying
 from ..passes.base import Decision, find_decision
+from ..passes.pipeline_parallel import pipeline_of, stage_rank
 from .compute import DEFAULT_DEVICE_MODEL, Compute, estimate_compute
 from .text import render as render_text
 from .text import summary as summary_text
@@ -362,6 +363,9 @@ def _memory(graph: Graph, sizes: dict[str, int], grads: dict[str, str],
     g_whole = sum(types[n].nbytes for n in grads)
     if not grads:   # an untransformed step: a gradient per trainable parameter
         g_local = g_whole = per["param"]
+    held = _held_per_rank(graph, sizes, grads, types)
+    if held is not None:     # a pipeline: a device holds only its stages' share
+        per["param"], per["opt_state"], g_local = held
     act_local, act_whole = saved_activations(graph, sizes, types)
     peak = peak_memory(graph, in_place, scratch)
     at = ""
@@ -371,6 +375,38 @@ def _memory(graph: Graph, sizes: dict[str, int], grads: dict[str, str],
         at = f"#{peak.index} {name}" + (f" ({op.phase.value})" if op.phase else "")
     return Memory(per["param"], g_local, per["opt_state"], whole["param"], g_whole,
                   whole["opt_state"], act_local, act_whole, peak.bytes, at)
+
+
+def _held_per_rank(graph: Graph, sizes: dict[str, int], grads: dict[str, str],
+                   types: dict[str, TensorType]) -> tuple[int, int, int] | None:
+    """For a graph cut into pipeline stages: the parameter, optimizer-state and gradient
+    bytes of the device that holds the most of them, each rank holding what its stages' ops
+    read (parameters, state: a tied parameter on both its stages) or make (gradients);
+    None for a graph without stages."""
+    opts = pipeline_of(graph)
+    if opts is None or opts.axis not in sizes:
+        return None
+    staged = [op for op in graph.ops if op.stage is not None]
+    if not staged:
+        return None
+    nstages = 1 + max(op.stage for op in staged)
+    ranks = sizes[opts.axis]
+    kinds = {i.name: i.role.kind for i in graph.inputs}
+    read: list[set[str]] = [set() for _ in range(ranks)]
+    made: list[set[str]] = [set() for _ in range(ranks)]
+    for op in staged:
+        r = stage_rank(opts.schedule, op.stage, nstages, ranks)
+        read[r].update(n for n in free_inputs(op) if n in kinds)
+        made[r].update(v.name for v in op.results if v.name in grads)
+    best = (0, 0, 0)
+    for r in range(ranks):
+        param = sum(types[n].local_nbytes(sizes) for n in read[r]
+                    if kinds[n] is InputKind.param)
+        state = sum(types[n].local_nbytes(sizes) for n in read[r]
+                    if kinds[n] is InputKind.opt_state)
+        grad = sum(types[n].local_nbytes(sizes) for n in made[r])
+        best = max(best, (param, state, grad), key=sum)
+    return best
 
 
 def saved_activations(graph: Graph, sizes: dict[str, int],

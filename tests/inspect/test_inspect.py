@@ -434,6 +434,11 @@ def test_pipeline_plan_shows_stages_schedule_and_rank_grid(capsys, mesh, grid):
                      "--input", "int64[8,16]<64", "--mesh", mesh)
     stages = plan["notes"]["pipeline"]["stages"]
     assert [s["index"] for s in stages] == [0, 1] and all(s["flops"] > 0 for s in stages)
+    # memory per device is the fuller stage's, not the whole model's (it was the whole
+    # model's: a pipeline's point is that no device holds it)
+    mem = plan["memory"]
+    assert mem["params"] == max(s["param_bytes"] for s in stages) < mem["single_device_params"]
+    assert mem["opt_state"] < mem["single_device_opt_state"]
 
 
 FOUR_LAYERS = "GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=4, n_head=2, n_embd=32))"
