@@ -17,6 +17,7 @@ from ..ir.device_model import DeviceModel
 from ..ir.ops import Category, op_def
 from ..ir.types import TensorType, Varying
 from ..passes.base import Decision, find_decision
+from ..passes.pipeline_orders import ORDERED, rank_orders
 from ..passes.pipeline_parallel import pipeline_of, stage_rank
 from .compute import DEFAULT_DEVICE_MODEL, Compute, estimate_compute
 from .text import render as render_text
@@ -367,6 +368,12 @@ def _memory(graph: Graph, sizes: dict[str, int], grads: dict[str, str],
     if held is not None:     # a pipeline: a device holds only its stages' share
         per["param"], per["opt_state"], g_local = held
     act_local, act_whole = saved_activations(graph, sizes, types)
+    opts = pipeline_of(graph)
+    if opts is not None:     # a staged graph is traced at the microbatch: M of them
+        act_whole *= opts.microbatches
+    in_flight = _activations_in_flight(graph, sizes, types)
+    if in_flight is not None:
+        act_local = in_flight
     peak = peak_memory(graph, in_place, scratch)
     at = ""
     if peak.index >= 0:
@@ -407,6 +414,55 @@ def _held_per_rank(graph: Graph, sizes: dict[str, int], grads: dict[str, str],
         grad = sum(types[n].local_nbytes(sizes) for n in made[r])
         best = max(best, (param, state, grad), key=sum)
     return best
+
+
+def _activations_in_flight(graph: Graph, sizes: dict[str, int],
+                           types: dict[str, TensorType]) -> int | None:
+    """For a graph cut into pipeline stages whose schedule has a written-out order
+    (``passes/pipeline_orders.py``): the most activation bytes one rank keeps at once,
+    walking its order (a forward of microbatch m on stage s keeps s's saved activations of
+    one microbatch until that backward frees them). None otherwise (no stages, or a
+    zero-bubble schedule, whose order only torch's generators give)."""
+    opts = pipeline_of(graph)
+    if opts is None or opts.axis not in sizes or opts.schedule not in ORDERED:
+        return None
+    by_stage = _saved_by_stage(graph, sizes, types)
+    if not by_stage:
+        return None
+    nstages = 1 + max(by_stage)
+    ranks = sizes[opts.axis]
+    try:
+        orders = rank_orders(opts.schedule, ranks, opts.microbatches, nstages)
+    except ValueError:
+        return None
+    most = 0
+    for order in orders:
+        live = 0
+        for kind, _, stage in order:
+            live += by_stage.get(stage, 0) * (1 if kind == "F" else -1)
+            most = max(most, live)
+    return most
+
+
+def _saved_by_stage(graph: Graph, sizes: dict[str, int],
+                    types: dict[str, TensorType]) -> dict[int, int]:
+    """Stage -> bytes per device of its forward values its backward reads (one
+    microbatch's: a staged graph is traced at the microbatch), each view at its base."""
+    base = view_bases(graph)
+    made = producers(graph)
+    saved: dict[str, int] = {}
+    for op in graph.ops:
+        if op.phase is not Phase.backward or op.stage is None:
+            continue
+        for n in free_inputs(op):
+            b = base.get(n, n)
+            src = made.get(b)
+            if src is not None and src.phase is Phase.forward and src.stage is not None:
+                saved[b] = src.stage
+    out: dict[int, int] = {}
+    for b, stage in saved.items():
+        out[stage] = out.get(stage, 0) + types[b].local_nbytes(sizes)
+    return out
 
 
 def saved_activations(graph: Graph, sizes: dict[str, int],

@@ -357,3 +357,24 @@ def test_golden_pipeline_global_clip_packed(golden):
     text = print_graph(out)
     assert parse(text) == out
     golden("torch_gpt_clip.pp2.ir", text)
+
+
+def test_plan_memory_is_the_fullest_ranks_with_its_microbatches_in_flight():
+    """Under a pipeline the plan's memory per device is one rank's: the parameters its
+    stages read, and the activations of the microbatches its schedule keeps at once (GPipe:
+    all M; 1F1B: P - r on rank r), not the whole step's for one microbatch."""
+    from diphoma_compile.report.plan import _saved_by_stage, build_plan
+    plans = {}
+    for schedule in ("gpipe", "1f1b"):
+        out, ctx = run(traced_gpt(layers=4),
+                       f"dce,pipeline{{axis=pp, microbatches=4, schedule={schedule}}}")
+        plans[schedule] = build_plan(out, ctx.decisions).memory
+        saved = _saved_by_stage(out, {"pp": 2}, out.value_types())
+    s0, s1 = saved[0], saved[1]
+    assert s0 > 0 and s1 > 0
+    assert plans["gpipe"].activations == 4 * max(s0, s1)
+    assert plans["1f1b"].activations == max(2 * s0, s1)       # rank 0 keeps two
+    assert plans["1f1b"].single_device_activations == 4 * (s0 + s1)   # M microbatches
+    stages = ctx.decision(PipelineRecord).stages
+    assert plans["1f1b"].params == max(st.param_bytes for st in stages) \
+        < plans["1f1b"].single_device_params
