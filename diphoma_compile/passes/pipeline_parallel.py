@@ -88,13 +88,17 @@ class StageInfo:
     forward_flops: int = 0          # of ``flops``: the forward's and the backward's, per
     backward_flops: int = 0         # microbatch (the rest is the update, once a step)
     input_grad_flops: int = 0       # of the backward's: its input-gradient part (I)
+    # per device, one microbatch's forward values the stage's backward reads (the plan
+    # fills it in: report/plan.py)
+    activation_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """The stage as plain data."""
         return {"index": self.index, "layers": list(self.layers), "params": list(self.params),
                 "flops": self.flops, "param_bytes": self.param_bytes, "ops": self.ops,
                 "forward_flops": self.forward_flops, "backward_flops": self.backward_flops,
-                "input_grad_flops": self.input_grad_flops}
+                "input_grad_flops": self.input_grad_flops,
+                "activation_bytes": self.activation_bytes}
 
 
 @dataclass(frozen=True)

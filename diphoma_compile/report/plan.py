@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeVar
 
 from ..ir.analysis import free_inputs, peak_memory, producers, view_bases
@@ -18,7 +18,7 @@ from ..ir.ops import Category, op_def
 from ..ir.types import TensorType, Varying
 from ..passes.base import Decision, find_decision
 from ..passes.pipeline_orders import ORDERED, rank_orders
-from ..passes.pipeline_parallel import pipeline_of, stage_rank
+from ..passes.pipeline_parallel import PipelineRecord, pipeline_of, stage_rank
 from .compute import DEFAULT_DEVICE_MODEL, Compute, estimate_compute
 from .text import render as render_text
 from .text import summary as summary_text
@@ -257,8 +257,9 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
             op.phase.value if op.phase else None, belongs))
     memory = _memory(graph, sizes, sources, types, in_place, scratch)
     params = sum(i.value.type.numel for i in graph.inputs if i.role.kind is InputKind.param)
+    decisions = _with_stage_activations(dict(decisions or {}), graph, sizes, types)
     return Plan(graph.name, sizes, graph.passes, tuple(tensors), tuple(collectives), memory,
-                sum(c.bytes_per_device for c in collectives), dict(decisions or {}), params,
+                sum(c.bytes_per_device for c in collectives), decisions, params,
                 backend=backend, idle_axes=idle_axes(graph),
                 compute=estimate_compute(graph, device_model))
 
@@ -414,6 +415,20 @@ def _held_per_rank(graph: Graph, sizes: dict[str, int], grads: dict[str, str],
         grad = sum(types[n].local_nbytes(sizes) for n in made[r])
         best = max(best, (param, state, grad), key=sum)
     return best
+
+
+def _with_stage_activations(decisions: dict[str, Decision], graph: Graph,
+                            sizes: dict[str, int], types: dict[str, TensorType]
+                            ) -> dict[str, Decision]:
+    """The pipeline pass's record with each stage's activation bytes per microbatch (what
+    its backward reads of its forward), which the plan measures on the final graph."""
+    by_stage = _saved_by_stage(graph, sizes, types)
+    for name, d in decisions.items():
+        if isinstance(d, PipelineRecord) and by_stage:
+            stages = tuple(replace(st, activation_bytes=by_stage.get(st.index, 0))
+                           for st in d.stages)
+            decisions[name] = replace(d, stages=stages)
+    return decisions
 
 
 def _activations_in_flight(graph: Graph, sizes: dict[str, int],

@@ -142,12 +142,21 @@ def render(plan: Plan, max_rows: int = 60) -> str:
 
 
 def _layer_groups(layers: tuple[str, ...]) -> str:
-    """Module names folded to their numbered layer (``h.0.attn.c_attn`` -> ``h.0``)."""
+    """Module names folded to their numbered layer: ``h.0.attn.c_attn`` -> ``h.0`` (torch),
+    ``params/Block_0/Dense_0/kernel`` -> ``Block_0`` (flax: the first numbered module);
+    an unnumbered flax parameter to its module (``params/LayerNorm_0/scale`` ->
+    ``LayerNorm_0``)."""
     out: list[str] = []
     for name in layers:
-        parts = name.split(".")
-        k = next((i for i, p in enumerate(parts) if p.isdigit()), None)
-        short = ".".join(parts[:k + 1]) if k is not None else name
+        if "/" in name:
+            parts = [p for p in name.split("/") if p != "params"]
+            k = next((i for i, p in enumerate(parts) if p.rpartition("_")[2].isdigit()),
+                     None)
+            short = parts[k] if k is not None else "/".join(parts[:-1] or parts)
+        else:
+            parts = name.split(".")
+            k = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+            short = ".".join(parts[:k + 1]) if k is not None else name
         if short not in out:
             out.append(short)
     return ", ".join(out)
@@ -168,9 +177,11 @@ def pipeline_lines(pp: PipelineRecord | None, mesh: dict[str, int]) -> list[str]
                  f"{pp.microbatches} microbatch(es), bubble {pp.bubble:.1%} of each rank's "
                  f"step ({theory}, equal stages)"]
     rows = [[str(s.index), _layer_groups(s.layers), str(len(s.params)), human(s.param_bytes),
-             flops_text(s.flops)] + ([str(pp.rank_of(s.index))] if looped else [])
+             flops_text(s.flops), human(s.activation_bytes)]
+            + ([str(pp.rank_of(s.index))] if looped else [])
             for s in pp.stages]
-    lines += _table(rows, ["stage", "layers", "params", "param bytes", "flops/microbatch"]
+    lines += _table(rows, ["stage", "layers", "params", "param bytes", "flops/microbatch",
+                           "saved/microbatch"]
                     + (["rank"] if looped else []))
     if pp.sent_bytes:
         lines.append("  activations crossing each cut per microbatch: "

@@ -423,7 +423,8 @@ def test_pipeline_plan_shows_stages_schedule_and_rank_grid(capsys, mesh, grid):
     assert "pipeline{axis=pp, stages=auto, microbatches=2, schedule=1f1b}" in out
     assert "pipeline over pp=2: schedule 1f1b, 2 microbatch(es), bubble 33.3%" in out
     head = next(line for line in out.splitlines() if line.strip().startswith("stage "))
-    assert head.split() == ["stage", "layers", "params", "param", "bytes", "flops/microbatch"]
+    assert head.split() == ["stage", "layers", "params", "param", "bytes", "flops/microbatch",
+                            "saved/microbatch"]
     rows = out.split(head, 1)[1].strip("\n").splitlines()[:2]
     assert rows[0].split()[0] == "0" and "transformer.h.0" in rows[0]
     assert rows[1].split()[0] == "1" and "transformer.ln_f" in rows[1]
@@ -438,6 +439,10 @@ def test_pipeline_plan_shows_stages_schedule_and_rank_grid(capsys, mesh, grid):
     # model's: a pipeline's point is that no device holds it)
     mem = plan["memory"]
     assert mem["params"] == max(s["param_bytes"] for s in stages) < mem["single_device_params"]
+    # each stage's saved activations per microbatch; a rank keeps up to P - r of them (1F1B)
+    assert all(s["activation_bytes"] > 0 for s in stages)
+    assert mem["activations"] == max(2 * stages[0]["activation_bytes"],
+                                     stages[1]["activation_bytes"])
     assert mem["opt_state"] < mem["single_device_opt_state"]
 
 
@@ -475,3 +480,13 @@ def test_plot_without_a_pipeline_is_refused(capsys, tmp_path):
                            "--input", "int64[8,16]<64", "--mesh", "dp=2",
                            "--plot", str(tmp_path / "s.png"))
     assert rc != 0 and "this plan has none" in err
+
+
+def test_layer_groups_fold_torch_and_flax_names():
+    from diphoma_compile.report.text import _layer_groups
+    assert _layer_groups(("transformer.h.0.attn.c_attn", "transformer.h.0.mlp.c_fc",
+                          "transformer.h.1.ln_1", "transformer.wte")) == \
+        "transformer.h.0, transformer.h.1, transformer.wte"
+    assert _layer_groups(("params/Block_0/Dense_0/kernel", "params/Block_0/LayerNorm_1/scale",
+                          "params/Embed_0/embedding", "params/LayerNorm_0/scale",
+                          "params/head/kernel")) == "Block_0, Embed_0, LayerNorm_0, head"
