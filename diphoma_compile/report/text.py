@@ -74,7 +74,9 @@ def _summary(plan: Plan) -> list[str]:
         "  (estimate: forward values kept for backward)",
         f"  total            {human(m.params + m.grads + m.opt_state + m.activations)}",
         f"  peak             {human(m.peak)} while the step runs (liveness over the program: "
-        f"what the step holds plus the values live at its busiest op, {m.peak_at or 'none'})",
+        f"what the step holds plus the values live at its busiest op, {m.peak_at or 'none'})"
+        + ("; a pipeline's: over every stage's program and one microbatch, not yet a rank's"
+           if plan.decision(PipelineRecord) is not None else ""),
         f"communication per step per device: {human(plan.comm_bytes_per_step)} in "
         f"{sum(kinds.values())} collectives"
         + (" (" + ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) + ")"

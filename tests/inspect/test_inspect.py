@@ -429,6 +429,8 @@ def test_pipeline_plan_shows_stages_schedule_and_rank_grid(capsys, mesh, grid):
     assert rows[0].split()[0] == "0" and "transformer.h.0" in rows[0]
     assert rows[1].split()[0] == "1" and "transformer.ln_f" in rows[1]
     assert "tied: transformer.wte.weight held on stages 0, 1" in out
+    # the peak is still the whole program's, and says so
+    assert "a pipeline's: over every stage's program and one microbatch, not yet a rank's" in out
     for line in grid:
         assert f"    {line}\n" in out
     plan = plan_json(capsys, GPT, "--init", TINY_GPT, "--input", "int64[8,16]<64",
