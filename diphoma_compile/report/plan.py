@@ -255,9 +255,10 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
             op.name, axis, value, serves,
             op.attrs.get("op"), d.comm_bytes(op, ins, outs, sizes.get(axis, 1), sizes),
             op.phase.value if op.phase else None, belongs))
-    memory = _memory(graph, sizes, sources, types, in_place, scratch)
+    by_stage = _saved_by_stage(graph, sizes, types)
+    memory = _memory(graph, sizes, sources, types, in_place, scratch, by_stage)
     params = sum(i.value.type.numel for i in graph.inputs if i.role.kind is InputKind.param)
-    decisions = _with_stage_activations(dict(decisions or {}), graph, sizes, types)
+    decisions = _with_stage_activations(dict(decisions or {}), by_stage)
     return Plan(graph.name, sizes, graph.passes, tuple(tensors), tuple(collectives), memory,
                 sum(c.bytes_per_device for c in collectives), decisions, params,
                 backend=backend, idle_axes=idle_axes(graph),
@@ -353,7 +354,8 @@ def _serves(op: Op, grads: dict[str, str], loss: set[str], metrics: set[str],
 
 def _memory(graph: Graph, sizes: dict[str, int], grads: dict[str, str],
             types: dict[str, TensorType], in_place: Collection[str] = (),
-            scratch: Mapping[int, int] | None = None) -> Memory:
+            scratch: Mapping[int, int] | None = None,
+            by_stage: Mapping[int, int] | None = None) -> Memory:
     per = {k: 0 for k in ("param", "opt_state")}
     whole = dict(per)
     for i in graph.inputs:
@@ -365,16 +367,19 @@ def _memory(graph: Graph, sizes: dict[str, int], grads: dict[str, str],
     g_whole = sum(types[n].nbytes for n in grads)
     if not grads:   # an untransformed step: a gradient per trainable parameter
         g_local = g_whole = per["param"]
-    held = _held_per_rank(graph, sizes, grads, types)
-    if held is not None:     # a pipeline: a device holds only its stages' share
-        per["param"], per["opt_state"], g_local = held
     act_local, act_whole = saved_activations(graph, sizes, types)
     opts = pipeline_of(graph)
     if opts is not None:     # a staged graph is traced at the microbatch: M of them
         act_whole *= opts.microbatches
-    in_flight = _activations_in_flight(graph, sizes, types)
-    if in_flight is not None:
-        act_local = in_flight
+    if opts is not None and opts.axis in sizes and \
+            any(op.stage is not None for op in graph.ops):
+        # a pipeline: a device holds only its stages' share, and its schedule's
+        # microbatches in flight
+        per["param"], per["opt_state"], g_local = _held_per_rank(graph, opts, sizes, grads,
+                                                                 types)
+        in_flight = _activations_in_flight(opts, sizes[opts.axis], by_stage or {})
+        if in_flight is not None:
+            act_local = in_flight
     peak = peak_memory(graph, in_place, scratch)
     at = ""
     if peak.index >= 0:
@@ -385,18 +390,13 @@ def _memory(graph: Graph, sizes: dict[str, int], grads: dict[str, str],
                   whole["opt_state"], act_local, act_whole, peak.bytes, at)
 
 
-def _held_per_rank(graph: Graph, sizes: dict[str, int], grads: dict[str, str],
-                   types: dict[str, TensorType]) -> tuple[int, int, int] | None:
-    """For a graph cut into pipeline stages: the parameter, optimizer-state and gradient
-    bytes of the device that holds the most of them, each rank holding what its stages' ops
-    read (parameters, state: a tied parameter on both its stages) or make (gradients);
-    None for a graph without stages."""
-    opts = pipeline_of(graph)
-    if opts is None or opts.axis not in sizes:
-        return None
+def _held_per_rank(graph: Graph, opts: Any, sizes: dict[str, int], grads: dict[str, str],
+                   types: dict[str, TensorType]) -> tuple[int, int, int]:
+    """For a graph cut into pipeline stages (``opts`` its pipeline pass): the parameter,
+    optimizer-state and gradient bytes of the device that holds the most of them, each
+    rank holding what its stages' ops read (parameters, state: a tied parameter on both its
+    stages) or make (gradients)."""
     staged = [op for op in graph.ops if op.stage is not None]
-    if not staged:
-        return None
     nstages = 1 + max(op.stage for op in staged)
     ranks = sizes[opts.axis]
     kinds = {i.name: i.role.kind for i in graph.inputs}
@@ -417,12 +417,10 @@ def _held_per_rank(graph: Graph, sizes: dict[str, int], grads: dict[str, str],
     return best
 
 
-def _with_stage_activations(decisions: dict[str, Decision], graph: Graph,
-                            sizes: dict[str, int], types: dict[str, TensorType]
+def _with_stage_activations(decisions: dict[str, Decision], by_stage: Mapping[int, int]
                             ) -> dict[str, Decision]:
     """The pipeline pass's record with each stage's activation bytes per microbatch (what
     its backward reads of its forward), which the plan measures on the final graph."""
-    by_stage = _saved_by_stage(graph, sizes, types)
     for name, d in decisions.items():
         if isinstance(d, PipelineRecord) and by_stage:
             stages = tuple(replace(st, activation_bytes=by_stage.get(st.index, 0))
@@ -431,23 +429,16 @@ def _with_stage_activations(decisions: dict[str, Decision], graph: Graph,
     return decisions
 
 
-def _activations_in_flight(graph: Graph, sizes: dict[str, int],
-                           types: dict[str, TensorType]) -> int | None:
-    """For a graph cut into pipeline stages whose schedule has a written-out order
-    (``passes/pipeline_orders.py``): the most activation bytes one rank keeps at once,
-    walking its order (a forward of microbatch m on stage s keeps s's saved activations of
-    one microbatch until that backward frees them). None otherwise (no stages, or a
-    zero-bubble schedule, whose order only torch's generators give)."""
-    opts = pipeline_of(graph)
-    if opts is None or opts.axis not in sizes or opts.schedule not in ORDERED:
+def _activations_in_flight(opts: Any, ranks: int, by_stage: Mapping[int, int]) -> int | None:
+    """The most activation bytes one rank keeps at once under the pipeline pass ``opts``
+    over ``ranks`` ranks, walking its schedule's written-out order
+    (``passes/pipeline_orders.py``; a forward of microbatch m on stage s keeps s's saved
+    activations of one microbatch, ``by_stage[s]``, until that backward frees them). None
+    for a zero-bubble schedule, whose order only torch's generators give."""
+    if opts.schedule not in ORDERED or not by_stage:
         return None
-    by_stage = _saved_by_stage(graph, sizes, types)
-    if not by_stage:
-        return None
-    nstages = 1 + max(by_stage)
-    ranks = sizes[opts.axis]
     try:
-        orders = rank_orders(opts.schedule, ranks, opts.microbatches, nstages)
+        orders = rank_orders(opts.schedule, ranks, opts.microbatches, 1 + max(by_stage))
     except ValueError:
         return None
     most = 0
@@ -459,24 +450,32 @@ def _activations_in_flight(graph: Graph, sizes: dict[str, int],
     return most
 
 
-def _saved_by_stage(graph: Graph, sizes: dict[str, int],
-                    types: dict[str, TensorType]) -> dict[int, int]:
-    """Stage -> bytes per device of its forward values its backward reads (one
-    microbatch's: a staged graph is traced at the microbatch), each view at its base."""
+def _saved_values(graph: Graph) -> dict[str, Op]:
+    """Forward-phase values that backward-phase ops read (the activations kept between the
+    two), each view at its base, by the forward op that makes them; parameters and other
+    graph inputs are not activations."""
     base = view_bases(graph)
     made = producers(graph)
-    saved: dict[str, int] = {}
+    saved: dict[str, Op] = {}
     for op in graph.ops:
-        if op.phase is not Phase.backward or op.stage is None:
+        if op.phase is not Phase.backward:
             continue
         for n in free_inputs(op):
             b = base.get(n, n)
             src = made.get(b)
-            if src is not None and src.phase is Phase.forward and src.stage is not None:
-                saved[b] = src.stage
+            if src is not None and src.phase is Phase.forward:
+                saved[b] = src
+    return saved
+
+
+def _saved_by_stage(graph: Graph, sizes: dict[str, int],
+                    types: dict[str, TensorType]) -> dict[int, int]:
+    """Stage -> bytes per device of its forward values its backward reads (one
+    microbatch's: a staged graph is traced at the microbatch); empty without stages."""
     out: dict[int, int] = {}
-    for b, stage in saved.items():
-        out[stage] = out.get(stage, 0) + types[b].local_nbytes(sizes)
+    for b, src in _saved_values(graph).items():
+        if src.stage is not None:
+            out[src.stage] = out.get(src.stage, 0) + types[b].local_nbytes(sizes)
     return out
 
 
@@ -486,19 +485,8 @@ def saved_activations(graph: Graph, sizes: dict[str, int],
     between the two), per device and on one device running the whole batch. A view counts
     at its base, once; parameters and other graph inputs are not activations. An estimate:
     it follows program order and knows nothing of recomputation or a backend's fusion."""
-    base = view_bases(graph)
-    made = producers(graph)
-    saved: set[str] = set()
-    for op in graph.ops:
-        if op.phase is not Phase.backward:
-            continue
-        for n in free_inputs(op):
-            b = base.get(n, n)
-            src = made.get(b)
-            if src is not None and src.phase is Phase.forward:
-                saved.add(b)
     local = whole = 0
-    for b in saved:
+    for b in _saved_values(graph):
         t = types[b]
         local += t.local_nbytes(sizes)
         n = t.nbytes
