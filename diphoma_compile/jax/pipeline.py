@@ -102,7 +102,11 @@ class JaxPipelineStep(MeasuredRunner):
                         for s in range(self.nstages)]
         self.sub = [jax.sharding.Mesh(np.take(self.mesh.devices, [r], axis=k), names)
                     for r in range(self.ranks)]
+        # parameter or optimizer-state input -> the output holding its new value
+        self.new_of = {o.role.target: o.name for o in graph.outputs
+                       if o.role.kind is OutputKind.replaces}
         self.donated = self._donations(graph) if donate else {}
+        self.consumed = {(s, n) for (s, _), names in self.donated.items() for n in names}
         self.fns = {key: self._jit(key, prog) for key, prog in self.cut.programs.items()}
         self.reads = {s: {n for (st, _), p in self.cut.programs.items() if st == s
                           for n in p.inputs} for s in range(self.nstages)}
@@ -130,8 +134,6 @@ class JaxPipelineStep(MeasuredRunner):
         those it makes the new value of, in the last update round of the stage that reads
         them (an earlier round's donation would delete what a later one reads)."""
         kinds = {i.name: i.role.kind for i in graph.inputs}
-        new_of = {o.role.target: o.name for o in graph.outputs
-                  if o.role.kind is OutputKind.replaces}
         last: dict[tuple[int, str], str] = {}       # (stage, input) -> last round reading it
         for r in range(self.cut.nrounds):          # the rounds in the order they run
             for (st, kind), prog in self.cut.programs.items():
@@ -141,7 +143,7 @@ class JaxPipelineStep(MeasuredRunner):
         out: dict[tuple[int, str], list[str]] = {}
         for (st, n), kind in last.items():
             if kinds.get(n) in (InputKind.param, InputKind.opt_state) and \
-                    new_of.get(n) in self.cut.programs[(st, kind)].outputs:
+                    self.new_of.get(n) in self.cut.programs[(st, kind)].outputs:
                 out.setdefault((st, kind), []).append(n)
         return out
 
@@ -204,12 +206,12 @@ class JaxPipelineStep(MeasuredRunner):
         chunks = {n: self._microbatches(n, given[n]) for n in self.batch
                   if any(n in r for r in self.reads.values())}
         placed: dict[tuple[int, str], Any] = {}
-        consumed = {(s, n) for (s, _), names in self.donated.items() for n in names}
         for s in range(self.nstages):
             for i in g.inputs:
                 if i.name in self.reads[s] and i.name not in self.batch:
                     x, sharding = given[i.name], self._sharding(s, i.name)
-                    if (s, i.name) in consumed and getattr(x, "sharding", None) != sharding:
+                    if (s, i.name) in self.consumed and \
+                            getattr(x, "sharding", None) != sharding:
                         # a copy: the caller's array in another layout is left alone
                         # (device_put alone may share the buffer a device already holds,
                         # and the donation would delete it)
@@ -259,10 +261,8 @@ class JaxPipelineStep(MeasuredRunner):
             for s in range(self.nstages):
                 call((s, f"U{r}"), self.m, final[s], False)
         made = {n: v for s in range(self.nstages) for n, v in final[s].items()}
-        new_of = {o.role.target: o.name for o in g.outputs
-                  if o.role.kind is OutputKind.replaces}
         # what each stage holds now: a donated array's buffers hold its new value
-        self._held = {k: made[new_of[k[1]]] if k in consumed else x
+        self._held = {k: made[self.new_of[k[1]]] if k in self.consumed else x
                       for k, x in placed.items() if k[1] in self._state_inputs}
         out = []
         for o in g.outputs:
