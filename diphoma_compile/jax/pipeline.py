@@ -8,8 +8,9 @@ that column), and each program is ``jax.jit`` over ``jax.shard_map`` on that sub
 same per-device lowering as the data-parallel step (its data-parallel collectives run
 inside, per microbatch). This is MPMD from one controller, as JAX runs several programs on
 several devices: the controller dispatches every rank's actions in the schedule's per-rank
-order (``passes/pipeline_orders.py``: GPipe, 1F1B or interleaved 1F1B, whose rank r runs
-stages r, r + P, ... on its one column of devices), each as soon as the values it
+order (``passes/pipeline_orders.py``: GPipe, 1F1B; interleaved 1F1B and interleaved zero
+bubble, whose rank r runs stages r, r + P, ... on its one column of devices; ZB-V, whose
+rank r runs stages r and 2P - 1 - r), each as soon as the values it
 receives have been dispatched; dispatch is asynchronous, so the stages' devices compute
 concurrently, each in its schedule's order, and a value crossing stages is
 ``jax.device_put`` onto the receiving stage's devices (a device-to-device copy).
@@ -28,8 +29,11 @@ donates it: the new value is written into the old one's buffers, so the arrays p
 are consumed when they are in their stage's layout (the step's own results are); arrays in
 another layout (the user's first ones) are copied onto the stage and left intact.
 
-Not done here: the zero-bubble schedules (a backward split into input- and
-weight-gradient runs)."""
+The zero-bubble schedules split each backward into its input-gradient program I (what the
+gradient sent to the stage before needs) and its weight-gradient program W, which reads
+what the microbatch's forward and I left; a microbatch's values on a stage are dropped
+after its W (after its B otherwise). Dispatch being asynchronous, the order decides what
+each column of devices queues next, not when the controller waits."""
 
 from __future__ import annotations
 
@@ -67,11 +71,9 @@ class JaxPipelineStep(MeasuredRunner):
             raise BackendError("the graph was not cut into pipeline stages",
                                hint="run the pipeline pass")
         if opts.schedule not in ORDERED:
-            raise BackendError(f"the JAX pipeline runtime runs GPipe, 1F1B and interleaved "
-                               f"1F1B, not schedule {opts.schedule!r} (a zero-bubble "
-                               f"schedule splits each backward in two)",
-                               hint="schedule='1f1b', 'gpipe' or 'interleaved' for a JAX "
-                                    "step, or a PyTorch step for the zero-bubble ones")
+            raise BackendError(f"the JAX pipeline runtime has no order for schedule "
+                               f"{opts.schedule!r}",
+                               hint=f"schedule= one of {', '.join(ORDERED)}")
         self.graph = graph
         self.out_tree = out_tree if out_tree is not None else output_tree(graph)
         self._tree_jit = None
@@ -250,7 +252,7 @@ class JaxPipelineStep(MeasuredRunner):
                     self.dispatched.append((kind, mb, s))
                     env = envs.setdefault((s, mb), {})
                     call((s, kind), mb, env, True)
-                    if kind == "B":
+                    if kind in ("B", "W"):         # the microbatch is done on s
                         del envs[(s, mb)]
                     moved = True
             if not moved:

@@ -1,10 +1,11 @@
-"""The per-rank orders of the GPipe, 1F1B and interleaved 1F1B schedules, written out.
+"""The per-rank orders of the pipeline schedules, written out.
 
 The torch runtime takes its orders from torch.distributed.pipelining's own generators
 (``torch/pipeline_schedule.py``); a runtime without them (JAX) takes these. An order is a
 rank's list of actions ``(kind, microbatch, stage)``: ``F`` forward, ``B`` backward; with
-one stage per rank, rank r runs stage r. ``tests/torch/test_pipeline.py`` checks that they
-are torch's, action for action.
+one stage per rank, rank r runs stage r; the zero-bubble schedules split a backward into
+``I`` (the input gradients, sent to the stage before) and ``W`` (the weight gradients).
+``tests/torch/test_pipeline.py`` checks that they are torch's, action for action.
 
 - GPipe: every forward, then every backward (fill, drain).
 - 1F1B: rank r runs P - r forwards first (fewer when M is smaller), then alternates one
@@ -15,26 +16,44 @@ are torch's, action for action.
   microbatches, stage after stage (R forwards of its first stage, R of its second, ...,
   then the next round); it runs (v - 1) R + 2 (P - 1 - r) forwards first, then alternates
   one forward and one backward, the backwards taking its stages in reverse, then the
-  remaining backwards. Each rank's fill and drain are v times shorter than 1F1B's."""
+  remaining backwards. Each rank's fill and drain are v times shorter than 1F1B's.
+- Interleaved zero bubble (ZB1P; torch's ``ScheduleInterleavedZeroBubble``): the forwards
+  and input-gradient runs of interleaved 1F1B, with (v - 1) R + P - 1 - r forwards first;
+  rank r runs the weight-gradient run of its j-th backward after its (j + r)-th input
+  gradient (late ranks defer W, filling the wait for the gradients coming back), and the
+  r left over at the end.
+- ZB-V (torch's ``ScheduleZBVZeroBubble``): rank r holds stages r and 2P - 1 - r, so the
+  microbatches go down the ranks and back up (a V). It runs 2(P - r) - 1 forwards of its
+  first stage; r pairs (second stage, first stage); P - r rounds of (second stage's F, I,
+  W); then, while forwards are left, its first stage's F, I, W and its second stage's F,
+  I, W; then r pairs of input gradients, P - r of (first stage's I, W), and the weight
+  gradients left, second stage first. Planned for max(M, 2P - 1) microbatches, the ones
+  past M dropped."""
 
 from __future__ import annotations
 
 Action = tuple[str, int, int]          # kind, microbatch, stage
 
-ORDERED = ("gpipe", "1f1b", "interleaved")
+ORDERED = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv")
 
 
 def rank_orders(schedule: str, ranks: int, microbatches: int, stages: int | None = None
                 ) -> tuple[tuple[Action, ...], ...]:
     """Each rank's actions under ``schedule`` (one of ``ORDERED``) over ``stages`` stages
     (``ranks`` of them, one per rank, for GPipe and 1F1B; twice that by default for the
-    interleaved schedule, stage s on rank s mod ``ranks``) and ``microbatches``
-    microbatches."""
+    interleaved schedules, stage s on rank s mod ``ranks``; 2 ``ranks`` for zbv, in a V)
+    and ``microbatches`` microbatches."""
     if schedule not in ORDERED:
         raise ValueError(f"no written-out order for schedule {schedule!r}; "
                          f"these have one: {', '.join(ORDERED)}")
-    if schedule == "interleaved":
-        return _interleaved(ranks, 2 * ranks if stages is None else stages, microbatches)
+    if schedule in ("interleaved", "interleaved-zb"):
+        return _interleaved(ranks, 2 * ranks if stages is None else stages, microbatches,
+                            split=schedule == "interleaved-zb")
+    if schedule == "zbv":
+        if stages not in (None, 2 * ranks):
+            raise ValueError(f"zbv runs two stages per rank, not {stages} stages on "
+                             f"{ranks} ranks")
+        return tuple(_zbv(ranks, r, microbatches) for r in range(ranks))
     out = []
     for r in range(ranks):
         if schedule == "gpipe":
@@ -53,30 +72,78 @@ def rank_orders(schedule: str, ranks: int, microbatches: int, stages: int | None
     return tuple(out)
 
 
-def _interleaved(ranks: int, stages: int, microbatches: int
+def _interleaved(ranks: int, stages: int, microbatches: int, split: bool = False
                  ) -> tuple[tuple[Action, ...], ...]:
     if stages % ranks:
-        raise ValueError(f"the interleaved schedule needs the stages ({stages}) to be a "
+        raise ValueError(f"the interleaved schedules need the stages ({stages}) to be a "
                          f"multiple of the ranks ({ranks})")
     v = stages // ranks
     rounds = max(1, microbatches // ranks)
     if microbatches % rounds:
-        raise ValueError(f"the interleaved schedule runs microbatches in rounds of "
+        raise ValueError(f"the interleaved schedules run microbatches in rounds of "
                          f"{ranks}: {microbatches} is not a multiple of {rounds} rounds")
     per_round = microbatches // rounds
+    return tuple(_interleaved_rank(ranks, r, v, per_round, microbatches, split)
+                 for r in range(ranks))
+
+
+def _interleaved_rank(ranks: int, r: int, v: int, per_round: int, microbatches: int,
+                      split: bool) -> tuple[Action, ...]:
     total = v * microbatches
-    out = []
-    for r in range(ranks):
-        warm = min((v - 1) * per_round + 2 * (ranks - 1 - r), total)
-        done = {"F": [0] * v, "B": [0] * v}      # microbatches run, per local stage
-        order: list[Action] = []
-        for k in range(total + warm):
-            steps = ([("F", (k // per_round) % v)] if k < total else []) + \
-                ([("B", v - 1 - ((k - warm) // per_round) % v)] if k >= warm else [])
-            for kind, local in steps:
-                order.append((kind, done[kind][local], local * ranks + r))
-                done[kind][local] += 1
-        out.append(tuple(order))
-    return tuple(out)
+    ahead = ranks - 1 - r if split else 2 * (ranks - 1 - r)
+    warm = min((v - 1) * per_round + ahead, total)
+    back = "I" if split else "B"
+    done = {"F": [0] * v, back: [0] * v, "W": [0] * v}     # microbatches run, per stage
+    backwards: list[int] = []             # the local stage of each backward, in order
+    order: list[Action] = []
+
+    def run(kind: str, local: int) -> None:
+        order.append((kind, done[kind][local], local * ranks + r))
+        done[kind][local] += 1
+
+    for k in range(total + warm):
+        if k < total:
+            run("F", (k // per_round) % v)
+        if k >= warm:
+            backwards.append(v - 1 - ((k - warm) // per_round) % v)
+            run(back, backwards[-1])
+            if split and len(backwards) > r:            # W trails its I by r backwards
+                run("W", backwards[len(backwards) - 1 - r])
+    if split:
+        for local in backwards[max(0, len(backwards) - r):]:
+            run("W", local)
+    return tuple(order)
+
+
+def _zbv(ranks: int, r: int, microbatches: int) -> tuple[Action, ...]:
+    first, second = r, 2 * ranks - 1 - r
+    n = max(2 * ranks - 1, microbatches)
+    count = {(k, s): 0 for k in "FIW" for s in (first, second)}
+    order: list[Action] = []
+
+    def run(*acts: tuple[str, int]) -> None:
+        for kind, s in acts:
+            order.append((kind, count[(kind, s)], s))
+            count[(kind, s)] += 1
+
+    for _ in range(2 * (ranks - r) - 1):
+        run(("F", first))
+    for _ in range(r):
+        run(("F", second), ("F", first))
+    for _ in range(ranks - r):
+        run(("F", second), ("I", second), ("W", second))
+    while count[("F", second)] < count[("F", first)] or count[("F", first)] < n:
+        if count[("F", first)] < n:
+            run(("F", first))
+        run(("I", first), ("W", first), ("F", second), ("I", second), ("W", second))
+    for _ in range(r):
+        run(("I", first), ("I", second))
+    for _ in range(ranks - r):
+        run(("I", first), ("W", first))
+    for s in (second, first):
+        while count[("W", s)] < count[("I", s)]:
+            run(("W", s))
+    return tuple(a for a in order if a[1] < microbatches)
+
 
 __all__ = ["Action", "ORDERED", "rank_orders"]

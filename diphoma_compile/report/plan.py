@@ -433,19 +433,22 @@ def _activations_in_flight(opts: Any, ranks: int, by_stage: Mapping[int, int]) -
     """The most activation bytes one rank keeps at once under the pipeline pass ``opts``
     over ``ranks`` ranks, walking its schedule's written-out order
     (``passes/pipeline_orders.py``; a forward of microbatch m on stage s keeps s's saved
-    activations of one microbatch, ``by_stage[s]``, until that backward frees them). None
-    for a zero-bubble schedule, whose order only torch's generators give."""
+    activations of one microbatch, ``by_stage[s]``, until that backward frees them; under
+    a split backward, until its weight-gradient run W: an upper bound, since what only the
+    input-gradient run reads could go after it). None when the order cannot be written
+    out (microbatches the schedule refuses)."""
     if opts.schedule not in ORDERED or not by_stage:
         return None
     try:
         orders = rank_orders(opts.schedule, ranks, opts.microbatches, 1 + max(by_stage))
     except ValueError:
         return None
+    change = {"F": 1, "B": -1, "I": 0, "W": -1}
     most = 0
     for order in orders:
         live = 0
         for kind, _, stage in order:
-            live += by_stage.get(stage, 0) * (1 if kind == "F" else -1)
+            live += by_stage.get(stage, 0) * change[kind]
             most = max(most, live)
     return most
 

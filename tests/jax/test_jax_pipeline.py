@@ -55,7 +55,8 @@ def _train(step, params, tx, batches):
 
 
 def _distance(a, b) -> float:
-    return max(float(jnp.max(jnp.abs(jnp.asarray(x) - jnp.asarray(y))))
+    """The largest elementwise difference, taken in float64 on the host."""
+    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
@@ -100,9 +101,23 @@ def test_the_runtime_dispatches_each_stage_in_its_1f1b_order(sgdm):
     assert warm == ["F", "F", "F", "F", "B"]       # rank 0 of 4: four forwards first
 
 
+def _exact(step, params, tx, batches):
+    """The single-device step run in float64: the parameters every float32 program rounds
+    away from."""
+    with jax.enable_x64(True):
+        wide = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), params)
+        state, _ = _train(jax.jit(step), wide, tx, batches)
+        return jax.tree.map(np.asarray, state[0])
+
+
 def test_clipped_adamw_gpipe_is_as_close_as_data_parallelism():
     """AdamW behind a global gradient-norm clip: each stage's norms go to one stage, the
-    factor comes back (the update in rounds)."""
+    factor comes back (the update in rounds). The pipelined parameters are as far from the
+    exact (float64) step as data parallelism's, within 2x. (Against the float32
+    single-device step the distance is ruled by one element: a query weight whose Adam
+    second moment is 3e-10 turns its gradient's rounding into an update 1.6e-5 off under
+    the pipeline and 9e-7 off under dp=8 on an AVX2 CPU, within 4x of each other on an
+    AVX-512 one; every float32 program is 6.5-8.1e-5 from the float64 step.)"""
     tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2))
     step, params, batches = _case(tx)
     ref_state, ref_losses = _train(jax.jit(step), params, tx, batches)
@@ -111,9 +126,11 @@ def test_clipped_adamw_gpipe_is_as_close_as_data_parallelism():
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     dp = diphoma_compile.parallelize(step, {"dp": 8})
     dp_state, _ = _train(dp, params, tx, batches)
-    dp_state = (dp.user_shapes(dp_state[0], 0), dp.user_shapes(dp_state[1], 1))
-    ours, theirs = _distance(state, ref_state), _distance(dp_state, ref_state)
-    assert ours <= 4 * max(theirs, 1e-7), (ours, theirs)
+    exact = _exact(step, params, tx, batches)
+    one = _distance(ref_state[0], exact)
+    ours, theirs = _distance(state[0], exact), _distance(dp.user_shapes(dp_state[0], 0), exact)
+    assert ours <= 2 * theirs and ours <= 2 * one, (ours, theirs, one)
+    assert _distance(state[0], params) > 1e-2          # it trained
     assert pp.runner.cut.nrounds >= 2           # norms in, then the factor back
 
 
@@ -170,13 +187,41 @@ def test_update_programs_donate_the_state_they_replace(sgdm):
     np.testing.assert_allclose(float(out[2]), float(pp(*two[:2], batches[2])[2]), rtol=0)
 
 
-def test_zero_bubble_schedules_are_refused():
-    tx = optax.sgd(0.1)
-    step, params, batches = _case(tx)
-    ps = diphoma_compile.parallelize(step, MESH, schedule="zbv", microbatches=4)
-    with pytest.raises(BackendError) as e:
-        ps(params, tx.init(params), batches[0])
-    assert "not schedule 'zbv'" in str(e.value) and "'interleaved'" in str(e.value)
+ZERO_BUBBLE_RANK0 = {
+    "interleaved-zb": "0F0 0F1 2F0 2F1 2I0 2W0 0F2 2I1 2W1 0F3 0I0 0W0 2F2 0I1 0W1 2F3 2I2 "
+                      "2W2 2I3 2W3 0I2 0W2 0I3 0W3",
+    "zbv": "0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2 3I2 3W2 0I1 0W1 3F3 3I3 3W3 "
+           "0I2 0W2 0I3 0W3",
+}
+
+
+@pytest.mark.parametrize("schedule, rank_of", [("interleaved-zb", [0, 1, 0, 1]),
+                                               ("zbv", [0, 1, 1, 0])])
+def test_zero_bubble_schedules_split_the_backward_and_match(sgdm, schedule, rank_of):
+    """The zero-bubble schedules over dp=4 x pp=2: 4 stages, each backward run as its
+    input-gradient program I and its weight-gradient program W, in the written-out orders
+    (torch's, checked in tests/torch/test_pipeline.py); SGD momentum matches the
+    single-device step."""
+    step, params, batches, (ref_state, ref_losses), _, _ = sgdm
+    tx = optax.sgd(0.1, momentum=0.9)
+    pp = diphoma_compile.parallelize(step, {"dp": 4, "pp": 2}, schedule=schedule,
+                                     microbatches=4)
+    state, losses = _train(pp, params, tx, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    largest = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(ref_state[0]))
+    assert _distance(state, ref_state) <= 1e-5 * largest
+    runner = pp.runner
+    assert runner.rank_of == rank_of and runner.cut.kinds == "FIWU"
+    assert all(i > 0 and w > 0 for i, w in runner.cut.split.values())
+    for rank in range(2):
+        mine = [a for a in runner.dispatched if runner.rank_of[a[2]] == rank]
+        assert mine == list(runner.orders[rank])
+        assert {k for k, _, _ in mine} == {"F", "I", "W"}
+    assert " ".join(f"{s}{k}{m}" for k, m, s in runner.orders[0]) == \
+        ZERO_BUBBLE_RANK0[schedule]
+    # every stage ran each microbatch's F, I and W once
+    assert sorted(runner.dispatched) == sorted((k, m, s) for k in "FIW" for m in range(4)
+                                               for s in range(4))
 
 
 def test_a_batch_that_does_not_split_into_microbatches_is_refused():

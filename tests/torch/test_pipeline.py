@@ -220,21 +220,34 @@ def test_written_out_orders_are_torchs(schedule, ranks, microbatches):
     assert [list(r) for r in ours] == [[tuple(a) for a in r] for r in torchs]
 
 
+@pytest.mark.parametrize("schedule", ["interleaved", "interleaved-zb"])
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 @pytest.mark.parametrize("per_rank", [2, 3])
-def test_written_out_interleaved_orders_are_torchs(ranks, per_rank):
-    """The interleaved 1F1B orders written out for JAX are torch's Interleaved1F1B's, action
-    for action, for M a multiple of the ranks and M = P + 1, 2P + 1 (rounds of P + 1
+def test_written_out_interleaved_orders_are_torchs(schedule, ranks, per_rank):
+    """The interleaved 1F1B and interleaved zero-bubble orders written out for JAX are
+    torch's generators' (Interleaved1F1B, InterleavedZeroBubble), action for action, for M
+    a multiple of the ranks, M below the ranks, and M = P + 1, 2P + 1 (rounds of P + 1
     microbatches, or refused, as torch refuses them)."""
     from diphoma_compile.passes.pipeline_orders import rank_orders
-    for m in (ranks, 2 * ranks, 3 * ranks, ranks + 1, 2 * ranks + 1):
+    for m in (1, ranks - 1, ranks, 2 * ranks, 3 * ranks, ranks + 1, 2 * ranks + 1):
         try:
-            torchs = schedule_actions("interleaved", ranks * per_rank, m, ranks)
+            torchs = schedule_actions(schedule, ranks * per_rank, m, ranks)
         except BackendError:
             with pytest.raises(ValueError, match="rounds"):
-                rank_orders("interleaved", ranks, m, ranks * per_rank)
+                rank_orders(schedule, ranks, m, ranks * per_rank)
             continue
-        ours = rank_orders("interleaved", ranks, m, ranks * per_rank)
+        ours = rank_orders(schedule, ranks, m, ranks * per_rank)
+        assert [list(r) for r in ours] == [[tuple(a) for a in r] for r in torchs], m
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4, 5])
+def test_written_out_zbv_orders_are_torchs(ranks):
+    """The ZB-V orders written out for JAX are torch's ZBVZeroBubble's, action for action,
+    from one microbatch to past the 2P - 1 its generator plans for."""
+    from diphoma_compile.passes.pipeline_orders import rank_orders
+    for m in range(1, 3 * ranks + 1):
+        ours = rank_orders("zbv", ranks, m)
+        torchs = schedule_actions("zbv", 2 * ranks, m, ranks)
         assert [list(r) for r in ours] == [[tuple(a) for a in r] for r in torchs], m
 
 
@@ -362,7 +375,8 @@ def test_golden_pipeline_global_clip_packed(golden):
 def test_plan_memory_is_the_fullest_ranks_with_its_microbatches_in_flight():
     """Under a pipeline the plan's memory per device is one rank's: the parameters its
     stages read, and the activations of the microbatches its schedule keeps at once (GPipe:
-    all M; 1F1B: P - r on rank r), not the whole step's for one microbatch."""
+    all M; 1F1B: P - r on rank r; zbv: to each weight-gradient run), not the whole step's
+    for one microbatch."""
     from diphoma_compile.report.plan import _saved_by_stage, build_plan
     plans = {}
     for schedule in ("gpipe", "1f1b"):
@@ -378,3 +392,11 @@ def test_plan_memory_is_the_fullest_ranks_with_its_microbatches_in_flight():
     stages = ctx.decision(PipelineRecord).stages
     assert plans["1f1b"].params == max(st.param_bytes for st in stages) \
         < plans["1f1b"].single_device_params
+    # zbv over 2 ranks (stages 0 and 3 on rank 0, 1 and 2 on rank 1), M = 4: a forward
+    # keeps its stage's saved values until its weight-gradient run W. Rank 0 runs
+    # 0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 ..., rank 1 1F0 2F0 1F1 2F1 2I0 2W0 1F2 ...
+    out, _ = run(traced_gpt(layers=4), "dce,pipeline{axis=pp, microbatches=4, schedule=zbv}")
+    v = _saved_by_stage(out, {"pp": 2}, out.value_types())
+    assert len(v) == 4 and all(v.values())
+    assert build_plan(out, {}).memory.activations == max(
+        3 * v[0] + v[3], 4 * v[0], 2 * v[1] + 2 * v[2], 3 * v[1] + v[2])
