@@ -8,10 +8,14 @@ import pytest
 
 @pytest.fixture(scope="session")
 def runs() -> list[dict]:
-    """Rank r's results: ``runs[r][check name]``, and ``runs[r]["seconds"][check name]``."""
+    """Rank r's results: ``runs[r][check name]``, and ``runs[r]["seconds"][check name]``.
+
+    The launch took 333 s on a 2-core AVX2 machine (AMD EPYC, 2026-12-02), close to the
+    400 s deadline it had; the deadline leaves room for a slower or loaded machine, since a
+    launch cut short fails every distributed test at once."""
     import dist_checks
     from dist_harness import launch
-    return launch(dist_checks.run_all, world=dist_checks.WORLD, timeout=400)
+    return launch(dist_checks.run_all, world=dist_checks.WORLD, timeout=1200)
 
 
 @pytest.fixture(scope="session")
