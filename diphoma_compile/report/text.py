@@ -205,10 +205,18 @@ def pipeline_lines(pp: PipelineRecord | None, mesh: dict[str, int]) -> list[str]
         key = ", ".join(f"{a}={v}" for a, v in coord.items() if a != pp.axis) or "all"
         groups.setdefault(key, []).append(r)
     lines.append(f"  rank grid (row-major over {', '.join(a for a, _ in axes)}): ranks of "
-                 f"{pp.axis} 0..{ranks - 1}" + (f" (stage s on {pp.axis} s mod {ranks})"
-                                                if looped else f" (stages 0..{n - 1})"))
+                 f"{pp.axis} 0..{ranks - 1}" + _placement(pp, ranks, n, looped))
     lines += [f"    {k}: {' '.join(map(str, v))}" for k, v in groups.items()]
     return lines
+
+
+def _placement(pp: PipelineRecord, ranks: int, stages: int, looped: bool) -> str:
+    """Which stage runs where on the pipeline axis, as the rank grid's heading says it."""
+    if not looped:
+        return f" (stages 0..{stages - 1})"
+    if pp.schedule == "zbv":
+        return f" (stages r and {2 * ranks - 1} - r on {pp.axis} r, a V)"
+    return f" (stage s on {pp.axis} s mod {ranks})"
 
 
 def _tensor_parallel_lines(tp: TensorParallelRecord | None) -> list[str]:

@@ -466,6 +466,22 @@ def test_plot_draws_the_pipeline_schedule(capsys, tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
+@pytest.mark.parametrize("schedule, heading, ranks", [
+    ("interleaved", "(stage s on pp s mod 2)", ["0", "1", "0", "1"]),
+    ("zbv", "(stages r and 3 - r on pp r, a V)", ["0", "1", "1", "0"])])
+def test_the_rank_grid_says_where_each_stage_runs(capsys, schedule, heading, ranks):
+    """With several stages per rank the stage table has a rank column and the grid's
+    heading names the placement: round robin, or zbv's V (it said "s mod P" for zbv too)."""
+    rc, out, err = inspect(capsys, GPT, "--init", FOUR_LAYERS, "--input", "int64[8,16]<64",
+                           "--input", "int64[8,16]<64", "--mesh", "pp=2",
+                           "--schedule", schedule)
+    assert rc == 0, err
+    assert f"rank grid (row-major over pp): ranks of pp 0..1 {heading}" in out
+    head = next(line for line in out.splitlines() if line.strip().startswith("stage "))
+    rows = out.split(head, 1)[1].strip("\n").splitlines()[:4]
+    assert [row.split()[-1] for row in rows] == ranks
+
+
 def test_plot_without_matplotlib_says_to_install_it(capsys, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)      # import matplotlib fails
     out_png = tmp_path / "schedule.png"
