@@ -482,6 +482,21 @@ def test_the_rank_grid_says_where_each_stage_runs(capsys, schedule, heading, ran
     assert [row.split()[-1] for row in rows] == ranks
 
 
+def test_plot_draws_a_flax_models_zero_bubble_schedule(capsys, tmp_path):
+    """A JAX model's schedule is laid out from the orders the JAX runtime runs (written
+    out, no torch needed): zbv's 4 stages on pp=2 (it was refused: the JAX framework gave
+    orders for GPipe and 1F1B only)."""
+    pytest.importorskip("flax")
+    pytest.importorskip("matplotlib")
+    out_png = tmp_path / "schedule.png"
+    rc, out, err = inspect(capsys, str(MODELS / "flax_mlp.py"), "--input", "f32[16,28,28,1]",
+                           "--mesh", "pp=2", "--schedule", "zbv", "--plot", str(out_png))
+    assert rc == 0, err
+    assert "pipeline over pp=2: 4 stages, schedule zbv" in out
+    data = out_png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
 def test_plot_without_matplotlib_says_to_install_it(capsys, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)      # import matplotlib fails
     out_png = tmp_path / "schedule.png"
