@@ -127,19 +127,9 @@ class JaxFramework:
 
     def pipeline_actions(self, schedule: str, stages: int, microbatches: int,
                          ranks: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
-        """Each rank's (kind, microbatch, stage) actions, written out
-        (``passes/pipeline_orders.py``; the JAX runtime runs these orders)."""
-        from ..passes.pipeline_orders import ORDERED, rank_orders
-        if schedule not in ORDERED:
-            raise BackendError(f"the JAX pipeline runtime has no order for schedule "
-                               f"{schedule!r}", hint=f"schedule= one of {', '.join(ORDERED)}")
-        try:
-            return rank_orders(schedule, ranks, microbatches, stages)
-        except ValueError as e:
-            raise BackendError(f"schedule {schedule} cannot run {stages} stages on {ranks} "
-                               f"ranks with {microbatches} microbatches: {e}",
-                               hint=f"microbatches={ranks * max(1, microbatches // ranks)}"
-                               ) from None
+        """Each rank's (kind, microbatch, stage) actions: the orders the JAX runtime runs."""
+        from .pipeline import schedule_orders
+        return schedule_orders(schedule, ranks, microbatches, stages)
 
 
 def _resized(args: tuple, nums: Sequence[int], size: Callable[[str, Any], Any]) -> tuple:

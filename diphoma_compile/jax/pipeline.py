@@ -60,6 +60,22 @@ from .parallel import (MeasuredRunner, PerDeviceLowering, _global_shape, _spec, 
 from .trees import output_tree
 
 
+def schedule_orders(schedule: str, ranks: int, microbatches: int, stages: int
+                    ) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+    """Each rank's actions under ``schedule``, as this runtime runs them (the written-out
+    orders of ``passes/pipeline_orders.py``); what has none, or what a schedule refuses,
+    is a ``BackendError``."""
+    if schedule not in ORDERED:
+        raise BackendError(f"the JAX pipeline runtime has no order for schedule {schedule!r}",
+                           hint=f"schedule= one of {', '.join(ORDERED)}")
+    try:
+        return rank_orders(schedule, ranks, microbatches, stages)
+    except ValueError as e:
+        raise BackendError(f"the pipeline cannot run: {e}",
+                           hint=f"microbatches={ranks * max(1, microbatches // ranks)}"
+                                f" (a multiple of the {ranks} pipeline ranks)") from None
+
+
 class JaxPipelineStep(MeasuredRunner):
     """A staged graph run over a mesh with a pipeline axis: call it like the user's step
     with the global batch; it returns the global batch's loss."""
@@ -70,10 +86,6 @@ class JaxPipelineStep(MeasuredRunner):
         if opts is None:
             raise BackendError("the graph was not cut into pipeline stages",
                                hint="run the pipeline pass")
-        if opts.schedule not in ORDERED:
-            raise BackendError(f"the JAX pipeline runtime has no order for schedule "
-                               f"{opts.schedule!r}",
-                               hint=f"schedule= one of {', '.join(ORDERED)}")
         self.graph = graph
         self.out_tree = out_tree if out_tree is not None else output_tree(graph)
         self._tree_jit = None
@@ -89,13 +101,8 @@ class JaxPipelineStep(MeasuredRunner):
         self.ranks = self.sizes[self.axis]
         self.nstages = 1 + max(op.stage for op in graph.ops if op.stage is not None)
         self.types = graph.value_types()
+        self.orders = schedule_orders(opts.schedule, self.ranks, self.m, self.nstages)
         self.cut = stage_programs(graph, list(range(self.nstages)), opts.schedule)
-        try:
-            self.orders = rank_orders(opts.schedule, self.ranks, self.m, self.nstages)
-        except ValueError as e:
-            raise BackendError(f"the pipeline cannot run: {e}",
-                               hint=f"microbatches={self.ranks * max(1, self.m // self.ranks)}"
-                                    f" (a multiple of the {self.ranks} pipeline ranks)") from None
         names = tuple(self.mesh.axis_names)
         k = names.index(self.axis)
         # rank r: the devices at coordinate r of the pipeline axis (that axis size 1); stage
@@ -308,4 +315,4 @@ class JaxPipelineStep(MeasuredRunner):
                             devices=self.device_count, measured=True)
 
 
-__all__ = ["JaxPipelineStep"]
+__all__ = ["JaxPipelineStep", "schedule_orders"]

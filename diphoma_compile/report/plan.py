@@ -17,7 +17,7 @@ from ..ir.device_model import DeviceModel
 from ..ir.ops import Category, op_def
 from ..ir.types import TensorType, Varying
 from ..passes.base import Decision, find_decision
-from ..passes.pipeline_orders import ORDERED, rank_orders
+from ..passes.pipeline_orders import rank_orders
 from ..passes.pipeline_parallel import PipelineRecord, pipeline_of, stage_rank
 from .compute import DEFAULT_DEVICE_MODEL, Compute, estimate_compute
 from .text import render as render_text
@@ -437,7 +437,7 @@ def _activations_in_flight(opts: Any, ranks: int, by_stage: Mapping[int, int]) -
     a split backward, until its weight-gradient run W: an upper bound, since what only the
     input-gradient run reads could go after it). None when the order cannot be written
     out (microbatches the schedule refuses)."""
-    if opts.schedule not in ORDERED or not by_stage:
+    if not by_stage:
         return None
     try:
         orders = rank_orders(opts.schedule, ranks, opts.microbatches, 1 + max(by_stage))

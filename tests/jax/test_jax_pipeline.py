@@ -134,23 +134,30 @@ def test_clipped_adamw_gpipe_is_as_close_as_data_parallelism():
     assert pp.runner.cut.nrounds >= 2           # norms in, then the factor back
 
 
-def test_interleaved_1f1b_runs_two_stages_per_device_column(sgdm):
-    """schedule="interleaved" over dp=4 x pp=2: 4 stages, rank r's column of devices runs
-    stages r and r + 2, each in the written-out interleaved order (torch's, checked in
-    tests/torch/test_pipeline.py); SGD momentum matches the single-device step."""
+def _two_columns_match(sgdm, schedule):
+    """``schedule`` over dp=4 x pp=2 with SGD momentum: losses and state match the
+    single-device step, and each column of devices ran its rank's order. (runner, state)"""
     step, params, batches, (ref_state, ref_losses), _, _ = sgdm
     tx = optax.sgd(0.1, momentum=0.9)
-    pp = diphoma_compile.parallelize(step, {"dp": 4, "pp": 2}, schedule="interleaved",
+    pp = diphoma_compile.parallelize(step, {"dp": 4, "pp": 2}, schedule=schedule,
                                      microbatches=4)
     state, losses = _train(pp, params, tx, batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     largest = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(ref_state[0]))
     assert _distance(state, ref_state) <= 1e-5 * largest
     runner = pp.runner
-    assert runner.nstages == 4 and runner.rank_of == [0, 1, 0, 1]
     for rank in range(2):
         mine = [a for a in runner.dispatched if runner.rank_of[a[2]] == rank]
         assert mine == list(runner.orders[rank])
+    return runner, state
+
+
+def test_interleaved_1f1b_runs_two_stages_per_device_column(sgdm):
+    """schedule="interleaved" over dp=4 x pp=2: 4 stages, rank r's column of devices runs
+    stages r and r + 2, each in the written-out interleaved order (torch's, checked in
+    tests/torch/test_pipeline.py); SGD momentum matches the single-device step."""
+    runner, state = _two_columns_match(sgdm, "interleaved")
+    assert runner.nstages == 4 and runner.rank_of == [0, 1, 0, 1]
     assert " ".join(f"{s}{k}{m}" for k, m, s in runner.orders[0]) == (
         "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3")
     # parameters come back on their stage's column: block 2 (stage 2) on pp=0, block 3 on 1
@@ -202,21 +209,11 @@ def test_zero_bubble_schedules_split_the_backward_and_match(sgdm, schedule, rank
     input-gradient program I and its weight-gradient program W, in the written-out orders
     (torch's, checked in tests/torch/test_pipeline.py); SGD momentum matches the
     single-device step."""
-    step, params, batches, (ref_state, ref_losses), _, _ = sgdm
-    tx = optax.sgd(0.1, momentum=0.9)
-    pp = diphoma_compile.parallelize(step, {"dp": 4, "pp": 2}, schedule=schedule,
-                                     microbatches=4)
-    state, losses = _train(pp, params, tx, batches)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    largest = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(ref_state[0]))
-    assert _distance(state, ref_state) <= 1e-5 * largest
-    runner = pp.runner
+    runner, _ = _two_columns_match(sgdm, schedule)
     assert runner.rank_of == rank_of and runner.cut.kinds == "FIWU"
     assert all(i > 0 and w > 0 for i, w in runner.cut.split.values())
     for rank in range(2):
-        mine = [a for a in runner.dispatched if runner.rank_of[a[2]] == rank]
-        assert mine == list(runner.orders[rank])
-        assert {k for k, _, _ in mine} == {"F", "I", "W"}
+        assert {k for k, _, _ in runner.orders[rank]} == {"F", "I", "W"}
     assert " ".join(f"{s}{k}{m}" for k, m, s in runner.orders[0]) == \
         ZERO_BUBBLE_RANK0[schedule]
     # every stage ran each microbatch's F, I and W once
