@@ -8,7 +8,10 @@ on) and its weight-gradient part W; and the update, run once, in rounds (U0, U1,
 it receives from other stages' updates (a global gradient-norm clip: norms in, the factor
 back), so a round never waits for itself. Each program lists what it reads, what it
 returns, the values it receives before it runs and sends after, and which of its values
-leave the microbatch (summed over the microbatches: gradients, the loss). A tied
+leave the microbatch (summed over the microbatches: gradients, the loss). An update
+program's new parameters and state keep the graph output's role (``replaces`` the input)
+where no later update program of the rank reads that input, so a runtime may write them
+in place. A tied
 parameter's new value received by a stage that does not update it is read by no program:
 it is listed in ``writes`` (the runtime writes it into that stage's copy).
 
@@ -20,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..ir.analysis import free_inputs
-from ..ir.core import Graph, Input, InputKind, InputRole, Op, Output, Phase, Value
+from ..ir.core import Graph, Input, InputKind, InputRole, Op, Output, OutputKind, Phase, Value
 from ..ir.opdef import is_pure
-from .pipeline_parallel import SPLIT_BACKWARD, input_gradient_ops
+from .pipeline_parallel import SPLIT_BACKWARD, input_gradient_ops, pipeline_of, stage_rank
 
 _KIND = {Phase.forward: "F", Phase.backward: "B", Phase.update: "U"}
 Transfer = tuple[str, int, int]         # value name, peer (rank on the axis), tag
@@ -70,7 +73,42 @@ def stage_programs(graph: Graph, stages: list[int], schedule: str) -> StageProgr
     input_grad = input_gradient_ops(graph.ops) if "I" in out.kinds else set()
     for me in stages:
         _cut_stage(graph, me, out, op_round, input_grad)
+    _mark_replaced(graph, out, sorted(stages))
     return out
+
+
+def rank_stages(graph: Graph) -> list[list[int]]:
+    """The stages each rank of a staged graph's pipeline axis runs, by rank."""
+    opts = pipeline_of(graph)
+    ranks = dict(graph.mesh.axes).get(opts.axis, 1)
+    nstages = 1 + max(op.stage for op in graph.ops if op.stage is not None)
+    return [[s for s in range(nstages)
+             if stage_rank(opts.schedule, s, nstages, ranks) == r] for r in range(ranks)]
+
+
+def rank_stage_programs(graph: Graph) -> list[StagePrograms]:
+    """The programs of each rank of a staged graph's pipeline axis, by rank."""
+    schedule = pipeline_of(graph).schedule
+    return [stage_programs(graph, stages, schedule) for stages in rank_stages(graph)]
+
+
+def _mark_replaced(graph: Graph, out: StagePrograms, stages: list[int]) -> None:
+    """Give each update program's new parameter and state values the role of the graph
+    output they are (``replaces`` the input), where the program reads that input and no
+    update program after it on these stages does (they run round by round, each round
+    stage by stage): a runtime may then write the new value into the input's storage where
+    it is made, as the unstaged step does."""
+    roles = {o.name: o.role for o in graph.outputs if o.role.kind is OutputKind.replaces}
+    later: set[str] = set()
+    for r in reversed(range(out.nrounds)):
+        for st in reversed(stages):
+            prog = out.programs[(st, f"U{r}")]
+            ins = set(prog.inputs)
+            marked = tuple(Output(o.name, roles[o.name]) if o.name in roles
+                           and roles[o.name].target in ins and roles[o.name].target not in later
+                           else o for o in prog.graph.outputs)
+            prog.graph = prog.graph.replace(outputs=marked)
+            later |= ins
 
 
 def _cut_stage(graph: Graph, me: int, out: StagePrograms, op_round: dict[int, int],
@@ -212,4 +250,5 @@ def update_rounds(graph: Graph) -> tuple[dict[int, int], int]:
     return op_round, 1 + max(op_round.values(), default=0)
 
 
-__all__ = ["StageProgram", "StagePrograms", "Transfer", "stage_programs", "update_rounds"]
+__all__ = ["StageProgram", "StagePrograms", "Transfer", "rank_stage_programs", "rank_stages",
+           "stage_programs", "update_rounds"]

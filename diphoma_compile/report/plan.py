@@ -20,6 +20,7 @@ from ..passes.base import Decision, find_decision
 from ..passes.pipeline_orders import rank_orders
 from ..passes.pipeline_parallel import PipelineRecord, pipeline_of, stage_rank
 from .compute import DEFAULT_DEVICE_MODEL, Compute, estimate_compute
+from .pipeline_peak import pipeline_peak
 from .text import render as render_text
 from .text import summary as summary_text
 
@@ -84,6 +85,8 @@ class Memory:
     # values live at the busiest op, by liveness over the program (analysis.peak_memory)
     peak: int = 0
     peak_at: str = ""          # the op at the peak: "#k name (phase)"
+    # under a pipeline: each pp rank's peak (report/pipeline_peak.py); ``peak`` is the most
+    peak_per_rank: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -381,13 +384,20 @@ def _memory(graph: Graph, sizes: dict[str, int], grads: dict[str, str],
         if in_flight is not None:
             act_local = in_flight
     peak = peak_memory(graph, in_place, scratch)
-    at = ""
+    peak_bytes, at, rank_peaks = peak.bytes, "", ()
     if peak.index >= 0:
         op = graph.ops[peak.index]
         name = op.attrs.get("target", op.name) if op.name == "opaque" else op.name
         at = f"#{peak.index} {name}" + (f" ({op.phase.value})" if op.phase else "")
+    if opts is not None and opts.axis in sizes and \
+            any(op.stage is not None for op in graph.ops):
+        by_rank = pipeline_peak(graph, opts, in_place)
+        if by_rank is not None:
+            top = max(by_rank, key=lambda p: p.bytes)
+            peak_bytes, at = top.bytes, top.at
+            rank_peaks = tuple(p.bytes for p in by_rank)
     return Memory(per["param"], g_local, per["opt_state"], whole["param"], g_whole,
-                  whole["opt_state"], act_local, act_whole, peak.bytes, at)
+                  whole["opt_state"], act_local, act_whole, peak_bytes, at, rank_peaks)
 
 
 def _held_per_rank(graph: Graph, opts: Any, sizes: dict[str, int], grads: dict[str, str],

@@ -20,7 +20,7 @@ from ..ir.opdef import is_local
 from .units import flops_text, human, seconds_text
 
 if TYPE_CHECKING:
-    from .plan import Plan
+    from .plan import Memory, Plan
 
 __all__ = ["human", "render", "summary"]
 
@@ -73,10 +73,7 @@ def _summary(plan: Plan) -> list[str]:
         f"{_ratio(m.activations, m.single_device_activations)}"
         "  (estimate: forward values kept for backward)",
         f"  total            {human(m.params + m.grads + m.opt_state + m.activations)}",
-        f"  peak             {human(m.peak)} while the step runs (liveness over the program: "
-        f"what the step holds plus the values live at its busiest op, {m.peak_at or 'none'})"
-        + ("; a pipeline's: over every stage's program and one microbatch, not yet a rank's"
-           if plan.decision(PipelineRecord) is not None else ""),
+        _peak_line(m),
         f"communication per step per device: {human(plan.comm_bytes_per_step)} in "
         f"{sum(kinds.values())} collectives"
         + (" (" + ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) + ")"
@@ -89,6 +86,18 @@ def _summary(plan: Plan) -> list[str]:
                      "them, so every device along them repeats the same step on the same "
                      "tensors (the figures above hold for each)")
     return lines
+
+
+def _peak_line(m: Memory) -> str:
+    """The peak: of the program, or under a pipeline of the fullest rank, with each rank's."""
+    if m.peak_per_rank:
+        ranks = ", ".join(human(b) for b in m.peak_per_rank)
+        return (f"  peak             {human(m.peak)} while the step runs (the fullest pipeline "
+                f"rank: its stages' programs in its schedule's order, with the microbatches "
+                f"it keeps; {m.peak_at}); by pp rank: {ranks}")
+    return (f"  peak             {human(m.peak)} while the step runs (liveness over the program: "
+            f"what the step holds plus the values live at its busiest op, "
+            f"{m.peak_at or 'none'})")
 
 
 def _compute_lines(plan: Plan) -> list[str]:

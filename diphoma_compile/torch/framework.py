@@ -78,9 +78,16 @@ class TorchFramework:
         return kind(graph, extra, mesh, axis=axis, groups=groups)
 
     def in_place_updates(self, graph: Graph) -> set[str]:
-        """New values build_module copies into their input's storage where they are made."""
+        """New values build_module copies into their input's storage where they are made
+        (a pipeline's: those of its update programs, which its runtime builds in place)."""
+        from ..passes.pipeline_parallel import pipeline_of
         from .build import updates_in_place
-        return set(updates_in_place(graph))
+        if pipeline_of(graph) is None:
+            return set(updates_in_place(graph))
+        from ..passes.pipeline_programs import rank_stage_programs
+        return {n for cut in rank_stage_programs(graph) for (_, kind), prog in
+                cut.programs.items() if kind.startswith("U")
+                for n in updates_in_place(prog.graph)}
 
     def collective_scratch(self, graph: Graph, device_model: str) -> dict[int, int]:
         """The packed send buffers of collectives.py, alive until each collective's wait

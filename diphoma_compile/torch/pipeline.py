@@ -7,7 +7,8 @@ programs (``passes/pipeline_programs.py``), each built by ``build.py``: forward 
 backward (the zero-bubble schedules: its input-gradient part I and weight-gradient part
 W), run once per microbatch, and the update,
 run once (in rounds when it receives from other stages' updates, as a global gradient-norm
-clip does). Between them: the values received (``irecv``, waited for before the program
+clip does), writing new parameters and state into their storage where they are made.
+Between them: the values received (``irecv``, waited for before the program
 that reads them; in memory between two stages of one rank), the values sent (``isend``,
 waited for at the end of the step), and what leaves the microbatches for the update or the
 step's results (gradients, the loss) averaged over the microbatches. The order of the runs
@@ -75,9 +76,11 @@ class TorchPipelineStep(TorchDistStep):
         self.segs = cut.programs
         self.nrounds, self.split, self.writes = cut.nrounds, cut.split, cut.writes
         # each program the fx module, or it compiled by Inductor on its first call
-        # (codegen="inductor"); none updates in place: the executor sums microbatches and
-        # writes the update's results back
-        self.modules = {key: program(prog.graph, captured, self.comms, in_place=False,
+        # (codegen="inductor"); the update programs write new parameters and state into
+        # their storage where they are made (those stage_programs marked), the others
+        # make new tensors (the executor sums microbatches)
+        self.modules = {key: program(prog.graph, captured, self.comms,
+                                     in_place=key[1].startswith("U"),
                                      label=f"stage {key[0]} {key[1]}")
                         for key, prog in self.segs.items()}
         # the same numbering on every rank: one wire tag per (microbatch, pair)
@@ -237,6 +240,9 @@ class TorchPipelineStep(TorchDistStep):
             self._send(seg.sends, mb, env)
             if kind in "BW":
                 del envs[(st, mb)]
+            # nothing here may keep a dropped microbatch's values alive (the plan's rank
+            # peak, report/pipeline_peak.py, counts what the envs and sends hold)
+            args = env = None
         env = {n: v / m for n, v in acc.items()}
         for r in range(self.nrounds):
             for st in self.stages:

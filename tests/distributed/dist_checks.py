@@ -1283,6 +1283,12 @@ def run_pp_case(rank: int, world: int, axes: dict[str, int], opt_name: str, sche
     if opt_name == "adamw":          # a collective: every rank
         out["ddp_param_abs"] = pp_ddp_distance(rank, world, init, opt_name, batches, ref_sd,
                                                step_fn)
+    # one more step (every rank: it communicates) under measure_memory: the tensor memory
+    # this rank reaches, beside the plan's peak for its pp rank
+    got = step.measure_memory(model, opt, batches[-1][row * PP_LOCAL:(row + 1) * PP_LOCAL])
+    mem = step.plan.to_dict()["memory"]
+    out["peak"] = {"measured": got.peak, "held": got.held, "at": got.peak_op,
+                   "planned": mem["peak_per_rank"][rank % pp], "planned_at": mem["peak_at"]}
     if rank == 0:
         out["ref_losses"] = ref_losses
         out["keys_equal"] = list(full) == list(ref_sd)

@@ -624,6 +624,22 @@ def test_pipeline_global_gradient_clip_runs_in_rounds(runs):
             assert a[0] == b[0] and abs(a[1] - b[1]) > 1e-4, (a, b)
 
 
+def test_a_pipeline_ranks_measured_peak_is_its_planned_one(runs):
+    """Every pipeline case, one more step under measure_memory on every rank: the tensor
+    memory the rank reaches (its stages' programs in its schedule's order, the microbatches
+    it keeps, its sends held to the end of the step, the update written in place) is the
+    plan's peak for its pp rank (report/pipeline_peak.py) within 5%. Not asserted under
+    Inductor, whose fused kernels allocate other than the IR's ops."""
+    if not runs[0]["pp"]:
+        pytest.skip("transformers is not installed")
+    for case in dist_checks.PP_CASES:
+        for rank, r in enumerate(runs):
+            got = r["pp"][case]["peak"]
+            assert got["held"] <= got["measured"]
+            if case.endswith("-inductor"):
+                continue
+            assert abs(got["measured"] - got["planned"]) <= 0.05 * got["planned"], \
+                (case, rank, got)
 
 @pytest.mark.parametrize("case", ["wide/default", "wide/shard", "wide/next", "gpt/default",
                                   "gpt/shard", "gpt/next"])

@@ -429,8 +429,10 @@ def test_pipeline_plan_shows_stages_schedule_and_rank_grid(capsys, mesh, grid):
     assert rows[0].split()[0] == "0" and "transformer.h.0" in rows[0]
     assert rows[1].split()[0] == "1" and "transformer.ln_f" in rows[1]
     assert "tied: transformer.wte.weight held on stages 0, 1" in out
-    # the peak is still the whole program's, and says so
-    assert "a pipeline's: over every stage's program and one microbatch, not yet a rank's" in out
+    # the peak is the fullest rank's, with every rank's (report/pipeline_peak.py)
+    peak = next(line for line in out.splitlines() if line.strip().startswith("peak "))
+    assert "the fullest pipeline rank" in peak and "by pp rank: " in peak
+    assert len(peak.split("by pp rank: ")[1].split(", ")) == 2
     for line in grid:
         assert f"    {line}\n" in out
     plan = plan_json(capsys, GPT, "--init", TINY_GPT, "--input", "int64[8,16]<64",
@@ -446,6 +448,10 @@ def test_pipeline_plan_shows_stages_schedule_and_rank_grid(capsys, mesh, grid):
     assert mem["activations"] == max(2 * stages[0]["activation_bytes"],
                                      stages[1]["activation_bytes"])
     assert mem["opt_state"] < mem["single_device_opt_state"]
+    # a rank's peak: at least what it holds, and the step's is the fullest rank's
+    assert len(mem["peak_per_rank"]) == 2 and mem["peak"] == max(mem["peak_per_rank"])
+    assert mem["peak"] > mem["params"] + mem["opt_state"]
+    assert mem["peak_at"].startswith("rank ")
 
 
 FOUR_LAYERS = "GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=4, n_head=2, n_embd=32))"
