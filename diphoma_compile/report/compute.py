@@ -58,11 +58,15 @@ class Compute:
     device_model: str
     compute_s: float
     exposed_comm_s: float
+    # a pipeline's: the time the last rank to finish waits for other stages
+    # (report/pipeline_time.py); 0 otherwise
+    bubble_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        """Estimated seconds per step: compute plus exposed communication."""
-        return self.compute_s + self.exposed_comm_s
+        """Estimated seconds per step: compute plus exposed communication (plus, under a
+        pipeline, the bubble)."""
+        return self.compute_s + self.exposed_comm_s + self.bubble_s
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's ``compute`` section (docs/plan.md)."""
@@ -73,6 +77,7 @@ class Compute:
                 "device_model": self.device_model,
                 "estimated_step_s": {"compute": self.compute_s,
                                      "exposed_comm": self.exposed_comm_s,
+                                     "bubble": self.bubble_s,
                                      "total": self.total_s}}
 
 

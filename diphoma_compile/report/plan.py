@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from ..ir.analysis import free_inputs, peak_memory, producers, view_bases
 from ..ir.core import Graph, InputKind, Op, OutputKind, Phase
-from ..ir.device_model import DeviceModel
+from ..ir.device_model import DeviceModel, device_model
 from ..ir.ops import Category, op_def
 from ..ir.types import TensorType, Varying
 from ..passes.base import Decision, find_decision
@@ -21,6 +21,7 @@ from ..passes.pipeline_orders import rank_orders
 from ..passes.pipeline_parallel import PipelineRecord, pipeline_of, stage_rank
 from .compute import DEFAULT_DEVICE_MODEL, Compute, estimate_compute
 from .pipeline_peak import pipeline_peak
+from .pipeline_time import pipeline_compute
 from .text import render as render_text
 from .text import summary as summary_text
 
@@ -265,7 +266,20 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
     return Plan(graph.name, sizes, graph.passes, tuple(tensors), tuple(collectives), memory,
                 sum(c.bytes_per_device for c in collectives), decisions, params,
                 backend=backend, idle_axes=idle_axes(graph),
-                compute=estimate_compute(graph, device_model))
+                compute=_compute(graph, device_model))
+
+
+def _compute(graph: Graph, model: DeviceModel | str) -> Compute:
+    """The compute section: over each rank's stages and microbatches for a pipeline
+    (``pipeline_time``), over the program otherwise (``compute.estimate_compute``)."""
+    model = device_model(model) if isinstance(model, str) else model
+    opts = pipeline_of(graph)
+    if opts is not None and opts.axis in dict(graph.mesh.axes) and \
+            any(op.stage is not None for op in graph.ops):
+        got = pipeline_compute(graph, opts, model)
+        if got is not None:
+            return got
+    return estimate_compute(graph, model)
 
 
 def idle_axes(graph: Graph) -> dict[str, int]:

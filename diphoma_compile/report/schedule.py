@@ -4,7 +4,8 @@ rank is free and the action's input has arrived, with each stage's forward and b
 costs; the bubble it implies, and its picture (``diphoma inspect --plot schedule.png``).
 
 A forward of stage s waits for the same microbatch's forward on stage s - 1, a backward for
-its backward on stage s + 1 (the last stage's for its own forward); sending takes no time.
+its backward on stage s + 1 (the last stage's for its own forward); sending takes no time
+unless given (the plan gives it the device model's point-to-point time).
 A split backward (zero-bubble schedules) is its input-gradient part I, which the earlier
 stage waits for, and its weight-gradient part W, which waits for I only.
 With equal stages this gives the textbook bubbles ((P - 1) / (M + P - 1) for GPipe and 1F1B,
@@ -39,12 +40,23 @@ class Block:
 
 
 def timeline(actions: list[list[Action]] | tuple, forward: list[float],
-             backward: list[float], input_share: float | list[float] = 0.5) -> list[Block]:
+             backward: list[float], input_share: float | list[float] = 0.5,
+             send_forward: list[float] | None = None,
+             send_backward: list[float] | None = None) -> list[Block]:
     """Each rank's ``actions`` placed in time, ``forward[s]`` / ``backward[s]`` long on stage
     s (any unit; a split backward's I takes ``input_share`` of it, or ``input_share[s]``,
-    W the rest): an action starts when its rank is free and its input is done."""
+    W the rest): an action starts when its rank is free and its input is done, and, when
+    that input was made on another rank, has arrived: ``send_forward[s]`` after stage s's
+    forward ends, ``send_backward[s]`` after its backward (or I) does (default: at once)."""
     shares = input_share if isinstance(input_share, list) else [input_share] * len(forward)
     stages = len(forward)
+    rank_of = {s: r for r, acts in enumerate(actions) for _, _, s in acts}
+    lag = {"F": send_forward or [0.0] * stages, "B": send_backward or [0.0] * stages}
+    lag["I"] = lag["B"]
+
+    def arrives(dep: tuple[str, int, int], here: int) -> float:
+        kind, _, s = dep
+        return done[dep] + (lag[kind][s] if rank_of.get(s) != here else 0.0)
     done: dict[tuple[str, int, int], float] = {}
     free = [0.0] * len(actions)
     nxt = [0] * len(actions)
@@ -65,7 +77,7 @@ def timeline(actions: list[list[Action]] | tuple, forward: list[float],
                     dep = ("B", mb, s + 1) if ("B", mb, s + 1) in done else ("I", mb, s + 1)
                 if dep is not None and dep not in done:
                     break
-                start = max(free[r], done[dep] if dep is not None else 0.0)
+                start = max(free[r], arrives(dep, r) if dep is not None else 0.0)
                 cost = {"F": forward[s], "B": backward[s], "I": shares[s] * backward[s],
                         "W": (1 - shares[s]) * backward[s]}[kind]
                 end = start + cost

@@ -108,7 +108,10 @@ def _compute_lines(plan: Plan) -> list[str]:
     lines = [f"compute: {flops_text(float(c.flops_per_device))} per device per step "
              f"({flops_text(c.flops_per_step)} whole step); est. {seconds_text(c.total_s)}/step "
              f"on {c.device_model} = {seconds_text(c.compute_s)} compute + "
-             f"{seconds_text(c.exposed_comm_s)} exposed communication"]
+             f"{seconds_text(c.exposed_comm_s)} exposed communication"
+             + (f" + {seconds_text(c.bubble_s)} pipeline bubble (the last rank to finish: "
+                "its stages' programs, M microbatches, in its schedule's order)"
+                if c.bubble_s else "")]
     if c.unknown_cost_ops:
         lines.append(f"cost unknown ({len(c.unknown_cost_ops)} framework ops no rule gives "
                      "flops for, counted as zero): " + ", ".join(c.unknown_cost_ops))

@@ -29,12 +29,13 @@ def lm_step(model, opt, batch):
     return loss
 
 
-def traced_gpt(layers: int = 2, mesh: dict | None = None, momentum: float = 0.0):
+def traced_gpt(layers: int = 2, mesh: dict | None = None, momentum: float = 0.0,
+               seqs: int = 2):
     torch.manual_seed(0)
     model = GPT(vocab=16, d=8, layers=layers, heads=2, block=4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
     g = torch.Generator().manual_seed(3)
-    seq = torch.randint(0, 16, (2, 5), generator=g)
+    seq = torch.randint(0, 16, (seqs, 5), generator=g)
     batch = {"idx": seq[:, :-1], "targets": seq[:, 1:]}
     return diphoma_compile.trace(lm_step, model, opt, batch).replace(
         mesh=Mesh(mesh or {"pp": 2}))
@@ -431,3 +432,26 @@ def test_update_programs_write_in_place_and_each_rank_has_its_peak():
         assert all(a <= b for a, b in zip(mem.peak_per_rank, (p.bytes for p in copies)))
         peaks[schedule] = mem.peak_per_rank
     assert peaks["gpipe"][0] > peaks["1f1b"][0]
+
+
+def test_a_pipelines_compute_counts_every_microbatch_and_its_bubble():
+    """The plan's compute under a pipeline (report/pipeline_time.py): a staged graph is
+    traced at the microbatch, so the step's flops are every stage's forward and backward M
+    times and the update once: the unstaged step's on all M microbatches at once (one pass
+    over the staged graph counted one microbatch); a rank does its stages' share; the step
+    time adds the schedule's bubble, which more microbatches shrink when the link costs
+    nothing."""
+    from diphoma_compile.ir.device_model import Link, device_model
+    from diphoma_compile.report.plan import build_plan
+    free = device_model("cpu-gloo").replace(link=Link(1e30, 0.0), launch_s=0.0)
+    share = {}
+    for m in (2, 8):
+        whole = build_plan(traced_gpt(layers=4, mesh={"dp": 1}, seqs=2 * m), {}).compute
+        out, ctx = run(traced_gpt(layers=4), f"dce,pipeline{{axis=pp, microbatches={m}}}")
+        c = build_plan(out, ctx.decisions, device_model=free).compute
+        assert abs(c.flops_per_step - whole.flops_per_step) <= 0.01 * whole.flops_per_step, \
+            (m, c.flops_per_step, whole.flops_per_step)
+        assert c.flops_per_step / 2 <= c.flops_per_device < c.flops_per_step
+        assert c.bubble_s > 0 and c.total_s == c.compute_s + c.exposed_comm_s + c.bubble_s
+        share[m] = c.bubble_s / c.total_s
+    assert share[8] < share[2]
