@@ -17,6 +17,9 @@ with two stages per rank). Rank 0 prints one row per variant:
               instrumented here; it runs only 1f1b and gpipe);
   theory      the schedule's bubble with equal stages ((P - 1) / (v M + P - 1), the plan's);
   loss        the last step's loss (both variants start from the same weights and batches).
+Then the plan's own estimate of the step (its cpu-gloo device model: a roofline at the
+model's flop rate, each rank's programs laid out in the schedule's order, transfers on the
+model's link) and the bubble's share of it, beside the measured ones.
 Then, for diphoma, the bubble of the forward/backward part alone, from the executor's
 record of when each program ran on each rank (time.perf_counter, one clock for every
 process of the machine), per timed step: 1 - (a rank's seconds in forward/backward programs)
@@ -126,7 +129,17 @@ def _diphoma(rank: int, args, batches) -> dict:
     dist.all_gather_object(every, records[args.warmup:])
     rec = step.plan.notes["pipeline"]
     return {"s": s, "bubble": worst.item(), "loss": loss, "theory": rec["bubble"],
-            "records": every, "stages": len(rec["stages"])}
+            "records": every, "stages": len(rec["stages"]), "planned": _planned(step)}
+
+
+def _planned(step) -> dict:
+    """The plan's step-time estimate of this pipeline on the cpu-gloo device model
+    (report/pipeline_time.py): seconds, and the bubble's share of them."""
+    from diphoma_compile.ir.device_model import device_model
+    from diphoma_compile.passes.pipeline_parallel import pipeline_of
+    from diphoma_compile.report.pipeline_time import pipeline_compute
+    c = pipeline_compute(step.graph, pipeline_of(step.graph), device_model("cpu-gloo"))
+    return {"s": c.total_s, "bubble": c.bubble_s / c.total_s if c.total_s else 0.0}
 
 
 def _measured_bubble(every: list, stages: int, schedule: str, micro: int, ranks: int
@@ -214,6 +227,10 @@ def _run(rank: int, args, port: int) -> None:
         for name, r in rows.items():
             print(f"{name:30} {r['s']:8.4f} {r['bubble']:7.1%} {ours['theory']:7.1%} "
                   f"{r['loss']:8.4f}")
+        plan = ours["planned"]
+        print(f"the plan's estimate (cpu-gloo device model, report/pipeline_time.py): "
+              f"{plan['s']:.4f} s/step, bubble {plan['bubble']:.1%} of it "
+              f"(measured: {ours['s']:.4f} s/step, bubble {ours['bubble']:.1%})")
         if args.dump:
             torch.save(ours["records"], args.dump)
         got, best, laid, equal = _measured_bubble(ours["records"], ours["stages"],
