@@ -65,10 +65,12 @@ class StagePrograms:
         return {n for p in self.programs.values() for n in p.inputs}
 
 
-def stage_programs(graph: Graph, stages: list[int], schedule: str) -> StagePrograms:
+def stage_programs(graph: Graph, stages: list[int], schedule: str,
+                   rounds: tuple[dict[int, int], int] | None = None) -> StagePrograms:
     """The programs of ``stages`` of the staged ``graph`` under ``schedule`` (one that
-    splits the backward gives I and W programs instead of B)."""
-    op_round, nrounds = update_rounds(graph)
+    splits the backward gives I and W programs instead of B); ``rounds``: the graph's
+    ``update_rounds``, when already known."""
+    op_round, nrounds = rounds or update_rounds(graph)
     out = StagePrograms("FIWU" if schedule in SPLIT_BACKWARD else "FBU", nrounds)
     input_grad = input_gradient_ops(graph.ops) if "I" in out.kinds else set()
     for me in stages:
@@ -89,7 +91,8 @@ def rank_stages(graph: Graph) -> list[list[int]]:
 def rank_stage_programs(graph: Graph) -> list[StagePrograms]:
     """The programs of each rank of a staged graph's pipeline axis, by rank."""
     schedule = pipeline_of(graph).schedule
-    return [stage_programs(graph, stages, schedule) for stages in rank_stages(graph)]
+    rounds = update_rounds(graph)
+    return [stage_programs(graph, stages, schedule, rounds) for stages in rank_stages(graph)]
 
 
 def _mark_replaced(graph: Graph, out: StagePrograms, stages: list[int]) -> None:

@@ -34,7 +34,7 @@ from typing import Any
 from ..ir.analysis import peak_memory, view_bases
 from ..ir.core import Graph, InputKind
 from ..passes.pipeline_orders import rank_orders
-from ..passes.pipeline_programs import StageProgram, rank_stages, stage_programs
+from ..passes.pipeline_programs import StageProgram, StagePrograms, rank_stage_programs
 
 
 @dataclass(frozen=True)
@@ -47,12 +47,13 @@ class RankPeak:
     at: str
 
 
-def pipeline_peak(graph: Graph, opts: Any, in_place: Collection[str] = ()
-                  ) -> list[RankPeak] | None:
+def pipeline_peak(graph: Graph, opts: Any, in_place: Collection[str] = (),
+                  cuts: list[StagePrograms] | None = None) -> list[RankPeak] | None:
     """Each pipeline rank's peak in the staged ``graph`` under its pipeline pass ``opts``,
     by rank; None when the schedule's order cannot be written out (microbatches it
     refuses). ``in_place``: the update programs' new values the backend writes into the
-    input they replace where they are made (``Framework.in_place_updates``)."""
+    input they replace where they are made (``Framework.in_place_updates``); ``cuts``:
+    ``rank_stage_programs(graph)``, when already made."""
     sizes = dict(graph.mesh.axes)
     ranks = sizes.get(opts.axis, 1)
     nstages = 1 + max(op.stage for op in graph.ops if op.stage is not None)
@@ -60,21 +61,21 @@ def pipeline_peak(graph: Graph, opts: Any, in_place: Collection[str] = ()
         orders = rank_orders(opts.schedule, ranks, opts.microbatches, nstages)
     except ValueError:
         return None
-    return [_RankWalk(graph, sizes, opts.microbatches, stages, opts.schedule, r,
-                      set(in_place)).run(orders[r])
-            for r, stages in enumerate(rank_stages(graph))]
+    cuts = cuts or rank_stage_programs(graph)
+    return [_RankWalk(graph, sizes, opts.microbatches, cut, r, set(in_place)).run(orders[r])
+            for r, cut in enumerate(cuts)]
 
 
 class _RankWalk:
     """One rank's walk: storages by key, each with the holders that keep it alive."""
 
     def __init__(self, graph: Graph, sizes: dict[str, int], microbatches: int,
-                 stages: list[int], schedule: str, rank: int, in_place: set[str]) -> None:
+                 cut: StagePrograms, rank: int, in_place: set[str]) -> None:
         self.sizes = sizes
         self.m = microbatches
         self.rank = rank
         self.in_place = in_place
-        self.cut = stage_programs(graph, stages, schedule)
+        self.cut = cut
         self.types = graph.value_types()
         read = self.cut.inputs_read
         self.base = 0
@@ -139,13 +140,13 @@ class _RankWalk:
                 out[b] = self.nbytes(b)
         return out
 
-    def run_program(self, st: int, kind: str, mb: int, label: str) -> StageProgram:
-        prog = self.cut.programs[(st, kind)]
+    def run_program(self, prog: StageProgram, st: int, kind: str, mb: int) -> None:
+        """Its peak on top of what is held; then its results, kept for the microbatch."""
         extra, op = self.program_peak((st, kind), prog)
-        self.note(extra, f"rank {self.rank}, {label}: {op or 'no op'}")
+        self.note(extra, f"rank {self.rank}, stage {st} {kind} of microbatch {mb}: "
+                         f"{op or 'no op'}")
         for b, nbytes in self.owned_outputs(prog).items():
             self.hold(("v", st, mb, b), nbytes, ("env", st, mb))
-        return prog
 
     def receive(self, prog: StageProgram, st: int, mb: int) -> None:
         for name, peer, tag in prog.recvs:
@@ -182,7 +183,7 @@ class _RankWalk:
                     if peer != self.rank:
                         self.hold(("v", nst, nmb, name), self.nbytes(name),
                                   ("env", nst, nmb))
-            self.run_program(st, kind, mb, f"stage {st} {kind} of microbatch {mb}")
+            self.run_program(prog, st, kind, mb)
             for n in prog.acc:
                 if n not in summed:     # the first microbatch's copy starts the sum
                     summed.add(n)

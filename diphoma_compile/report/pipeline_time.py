@@ -24,18 +24,20 @@ from typing import Any
 from ..ir.core import Graph
 from ..ir.device_model import DeviceModel
 from ..passes.pipeline_orders import rank_orders
-from ..passes.pipeline_programs import StageProgram, rank_stage_programs
+from ..passes.pipeline_programs import StageProgram, StagePrograms, rank_stage_programs
 from .compute import Compute, estimate_compute
 from .schedule import timeline
 
 
-def pipeline_compute(graph: Graph, opts: Any, model: DeviceModel) -> Compute | None:
+def pipeline_compute(graph: Graph, opts: Any, model: DeviceModel,
+                     cuts: list[StagePrograms] | None = None) -> Compute | None:
     """The compute section of the staged ``graph`` under its pipeline pass ``opts``; None
-    when the schedule's order cannot be written out (microbatches it refuses)."""
+    when the schedule's order cannot be written out (microbatches it refuses). ``cuts``:
+    ``rank_stage_programs(graph)``, when already made."""
     sizes = dict(graph.mesh.axes)
     ranks = sizes.get(opts.axis, 1)
     m = opts.microbatches
-    cuts = rank_stage_programs(graph)
+    cuts = cuts or rank_stage_programs(graph)
     nstages = 1 + max(st for cut in cuts for st, _ in cut.programs)
     try:
         orders = rank_orders(opts.schedule, ranks, m, nstages)

@@ -19,6 +19,7 @@ from ..ir.types import TensorType, Varying
 from ..passes.base import Decision, find_decision
 from ..passes.pipeline_orders import rank_orders
 from ..passes.pipeline_parallel import PipelineRecord, pipeline_of, stage_rank
+from ..passes.pipeline_programs import rank_stage_programs
 from .compute import DEFAULT_DEVICE_MODEL, Compute, estimate_compute
 from .pipeline_peak import pipeline_peak
 from .pipeline_time import pipeline_compute
@@ -260,23 +261,30 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
             op.attrs.get("op"), d.comm_bytes(op, ins, outs, sizes.get(axis, 1), sizes),
             op.phase.value if op.phase else None, belongs))
     by_stage = _saved_by_stage(graph, sizes, types)
-    memory = _memory(graph, sizes, sources, types, in_place, scratch, by_stage)
+    cuts = rank_stage_programs(graph) if _staged(graph) else None   # each pp rank's programs
+    memory = _memory(graph, sizes, sources, types, in_place, scratch, by_stage, cuts)
     params = sum(i.value.type.numel for i in graph.inputs if i.role.kind is InputKind.param)
     decisions = _with_stage_activations(dict(decisions or {}), by_stage)
     return Plan(graph.name, sizes, graph.passes, tuple(tensors), tuple(collectives), memory,
                 sum(c.bytes_per_device for c in collectives), decisions, params,
                 backend=backend, idle_axes=idle_axes(graph),
-                compute=_compute(graph, device_model))
+                compute=_compute(graph, device_model, cuts))
 
 
-def _compute(graph: Graph, model: DeviceModel | str) -> Compute:
-    """The compute section: over each rank's stages and microbatches for a pipeline
-    (``pipeline_time``), over the program otherwise (``compute.estimate_compute``)."""
-    model = device_model(model) if isinstance(model, str) else model
+def _staged(graph: Graph) -> bool:
+    """Whether the pipeline pass cut ``graph`` into stages over an axis of its mesh."""
     opts = pipeline_of(graph)
-    if opts is not None and opts.axis in dict(graph.mesh.axes) and \
-            any(op.stage is not None for op in graph.ops):
-        got = pipeline_compute(graph, opts, model)
+    return opts is not None and opts.axis in dict(graph.mesh.axes) and \
+        any(op.stage is not None for op in graph.ops)
+
+
+def _compute(graph: Graph, model: DeviceModel | str, cuts: list | None) -> Compute:
+    """The compute section: over each rank's stages and microbatches for a pipeline
+    (``pipeline_time``; ``cuts`` its ranks' programs), over the program otherwise
+    (``compute.estimate_compute``)."""
+    model = device_model(model) if isinstance(model, str) else model
+    if cuts is not None:
+        got = pipeline_compute(graph, pipeline_of(graph), model, cuts)
         if got is not None:
             return got
     return estimate_compute(graph, model)
@@ -372,7 +380,7 @@ def _serves(op: Op, grads: dict[str, str], loss: set[str], metrics: set[str],
 def _memory(graph: Graph, sizes: dict[str, int], grads: dict[str, str],
             types: dict[str, TensorType], in_place: Collection[str] = (),
             scratch: Mapping[int, int] | None = None,
-            by_stage: Mapping[int, int] | None = None) -> Memory:
+            by_stage: Mapping[int, int] | None = None, cuts: list | None = None) -> Memory:
     per = {k: 0 for k in ("param", "opt_state")}
     whole = dict(per)
     for i in graph.inputs:
@@ -388,8 +396,7 @@ def _memory(graph: Graph, sizes: dict[str, int], grads: dict[str, str],
     opts = pipeline_of(graph)
     if opts is not None:     # a staged graph is traced at the microbatch: M of them
         act_whole *= opts.microbatches
-    if opts is not None and opts.axis in sizes and \
-            any(op.stage is not None for op in graph.ops):
+    if cuts is not None:
         # a pipeline: a device holds only its stages' share, and its schedule's
         # microbatches in flight
         per["param"], per["opt_state"], g_local = _held_per_rank(graph, opts, sizes, grads,
@@ -403,9 +410,8 @@ def _memory(graph: Graph, sizes: dict[str, int], grads: dict[str, str],
         op = graph.ops[peak.index]
         name = op.attrs.get("target", op.name) if op.name == "opaque" else op.name
         at = f"#{peak.index} {name}" + (f" ({op.phase.value})" if op.phase else "")
-    if opts is not None and opts.axis in sizes and \
-            any(op.stage is not None for op in graph.ops):
-        by_rank = pipeline_peak(graph, opts, in_place)
+    if cuts is not None:
+        by_rank = pipeline_peak(graph, opts, in_place, cuts)
         if by_rank is not None:
             top = max(by_rank, key=lambda p: p.bytes)
             peak_bytes, at = top.bytes, top.at
