@@ -17,7 +17,9 @@ with two stages per rank). Rank 0 prints one row per variant:
               instrumented here; it runs only 1f1b and gpipe);
   theory      the schedule's bubble with equal stages ((P - 1) / (v M + P - 1), the plan's);
   loss        the last step's loss (both variants start from the same weights and batches).
-Then the plan's own estimate of the step (its cpu-gloo device model: a roofline at the
+Then the peak tensor memory each rank reaches in one more step (every storage counted from
+its making to its freeing; for diphoma beside the plan's peak for that rank). Then the
+plan's own estimate of the step (its cpu-gloo device model: a roofline at the
 model's flop rate, each rank's programs laid out in the schedule's order, transfers on the
 model's link) and the bubble's share of it, beside the measured ones.
 Then, for diphoma, the bubble of the forward/backward part alone, from the executor's
@@ -128,8 +130,15 @@ def _diphoma(rank: int, args, batches) -> dict:
     every: list = [None] * args.nproc
     dist.all_gather_object(every, records[args.warmup:])
     rec = step.plan.notes["pipeline"]
+    # one more step under measure_memory: the tensor memory each rank reaches, beside the
+    # plan's peak for its rank
+    idx, tgt = next(it)
+    got = step.measure_memory(model, opt, idx, tgt)
+    peaks: list = [None] * args.nproc
+    dist.all_gather_object(peaks, (got.peak, step.plan.memory.peak_per_rank[rank]))
     return {"s": s, "bubble": worst.item(), "loss": loss, "theory": rec["bubble"],
-            "records": every, "stages": len(rec["stages"]), "planned": _planned(step)}
+            "records": every, "stages": len(rec["stages"]), "planned": _planned(step),
+            "peaks": peaks}
 
 
 def _planned(step) -> dict:
@@ -205,7 +214,12 @@ def _torch(rank: int, args, batches) -> dict:
         return float(loss)
     one()          # as many steps as diphoma's variant, whose first call traces
     s, loss = _timed(one, args.steps, args.warmup)
-    return {"s": s, "bubble": float("nan"), "loss": loss}
+    from diphoma_compile.torch.live_memory import measure_peak
+    held = list(stage_mod.parameters()) + [t for st in opt.state.values() for t in st.values()]
+    got = measure_peak(one, held + [t for b in batches for t in b])
+    peaks: list = [None] * args.nproc
+    dist.all_gather_object(peaks, (got.peak, None))
+    return {"s": s, "bubble": float("nan"), "loss": loss, "peaks": peaks}
 
 
 def _run(rank: int, args, port: int) -> None:
@@ -227,6 +241,12 @@ def _run(rank: int, args, port: int) -> None:
         for name, r in rows.items():
             print(f"{name:30} {r['s']:8.4f} {r['bubble']:7.1%} {ours['theory']:7.1%} "
                   f"{r['loss']:8.4f}")
+        print("peak tensor memory per rank, MB (measure_memory: every storage from its "
+              "making to its freeing; diphoma's planned in brackets):")
+        for name, r in rows.items():
+            cells = [f"{m / 1e6:.2f}" + (f" [{p / 1e6:.2f}]" if p is not None else "")
+                     for m, p in r["peaks"]]
+            print(f"  {name:30} " + "  ".join(cells))
         plan = ours["planned"]
         print(f"the plan's estimate (cpu-gloo device model, report/pipeline_time.py): "
               f"{plan['s']:.4f} s/step, bubble {plan['bubble']:.1%} of it "

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..ir.analysis import free_inputs
+from ..ir.analysis import free_inputs, view_bases
 from ..ir.core import Graph, Input, InputKind, InputRole, Op, Output, OutputKind, Phase, Value
 from ..ir.opdef import is_pure
 from .pipeline_parallel import SPLIT_BACKWARD, input_gradient_ops, pipeline_of, stage_rank
@@ -41,6 +41,10 @@ class StageProgram:
     recvs: list[Transfer] = field(default_factory=list)
     sends: list[Transfer] = field(default_factory=list)
     acc: list[str] = field(default_factory=list)   # summed over microbatches (made or received)
+    # of ``acc``, those a runtime may take as the sum's first term without a copy: made
+    # here in storage of their own (no other summed value shares it), not sent, by a
+    # backward (B or W) after which the microbatch's values on the stage are dropped
+    acc_owned: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -178,8 +182,21 @@ def _cut_stage(graph: Graph, me: int, out: StagePrograms, op_round: dict[int, in
                     tuple(Output(n) for n in outputs), graph.mesh)
         acc = [] if k.startswith("U") else \
             [n for n in outputs + [r[0] for r in recvs[k]] if updates(n)]
-        out.programs[(me, k)] = StageProgram(sub, inputs, outputs, recvs[k], sends[k], acc)
+        out.programs[(me, k)] = StageProgram(sub, inputs, outputs, recvs[k], sends[k], acc,
+                                             _owned(sub, k, acc, made, sends[k]))
     out.made.update(seg_of)
+
+
+def _owned(sub: Graph, kind: str, acc: list[str], made: set[str],
+           sends: list[Transfer]) -> list[str]:
+    """The summed values of a B or W program the sum may start from without a copy."""
+    if kind not in ("B", "W"):
+        return []
+    base = view_bases(sub)
+    sent = {n for n, _, _ in sends}
+    bases = [base.get(n, n) for n in acc]
+    return [n for n, b in zip(acc, bases)
+            if n in made and b in made and n not in sent and bases.count(b) == 1]
 
 
 def _share_invariants(graph: Graph, body: dict[str, list[Op]]) -> None:

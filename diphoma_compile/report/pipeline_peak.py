@@ -16,8 +16,9 @@ rank's order (``passes/pipeline_orders.py``) over its programs
   drops them; a value sent to another rank stays until the end of the step (the send is
   waited for there, and holds its tensor until then); one handed to another stage of the
   same rank is shared with it;
-- the sums over microbatches (gradients, the loss): one copy each from the first
-  microbatch that makes it, and the average of each made before the update runs;
+- the sums over microbatches (gradients, the loss): the first microbatch's value, taken
+  as it is where ``stage_programs`` allows (``acc_owned``) or else a copy, divided by M in
+  place for the update;
 - the update rounds: their peaks, and their results kept to the end (written back after
   the step), except the new values the backend writes into the inputs they replace where
   they are made (``in_place``; the torch runtime does, for those ``stage_programs`` marks).
@@ -184,16 +185,19 @@ class _RankWalk:
                         self.hold(("v", nst, nmb, name), self.nbytes(name),
                                   ("env", nst, nmb))
             self.run_program(prog, st, kind, mb)
+            base = view_bases(prog.graph)
             for n in prog.acc:
-                if n not in summed:     # the first microbatch's copy starts the sum
-                    summed.add(n)
+                if n in summed:
+                    continue
+                summed.add(n)           # the first microbatch's value starts the sum
+                if n in prog.acc_owned:     # taken as it is
+                    self.holders[("v", st, mb, base.get(n, n))].add("acc")
+                else:                   # a copy
                     self.hold(("acc", n), self.nbytes(n), "acc")
             self.note(0, f"rank {self.rank}, after stage {st} {kind} of microbatch {mb}")
             self.send(prog, st, mb)
             if kind in "BW":
                 self.drop(("env", st, mb))
-        for n in summed:                # their averages, read by the update
-            self.hold(("avg", n), self.nbytes(n), "end")
         stages = sorted({st for st, _ in self.cut.programs})
         for r in range(self.cut.nrounds):
             for st in stages:

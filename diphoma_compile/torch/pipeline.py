@@ -204,8 +204,8 @@ class TorchPipelineStep(TorchDistStep):
         env.update(zip(seg.outputs, self.modules[key](*args)))
         if acc is not None:
             for n in seg.acc:
-                if n not in acc:
-                    acc[n] = env[n].clone()     # an output may be a view of an input
+                if n not in acc:    # the first term; a copy unless the program's own
+                    acc[n] = env[n] if n in seg.acc_owned else env[n].clone()
                 else:
                     acc[n].add_(env[n])
         t2 = time.perf_counter()
@@ -243,7 +243,9 @@ class TorchPipelineStep(TorchDistStep):
             # nothing here may keep a dropped microbatch's values alive (the plan's rank
             # peak, report/pipeline_peak.py, counts what the envs and sends hold)
             args = env = None
-        env = {n: v / m for n, v in acc.items()}
+        # the sums become averages in place (each is this executor's own copy): no second
+        # copy of the gradients beside them while the update runs
+        env = {n: v.div_(m) if v.is_floating_point() else v / m for n, v in acc.items()}
         for r in range(self.nrounds):
             for st in self.stages:
                 seg = self.segs[(st, f"U{r}")]
