@@ -406,7 +406,8 @@ def test_plan_memory_is_the_fullest_ranks_with_its_microbatches_in_flight():
 def test_update_programs_write_in_place_and_each_rank_has_its_peak():
     """The update programs of a staged step mark each new parameter and momentum buffer as
     replacing its input (so the torch runtime writes it into the input's storage where it is
-    made, as the unstaged step does); the plan walks each rank's programs in its schedule's
+    made, as the unstaged step does) and each backward the gradients its sums may start
+    from; the plan walks each rank's programs in its schedule's
     order for that rank's peak (report/pipeline_peak.py; the distributed check measures it):
     GPipe's first rank, keeping all 4 microbatches, peaks above 1F1B's (2), and writing the
     update in place lowers no rank's peak below what it holds."""
@@ -423,6 +424,16 @@ def test_update_programs_write_in_place_and_each_rank_has_its_peak():
                     for o in prog.graph.outputs if o.role.target is not None}
         params = {i.name for i in out.inputs if i.role.kind.value in ("param", "opt_state")}
         assert replaced == params, params ^ replaced
+        # the gradient sums start from a backward's own tensors (no copy), never from one
+        # it sends or one that shares its storage with another summed value
+        for cut in rank_stage_programs(out):
+            for (_, kind), prog in cut.programs.items():
+                assert set(prog.acc_owned) <= set(prog.acc)
+                assert not set(prog.acc_owned) & {n for n, _, _ in prog.sends}
+                if kind == "B":
+                    assert prog.acc_owned, "no gradient sum starts without a copy"
+                else:
+                    assert not prog.acc_owned, kind
         in_place = TorchFramework().in_place_updates(out)
         assert len(in_place) == len(params)
         mem = build_plan(out, ctx.decisions, in_place=in_place).memory
