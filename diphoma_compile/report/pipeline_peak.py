@@ -91,6 +91,7 @@ class _RankWalk:
         self.now = self.base
         self.best, self.at = self.base, f"rank {rank}, before the step"
         self._peaks: dict[tuple[int, str], tuple[int, str]] = {}
+        self._bases: dict[str, dict[str, str]] = {}    # program name -> its view bases
         self.local: dict[tuple[int, int], Any] = {}     # (microbatch, tag) -> storage
 
     # ------------------------------------------------------------------ storages
@@ -129,10 +130,17 @@ class _RankWalk:
             self._peaks[key] = (p.bytes - p.inputs_bytes, at)
         return self._peaks[key]
 
+    def bases(self, prog: StageProgram) -> dict[str, str]:
+        """``view_bases`` of a program, computed once (the walk meets it M times)."""
+        name = prog.graph.name
+        if name not in self._bases:
+            self._bases[name] = view_bases(prog.graph)
+        return self._bases[name]
+
     def owned_outputs(self, prog: StageProgram) -> dict[str, int]:
         """The storages a program's results own (their bases), by base name: a result that
         is a view of an input owns nothing."""
-        base = view_bases(prog.graph)
+        base = self.bases(prog)
         ins = set(prog.inputs)
         out: dict[str, int] = {}
         for n in prog.outputs:
@@ -160,7 +168,7 @@ class _RankWalk:
                 self.hold(("v", st, mb, name), self.nbytes(name), ("env", st, mb))
 
     def send(self, prog: StageProgram, st: int, mb: int) -> None:
-        base = view_bases(prog.graph)
+        base = self.bases(prog)
         for name, peer, tag in prog.sends:
             key = ("v", st, mb, base.get(name, name))
             if key not in self.holders:  # sent straight from an input: nothing new held
@@ -185,7 +193,7 @@ class _RankWalk:
                         self.hold(("v", nst, nmb, name), self.nbytes(name),
                                   ("env", nst, nmb))
             self.run_program(prog, st, kind, mb)
-            base = view_bases(prog.graph)
+            base = self.bases(prog)
             for n in prog.acc:
                 if n in summed:
                     continue

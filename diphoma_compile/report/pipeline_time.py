@@ -58,10 +58,11 @@ def pipeline_compute(graph: Graph, opts: Any, model: DeviceModel,
                 for cut in cuts]
     unknown = sorted({u for e in est.values() for u in e.unknown_cost_ops})
     types = graph.value_types()
+    rank_of = {st: r for r, cut in enumerate(cuts) for st, _ in cut.programs}
 
     def sent_s(key: tuple[int, str]) -> float:   # the point-to-point time of its sends
         nbytes = sum(types[n].local_nbytes(sizes) for n, peer, _ in progs[key].sends
-                     if peer != _rank_of(key[0], cuts))
+                     if peer != rank_of[key[0]])
         return model.collective_s("send", nbytes, 2, opts.axis) if nbytes else 0.0
 
     split = any(k == "I" for _, k in est)
@@ -86,10 +87,6 @@ def pipeline_compute(graph: Graph, opts: Any, model: DeviceModel,
     exposed = sum(est[k].exposed_comm_s * times(k) for k in mine)
     return Compute(per_step, max(per_rank), tuple(unknown), model.name, compute, exposed,
                    bubble_s=max(0.0, finish[last] - compute - exposed))
-
-
-def _rank_of(stage: int, cuts: list) -> int:
-    return next(r for r, cut in enumerate(cuts) if any(st == stage for st, _ in cut.programs))
 
 
 __all__ = ["pipeline_compute"]

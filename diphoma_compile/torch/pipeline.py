@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..errors import BackendError
 from ..ir.core import Graph, InputKind
 from ..passes.pipeline_parallel import pipeline_of, stage_rank
-from ..passes.pipeline_programs import stage_programs
+from ..passes.pipeline_programs import rank_stages, stage_programs
 from .codegen import program
 from .dist import TorchDistStep
 from .ops import DTYPE_TO_TORCH
@@ -55,8 +55,7 @@ class TorchPipelineStep(TorchDistStep):
         self.pp_side = self._sides[opts.axis]
         self.schedule, self.microbatches = opts.schedule, opts.microbatches
         self.nstages = 1 + max(op.stage for op in graph.ops if op.stage is not None)
-        self.stages = [s for s in range(self.nstages)
-                       if stage_rank(opts.schedule, s, self.nstages, self.pp.size) == self.pp.rank]
+        self.stages = rank_stages(graph)[self.pp.rank]
         self.stage = self.stages[0]         # this rank's first stage
         self.actions = schedule_actions(opts.schedule, self.nstages, opts.microbatches,
                                         self.pp.size)[self.pp.rank]
