@@ -219,3 +219,29 @@ def test_device_model_option(capsys):
     line = next(x for x in out.splitlines() if x.startswith("compute: "))
     assert " per device per step (" in line and "/step on h100-nccl = " in line
     assert line.endswith(" exposed communication")
+
+
+def test_a_hugging_face_gpt2_pipeline_counts_the_whole_batch_and_its_bubble(capsys):
+    """inspect --mesh pp=2 on an unmodified Hugging Face GPT-2: the step's flops are the
+    unstaged step's on the same global batch (report/pipeline_time.py counts every
+    microbatch; one pass over the staged graph counted one), each rank does about half,
+    the step time adds the schedule's bubble, and every rank has its planned peak."""
+    pytest.importorskip("transformers")
+    argv = [str(__import__("pathlib").Path(__file__).parents[1] / "inspect_models" /
+                "hf_gpt2.py"), "--init", "GPT2LMHeadModel(config)",
+            "--input", "input_ids=int64[8,32]<1000", "--input", "labels=int64[8,32]<1000"]
+    whole = inspect_json(capsys, *argv, "--mesh", "dp=1")["compute"]
+    plan = inspect_json(capsys, *argv, "--mesh", "pp=2")
+    c = plan["compute"]
+    assert c["flops_per_step"] == pytest.approx(whole["flops_per_step"], rel=0.01)
+    assert c["flops_per_step"] / 2 <= c["flops_per_device"] < 0.75 * c["flops_per_step"]
+    est = c["estimated_step_s"]
+    assert est["bubble"] > 0
+    assert est["total"] == pytest.approx(est["compute"] + est["exposed_comm"] + est["bubble"])
+    mem = plan["memory"]
+    assert len(mem["peak_per_rank"]) == 2 and mem["peak"] == max(mem["peak_per_rank"])
+    rc = main(["inspect", *argv, "--mesh", "pp=2"])
+    out, _ = capsys.readouterr()
+    assert rc == 0
+    line = next(x for x in out.splitlines() if x.startswith("compute: "))
+    assert " pipeline bubble (the last rank to finish" in line
