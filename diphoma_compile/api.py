@@ -32,6 +32,7 @@ from .passes.base import PassContext
 from .passes.defaults import COMPRESSION, default_passes
 from .passes.pipeline import Pipeline
 from .passes.pipeline_parallel import PipelineParallel
+from .passes.pipeline_programs import is_staged, rank_stage_programs
 from .passes.spec import parse_spec
 from .report.compute import DEFAULT_DEVICE_MODEL
 from .report.plan import Plan, build_plan
@@ -344,9 +345,10 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
     if runs_on_one_device(graph):
         backend = (f"the single-device program, as compile() runs it: the mesh has one "
                    f"device ({fw.name})")
+    cuts = rank_stage_programs(graph) if is_staged(graph) else None   # pp ranks' programs
     return graph, build_plan(graph, ctx.decisions, backend=backend, device_model=device_model,
-                             in_place=fw.in_place_updates(graph),
-                             scratch=fw.collective_scratch(graph, device_model))
+                             in_place=fw.in_place_updates(graph, cuts),
+                             scratch=fw.collective_scratch(graph, device_model), cuts=cuts)
 
 
 def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,

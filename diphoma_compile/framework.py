@@ -54,9 +54,10 @@ class Framework(Protocol):
         program where ``runs_on_one_device(graph)``. ``donate``: whether the step may
         consume its parameter and state arguments (None: the backend's default)."""
 
-    def in_place_updates(self, graph: Graph) -> set[str]:
+    def in_place_updates(self, graph: Graph, cuts: list | None = None) -> set[str]:
         """The graph's new parameter/state values its backend writes into the replaced
-        input's storage where they are made (not held to the end of the step)."""
+        input's storage where they are made (not held to the end of the step); ``cuts``:
+        a staged graph's ``rank_stage_programs``, when already made."""
         ...
 
     def collective_scratch(self, graph: Graph, device_model: str) -> dict[int, int]:

@@ -93,7 +93,7 @@ class JaxFramework:
             return JaxCommStateStep(graph, extra, mesh=user_mesh, axis=axis, donate=donate)
         return JaxParallelStep(graph, extra, mesh=user_mesh, axis=axis, donate=donate)
 
-    def in_place_updates(self, graph: Graph) -> set[str]:
+    def in_place_updates(self, graph: Graph, cuts: list | None = None) -> set[str]:
         """None: the plan counts old and new values side by side. (A step over a mesh
         donates its parameters and state by default, which the runner decides after the
         plan is made; the planned peak does not count it yet.)"""

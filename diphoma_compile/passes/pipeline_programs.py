@@ -92,6 +92,13 @@ def rank_stages(graph: Graph) -> list[list[int]]:
              if stage_rank(opts.schedule, s, nstages, ranks) == r] for r in range(ranks)]
 
 
+def is_staged(graph: Graph) -> bool:
+    """Whether the pipeline pass cut ``graph`` into stages over an axis of its mesh."""
+    opts = pipeline_of(graph)
+    return opts is not None and opts.axis in dict(graph.mesh.axes) and \
+        any(op.stage is not None for op in graph.ops)
+
+
 def rank_stage_programs(graph: Graph) -> list[StagePrograms]:
     """The programs of each rank of a staged graph's pipeline axis, by rank."""
     schedule = pipeline_of(graph).schedule
@@ -270,5 +277,5 @@ def update_rounds(graph: Graph) -> tuple[dict[int, int], int]:
     return op_round, 1 + max(op_round.values(), default=0)
 
 
-__all__ = ["StageProgram", "StagePrograms", "Transfer", "rank_stage_programs", "rank_stages",
-           "stage_programs", "update_rounds"]
+__all__ = ["StageProgram", "StagePrograms", "Transfer", "is_staged", "rank_stage_programs",
+           "rank_stages", "stage_programs", "update_rounds"]

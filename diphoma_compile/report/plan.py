@@ -18,8 +18,8 @@ from ..ir.ops import Category, op_def
 from ..ir.types import TensorType, Varying
 from ..passes.base import Decision, find_decision
 from ..passes.pipeline_orders import rank_orders
-from ..passes.pipeline_parallel import PipelineRecord, pipeline_of, stage_rank
-from ..passes.pipeline_programs import rank_stage_programs
+from ..passes.pipeline_parallel import PipelineRecord, pipeline_of
+from ..passes.pipeline_programs import StagePrograms, is_staged, rank_stage_programs, rank_stages
 from .compute import DEFAULT_DEVICE_MODEL, Compute, estimate_compute
 from .pipeline_peak import pipeline_peak
 from .pipeline_time import pipeline_compute
@@ -199,12 +199,14 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
                backend: str | None = None,
                device_model: DeviceModel | str = DEFAULT_DEVICE_MODEL,
                in_place: Collection[str] = (),
-               scratch: Mapping[int, int] | None = None) -> Plan:
+               scratch: Mapping[int, int] | None = None,
+               cuts: list[StagePrograms] | None = None) -> Plan:
     """The plan of a (transformed) graph; ``decisions`` are the passes' records
     (``PassContext.decisions``), ``backend`` how the framework runs it, ``device_model``
     what the step time is estimated on (a DeviceModel or its name), ``in_place`` the new
     values the backend writes into their inputs' storage and ``scratch`` the bytes its
-    collectives hold while in flight (for the peak: ``analysis.peak_memory``)."""
+    collectives hold while in flight (for the peak: ``analysis.peak_memory``); ``cuts``:
+    ``rank_stage_programs(graph)`` of a staged graph, when already made."""
     sizes = dict(graph.mesh.axes)
     types = graph.value_types()
     tensors = []
@@ -261,7 +263,8 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
             op.attrs.get("op"), d.comm_bytes(op, ins, outs, sizes.get(axis, 1), sizes),
             op.phase.value if op.phase else None, belongs))
     by_stage = _saved_by_stage(graph, sizes, types)
-    cuts = rank_stage_programs(graph) if _staged(graph) else None   # each pp rank's programs
+    if cuts is None and is_staged(graph):
+        cuts = rank_stage_programs(graph)   # each pp rank's programs
     memory = _memory(graph, sizes, sources, types, in_place, scratch, by_stage, cuts)
     params = sum(i.value.type.numel for i in graph.inputs if i.role.kind is InputKind.param)
     decisions = _with_stage_activations(dict(decisions or {}), by_stage)
@@ -269,13 +272,6 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
                 sum(c.bytes_per_device for c in collectives), decisions, params,
                 backend=backend, idle_axes=idle_axes(graph),
                 compute=_compute(graph, device_model, cuts))
-
-
-def _staged(graph: Graph) -> bool:
-    """Whether the pipeline pass cut ``graph`` into stages over an axis of its mesh."""
-    opts = pipeline_of(graph)
-    return opts is not None and opts.axis in dict(graph.mesh.axes) and \
-        any(op.stage is not None for op in graph.ops)
 
 
 def _compute(graph: Graph, model: DeviceModel | str, cuts: list | None) -> Compute:
@@ -426,14 +422,15 @@ def _held_per_rank(graph: Graph, opts: Any, sizes: dict[str, int], grads: dict[s
     optimizer-state and gradient bytes of the device that holds the most of them, each
     rank holding what its stages' ops read (parameters, state: a tied parameter on both its
     stages) or make (gradients)."""
-    staged = [op for op in graph.ops if op.stage is not None]
-    nstages = 1 + max(op.stage for op in staged)
+    rank_of = {s: r for r, stages in enumerate(rank_stages(graph)) for s in stages}
     ranks = sizes[opts.axis]
     kinds = {i.name: i.role.kind for i in graph.inputs}
     read: list[set[str]] = [set() for _ in range(ranks)]
     made: list[set[str]] = [set() for _ in range(ranks)]
-    for op in staged:
-        r = stage_rank(opts.schedule, op.stage, nstages, ranks)
+    for op in graph.ops:
+        if op.stage is None:
+            continue
+        r = rank_of[op.stage]
         read[r].update(n for n in free_inputs(op) if n in kinds)
         made[r].update(v.name for v in op.results if v.name in grads)
     best = (0, 0, 0)

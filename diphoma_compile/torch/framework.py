@@ -77,15 +77,16 @@ class TorchFramework:
         kind = TorchPipelineStep if pipeline_of(graph) is not None else TorchDistStep
         return kind(graph, extra, mesh, axis=axis, groups=groups)
 
-    def in_place_updates(self, graph: Graph) -> set[str]:
+    def in_place_updates(self, graph: Graph, cuts: list | None = None) -> set[str]:
         """New values build_module copies into their input's storage where they are made
-        (a pipeline's: those of its update programs, which its runtime builds in place)."""
+        (a pipeline's: those of its update programs, which its runtime builds in place;
+        ``cuts``: its ranks' programs, when already made)."""
         from ..passes.pipeline_parallel import pipeline_of
         from .build import updates_in_place
         if pipeline_of(graph) is None:
             return set(updates_in_place(graph))
         from ..passes.pipeline_programs import rank_stage_programs
-        return {n for cut in rank_stage_programs(graph) for (_, kind), prog in
+        return {n for cut in cuts or rank_stage_programs(graph) for (_, kind), prog in
                 cut.programs.items() if kind.startswith("U")
                 for n in updates_in_place(prog.graph)}
 
