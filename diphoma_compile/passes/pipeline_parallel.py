@@ -6,9 +6,11 @@ The forward ops are cut, in program order, at the S - 1 places that balance the 
 flops among the places where fewest bytes cross (layer boundaries: the residual stream).
 A backward op runs on the stage of the latest forward activations it reads (its forward
 op's stage, which holds them); one that reads none runs on the highest stage that reads its
-results. An update op runs on the stage of the parameter it updates (the lowest stage that
-reads the parameter in forward); other update math over several stages' values (a global
-gradient-norm clip) runs where most of its input bytes are, so only scalars cross. Values
+results; then those a later stage could run, reading only what it received in forward, move
+there where fewer bytes cross (``pipeline_refine``). An update op runs on the stage of the
+parameter it updates (the lowest stage that reads the parameter in forward); other update
+math over several stages' values (a global gradient-norm clip) runs where most of its input
+bytes are, so only scalars cross. Values
 that depend only on the batch, hyperparameters and constants (label shifts, masks, the
 learning rate's scalar math) are computed again on each stage that reads them rather than
 sent. Every other value read on another stage than its own becomes a ``send`` on its stage
@@ -38,6 +40,7 @@ from ..ir.ops import op_def, random_draw
 from .base import Pass, PassContext, PassFailure, register_pass
 from .data_parallel import require_axis
 from .pipeline_pack import pack_update_scalars
+from .pipeline_refine import pull_up_backward
 from .spec import parse_spec
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv")
@@ -164,7 +167,7 @@ class PipelineParallel(Pass):
         if self.schedule == "zbv" and s != 2 * n:
             raise PassFailure(f"pipeline: schedule zbv runs two stages per device in a V, not "
                               f"{s} stages on {n} devices", hint=f"stages=auto ({2 * n})")
-        cut = _Cut(graph, s, self.axis, n, self.schedule)
+        cut = _Cut(graph, s, self.axis, n, self.schedule, self.microbatches)
         out = cut.rewrite()
         ctx.decisions[self.name] = cut.record(self.schedule, self.microbatches)
         return out
@@ -182,7 +185,7 @@ class _Cut:
     """One run of pipeline: stage of every op, then the rewritten graph."""
 
     def __init__(self, graph: Graph, stages: int, axis: str, ranks: int,
-                 schedule: str = "1f1b") -> None:
+                 schedule: str = "1f1b", microbatches: int = 1) -> None:
         self.g, self.n, self.ax, self.ranks = graph, stages, axis, ranks
         self.rank = [stage_rank(schedule, s, stages, ranks) for s in range(stages)]
         self.types = graph.value_types()
@@ -195,6 +198,7 @@ class _Cut:
         self.sizes = dict(graph.mesh.axes)
         self.phase = {id(op): op.phase or Phase.forward for op in graph.ops}
         self._seen: set[tuple[str, int]] = set()     # (free value, stage) cloned there
+        self.microbatches = microbatches
         self.find_free()
         self.cut_forward()
         self.place_rest()
@@ -335,6 +339,13 @@ class _Cut:
                 size_in = sum(self.types[n].nbytes for n in op.inputs if n in self.made)
                 if size_in > sum(v.type.nbytes for v in op.results):
                     self.stage[id(op)] = min(src)
+        # the backward of a later stage's forward op that reads only what that stage
+        # received (a cut's activation, a parameter it uses) moves there where fewer bytes
+        # then cross (pipeline_refine)
+        anywhere = {n for n, k in self.kind.items() if k in _EVERYWHERE} | \
+            {v.name for op in self.g.ops if id(op) in self.free for v in op.results}
+        pull_up_backward(list(self.g.ops), self.stage, self.phase, self.made, anywhere,
+                         self.types, self.n, self.microbatches)
         for op in todo:
             if self.phase[id(op)] is not Phase.forward:
                 for n in free_inputs(op):

@@ -1205,7 +1205,10 @@ PP_CASES = {"pp4-sgdm-1f1b": ({"pp": 4}, "sgdm", "1f1b", 4),
             # each rank's stage programs compiled by Inductor
             # (SGD with momentum: Adam would turn Inductor's rounding into steps of up to lr)
             "dp2-pp2-sgdm-1f1b-inductor": ({"dp": 2, "pp": 2}, "sgdm", "1f1b", 2, False,
-                                           "inductor")}
+                                           "inductor"),
+            # a Hugging Face Llama (RMSNorm written out in aten ops, rotary tables sent
+            # forward, grouped-query attention, tied embedding)
+            "pp4-sgdm-1f1b-llama": ({"pp": 4}, "sgdm", "1f1b", 4, False, None, "llama")}
 PP_STEPS, PP_LOCAL, PP_MICRO = 3, 4, 4   # steps; sequences per dp rank; microbatches
 
 
@@ -1216,6 +1219,19 @@ def tiny_gpt2(layers: int = 4) -> nn.Module:
                                   n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                   bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)
     return transformers.GPT2LMHeadModel(cfg)
+
+
+def tiny_llama(layers: int = 4) -> nn.Module:
+    """A Hugging Face Llama of small layers with its tied embedding and LM head."""
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=64, max_position_embeddings=16, hidden_size=32,
+                                   intermediate_size=64, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   tie_word_embeddings=True)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+PP_MODELS = {"gpt2": tiny_gpt2, "llama": tiny_llama}
 
 
 @check("pp")
@@ -1249,12 +1265,13 @@ def pp_ddp_distance(rank: int, world: int, model: nn.Module, opt_name: str,
 
 
 def run_pp_case(rank: int, world: int, axes: dict[str, int], opt_name: str, schedule: str,
-                layers: int, clip: bool = False, codegen: str | None = None) -> dict:
+                layers: int, clip: bool = False, codegen: str | None = None,
+                model_name: str = "gpt2") -> dict:
     import diphoma_compile
     step_fn = hf_lm_step_clipped if clip else hf_lm_step
     dp, pp = axes.get("dp", 1), axes["pp"]
     torch.manual_seed(0)
-    model = tiny_gpt2(layers)
+    model = PP_MODELS[model_name](layers)
     ref = copy.deepcopy(model)
     init = copy.deepcopy(model)
     opt, ref_opt = OPTS[opt_name](model.parameters()), OPTS[opt_name](ref.parameters())

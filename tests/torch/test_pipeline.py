@@ -89,7 +89,8 @@ def test_stages_balance_and_only_send_recv_cross():
 
 @pytest.mark.parametrize("stages, words", [
     (16, "fewer than the 16 stages"),
-    (4, "cannot cut the step into 4 stages"),
+    (5, "cannot cut the step into 5 stages"),
+    (4, "stage 2 of 4 would hold no parameter"),
 ])
 def test_a_model_too_small_to_split_is_refused(stages, words):
     torch.manual_seed(0)
