@@ -16,6 +16,7 @@ import diphoma_compile  # noqa: E402
 from diphoma_compile.ir import Phase, parse, print_graph  # noqa: E402
 from diphoma_compile.mesh import Mesh  # noqa: E402
 from diphoma_compile.passes import PassContext, Pipeline, PipelineRecord  # noqa: E402
+from models import hf_lm_step  # noqa: E402
 
 
 class RMSNorm(nn.Module):
@@ -90,14 +91,6 @@ def transformers():
     return pytest.importorskip("transformers")
 
 
-def hf_step(model, opt, ids):
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return out.loss
-
-
 def test_a_hugging_face_qwen2_ties_no_norm_weight_and_sends_one_gradient_per_cut(
         transformers):
     """Qwen2 (untied head): before, two RMSNorm weights were held on two stages each and
@@ -107,7 +100,7 @@ def test_a_hugging_face_qwen2_ties_no_norm_weight_and_sends_one_gradient_per_cut
                                    num_attention_heads=4, num_key_value_heads=2,
                                    vocab_size=64, max_position_embeddings=16)
     ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
-    out, rec = staged(transformers.Qwen2ForCausalLM(cfg), hf_step, ids, pp=4)
+    out, rec = staged(transformers.Qwen2ForCausalLM(cfg), hf_lm_step, ids, pp=4)
     assert rec.tied == {}
     assert backward_sends(out) == [(1, (4, 16, 32)), (2, (4, 16, 32)), (3, (4, 16, 32))]
 
@@ -123,7 +116,7 @@ def test_a_hugging_face_bert_computes_its_tied_decoder_gradient_on_the_last_stag
                                   num_attention_heads=4, vocab_size=64,
                                   max_position_embeddings=16)
     ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
-    out, rec = staged(transformers.BertForMaskedLM(cfg), hf_step, ids, pp=4)
+    out, rec = staged(transformers.BertForMaskedLM(cfg), hf_lm_step, ids, pp=4)
     assert rec.tied == {"bert.embeddings.word_embeddings.weight": (0, 3)}
     sends = backward_sends(out)
     assert (3, (64, 32)) in sends and len(sends) == 4, sends
