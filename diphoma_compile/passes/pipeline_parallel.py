@@ -193,6 +193,7 @@ class _Cut:
         self.made: dict[str, Op] = {v.name: op for op in graph.ops for v in op.results}
         self.stage: dict[int, int] = {}          # id(op) -> stage
         self.free: set[int] = set()              # id(op) of ops recomputed where read
+        self.local: set[str] = set()             # names every stage has or computes
         self.home: dict[str, int] = {}           # param -> its home stage
         self.readers: dict[str, set[int]] = defaultdict(set)   # param -> stages reading it
         self.sizes = dict(graph.mesh.axes)
@@ -206,7 +207,8 @@ class _Cut:
     # 1. values every stage can compute itself: from the batch, hyperparameters, constants
     def find_free(self) -> None:
         """Mark ops computed from inputs every rank has and constants only."""
-        local: set[str] = {n for n, k in self.kind.items() if k in _EVERYWHERE}
+        local = self.local
+        local.update(n for n, k in self.kind.items() if k in _EVERYWHERE)
         for op in self.g.ops:
             d = op_def(op.name)
             if d.effectful or random_draw(op) or op.regions:
@@ -342,9 +344,7 @@ class _Cut:
         # the backward of a later stage's forward op that reads only what that stage
         # received (a cut's activation, a parameter it uses) moves there where fewer bytes
         # then cross (pipeline_refine)
-        anywhere = {n for n, k in self.kind.items() if k in _EVERYWHERE} | \
-            {v.name for op in self.g.ops if id(op) in self.free for v in op.results}
-        pull_up_backward(list(self.g.ops), self.stage, self.phase, self.made, anywhere,
+        pull_up_backward(list(self.g.ops), self.stage, self.phase, self.made, self.local,
                          self.types, self.n, self.microbatches)
         for op in todo:
             if self.phase[id(op)] is not Phase.forward:

@@ -30,13 +30,14 @@ import networkx as nx
 from ..ir.analysis import free_inputs
 from ..ir.core import Op, Phase, TensorType
 
+
 def pull_up_backward(ops: list[Op], stage: dict[int, int], phase: Mapping[int, Phase],
                      made: Mapping[str, Op], anywhere: set[str],
                      types: Mapping[str, TensorType], stages: int,
-                     microbatches: int = 1) -> int:
+                     microbatches: int = 1) -> None:
     """Restage backward ops in ``stage`` (id(op) -> stage, every non-free op placed) where
     a later stage holds their inputs and moving them makes fewer bytes cross; ``anywhere``:
-    names every stage has or computes itself. The number of ops moved."""
+    names every stage has or computes itself."""
     holders: dict[str, set[int]] = defaultdict(set)   # forward values and params: stages
     readers: dict[str, list[Op]] = defaultdict(list)
     for op in ops:
@@ -47,18 +48,16 @@ def pull_up_backward(ops: list[Op], stage: dict[int, int], phase: Mapping[int, P
         s = stage[id(op)]
         for n in [*free_inputs(op), *(v.name for v in op.results)]:
             holders[n].add(s)
-    moved = 0
     for s in range(stages - 2, -1, -1):
         for t in range(s + 1, stages):
-            moved += _pull(ops, stage, phase, made, anywhere, types, holders, readers, s, t,
-                           microbatches)
-    return moved
+            _pull(ops, stage, phase, made, anywhere, types, holders, readers, s, t,
+                  microbatches)
 
 
 def _pull(ops: list[Op], stage: dict[int, int], phase: Mapping[int, Phase],
           made: Mapping[str, Op], anywhere: set[str], types: Mapping[str, TensorType],
           holders: Mapping[str, set[int]], readers: Mapping[str, list[Op]], s: int, t: int,
-          microbatches: int) -> int:
+          microbatches: int) -> None:
     """One pair of stages: move what the minimum cut moves from ``s`` to ``t``."""
     def backward_made(n: str) -> Op | None:
         p = made.get(n)
@@ -83,7 +82,7 @@ def _pull(ops: list[Op], stage: dict[int, int], phase: Mapping[int, Phase],
                       for v in op.results for r in readers.get(v.name, ())):
             movable[id(op)] = op
     if not movable:
-        return 0
+        return
     g = nx.DiGraph()
     src, sink = "T", "S"
 
@@ -131,14 +130,13 @@ def _pull(ops: list[Op], stage: dict[int, int], phase: Mapping[int, Phase],
         for u in users:
             g.add_edge(node, u)
     if src not in g:
-        return 0
+        return
     cost, (upper, _) = nx.minimum_cut(g, src, sink)
     if cost >= current:
-        return 0
-    move = [k for k in upper if isinstance(k, int)]
-    for k in move:
-        stage[k] = t
-    return len(move)
+        return
+    for k in upper:
+        if isinstance(k, int):
+            stage[k] = t
 
 
 __all__ = ["pull_up_backward"]
