@@ -26,11 +26,14 @@ Then, for diphoma, the bubble of the forward/backward part alone, from the execu
 record of when each program ran on each rank (time.perf_counter, one clock for every
 process of the machine), per timed step: 1 - (a rank's seconds in forward/backward programs)
 / (first forward start to last backward end over all ranks), the largest over ranks (the
-median over steps, and the best step);
-beside it the same schedule laid out in time (report/schedule.py) with each program's
-measured mean duration (what the schedule itself costs with these uneven stages) and with
-equal stages (the theory). The gap between measured and laid-out is what the runtime adds
-(transfers, waiting on a shared core). No asserts: the machine is noisy; read the ratios.
+median over steps, and the best step); beside it the same schedule laid out in time
+(report/schedule.py): each step replayed with that step's own program durations and
+transfers taking no time (measured / replayed: what the runtime adds, transfers and
+dispatch; the step span over the replay's), with each program's mean duration (what the
+schedule costs with these stages, uneven or not), and with equal stages (the theory). Where
+replayed and mean differ, the programs' durations varied from one run to the next (on a
+shared machine, the other ranks' work and the host's); where mean and equal differ, the
+stages are uneven. No asserts: the machine is noisy; read the ratios.
 """
 
 from __future__ import annotations
@@ -152,14 +155,17 @@ def _planned(step) -> dict:
 
 
 def _measured_bubble(every: list, stages: int, schedule: str, micro: int, ranks: int
-                     ) -> tuple[float, float, float, float]:
-    """(measured, its best step, laid out with the measured durations, laid out with equal
-    stages): the forward/backward part's idle share, the largest over ranks, median over
-    steps."""
+                     ) -> dict[str, float]:
+    """The forward/backward part's idle share, the largest over ranks, median over steps:
+    measured; its best step; each step replayed (the schedule laid out with that step's own
+    program durations, transfers taking no time); laid out with the mean durations; laid
+    out with equal stages. And the median over steps of measured span / replayed span
+    (what the runtime adds: transfers, dispatch, waiting on a shared core)."""
     from diphoma_compile.report.schedule import bubble, timeline
     from diphoma_compile.torch.pipeline_schedule import schedule_actions
     steps = len(every[0])
-    measured, span_of = [], {}
+    acts = schedule_actions(schedule, stages, micro, ranks)
+    measured, replayed, stretch = [], [], []
     dur: dict[tuple[str, int], list[float]] = {}
     for k in range(steps):
         blocks = [b for r in range(ranks) for b in every[r][k]]
@@ -167,22 +173,26 @@ def _measured_bubble(every: list, stages: int, schedule: str, micro: int, ranks:
         t1 = max(b[4] for b in blocks)
         busy = [sum(b[4] - b[3] for b in every[r][k]) for r in range(ranks)]
         measured.append(1 - min(busy) / (t1 - t0))
-        span_of[k] = t1 - t0
+        own = {(kind, mb, st): b - a for kind, mb, st, a, b in blocks}
+        replay = timeline(acts, [0.0] * stages, [0.0] * stages, durations=own)
+        replayed.append(bubble(replay))
+        stretch.append((t1 - t0) / (max(b.end for b in replay) - min(b.start for b in replay)))
         for kind, _, st, a, b in blocks:
             dur.setdefault((kind, st), []).append(b - a)
     mean = {k: statistics.mean(v) for k, v in dur.items()}
-    acts = schedule_actions(schedule, stages, micro, ranks)
+    fwd = [mean[("F", s)] for s in range(stages)]
     if any(k == "I" for k, _, _ in acts[0]):
-        fwd = [mean[("F", s)] for s in range(stages)]
         bwd = [mean[("I", s)] + mean[("W", s)] for s in range(stages)]
         share = [mean[("I", s)] / bwd[s] for s in range(stages)]
     else:
-        fwd = [mean[("F", s)] for s in range(stages)]
         bwd = [mean[("B", s)] for s in range(stages)]
         share = [0.5] * stages
-    laid = bubble(timeline(acts, fwd, bwd, share))
-    equal = bubble(timeline(acts, [1.0] * stages, [2.0] * stages))
-    return statistics.median(measured), min(measured), laid, equal
+    return {"measured": statistics.median(measured), "best": min(measured),
+            "replayed": statistics.median(replayed),
+            "ratio": statistics.median(m / r for m, r in zip(measured, replayed)),
+            "stretch": statistics.median(stretch),
+            "laid": bubble(timeline(acts, fwd, bwd, share)),
+            "equal": bubble(timeline(acts, [1.0] * stages, [2.0] * stages))}
 
 
 def _torch(rank: int, args, batches) -> dict:
@@ -253,13 +263,13 @@ def _run(rank: int, args, port: int) -> None:
               f"(measured: {ours['s']:.4f} s/step, bubble {ours['bubble']:.1%})")
         if args.dump:
             torch.save(ours["records"], args.dump)
-        got, best, laid, equal = _measured_bubble(ours["records"], ours["stages"],
-                                                  args.schedule, m, args.nproc)
-        print(f"forward/backward bubble (diphoma): measured {got:.1%} (best step "
-              f"{best:.1%}), laid out with the "
-              f"measured durations {laid:.1%}, with equal stages {equal:.1%}; "
-              f"measured / laid out {got / laid if laid else float('nan'):.2f}, "
-              f"/ equal {got / equal if equal else float('nan'):.2f}")
+        b = _measured_bubble(ours["records"], ours["stages"], args.schedule, m, args.nproc)
+        print(f"forward/backward bubble (diphoma): measured {b['measured']:.1%} (best step "
+              f"{b['best']:.1%}); each step replayed with its own durations "
+              f"{b['replayed']:.1%} (measured / replayed {b['ratio']:.2f}, step span "
+              f"{b['stretch']:.2f}x the replay's); laid out with the mean durations "
+              f"{b['laid']:.1%}, with equal stages (theory) {b['equal']:.1%}; "
+              f"measured / equal {b['measured'] / b['equal'] if b['equal'] else float('nan'):.2f}")
     dist.destroy_process_group()
 
 

@@ -3,7 +3,8 @@ its forward, backward and its parameters' update, and the values that cross stag
 and received.
 
 The forward ops are cut, in program order, at the S - 1 places that balance the stages'
-flops among the places where fewest bytes cross (layer boundaries: the residual stream).
+flops among the places where fewest bytes cross (layer boundaries: the residual stream),
+each then moved to the nearby place (within 1% of a stage's flops) where fewest cross.
 A backward op runs on the stage of the latest forward activations it reads (its forward
 op's stage, which holds them); one that reads none runs on the highest stage that reads its
 results; then those a later stage could run, reading only what it received in forward, move
@@ -261,6 +262,7 @@ class _Cut:
                 f"pipeline: the forward pass has {len(points)} places to cut where few bytes "
                 f"cross (layer boundaries), too few for {self.n} stages that each hold ops",
                 hint=f"use at most {len(points) + 1} stages, or a model with more layers")
+        cuts = _narrowest_near(cuts, points, crossing, pre, pre[-1] / (100 * self.n))
         self.cuts = cuts
         self.cut_bytes = tuple(crossing[k] for k in cuts)
         bounds = [0, *cuts, len(fwd)]
@@ -514,6 +516,21 @@ def _rename_captures(op: Op, ren: dict[str, str]) -> Op:
         return op
     raise PassFailure("pipeline: an op with regions reads a value from another stage",
                       op=op, hint="control flow inside a stage only")
+
+
+def _narrowest_near(cuts: list[int], points: list[int], crossing: list[int], pre: list[int],
+                    window: float) -> list[int]:
+    """Each balanced cut moved to the point within ``window`` flops of it where the fewest
+    bytes cross (the same point on a tie): balancing alone may cut a norm after its rsqrt,
+    sending the [b, s, 1] statistic beside the activation, where one op earlier only the
+    activation crosses."""
+    out: list[int] = []
+    for i, c in enumerate(cuts):
+        lo = out[-1] if out else 0
+        hi = cuts[i + 1] if i + 1 < len(cuts) else len(pre) - 1
+        near = [p for p in points if lo < p < hi and abs(pre[p] - pre[c]) <= window]
+        out.append(min(near, key=lambda p: (crossing[p], abs(pre[p] - pre[c]), p), default=c))
+    return out
 
 
 def _balance(cost: list[int], points: list[int], stages: int) -> list[int] | None:

@@ -42,12 +42,15 @@ class Block:
 def timeline(actions: list[list[Action]] | tuple, forward: list[float],
              backward: list[float], input_share: float | list[float] = 0.5,
              send_forward: list[float] | None = None,
-             send_backward: list[float] | None = None) -> list[Block]:
+             send_backward: list[float] | None = None,
+             durations: dict[Action, float] | None = None) -> list[Block]:
     """Each rank's ``actions`` placed in time, ``forward[s]`` / ``backward[s]`` long on stage
     s (any unit; a split backward's I takes ``input_share`` of it, or ``input_share[s]``,
-    W the rest): an action starts when its rank is free and its input is done, and, when
-    that input was made on another rank, has arrived: ``send_forward[s]`` after stage s's
-    forward ends, ``send_backward[s]`` after its backward (or I) does (default: at once)."""
+    W the rest), or ``durations[action]`` for an action given there (one run's own
+    durations, to replay it): an action starts when its rank is free and its input is
+    done, and, when that input was made on another rank, has arrived: ``send_forward[s]``
+    after stage s's forward ends, ``send_backward[s]`` after its backward (or I) does
+    (default: at once)."""
     shares = input_share if isinstance(input_share, list) else [input_share] * len(forward)
     stages = len(forward)
     rank_of = {s: r for r, acts in enumerate(actions) for _, _, s in acts}
@@ -78,8 +81,11 @@ def timeline(actions: list[list[Action]] | tuple, forward: list[float],
                 if dep is not None and dep not in done:
                     break
                 start = max(free[r], arrives(dep, r) if dep is not None else 0.0)
-                cost = {"F": forward[s], "B": backward[s], "I": shares[s] * backward[s],
-                        "W": (1 - shares[s]) * backward[s]}[kind]
+                if durations and (kind, mb, s) in durations:
+                    cost = durations[(kind, mb, s)]
+                else:
+                    cost = {"F": forward[s], "B": backward[s], "I": shares[s] * backward[s],
+                            "W": (1 - shares[s]) * backward[s]}[kind]
                 end = start + cost
                 done[(kind, mb, s)] = free[r] = end
                 out.append(Block(r, kind, mb, s, start, end))

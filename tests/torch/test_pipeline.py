@@ -335,6 +335,22 @@ def test_a_schedule_whose_actions_wait_on_each_other_is_refused():
         timeline(acts, [1.0, 1.0], [2.0, 2.0])
 
 
+def test_a_run_is_replayed_with_its_own_durations():
+    """``durations`` gives single actions their own length (a measured run's), the rest keep
+    their stage's: 1F1B on 2 ranks, 2 microbatches, by hand."""
+    from diphoma_compile.report.schedule import bubble, timeline
+    acts = [[("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("B", 1, 0)],
+            [("F", 0, 1), ("B", 0, 1), ("F", 1, 1), ("B", 1, 1)]]
+    blocks = timeline(acts, [1.0, 1.0], [2.0, 2.0], durations={("F", 0, 1): 3.0})
+    got = {(b.kind, b.microbatch, b.stage): (b.start, b.end) for b in blocks}
+    # rank 1's slow first forward (1 -> 4) delays its backward (4 -> 6), rank 0's backward
+    # of microbatch 0 (6 -> 8) and rank 1's second forward (6 -> 7)
+    assert got == {("F", 0, 0): (0, 1), ("F", 1, 0): (1, 2), ("F", 0, 1): (1, 4),
+                   ("B", 0, 1): (4, 6), ("F", 1, 1): (6, 7), ("B", 0, 0): (6, 8),
+                   ("B", 1, 1): (7, 9), ("B", 1, 0): (9, 11)}
+    assert bubble(blocks) == pytest.approx(1 - 6 / 11)
+
+
 def test_zbv_places_stages_in_a_v():
     """zbv: 4 stages on 2 ranks as 0 1 | 1 0 (stage 1 and 2 on rank 1: their pair is sent
     and received on that rank); stages=auto is twice the axis, any other count refused."""

@@ -121,3 +121,26 @@ def test_a_hugging_face_bert_computes_its_tied_decoder_gradient_on_the_last_stag
     sends = backward_sends(out)
     assert (3, (64, 32)) in sends and len(sends) == 4, sends
     assert all(64 not in shape[-1:] or shape == (64, 32) for _, shape in sends), sends
+
+
+def forward_sends(graph):
+    """(source stage, shape) of each send in the forward."""
+    types = graph.value_types()
+    return sorted((op.stage, types[op.inputs[0]].shape) for op in graph.ops
+                  if op.name == "send" and op.phase is Phase.forward)
+
+
+def test_a_hugging_face_llama_is_cut_before_a_norm_not_after_its_rsqrt(transformers):
+    """Balancing flops alone cut Llama's blocks just after an RMSNorm's rsqrt, so the
+    [b, s, 1] statistic crossed beside the residual stream; the cut now moves to the
+    nearby point (within 1% of a stage's flops) where fewer bytes cross. What crosses
+    forward: the residual stream, and the rotary cos/sin every layer reads."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=128,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=1000, tie_word_embeddings=True)
+    ids = torch.randint(0, 1000, (8, 32), generator=torch.Generator().manual_seed(1))
+    out, rec = staged(transformers.LlamaForCausalLM(cfg), hf_lm_step, ids, pp=4)
+    sends = forward_sends(out)
+    assert all(shape[-1] != 1 for _, shape in sends), sends
+    assert {shape for _, shape in sends} == {(8, 32, 64), (1, 32, 16)}, sends
