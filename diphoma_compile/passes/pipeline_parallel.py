@@ -165,6 +165,16 @@ class PipelineParallel(Pass):
             raise PassFailure("pipeline: microbatches must be at least 1",
                               hint="microbatches=M with M >= 1 (M >= stages keeps the "
                                    "bubble small)")
+        stats = _forward_buffer_updates(graph)
+        if self.microbatches > 1 and stats:
+            more = f" and {len(stats) - 3} more" if len(stats) > 3 else ""
+            raise PassFailure(
+                f"pipeline: the step's forward updates buffers ({', '.join(stats[:3])}{more}: "
+                f"batch statistics, as BatchNorm keeps); over {self.microbatches} "
+                "microbatches each forward would normalize a microbatch, not the batch, and "
+                "the step would differ from the single-device one",
+                hint="microbatches=1 (schedule=gpipe), a norm without batch statistics "
+                     "(LayerNorm, GroupNorm), or those layers in eval mode")
         if self.schedule == "zbv" and s != 2 * n:
             raise PassFailure(f"pipeline: schedule zbv runs two stages per device in a V, not "
                               f"{s} stages on {n} devices", hint=f"stages=auto ({2 * n})")
@@ -172,6 +182,14 @@ class PipelineParallel(Pass):
         out = cut.rewrite()
         ctx.decisions[self.name] = cut.record(self.schedule, self.microbatches)
         return out
+
+
+def _forward_buffer_updates(graph: Graph) -> list[str]:
+    """The buffers the step's forward writes a new value of (running statistics)."""
+    phase = {v.name: op.phase or Phase.forward for op in graph.ops for v in op.results}
+    buffers = {i.name for i in graph.inputs if i.role.kind is InputKind.buffer}
+    return [o.role.target for o in graph.outputs if o.role.kind is OutputKind.replaces
+            and o.role.target in buffers and phase.get(o.name, Phase.update) is Phase.forward]
 
 
 def _int(v: str, what: str) -> int:
@@ -207,9 +225,15 @@ class _Cut:
 
     # 1. values every stage can compute itself: from the batch, hyperparameters, constants
     def find_free(self) -> None:
-        """Mark ops computed from inputs every rank has and constants only."""
+        """Mark ops computed from inputs every rank has and constants only. A buffer the
+        step reads but never replaces (Llama's rotary inv_freq, a causal mask) is one: every
+        rank holds the whole model's buffers, so the values made from it alone (the rotary
+        cos/sin every layer reads) are recomputed on each stage rather than sent."""
         local = self.local
-        local.update(n for n, k in self.kind.items() if k in _EVERYWHERE)
+        replaced = {o.role.target for o in self.g.outputs
+                    if o.role.kind is OutputKind.replaces and o.name != o.role.target}
+        local.update(n for n, k in self.kind.items() if k in _EVERYWHERE
+                     or (k is InputKind.buffer and n not in replaced))
         for op in self.g.ops:
             d = op_def(op.name)
             if d.effectful or random_draw(op) or op.regions:
@@ -310,6 +334,16 @@ class _Cut:
             if at:      # the highest reader: from there the result flows down
                 self.stage[id(op)] = max(at)
                 moved.append(op)
+        # the op making a parameter's or its state's new value runs where they live (its
+        # parameter's home), whatever it reads: a momentum's new value made from a term of
+        # the old one and the gradient, two inputs of one size, went to the lower stage of
+        # the two, and the state's holder never saw it
+        owner = {}
+        for o in self.g.outputs:
+            p = o.role.target if o.role.kind is OutputKind.replaces else None
+            p = of.get(p, p)
+            if p in self.home and o.name in self.made:
+                owner[id(self.made[o.name])] = self.home[p]
         for op in todo:
             if id(op) in self.stage:
                 continue
@@ -318,7 +352,9 @@ class _Cut:
                     for n in reads if n in self.kind} - {-1}
             others = {self.stage[id(self.made[n])] for n in reads if n in self.made
                       and id(self.made[n]) in self.stage}
-            if others and self.phase[id(op)] is Phase.update:
+            if id(op) in owner and self.phase[id(op)] is Phase.update:
+                s = owner[id(op)]
+            elif others and self.phase[id(op)] is Phase.update:
                 # update math on values of several stages (a global gradient-norm clip:
                 # each gradient's norm, their total, each gradient times the factor) runs
                 # where most of its input bytes are, so only scalars cross

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import BackendError
-from ..ir.core import Graph, InputKind
+from ..ir.core import Graph, InputKind, OutputKind
 from ..passes.pipeline_parallel import pipeline_of, stage_rank
 from ..passes.pipeline_programs import rank_stages, stage_programs
 from .codegen import program
@@ -99,6 +99,14 @@ class TorchPipelineStep(TorchDistStep):
             self.stand_in[new_of[p]] = name
         # the step's results (loss, metrics) made on other stages are broadcast from there
         producers = {v.name: op.stage for op in graph.ops for v in op.results}
+        buffers = {i.name for i in graph.inputs if i.role.kind is InputKind.buffer}
+        # a buffer the step updates (BatchNorm's running statistics) -> the rank whose
+        # stage makes its new value (the others' copies stay as they were)
+        self.buffer_writer = {o.role.target: stage_rank(self.schedule, producers[o.name],
+                                                        self.nstages, self.pp.size)
+                              for o in graph.outputs if o.role.kind is OutputKind.replaces
+                              and o.role.target in buffers
+                              and producers.get(o.name) is not None}
         self.result_stage = {o.name: (None if producers.get(o.name) is None
                                       else stage_rank(self.schedule, producers[o.name],
                                                       self.nstages, self.pp.size))
@@ -286,7 +294,8 @@ class TorchPipelineStep(TorchDistStep):
     # ------------------------------------------------------------------ state
     def state_dict(self, module: int = 0) -> dict[str, torch.Tensor]:
         """The whole state dict on every rank: each parameter broadcast from the lowest
-        stage that holds it (a collective: every rank must call it)."""
+        stage that holds it, each buffer the step updates from the stage that updates it
+        (a collective: every rank must call it)."""
         cap = self.captured
         slots = [s for s in cap.inputs if s.kind == "param"]
         owner = self._owners()
@@ -300,9 +309,19 @@ class TorchPipelineStep(TorchDistStep):
                 dist.broadcast(buf, src=self.pp.global_rank(owner[slot.name]),
                                group=self.pp.group)
             by_id[id(p)] = buf
+        # a buffer the step updates: from the rank whose stage updates it
+        for slot in cap.inputs:
+            if slot.kind == "buffer" and slot.name in self.buffer_writer:
+                b = dict(cap.modules[slot.owner].named_buffers())[slot.key[0]]
+                buf = b.detach().clone()
+                if self.pp.size > 1:
+                    dist.broadcast(buf, src=self.pp.global_rank(self.buffer_writer[slot.name]),
+                                   group=self.pp.group)
+                by_id[id(b)] = buf
         # a tied parameter is in the state dict under each of its names
         mod = cap.modules[module]
         named = dict(mod.named_parameters(remove_duplicate=False))
+        named.update(mod.named_buffers(remove_duplicate=False))
         return {k: by_id[id(named[k])] if k in named and id(named[k]) in by_id
                 else v.detach().clone() for k, v in mod.state_dict().items()}
 

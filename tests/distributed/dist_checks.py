@@ -42,6 +42,7 @@ import gpt as gpt_example  # noqa: E402  (examples/gpt.py)
 from models import ResNetStem, classify_step, image_batches  # noqa: E402
 from models import classify_step as mlp_step  # noqa: E402
 from models import hf_lm_step, hf_lm_step_clipped  # noqa: E402
+from models import NormedMLP, mse_step  # noqa: E402
 from test_propagation_torch import Block  # noqa: E402
 from test_propagation_torch import step as squares_step  # noqa: E402
 
@@ -1312,6 +1313,32 @@ def run_pp_case(rank: int, world: int, axes: dict[str, int], opt_name: str, sche
         out["param_abs"] = max(max_abs(full[k], v) for k, v in ref_sd.items())
         out["param_scale"] = max(v.abs().max().item() for v in ref_sd.values())
     return out
+
+
+@check("pp_buffers")
+def run_pipeline_buffers(rank: int, world: int) -> dict:
+    """A model with BatchNorm and a read-only buffer over pp=4 (GPipe, one microbatch: the
+    pass refuses more, whose forwards would each normalize a part of the batch), three SGD
+    steps: losses, and the state dict on every rank (the running statistics broadcast from
+    the rank that updates them), against the single-device step."""
+    import diphoma_compile
+    torch.manual_seed(0)
+    model = NormedMLP()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = OPTS["sgdm"](model.parameters()), OPTS["sgdm"](ref.parameters())
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(8, 16, generator=g) for _ in range(3)]
+    step = diphoma_compile.parallelize(mse_step, {"pp": world}, microbatches=1,
+                                       schedule="gpipe")
+    losses = [step(model, opt, b).item() for b in batches]
+    ref_losses = [mse_step(ref, ref_opt, b).item() for b in batches]
+    full = step.state_dict()
+    sends = [op for op in step.graph.ops if op.name == "send" and op.phase is not None
+             and op.phase.value == "forward"]
+    return {"losses": losses, "ref_losses": ref_losses,
+            "abs": {k: max_abs(v, ref.state_dict()[k]) for k, v in full.items()},
+            "keys_equal": list(full) == list(ref.state_dict()),
+            "forward_sends": len(sends)}
 
 
 # ------------------------------------------------------------------ the launch

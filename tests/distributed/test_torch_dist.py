@@ -627,6 +627,21 @@ def test_pipeline_global_gradient_clip_runs_in_rounds(runs):
             assert a[0] == b[0] and abs(a[1] - b[1]) > 1e-4, (a, b)
 
 
+def test_a_pipeline_updates_and_returns_batchnorm_statistics(runs):
+    """BatchNorm's running statistics, updated on the stage that holds the norm, come back
+    from state_dict() on every rank equal to the single-device step's (they came from each
+    rank's own, never-updated copy); the values made from a read-only buffer are computed
+    on every stage that reads them, so only the activation crosses each of the 3 cuts."""
+    for r in runs:
+        got = r["pp_buffers"]
+        assert got["keys_equal"]
+        for a, b in zip(got["losses"], got["ref_losses"]):
+            assert abs(a - b) <= 1e-6 * max(1.0, abs(b)), (got["losses"], got["ref_losses"])
+        assert got["abs"]["bn.num_batches_tracked"] == 0, got["abs"]
+        assert max(got["abs"].values()) <= 1e-6, got["abs"]
+        assert got["forward_sends"] == 3, got["forward_sends"]
+
+
 def test_a_pipeline_ranks_measured_peak_is_its_planned_one(runs):
     """Every pipeline case, one more step under measure_memory on every rank: the tensor
     memory the rank reaches (its stages' programs in its schedule's order, the microbatches

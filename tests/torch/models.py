@@ -192,3 +192,31 @@ def image_batches(n: int, seed: int = 4, batch: int = 4, size: int = 16,
     g = torch.Generator().manual_seed(seed)
     return [{"x": torch.randn(batch, 3, size, size, generator=g),
              "y": torch.randint(0, classes, (batch,), generator=g)} for _ in range(n)]
+
+
+class NormedMLP(nn.Module):
+    """Four layers, a BatchNorm on the third (running statistics the forward updates) and a
+    buffer the step only reads (a per-feature scale made from it, as Llama's rotary tables
+    are from inv_freq)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.ModuleList([nn.Linear(16, 16) for _ in range(4)])
+        self.bn = nn.BatchNorm1d(16)
+        self.register_buffer("freq", torch.linspace(0.5, 1.5, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.cos(self.freq) * 2
+        for k, fc in enumerate(self.fc):
+            x = torch.tanh(fc(x)) * scale
+            if k == 2:
+                x = self.bn(x)
+        return x
+
+
+def mse_step(model, opt, x):
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss

@@ -17,7 +17,7 @@ from diphoma_compile.mesh import Mesh  # noqa: E402
 from diphoma_compile.passes import PassContext, Pipeline, PipelineRecord  # noqa: E402
 from diphoma_compile.torch.pipeline_schedule import schedule_actions  # noqa: E402
 
-from models import GPT, MLP, classify_step, mlp_batches  # noqa: E402
+from models import GPT, MLP, NormedMLP, classify_step, mlp_batches, mse_step  # noqa: E402
 from models import lm_step as lm_step_clipped  # noqa: E402
 
 
@@ -349,6 +349,48 @@ def test_a_run_is_replayed_with_its_own_durations():
                    ("B", 0, 1): (4, 6), ("F", 1, 1): (6, 7), ("B", 0, 0): (6, 8),
                    ("B", 1, 1): (7, 9), ("B", 1, 0): (9, 11)}
     assert bubble(blocks) == pytest.approx(1 - 6 / 11)
+
+
+def traced_normed(momentum: float = 0.9):
+    torch.manual_seed(0)
+    model = NormedMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
+    g = diphoma_compile.trace(mse_step, model, opt, torch.randn(8, 16))
+    return g.replace(mesh=Mesh({"pp": 4}))
+
+
+def test_a_forward_that_updates_batch_statistics_is_not_microbatched():
+    """BatchNorm's running statistics over M > 1 microbatches would each normalize a part
+    of the batch (the step differs from the single-device one): refused, saying how."""
+    with pytest.raises(PassError) as e:
+        run(traced_normed(), "dce,pipeline{axis=pp, microbatches=2, schedule=gpipe}")
+    msg = str(e.value)
+    assert "bn.running_mean, bn.running_var, bn.num_batches_tracked" in msg, msg
+    assert "microbatches=1" in msg, msg
+
+
+def test_new_state_is_made_where_it_lives_and_read_only_buffers_are_recomputed():
+    """SGD momentum's new buffer (a term of the old one plus the gradient, two inputs of one
+    size) is made on its parameter's stage: it went to the stage below, whose rank never
+    held that state (the runtime failed writing it), and the weight gradient followed it
+    down. Each layer's weight gradient is now on its own stage, one activation crosses
+    each cut each way, and the scale made from the read-only buffer ``freq`` is computed
+    on every stage (it was sent from stage 0)."""
+    g = traced_normed()
+    out, _ = run(g, "dce,pipeline{axis=pp, microbatches=1, schedule=gpipe}")
+    stage_of = {v.name: op.stage for op in out.ops for v in op.results}
+    for o in g.outputs:
+        t = o.role.target or ""
+        if t.startswith("fc."):          # a weight, a bias, or its momentum buffer
+            layer = int(t.split(".")[1])
+            assert stage_of[o.name] == layer, (t, stage_of[o.name])
+    types = out.value_types()
+    sends = [(op.phase.value, op.stage, types[op.inputs[0]].shape) for op in out.ops
+             if op.name == "send"]
+    assert sorted(sends) == sorted([("forward", s, (8, 16)) for s in range(3)]
+                                   + [("backward", s, (8, 16)) for s in range(1, 4)]), sends
+    cos = [op.stage for op in out.ops if op.attrs.get("target") == "aten.cos.default"]
+    assert sorted(cos) == [0, 1, 2, 3]
 
 
 def test_zbv_places_stages_in_a_v():
