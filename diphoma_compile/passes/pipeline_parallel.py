@@ -165,14 +165,15 @@ class PipelineParallel(Pass):
             raise PassFailure("pipeline: microbatches must be at least 1",
                               hint="microbatches=M with M >= 1 (M >= stages keeps the "
                                    "bubble small)")
-        stats = _forward_buffer_updates(graph)
+        stats = _batch_statistics(graph)
         if self.microbatches > 1 and stats:
             more = f" and {len(stats) - 3} more" if len(stats) > 3 else ""
             raise PassFailure(
-                f"pipeline: the step's forward updates buffers ({', '.join(stats[:3])}{more}: "
-                f"batch statistics, as BatchNorm keeps); over {self.microbatches} "
-                "microbatches each forward would normalize a microbatch, not the batch, and "
-                "the step would differ from the single-device one",
+                f"pipeline: the step's forward normalizes over the batch "
+                f"({', '.join(stats[:3])}{more}: BatchNorm in training mode); over "
+                f"{self.microbatches} microbatches each forward would normalize a "
+                "microbatch, not the batch, and the step would differ from the "
+                "single-device one",
                 hint="microbatches=1 (schedule=gpipe), a norm without batch statistics "
                      "(LayerNorm, GroupNorm), or those layers in eval mode")
         if self.schedule == "zbv" and s != 2 * n:
@@ -184,12 +185,47 @@ class PipelineParallel(Pass):
         return out
 
 
-def _forward_buffer_updates(graph: Graph) -> list[str]:
-    """The buffers the step's forward writes a new value of (running statistics)."""
+# aten ops that normalize with the batch's own statistics (BatchNorm in training mode, with
+# running statistics or without); the eval-mode op (_no_training) reads the running ones
+_BATCH_NORMS = ("aten._native_batch_norm_legit.", "aten._native_batch_norm_legit_functional.",
+                "aten.native_batch_norm.", "aten.cudnn_batch_norm.",
+                "aten.miopen_batch_norm.")
+
+
+def _batch_statistics(graph: Graph) -> list[str]:
+    """What in the step's forward depends on the whole batch at once: the buffers it writes
+    a new value of (running statistics), and batch norms in training mode (by source line)
+    that keep none."""
     phase = {v.name: op.phase or Phase.forward for op in graph.ops for v in op.results}
     buffers = {i.name for i in graph.inputs if i.role.kind is InputKind.buffer}
-    return [o.role.target for o in graph.outputs if o.role.kind is OutputKind.replaces
-            and o.role.target in buffers and phase.get(o.name, Phase.update) is Phase.forward]
+    out = [o.role.target for o in graph.outputs if o.role.kind is OutputKind.replaces
+           and o.role.target in buffers and phase.get(o.name, Phase.update) is Phase.forward]
+    if not out:
+        out = [f"a batch norm at {op.loc or '?'}" for op in graph.ops
+               if (op.phase or Phase.forward) is Phase.forward and op.name == "opaque"
+               and str(op.attrs.get("target", "")).startswith(_BATCH_NORMS)]
+    return out
+
+
+def _buffers_read_where_written(ops: list[Op], graph: Graph) -> None:
+    """A buffer the step updates must be read only on the stage that writes its new value:
+    a stage reading its own copy would read it stale from the second step on (one
+    BatchNorm applied at two depths, on two stages)."""
+    buffers = {i.name for i in graph.inputs if i.role.kind is InputKind.buffer}
+    made = {v.name: op.stage for op in ops for v in op.results}
+    for o in graph.outputs:
+        if o.role.kind is not OutputKind.replaces or o.name == o.role.target or \
+                o.role.target not in buffers or made.get(o.name) is None:
+            continue
+        writer = made[o.name]
+        readers = {op.stage for op in ops if o.role.target in op.inputs} - {writer}
+        if readers:
+            raise PassFailure(
+                f"pipeline: the buffer %{o.role.target} is updated on stage {writer} but "
+                f"read on stage {min(readers)}, whose copy would stay as it was (a module "
+                "with running statistics applied at two depths of the model)",
+                hint="apply such a module once, keep its uses within one stage (fewer "
+                     "stages), or put it in eval mode")
 
 
 def _int(v: str, what: str) -> int:
@@ -467,6 +503,7 @@ class _Cut:
                               phase=Phase.update,
                               stage=s))
         self.check_flow(out)
+        _buffers_read_where_written(out, self.g)
         out = pack_update_scalars(out, names)
         self.out = out
         return self.g.replace(ops=tuple(out), outputs=tuple(outputs))

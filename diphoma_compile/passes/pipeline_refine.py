@@ -18,7 +18,8 @@ gradients made on t or later, or by ops moving with them) are labelled "stay on 
 its bytes per microbatch, a parameter read on s only by movable ops costs two of its
 copies per step (its gradient's and its new value's transfer) over the microbatches, and
 a gradient may not flow from s up to t. The moves are taken only where they make fewer
-bytes cross; the ops moved are the fewest that reach the cut (the source side)."""
+bytes cross, or where an op left on s would send its gradient up to t (then they must be);
+the ops moved are the fewest that reach the cut (the source side)."""
 
 from __future__ import annotations
 
@@ -95,12 +96,19 @@ def _pull(ops: list[Op], stage: dict[int, int], phase: Mapping[int, Phase],
         return src if where == t else sink if where == s else None
 
     current = 0
+    forced = False
     for op in ops:        # gradients: made on one side, read on the other
         maker = side(op) if phase[id(op)] is Phase.backward else None
         if maker is None or maker == sink:
             continue
         for v in op.results:
             ends = {side(r) for r in readers.get(v.name, ())} - {None}
+            if isinstance(maker, int) and src in ends:
+                # read on t: left on s, this gradient would flow up to a later stage, which
+                # no schedule runs (a layer's weight gradient, placed by the activation it
+                # reads on the stage before, whose result the layer's stage transposes)
+                g.add_edge(src, maker)          # no capacity: it must move
+                forced = True
             if not ends - {src}:
                 continue
             node = ("value", v.name)
@@ -132,7 +140,7 @@ def _pull(ops: list[Op], stage: dict[int, int], phase: Mapping[int, Phase],
     if src not in g:
         return
     cost, (upper, _) = nx.minimum_cut(g, src, sink)
-    if cost >= current:
+    if cost >= current and not forced:
         return
     for k in upper:
         if isinstance(k, int):

@@ -369,6 +369,66 @@ def test_a_forward_that_updates_batch_statistics_is_not_microbatched():
     assert "microbatches=1" in msg, msg
 
 
+class Normed(torch.nn.Module):
+    """Four layers, a BatchNorm after the first; with ``ema``, the input scaled by a buffer
+    the forward then updates from the output (read at the start, written at the end)."""
+
+    def __init__(self, track: bool = True, ema: bool = False) -> None:
+        super().__init__()
+        self.fc = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(4)])
+        self.bn = torch.nn.BatchNorm1d(16, track_running_stats=track)
+        self.ema = ema
+        self.register_buffer("scale", torch.ones(16))
+
+    def forward(self, x):
+        if self.ema:
+            x = x * self.scale
+        for k, fc in enumerate(self.fc):
+            x = torch.tanh(fc(x))
+            if k == 0 and not self.ema:
+                x = self.bn(x)
+        if self.ema:
+            with torch.no_grad():
+                self.scale.mul_(0.9).add_(0.1 * x.mean(0))
+        return x
+
+
+def traced_normed_pp2(pp: int = 2, **kw):
+    torch.manual_seed(0)
+    model = Normed(**kw)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = diphoma_compile.trace(mse_step, model, opt, torch.randn(8, 16))
+    return g.replace(mesh=Mesh({"pp": pp}))
+
+
+def test_a_batch_norm_without_running_statistics_is_not_microbatched_either():
+    with pytest.raises(PassError, match=r"normalizes over the batch \(a batch norm at "):
+        run(traced_normed_pp2(track=False), "dce,pipeline{axis=pp, microbatches=2, schedule=gpipe}")
+    run(traced_normed_pp2(track=False), "dce,pipeline{axis=pp, microbatches=1, schedule=gpipe}")
+
+
+def test_a_weight_gradient_that_would_flow_up_moves_to_its_layers_stage():
+    """Four Linear + tanh layers over pp=4: layer 2's weight gradient reads the activation
+    stage 1 made, so it was placed there, and stage 2 (which transposes it for its update)
+    would have received a gradient from an earlier stage: "cannot cut the step into 4
+    stages". pipeline_refine now moves such ops up to the stage that reads them."""
+    out, _ = run(traced_normed_pp2(pp=4, track=False),
+                 "dce,pipeline{axis=pp, microbatches=1, schedule=gpipe}")
+    types = out.value_types()
+    sends = sorted((op.phase.value, op.stage, types[op.inputs[0]].shape) for op in out.ops
+                   if op.name == "send")
+    assert sends == sorted([("forward", s, (8, 16)) for s in range(3)]
+                           + [("backward", s, (8, 16)) for s in range(1, 4)]), sends
+
+
+def test_a_buffer_read_on_another_stage_than_its_update_is_refused():
+    """A buffer read at the start of the forward (stage 0) and updated from the output at
+    its end (stage 1): rank 0's copy would never change, so the pass refuses."""
+    with pytest.raises(PassError, match="scale is updated on stage 1 but read on stage 0"):
+        run(traced_normed_pp2(ema=True), "dce,pipeline{axis=pp, microbatches=1, "
+            "schedule=gpipe}")
+
+
 def test_new_state_is_made_where_it_lives_and_read_only_buffers_are_recomputed():
     """SGD momentum's new buffer (a term of the old one plus the gradient, two inputs of one
     size) is made on its parameter's stage: it went to the stage below, whose rank never
@@ -391,6 +451,10 @@ def test_new_state_is_made_where_it_lives_and_read_only_buffers_are_recomputed()
                                    + [("backward", s, (8, 16)) for s in range(1, 4)]), sends
     cos = [op.stage for op in out.ops if op.attrs.get("target") == "aten.cos.default"]
     assert sorted(cos) == [0, 1, 2, 3]
+    # the buffers the step updates are not recomputed anywhere: read and written on the
+    # norm's stage only
+    for b in ("bn.running_mean", "bn.num_batches_tracked"):
+        assert {op.stage for op in out.ops if b in op.inputs} == {2}, b
 
 
 def test_zbv_places_stages_in_a_v():
