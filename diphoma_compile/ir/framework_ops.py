@@ -19,13 +19,16 @@ class FrameworkOpRule:
     read or written once) and its strategies (``strategies.StrategyFn``; default: run whole
     on every device). ``regroup``: its splits stay exact when the split dimension is
     permuted alike in every operand (``strategies.regrouped``); False where the op ties
-    contiguous runs of a dimension together (grouped convolution, group norm)."""
+    contiguous runs of a dimension together (grouped convolution, group norm).
+    ``batch_stats``: it normalizes with statistics over the batch's rows (a batch norm in
+    training mode), so a microbatch's result is not a slice of the batch's."""
 
     target: str
     flops: CostFn
     strategies: Callable | None = None
     bytes: CostFn | None = None
     regroup: bool = True
+    batch_stats: bool = False
 
 
 FRAMEWORK_OPS: dict[str, FrameworkOpRule] = {}

@@ -37,6 +37,7 @@ from typing import Any
 
 from ..ir.analysis import free_inputs, op_cost
 from ..ir.core import Attrs, Graph, InputKind, Op, OutputKind, Phase, Value
+from ..ir.framework_ops import framework_rule
 from ..ir.ops import op_def, random_draw
 from .base import Pass, PassContext, PassFailure, register_pass
 from .data_parallel import require_axis
@@ -185,13 +186,6 @@ class PipelineParallel(Pass):
         return out
 
 
-# aten ops that normalize with the batch's own statistics (BatchNorm in training mode, with
-# running statistics or without); the eval-mode op (_no_training) reads the running ones
-_BATCH_NORMS = ("aten._native_batch_norm_legit.", "aten._native_batch_norm_legit_functional.",
-                "aten.native_batch_norm.", "aten.cudnn_batch_norm.",
-                "aten.miopen_batch_norm.")
-
-
 def _batch_statistics(graph: Graph) -> list[str]:
     """What in the step's forward depends on the whole batch at once: the buffers it writes
     a new value of (running statistics), and batch norms in training mode (by source line)
@@ -203,7 +197,7 @@ def _batch_statistics(graph: Graph) -> list[str]:
     if not out:
         out = [f"a batch norm at {op.loc or '?'}" for op in graph.ops
                if (op.phase or Phase.forward) is Phase.forward and op.name == "opaque"
-               and str(op.attrs.get("target", "")).startswith(_BATCH_NORMS)]
+               and getattr(framework_rule(op), "batch_stats", False)]
     return out
 
 

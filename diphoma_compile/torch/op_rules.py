@@ -795,8 +795,11 @@ _register("embedding_dense_backward.default", lambda c: c.t("grad_output").numel
 # normalization and pooling
 _register("native_layer_norm.default", _norm_flops, _layer_norm)
 _register("native_layer_norm_backward.default", _norm_backward_flops, _layer_norm_backward)
-_register("_native_batch_norm_legit_functional.default "
-          "_native_batch_norm_legit_no_training.default", _norm_flops, _batch_norm)
+# in training mode a batch norm normalizes with the batch's own statistics
+_register("_native_batch_norm_legit_functional.default", _norm_flops, _batch_norm,
+          batch_stats=True)
+_register("_native_batch_norm_legit_no_training.default", _norm_flops, _batch_norm)
+_register("_native_batch_norm_legit.no_stats", _norm_flops, batch_stats=True)
 _register("native_batch_norm_backward.default", _norm_backward_flops, _batch_norm_backward)
 _register("native_group_norm.default", _norm_flops, _group_norm, regroup=False)
 _register("native_group_norm_backward.default", _norm_backward_flops, _group_norm_backward,

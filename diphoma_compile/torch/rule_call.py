@@ -132,11 +132,12 @@ def _cost(fn: Callable[[_Call], float]) -> Callable:
 
 def _register(targets: str, flops: Callable[[_Call], float],
               strategies: Callable[[_Call], list] | None = None,
-              nbytes: Callable[[_Call], float] | None = None, regroup: bool = True) -> None:
+              nbytes: Callable[[_Call], float] | None = None, regroup: bool = True,
+              batch_stats: bool = False) -> None:
     for t in targets.split():
         register_framework_op(FrameworkOpRule(
             f"aten.{t}", _cost(flops), None if strategies is None else _menu(strategies),
-            None if nbytes is None else _cost(nbytes), regroup))
+            None if nbytes is None else _cost(nbytes), regroup, batch_stats))
 
 
 def _numel(t: TensorType | None) -> int:
