@@ -186,14 +186,21 @@ class PipelineParallel(Pass):
         return out
 
 
+def updated_buffers(graph: Graph) -> dict[str, str]:
+    """Each buffer the step writes a new value of (BatchNorm's running statistics) -> the
+    output holding it; a buffer returned unchanged (the output is the input) is not one."""
+    buffers = {i.name for i in graph.inputs if i.role.kind is InputKind.buffer}
+    return {o.role.target: o.name for o in graph.outputs if o.role.kind is OutputKind.replaces
+            and o.role.target in buffers and o.name != o.role.target}
+
+
 def _batch_statistics(graph: Graph) -> list[str]:
     """What in the step's forward depends on the whole batch at once: the buffers it writes
     a new value of (running statistics), and batch norms in training mode (by source line)
     that keep none."""
     phase = {v.name: op.phase or Phase.forward for op in graph.ops for v in op.results}
-    buffers = {i.name for i in graph.inputs if i.role.kind is InputKind.buffer}
-    out = [o.role.target for o in graph.outputs if o.role.kind is OutputKind.replaces
-           and o.role.target in buffers and phase.get(o.name, Phase.update) is Phase.forward]
+    out = [b for b, new in updated_buffers(graph).items()
+           if phase.get(new, Phase.update) is Phase.forward]
     if not out:
         out = [f"a batch norm at {op.loc or '?'}" for op in graph.ops
                if (op.phase or Phase.forward) is Phase.forward and op.name == "opaque"
@@ -205,17 +212,15 @@ def _buffers_read_where_written(ops: list[Op], graph: Graph) -> None:
     """A buffer the step updates must be read only on the stage that writes its new value:
     a stage reading its own copy would read it stale from the second step on (one
     BatchNorm applied at two depths, on two stages)."""
-    buffers = {i.name for i in graph.inputs if i.role.kind is InputKind.buffer}
     made = {v.name: op.stage for op in ops for v in op.results}
-    for o in graph.outputs:
-        if o.role.kind is not OutputKind.replaces or o.name == o.role.target or \
-                o.role.target not in buffers or made.get(o.name) is None:
+    for buf, new in updated_buffers(graph).items():
+        writer = made.get(new)
+        if writer is None:
             continue
-        writer = made[o.name]
-        readers = {op.stage for op in ops if o.role.target in op.inputs} - {writer}
+        readers = {op.stage for op in ops if buf in op.inputs} - {writer}
         if readers:
             raise PassFailure(
-                f"pipeline: the buffer %{o.role.target} is updated on stage {writer} but "
+                f"pipeline: the buffer %{buf} is updated on stage {writer} but "
                 f"read on stage {min(readers)}, whose copy would stay as it was (a module "
                 "with running statistics applied at two depths of the model)",
                 hint="apply such a module once, keep its uses within one stage (fewer "
@@ -260,8 +265,7 @@ class _Cut:
         rank holds the whole model's buffers, so the values made from it alone (the rotary
         cos/sin every layer reads) are recomputed on each stage rather than sent."""
         local = self.local
-        replaced = {o.role.target for o in self.g.outputs
-                    if o.role.kind is OutputKind.replaces and o.name != o.role.target}
+        replaced = updated_buffers(self.g)
         local.update(n for n, k in self.kind.items() if k in _EVERYWHERE
                      or (k is InputKind.buffer and n not in replaced))
         for op in self.g.ops:

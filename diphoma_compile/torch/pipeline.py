@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import BackendError
-from ..ir.core import Graph, InputKind, OutputKind
-from ..passes.pipeline_parallel import pipeline_of, stage_rank
+from ..ir.core import Graph, InputKind
+from ..passes.pipeline_parallel import pipeline_of, stage_rank, updated_buffers
 from ..passes.pipeline_programs import rank_stages, stage_programs
 from .codegen import program
 from .dist import TorchDistStep
@@ -99,14 +99,12 @@ class TorchPipelineStep(TorchDistStep):
             self.stand_in[new_of[p]] = name
         # the step's results (loss, metrics) made on other stages are broadcast from there
         producers = {v.name: op.stage for op in graph.ops for v in op.results}
-        buffers = {i.name for i in graph.inputs if i.role.kind is InputKind.buffer}
         # a buffer the step updates (BatchNorm's running statistics) -> the rank whose
         # stage makes its new value (the others' copies stay as they were)
-        self.buffer_writer = {o.role.target: stage_rank(self.schedule, producers[o.name],
-                                                        self.nstages, self.pp.size)
-                              for o in graph.outputs if o.role.kind is OutputKind.replaces
-                              and o.role.target in buffers
-                              and producers.get(o.name) is not None}
+        self.buffer_writer = {b: stage_rank(self.schedule, producers[new], self.nstages,
+                                            self.pp.size)
+                              for b, new in updated_buffers(graph).items()
+                              if producers.get(new) is not None}
         self.result_stage = {o.name: (None if producers.get(o.name) is None
                                       else stage_rank(self.schedule, producers[o.name],
                                                       self.nstages, self.pp.size))
