@@ -145,3 +145,37 @@ def test_a_hugging_face_llama_is_cut_before_a_norm_not_after_its_rsqrt(transform
     sends = forward_sends(out)
     assert all(shape[-1] != 1 for _, shape in sends), sends
     assert sends == [(0, (8, 32, 64)), (1, (8, 32, 64)), (2, (8, 32, 64))], sends
+
+
+def test_a_hugging_face_resnet_keeps_its_batch_statistics_on_one_stage(transformers):
+    """An unmodified HF ResNet (BatchNorm after every convolution): with 2 microbatches the
+    pass refuses it, naming the running statistics; with one, every buffer the step
+    updates is read only on the stage that writes it (else that stage's copy goes stale)."""
+    from diphoma_compile.errors import PassError
+    from diphoma_compile.passes.pipeline_parallel import updated_buffers
+    torch.manual_seed(0)
+    cfg = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                    layer_type="basic", num_labels=4)
+    model = transformers.ResNetForImageClassification(cfg)
+
+    def step(model, opt, x, y):
+        loss = F.cross_entropy(model(pixel_values=x).logits, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = diphoma_compile.trace(step, model, opt, torch.randn(4, 3, 16, 16),
+                              torch.randint(0, 4, (4,))).replace(mesh=Mesh({"pp": 2}))
+    with pytest.raises(PassError, match="normalizes over the batch "
+                                        r"\(resnet.embedder.embedder.normalization.running_mean"):
+        Pipeline.from_spec("dce,pipeline{axis=pp, microbatches=2, schedule=gpipe}").run(
+            g, PassContext())
+    out = Pipeline.from_spec("dce,pipeline{axis=pp, microbatches=1, schedule=gpipe}").run(
+        g, PassContext())
+    made = {v.name: op.stage for op in out.ops for v in op.results}
+    updated = updated_buffers(out)
+    assert len(updated) == 18, sorted(updated)
+    assert {made[new] for new in updated.values()} == {0, 1}
+    for buf, new in updated.items():
+        assert {op.stage for op in out.ops if buf in op.inputs} == {made[new]}, buf
