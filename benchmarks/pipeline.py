@@ -7,6 +7,13 @@ gloo ranks on the CPU.
     python benchmarks/pipeline.py [--steps 6] [--warmup 2] [--nproc 4] [--micro 4]
         [--schedule 1f1b|gpipe|interleaved|interleaved-zb|zbv] [--layers N]
         [--embd 128 --vocab 1024 --seq 64 --batch 16] [--no-torch]
+        [--frozen K] [--balance time|forward-flops|both]
+
+--frozen K freezes the embeddings and the first K blocks (fine-tuning the rest: their
+backward computes no weight gradients, and none at all below the first trainable block).
+--balance picks what diphoma's stages are balanced on (the pipeline pass's balance option,
+on the cpu-gloo device model): each op's seconds with its backward and update (time, the
+default) or the forward's flops alone; both runs the two side by side, one row each.
 
 One layer per stage by default (n_layer = the stages: nproc, twice that for the schedules
 with two stages per rank). Rank 0 prints one row per variant:
@@ -91,7 +98,14 @@ def _model(args) -> GPT:
                     n_head=4, n_embd=args.embd)
     model = GPT(cfg)
     model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())   # untied
+    if args.frozen:
+        for m in [model.wte, model.wpe, *model.h[:args.frozen]]:
+            m.requires_grad_(False)
     return model
+
+
+def _trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def _timed(fn, steps: int, warmup: int) -> tuple[float, float]:
@@ -106,12 +120,13 @@ def _timed(fn, steps: int, warmup: int) -> tuple[float, float]:
     return statistics.median(walls), loss
 
 
-def _diphoma(rank: int, args, batches) -> dict:
+def _diphoma(rank: int, args, batches, balance: str) -> dict:
     import diphoma_compile
     model = _model(args)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step = diphoma_compile.parallelize(train_step, {"pp": args.nproc},
-                                       microbatches=args.micro, schedule=args.schedule)
+    opt = torch.optim.AdamW(_trainable(model), lr=1e-3)
+    spec = (f"dce,pipeline{{axis=pp, microbatches={args.micro}, schedule={args.schedule}, "
+            f"balance={balance}, device-model=cpu-gloo}}")
+    step = diphoma_compile.parallelize(train_step, {"pp": args.nproc}, passes=spec)
     it = iter(batches * 100)
 
     def one() -> float:
@@ -141,7 +156,20 @@ def _diphoma(rank: int, args, batches) -> dict:
     dist.all_gather_object(peaks, (got.peak, step.plan.memory.peak_per_rank[rank]))
     return {"s": s, "bubble": worst.item(), "loss": loss, "theory": rec["bubble"],
             "records": every, "stages": len(rec["stages"]), "planned": _planned(step),
+            "layers": _layer_span(rec),
             "peaks": peaks}
+
+
+def _layer_span(rec: dict) -> str:
+    """Each stage's blocks (h.0-h.3), and e/h for the embeddings and the head."""
+    out = []
+    for st in rec["stages"]:
+        blocks = sorted({int(n.split(".")[1]) for n in st["layers"] if n.startswith("h.")})
+        span = f"h.{blocks[0]}-{blocks[-1]}" if blocks else "-"
+        extra = ("e+" if any(n in ("wte", "wpe") for n in st["layers"]) else "") + span + \
+            ("+head" if any(n in ("ln_f", "lm_head") for n in st["layers"]) else "")
+        out.append(extra)
+    return " | ".join(out)
 
 
 def _planned(step) -> dict:
@@ -192,6 +220,7 @@ def _measured_bubble(every: list, stages: int, schedule: str, micro: int, ranks:
             "ratio": statistics.median(m / r for m, r in zip(measured, replayed)),
             "stretch": statistics.median(stretch),
             "laid": bubble(timeline(acts, fwd, bwd, share)),
+            "stage_s": [f + b for f, b in zip(fwd, bwd)],
             "equal": bubble(timeline(acts, [1.0] * stages, [2.0] * stages))}
 
 
@@ -199,7 +228,7 @@ def _torch(rank: int, args, batches) -> dict:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     model = _model(args)
     stage_mod = _Stage(model, rank, args.nproc)
-    opt = torch.optim.AdamW(stage_mod.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(_trainable(stage_mod), lr=1e-3)
     stage = PipelineStage(stage_mod, rank, args.nproc, torch.device("cpu"))
 
     def loss_fn(logits, tgt):
@@ -238,15 +267,18 @@ def _run(rank: int, args, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=args.nproc)
     cfg = GPTConfig(block_size=args.seq, vocab_size=args.vocab)
     batches = [make_batch(cfg, args.batch, seed) for seed in range(4)]
-    rows = {"diphoma": _diphoma(rank, args, copy.deepcopy(batches))}
+    modes = ("time", "forward-flops") if args.balance == "both" else (args.balance,)
+    rows = {f"diphoma balance={b}": _diphoma(rank, args, copy.deepcopy(batches), b)
+            for b in modes}
     if args.schedule in ("1f1b", "gpipe") and args.layers == args.nproc and not args.no_torch:
         rows["torch.distributed.pipelining"] = _torch(rank, args, batches)
     if rank == 0:
         m = args.micro
-        ours = rows["diphoma"]
+        ours = rows[f"diphoma balance={modes[0]}"]
         print(f"{args.nproc} gloo ranks, schedule {args.schedule}, {ours['stages']} stages, "
               f"{m} microbatches, batch {args.batch} x {args.seq}, d={args.embd}, "
-              f"{args.layers} layers")
+              f"{args.layers} layers" + (f", the first {args.frozen} frozen"
+                                         if args.frozen else ""))
         print(f"{'variant':30} {'s/step':>8} {'bubble':>7} {'theory':>7} {'loss':>8}")
         for name, r in rows.items():
             print(f"{name:30} {r['s']:8.4f} {r['bubble']:7.1%} {ours['theory']:7.1%} "
@@ -257,20 +289,30 @@ def _run(rank: int, args, port: int) -> None:
             cells = [f"{m / 1e6:.2f}" + (f" [{p / 1e6:.2f}]" if p is not None else "")
                      for m, p in r["peaks"]]
             print(f"  {name:30} " + "  ".join(cells))
-        plan = ours["planned"]
-        print(f"the plan's estimate (cpu-gloo device model, report/pipeline_time.py): "
-              f"{plan['s']:.4f} s/step, bubble {plan['bubble']:.1%} of it "
-              f"(measured: {ours['s']:.4f} s/step, bubble {ours['bubble']:.1%})")
         if args.dump:
             torch.save(ours["records"], args.dump)
-        b = _measured_bubble(ours["records"], ours["stages"], args.schedule, m, args.nproc)
-        print(f"forward/backward bubble (diphoma): measured {b['measured']:.1%} (best step "
-              f"{b['best']:.1%}); each step replayed with its own durations "
-              f"{b['replayed']:.1%} (measured / replayed {b['ratio']:.2f}, step span "
-              f"{b['stretch']:.2f}x the replay's); laid out with the mean durations "
-              f"{b['laid']:.1%}, with equal stages (theory) {b['equal']:.1%}; "
-              f"measured / equal {b['measured'] / b['equal'] if b['equal'] else float('nan'):.2f}")
+        for b in modes:
+            _report(rows[f"diphoma balance={b}"], f"balance={b}", args)
     dist.destroy_process_group()
+
+
+def _report(ours: dict, name: str, args) -> None:
+    plan = ours["planned"]
+    print(f"{name}: stages {ours['layers']}")
+    print(f"  the plan's estimate (cpu-gloo device model, report/pipeline_time.py): "
+          f"{plan['s']:.4f} s/step, bubble {plan['bubble']:.1%} of it on the rank finishing last "
+          f"(measured: {ours['s']:.4f} s/step, bubble {ours['bubble']:.1%})")
+    b = _measured_bubble(ours["records"], ours["stages"], args.schedule, args.micro,
+                         args.nproc)
+    print("  each stage's mean forward + backward run, ms: "
+          + ", ".join(f"{1e3 * t:.1f}" for t in b["stage_s"])
+          + f" (longest / mean {max(b['stage_s']) / statistics.mean(b['stage_s']):.2f})")
+    print(f"  forward/backward bubble: measured {b['measured']:.1%} (best step "
+          f"{b['best']:.1%}); each step replayed with its own durations "
+          f"{b['replayed']:.1%} (measured / replayed {b['ratio']:.2f}, step span "
+          f"{b['stretch']:.2f}x the replay's); laid out with the mean durations "
+          f"{b['laid']:.1%}, with equal stages (theory) {b['equal']:.1%}; "
+          f"measured / equal {b['measured'] / b['equal'] if b['equal'] else float('nan'):.2f}")
 
 
 def main() -> None:
@@ -291,6 +333,10 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--frozen", type=int, default=0, metavar="K",
+                   help="freeze the embeddings and the first K blocks")
+    p.add_argument("--balance", default="time", choices=("time", "forward-flops", "both"),
+                   help="what diphoma's stages are balanced on (both: one row each)")
     args = p.parse_args()
     if args.layers is None:
         args.layers = args.nproc * (1 if args.schedule in ("1f1b", "gpipe") else 2)

@@ -19,6 +19,8 @@ to split, and the step runs as ``compile()`` runs it (bit for bit), with no proc
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -26,6 +28,7 @@ from . import framework as frameworks
 from .errors import DiphomaError
 from .framework import Framework
 from .ir.analysis import runs_on_one_device
+from .ir.device_model import model_for_device
 from .ir.core import Graph, InputKind
 from .mesh import Mesh, data_axis, fold_nodes, pipeline_axis, tensor_axis
 from .passes.base import PassContext
@@ -114,10 +117,14 @@ class ParallelStep:
                                                   self.axis, self.batch_argnums, mb,
                                                   codegen=self.codegen or self._auto())
         self.framework = self._fw.name
+        pipeline = self.pipeline
+        if pipeline is not None:     # stages balanced on the model of the device at hand
+            pipeline = dataclasses.replace(pipeline, device_model=model_for_device(
+                *self._fw.device(example_args), default=pipeline.device_model))
         self._graph, self._plan = run_passes(graph, self._fw, self.mesh, self.axis,
                                              self.passes, ctx or PassContext(),
                                              shard_params=self.shard_params,
-                                             pipeline=self.pipeline,
+                                             pipeline=pipeline,
                                              compression=self.compression, local=self.local)
         return self
 

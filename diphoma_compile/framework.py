@@ -60,6 +60,12 @@ class Framework(Protocol):
         a staged graph's ``rank_stage_programs``, when already made."""
         ...
 
+    def device(self, args: tuple) -> tuple[str, str]:
+        """The kind of device the step's example arguments live on (cpu, cuda, gpu, tpu,
+        meta) and its name where the framework tells it (NVIDIA H200), for the device
+        model the pipeline's stages are balanced on; ("", "") when it cannot tell."""
+        ...
+
     def collective_scratch(self, graph: Graph, device_model: str) -> dict[int, int]:
         """Top-level op index -> bytes the backend holds besides a collective's results
         while it is in flight (a packed send buffer), for the plan's peak; ``device_model``

@@ -166,6 +166,8 @@ def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump:
     from ..api import pipeline_settings, run_passes, trace_step
     from ..passes import PassContext
     pipeline = pipeline_settings(mesh, passes, None, schedule)
+    if pipeline is not None:       # stages balanced on the device model planned for
+        pipeline = replace(pipeline, device_model=device_model)
     fw, graph, _ = trace_step(target.step, target.args, mesh, axis, None,
                               pipeline.microbatches if pipeline is not None else 1)
     clock.append(("trace", time.perf_counter()))

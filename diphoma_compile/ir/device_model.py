@@ -81,6 +81,18 @@ MODELS: dict[str, DeviceModel] = {
 }
 
 
+def model_for_device(kind: str, name: str = "", default: str = "h100-nccl") -> str:
+    """The model's name for a device of ``kind`` (cpu, cuda or gpu, ...) called ``name``
+    (an NVIDIA H200): cpu-gloo for the CPU, h200-nccl for an H200, h100-nccl for another
+    GPU; ``default`` for what has no model here (a TPU; the meta device, planning for a
+    machine not at hand)."""
+    if kind == "cpu":
+        return "cpu-gloo"
+    if kind in ("cuda", "gpu"):
+        return "h200-nccl" if "H200" in name.upper() else "h100-nccl"
+    return default
+
+
 def device_model(name: str) -> DeviceModel:
     """A default model by name (cpu-gloo, h100-nccl, h200-nccl)."""
     try:

@@ -35,6 +35,12 @@ class JaxFramework:
         """Any step once jax is imported and no other framework claimed it."""
         return True
 
+    def device(self, args: tuple) -> tuple[str, str]:
+        """JAX's default backend's first device (where the step's arrays are placed)."""
+        import jax
+        d = jax.devices()[0]
+        return (d.platform, getattr(d, "device_kind", ""))
+
     def trace(self, step_fn: Callable, args: tuple, **options: Any) -> tuple[Graph, Any]:
         """The step's IR and the PyTreeDef of its result."""
         from .trace import trace_jax_with_tree

@@ -3,8 +3,11 @@ its forward, backward and its parameters' update, and the values that cross stag
 and received.
 
 The forward ops are cut, in program order, at the S - 1 places that balance the stages'
-flops among the places where fewest bytes cross (layer boundaries: the residual stream),
-each then moved to the nearby place (within 1% of a stage's flops) where fewest cross.
+time among the places where fewest bytes cross (layer boundaries: the residual stream):
+each op's roofline seconds on a device model, its backward's and update's counted at the
+forward op they will run beside (``balance=forward-flops``: the forward's flops alone).
+Each cut then moves, between its neighbours, to where the longer of its two stages plus
+its sends (latency and bytes on the link) take least time.
 A backward op runs on the stage of the latest forward activations it reads (its forward
 op's stage, which holds them); one that reads none runs on the highest stage that reads its
 results; then those a later stage could run, reading only what it received in forward, move
@@ -35,8 +38,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import DiphomaError
 from ..ir.analysis import free_inputs, op_cost
 from ..ir.core import Attrs, Graph, InputKind, Op, OutputKind, Phase, Value
+from ..ir.device_model import DeviceModel, device_model
 from ..ir.framework_ops import framework_rule
 from ..ir.ops import op_def, random_draw
 from .base import Pass, PassContext, PassFailure, register_pass
@@ -51,6 +56,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv")
 LOOPED = ("interleaved", "interleaved-zb", "zbv")
 # schedules that split each backward into input-gradient (I) and weight-gradient (W) runs
 SPLIT_BACKWARD = ("interleaved-zb", "zbv")
+# what the stages are balanced on: each op's seconds on the device model with its backward
+# and update, or (as before) the forward ops' flops alone
+BALANCE = ("time", "forward-flops")
 
 
 def stage_rank(schedule: str, stage: int, stages: int, ranks: int) -> int:
@@ -96,6 +104,10 @@ class StageInfo:
     # per device, one microbatch's forward values the stage's backward reads (the plan
     # fills it in: report/plan.py)
     activation_bytes: int = 0
+    # what the stages were balanced on, per microbatch: with balance=time, the roofline
+    # seconds of the stage's forward and backward ops plus its update's / M on the pass's
+    # device model; with forward-flops, its forward flops
+    balanced: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """The stage as plain data."""
@@ -103,7 +115,7 @@ class StageInfo:
                 "flops": self.flops, "param_bytes": self.param_bytes, "ops": self.ops,
                 "forward_flops": self.forward_flops, "backward_flops": self.backward_flops,
                 "input_grad_flops": self.input_grad_flops,
-                "activation_bytes": self.activation_bytes}
+                "activation_bytes": self.activation_bytes, "balanced": self.balanced}
 
 
 @dataclass(frozen=True)
@@ -118,6 +130,8 @@ class PipelineRecord:
     tied: dict[str, tuple[int, ...]] = field(default_factory=dict)   # param -> stages
     bubble: float = 0.0
     ranks: int = 0          # devices of the axis; stage s runs on rank s mod ranks
+    balance: str = "time"   # what StageInfo.balanced measures (the pass's option)
+    device_model: str = ""  # whose roofline, for balance=time
 
     def rank_of(self, stage: int) -> int:
         """The rank (index on the axis) that runs ``stage``."""
@@ -130,7 +144,8 @@ class PipelineRecord:
                 "stages": [s.to_dict() for s in self.stages],
                 "sent_bytes": list(self.sent_bytes),
                 "tied": {k: list(v) for k, v in self.tied.items()}, "bubble": self.bubble,
-                "ranks": self.ranks or len(self.stages)}
+                "ranks": self.ranks or len(self.stages), "balance": self.balance,
+                "device_model": self.device_model}
 
 
 @register_pass
@@ -144,6 +159,8 @@ class PipelineParallel(Pass):
     stages: str = "auto"
     microbatches: int = 1
     schedule: str = "1f1b"
+    balance: str = "time"           # or forward-flops
+    device_model: str = "h100-nccl"  # whose roofline times the ops for balance=time
 
     def __call__(self, graph: Graph, ctx: PassContext) -> Graph:
         n = require_axis(graph, self.axis, self.name)
@@ -180,7 +197,16 @@ class PipelineParallel(Pass):
         if self.schedule == "zbv" and s != 2 * n:
             raise PassFailure(f"pipeline: schedule zbv runs two stages per device in a V, not "
                               f"{s} stages on {n} devices", hint=f"stages=auto ({2 * n})")
-        cut = _Cut(graph, s, self.axis, n, self.schedule, self.microbatches)
+        if self.balance not in BALANCE:
+            raise PassFailure(f"pipeline: unknown balance {self.balance!r}",
+                              hint=f"one of {', '.join(BALANCE)}")
+        try:
+            model = device_model(self.device_model)
+        except DiphomaError as e:
+            raise PassFailure(f"pipeline: {e}", hint="device-model=NAME, a name in "
+                              "diphoma_compile.ir.device_model.MODELS") from None
+        cut = _Cut(graph, s, self.axis, n, self.schedule, self.microbatches, self.balance,
+                   model)
         out = cut.rewrite()
         ctx.decisions[self.name] = cut.record(self.schedule, self.microbatches)
         return out
@@ -239,8 +265,10 @@ class _Cut:
     """One run of pipeline: stage of every op, then the rewritten graph."""
 
     def __init__(self, graph: Graph, stages: int, axis: str, ranks: int,
-                 schedule: str = "1f1b", microbatches: int = 1) -> None:
+                 schedule: str = "1f1b", microbatches: int = 1, balance: str = "time",
+                 model: DeviceModel | None = None) -> None:
         self.g, self.n, self.ax, self.ranks = graph, stages, axis, ranks
+        self.balance, self.model = balance, model or device_model("h100-nccl")
         self.rank = [stage_rank(schedule, s, stages, ranks) for s in range(stages)]
         self.types = graph.value_types()
         self.kind = {i.name: i.role.kind for i in graph.inputs}
@@ -286,24 +314,30 @@ class _Cut:
                               f"place, fewer than the {self.n} stages asked for",
                               hint=f"use a mesh axis {self.ax!r} of at most {len(fwd)} "
                                    "devices, or a deeper model")
-        cost = [max(op_cost(op, self.types, self.sizes).flops, 1) for op in fwd]
+        cost = self.costs(fwd)
         at = {v.name: k for k, op in enumerate(fwd) for v in op.results}
         last_use: dict[str, int] = {}
         for k, op in enumerate(fwd):
             for name in free_inputs(op):
                 if name in at:
                     last_use[name] = k
-        # bytes live across the point before op k (made before k, read at k or later)
+        # bytes and values live across the point before op k (made before k, read at k or
+        # later): what a cut there sends
         delta = [0] * (len(fwd) + 1)
+        dcount = [0] * (len(fwd) + 1)
         for name, k0 in at.items():
             k1 = last_use.get(name)
             if k1 is not None and k1 > k0:
                 delta[k0 + 1] += self.types[name].nbytes
                 delta[k1 + 1] -= self.types[name].nbytes
+                dcount[k0 + 1] += 1
+                dcount[k1 + 1] -= 1
         crossing, live = [0] * (len(fwd) + 1), 0
+        values, n_live = [0] * (len(fwd) + 1), 0
         for k in range(len(fwd) + 1):
             live += delta[k]
-            crossing[k] = live
+            n_live += dcount[k]
+            crossing[k], values[k] = live, n_live
         pre = [0]
         for c in cost:
             pre.append(pre[-1] + c)
@@ -320,7 +354,12 @@ class _Cut:
                 f"pipeline: the forward pass has {len(points)} places to cut where few bytes "
                 f"cross (layer boundaries), too few for {self.n} stages that each hold ops",
                 hint=f"use at most {len(points) + 1} stages, or a model with more layers")
-        cuts = _narrowest_near(cuts, points, crossing, pre, pre[-1] / (100 * self.n))
+        # each cut moved to where its two stages' longer one plus the sends (a message's
+        # latency each, and its bytes, forward and back) take least time
+        link = self.model.link_of(self.ax)
+        xfer = [2 * (values[k] * link.latency_s + crossing[k] / link.bytes_per_s)
+                for k in range(len(fwd) + 1)]
+        cuts = _cheapest_near(cuts, points, pre, xfer)
         self.cuts = cuts
         self.cut_bytes = tuple(crossing[k] for k in cuts)
         bounds = [0, *cuts, len(fwd)]
@@ -333,6 +372,65 @@ class _Cut:
                     self.readers[name].add(self.stage[id(op)])
         for name, where in self.readers.items():
             self.home[name] = min(where)
+
+    def costs(self, fwd: list[Op]) -> list[float]:
+        """What balancing weighs for each forward op. ``balance=forward-flops``: its flops.
+        ``balance=time`` (the default): the seconds of the op on the device model (a
+        roofline: flops or bytes, the slower), plus those of every backward and update op
+        that will run on its stage, attributed as place_rest places them: a backward op to
+        the latest forward op whose activations it reads, an update op to the first forward
+        op reading its parameter, gradient-only math to where its results are read. A
+        layer whose weights are frozen has a short backward (no weight gradients) or none
+        at all (below the first trainable layer), which forward flops alone do not see."""
+        model = self.model
+        if self.balance == "forward-flops":     # as seconds at the peak flop rate
+            return [max(op_cost(op, self.types, self.sizes).flops, 1) / model.flops_per_s
+                    for op in fwd]
+
+        def seconds(op: Op) -> float:
+            c = op_cost(op, self.types, self.sizes)
+            return model.compute_s(c.flops, c.bytes)
+
+        cost = [seconds(op) for op in fwd]
+        at = {v.name: k for k, op in enumerate(fwd) for v in op.results}
+        first: dict[str, int] = {}              # param -> the first forward op reading it
+        for k, op in enumerate(fwd):
+            for n in free_inputs(op):
+                if self.kind.get(n) is InputKind.param:
+                    first.setdefault(n, k)
+        of = {i.name: i.role.of for i in self.g.inputs if i.role.kind is InputKind.opt_state}
+        rest = [op for op in self.g.ops if self.phase[id(op)] is not Phase.forward
+                and id(op) not in self.free]
+        anchor: dict[int, int] = {}             # id(op) -> forward index
+        for op in rest:
+            reads = free_inputs(op)
+            acts = [at[n] for n in reads if n in at]
+            home = [first[p] for n in reads
+                    if (p := n if self.kind.get(n) is InputKind.param else of.get(n)) in first]
+            if self.phase[id(op)] is Phase.update and home:
+                anchor[id(op)] = min(home)
+            elif acts:
+                anchor[id(op)] = max(acts)
+        readers: dict[str, list[Op]] = defaultdict(list)
+        for op in rest:
+            for n in free_inputs(op):
+                readers[n].append(op)
+        for op in reversed(rest):         # gradient-only math: where its results are read
+            if id(op) not in anchor and self.phase[id(op)] is Phase.backward:
+                got = [anchor[id(r)] for v in op.results for r in readers.get(v.name, ())
+                       if id(r) in anchor]
+                if got:
+                    anchor[id(op)] = max(got)
+        made = {v.name: id(op) for op in rest for v in op.results}
+        for op in rest:                   # the rest: where its inputs were made
+            if id(op) not in anchor:
+                got = [anchor[made[n]] for n in free_inputs(op) if made.get(n) in anchor]
+                anchor[id(op)] = max(got) if got else (
+                    len(fwd) - 1 if self.phase[id(op)] is Phase.backward else 0)
+            # an update runs once a step, the forward and backward once per microbatch
+            cost[anchor[id(op)]] += seconds(op) / (
+                self.microbatches if self.phase[id(op)] is Phase.update else 1)
+        return [max(c, 1e-12) for c in cost]
 
     # 3. backward by the activations it reads; update by the parameter it updates
     def place_rest(self) -> None:
@@ -548,13 +646,19 @@ class _Cut:
         for op in self.out:
             if id(op) in split:
                 in_grad[op.stage] += op_cost(op, types, self.sizes).flops
+        balanced = [0.0] * self.n
         for op in self.g.ops:
             if id(op) in self.stage:
                 s = self.stage[id(op)]
-                f = op_cost(op, self.types, self.sizes).flops
-                flops[s] += f
-                by_phase[self.phase[id(op)]][s] += f
+                c = op_cost(op, self.types, self.sizes)
+                flops[s] += c.flops
+                by_phase[self.phase[id(op)]][s] += c.flops
                 count[s] += 1
+                if self.balance == "time":
+                    balanced[s] += self.model.compute_s(c.flops, c.bytes) / (
+                        microbatches if self.phase[id(op)] is Phase.update else 1)
+                elif self.phase[id(op)] is Phase.forward:
+                    balanced[s] += c.flops
         stages = []
         for s in range(self.n):
             params = tuple(p for p in (i.name for i in self.g.inputs)
@@ -575,11 +679,11 @@ class _Cut:
             stages.append(StageInfo(s, layers, params, flops[s],
                                     sum(self.types[p].nbytes for p in params), count[s],
                                     by_phase[Phase.forward][s], by_phase[Phase.backward][s],
-                                    in_grad[s]))
+                                    in_grad[s], balanced=balanced[s]))
         return PipelineRecord(self.ax, schedule, microbatches, tuple(stages), self.cut_bytes,
                               dict(self.tied),
                               bubble_fraction(schedule, self.n, microbatches, self.ranks),
-                              self.ranks)
+                              self.ranks, self.balance, self.model.name)
 
 
 def _rename_captures(op: Op, ren: dict[str, str]) -> Op:
@@ -589,18 +693,22 @@ def _rename_captures(op: Op, ren: dict[str, str]) -> Op:
                       op=op, hint="control flow inside a stage only")
 
 
-def _narrowest_near(cuts: list[int], points: list[int], crossing: list[int], pre: list[int],
-                    window: float) -> list[int]:
-    """Each balanced cut moved to the point within ``window`` flops of it where the fewest
-    bytes cross (the same point on a tie): balancing alone may cut a norm after its rsqrt,
-    sending the [b, s, 1] statistic beside the activation, where one op earlier only the
-    activation crosses."""
+def _cheapest_near(cuts: list[int], points: list[int], pre: list[float], xfer: list[float]
+                   ) -> list[int]:
+    """Each balanced cut moved, between its neighbours, to the point where the longer of its
+    two stages plus the time its sends take is least (the same point on a tie): balancing
+    alone may cut a norm after its rsqrt, sending the [b, s, 1] statistic beside the
+    activation, one message more than one op earlier."""
     out: list[int] = []
     for i, c in enumerate(cuts):
         lo = out[-1] if out else 0
         hi = cuts[i + 1] if i + 1 < len(cuts) else len(pre) - 1
-        near = [p for p in points if lo < p < hi and abs(pre[p] - pre[c]) <= window]
-        out.append(min(near, key=lambda p: (crossing[p], abs(pre[p] - pre[c]), p), default=c))
+
+        def score(p: int, lo: int = lo, hi: int = hi) -> float:
+            return max(pre[p] - pre[lo], pre[hi] - pre[p]) + xfer[p]
+
+        near = [p for p in points if lo < p < hi]
+        out.append(min(near, key=lambda p: (score(p), abs(pre[p] - pre[c]), p), default=c))
     return out
 
 

@@ -190,12 +190,16 @@ def pipeline_lines(pp: PipelineRecord | None, mesh: dict[str, int]) -> list[str]
                  + f"schedule {pp.schedule}, "
                  f"{pp.microbatches} microbatch(es), bubble {pp.bubble:.1%} of each rank's "
                  f"step ({theory}, equal stages)"]
+    timed = pp.balance == "time"
     rows = [[str(s.index), _layer_groups(s.layers), str(len(s.params)), human(s.param_bytes),
-             flops_text(s.flops), human(s.activation_bytes)]
+             flops_text(s.flops), human(s.activation_bytes),
+             seconds_text(s.balanced) if timed else flops_text(s.balanced)]
             + ([str(pp.rank_of(s.index))] if looped else [])
             for s in pp.stages]
     lines += _table(rows, ["stage", "layers", "params", "param bytes", "flops/microbatch",
-                           "saved/microbatch"]
+                           "saved/microbatch",
+                           f"balanced on: {pp.device_model} time" if timed
+                           else "balanced on: forward flops"]
                     + (["rank"] if looped else []))
     if pp.sent_bytes:
         lines.append("  activations crossing each cut per microbatch: "

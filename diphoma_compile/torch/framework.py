@@ -28,6 +28,15 @@ class TorchFramework:
         from .trace import is_torch_step
         return is_torch_step(args)
 
+    def device(self, args: tuple) -> tuple[str, str]:
+        """The device of the first tensor among the arguments (a module's parameters)."""
+        from .trace import first_tensor
+        t = first_tensor(args)
+        if t is None:
+            return ("", "")
+        name = torch.cuda.get_device_name(t.device) if t.device.type == "cuda" else ""
+        return (t.device.type, name)
+
     def trace(self, step_fn: Callable, args: tuple, **options: Any) -> tuple[Graph, Any]:
         """The step's IR and its capture (which the runtime binds to the live state)."""
         from .trace import trace_torch

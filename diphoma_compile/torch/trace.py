@@ -129,6 +129,21 @@ def is_torch_step(args: tuple) -> bool:
     return any(torchy(x) for x in leaves)
 
 
+def first_tensor(args: tuple) -> torch.Tensor | None:
+    """The first tensor among the arguments: a module's first parameter or buffer, an
+    optimizer's first parameter, or a tensor."""
+    leaves = torch.utils._pytree.tree_leaves(args, is_leaf=lambda x: isinstance(
+        x, (torch.nn.Module, torch.optim.Optimizer)))
+    for x in leaves:
+        if isinstance(x, torch.nn.Module):
+            x = next(iter(x.parameters()), next(iter(x.buffers()), None))
+        elif isinstance(x, torch.optim.Optimizer):
+            x = next((p for g in x.param_groups for p in g["params"]), None)
+        if isinstance(x, torch.Tensor):
+            return x
+    return None
+
+
 def microbatch_args(args: tuple, microbatches: int) -> tuple:
     """``args`` with every tensor cut to its first 1/M rows (one microbatch, to trace);
     MeshError when a tensor's rows do not divide into M."""

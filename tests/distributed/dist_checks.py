@@ -42,7 +42,7 @@ import gpt as gpt_example  # noqa: E402  (examples/gpt.py)
 from models import ResNetStem, classify_step, image_batches  # noqa: E402
 from models import classify_step as mlp_step  # noqa: E402
 from models import hf_lm_step, hf_lm_step_clipped  # noqa: E402
-from models import NormedMLP, mse_step  # noqa: E402
+from models import NormedMLP, frozen_mlp, mse_step, trainable  # noqa: E402
 from test_propagation_torch import Block  # noqa: E402
 from test_propagation_torch import step as squares_step  # noqa: E402
 
@@ -1339,6 +1339,29 @@ def run_pipeline_buffers(rank: int, world: int) -> dict:
             "abs": {k: max_abs(v, ref.state_dict()[k]) for k, v in full.items()},
             "keys_equal": list(full) == list(ref.state_dict()),
             "forward_sends": len(sends)}
+
+
+@check("pp_frozen")
+def run_pipeline_frozen(rank: int, world: int) -> dict:
+    """Fine-tuning over pp=4: an 8-layer tanh MLP whose first 4 Linears are frozen, 1F1B
+    over 4 microbatches, AdamW on the trainable parameters, three steps: losses and the
+    state dict against the single-device step, and each stage's layers (balanced on their
+    forward, backward and update time, the frozen layers' backward being short or none)."""
+    import diphoma_compile
+    torch.manual_seed(0)
+    model = frozen_mlp()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = OPTS["adamw"](trainable(model)), OPTS["adamw"](trainable(ref))
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randn(8, 32, generator=g) for _ in range(3)]
+    step = diphoma_compile.parallelize(mse_step, {"pp": world}, microbatches=4)
+    losses = [step(model, opt, b).item() for b in batches]
+    ref_losses = [mse_step(ref, ref_opt, b).item() for b in batches]
+    full = step.state_dict()
+    return {"losses": losses, "ref_losses": ref_losses,
+            "abs": {k: max_abs(v, ref.state_dict()[k]) for k, v in full.items()},
+            "keys_equal": list(full) == list(ref.state_dict()),
+            "layers": [st["layers"] for st in step.plan.notes["pipeline"]["stages"]]}
 
 
 # ------------------------------------------------------------------ the launch

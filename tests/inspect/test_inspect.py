@@ -420,11 +420,12 @@ def test_pipeline_plan_shows_stages_schedule_and_rank_grid(capsys, mesh, grid):
     rc, out, err = inspect(capsys, GPT, "--init", TINY_GPT, "--input", "int64[8,16]<64",
                            "--input", "int64[8,16]<64", "--mesh", mesh)
     assert rc == 0, err
-    assert "pipeline{axis=pp, stages=auto, microbatches=2, schedule=1f1b}" in out
+    assert "pipeline{axis=pp, stages=auto, microbatches=2, schedule=1f1b, balance=time, " \
+           "device-model=h100-nccl}" in out
     assert "pipeline over pp=2: schedule 1f1b, 2 microbatch(es), bubble 33.3%" in out
     head = next(line for line in out.splitlines() if line.strip().startswith("stage "))
     assert head.split() == ["stage", "layers", "params", "param", "bytes", "flops/microbatch",
-                            "saved/microbatch"]
+                            "saved/microbatch", "balanced", "on:", "h100-nccl", "time"]
     rows = out.split(head, 1)[1].strip("\n").splitlines()[:2]
     assert rows[0].split()[0] == "0" and "transformer.h.0" in rows[0]
     assert rows[1].split()[0] == "1" and "transformer.ln_f" in rows[1]
@@ -439,6 +440,10 @@ def test_pipeline_plan_shows_stages_schedule_and_rank_grid(capsys, mesh, grid):
                      "--input", "int64[8,16]<64", "--mesh", mesh)
     stages = plan["notes"]["pipeline"]["stages"]
     assert [s["index"] for s in stages] == [0, 1] and all(s["flops"] > 0 for s in stages)
+    # balanced on their time per microbatch on the plan's device model: within 2x here
+    assert plan["notes"]["pipeline"]["device_model"] == "h100-nccl"
+    times = [s["balanced"] for s in stages]
+    assert min(times) > 0 and max(times) < 2 * min(times), times
     # memory per device is the fuller stage's, not the whole model's (it was the whole
     # model's: a pipeline's point is that no device holds it)
     mem = plan["memory"]

@@ -35,3 +35,15 @@ def test_defaults_and_unknown_names():
     with pytest.raises(DiphomaError, match="unknown device model 'tpu'") as e:
         device_model("tpu")
     assert "h100-nccl" in e.value.hint
+
+
+def test_a_device_is_mapped_to_its_model():
+    """What parallelize balances a pipeline's stages on: the CPU's model, an H200's, another
+    GPU's; a device with no model of its own (a TPU, the meta device) gets the default."""
+    from diphoma_compile.ir.device_model import model_for_device
+    assert model_for_device("cpu") == "cpu-gloo"
+    assert model_for_device("cuda", "NVIDIA H200") == "h200-nccl"
+    assert model_for_device("gpu", "NVIDIA H100 80GB HBM3") == "h100-nccl"
+    assert model_for_device("cuda", "NVIDIA A100-SXM4-80GB") == "h100-nccl"
+    assert model_for_device("meta") == "h100-nccl"
+    assert model_for_device("tpu", "TPU v5", default="h200-nccl") == "h200-nccl"

@@ -220,3 +220,21 @@ def mse_step(model, opt, x):
     opt.step()
     opt.zero_grad()
     return loss
+
+
+def frozen_mlp(layers: int = 8, frozen: int = 4, width: int = 32) -> nn.Sequential:
+    """A stack of Linear + tanh layers whose first ``frozen`` Linears are frozen (fine-tuning
+    the rest): their backward computes no weight gradient, and below the first trainable
+    layer no backward runs at all."""
+    mods: list[nn.Module] = []
+    for _ in range(layers):
+        mods += [nn.Linear(width, width), nn.Tanh()]
+    model = nn.Sequential(*mods)
+    for p in model[:2 * frozen].parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters an optimizer fine-tuning ``model`` holds."""
+    return [p for p in model.parameters() if p.requires_grad]

@@ -89,7 +89,7 @@ def test_stages_balance_and_only_send_recv_cross():
 
 @pytest.mark.parametrize("stages, words", [
     (16, "fewer than the 16 stages"),
-    (5, "cannot cut the step into 5 stages"),
+    (5, "too few for 5 stages"),
     (4, "stage 2 of 4 would hold no parameter"),
 ])
 def test_a_model_too_small_to_split_is_refused(stages, words):
@@ -148,8 +148,9 @@ def test_a_global_gradient_clip_is_staged():
 
 def test_parallelize_picks_the_pipeline_pass_from_the_axis_name():
     """dp=2 x pp=2: data parallelism with weight-update sharding over dp, then the pipeline
-    over pp with microbatches = the axis size by default; the step is traced at one
-    microbatch of the local batch."""
+    over pp with microbatches = the axis size by default, its stages balanced on the
+    CPU's device model (where the parameters live); the step is traced at one microbatch
+    of the local batch."""
     torch.manual_seed(0)
     model = GPT(vocab=16, d=8, layers=2, heads=2, block=4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -159,7 +160,7 @@ def test_parallelize_picks_the_pipeline_pass_from_the_axis_name():
     names = [p.split("{")[0] for p in step.graph.passes]
     assert names == ["dce", "data-parallel", "weight-update-sharding", "dce", "pipeline"]
     assert step.graph.passes[-1] == "pipeline{axis=pp, stages=auto, microbatches=2, " \
-                                    "schedule=1f1b}"
+                                    "schedule=1f1b, balance=time, device-model=cpu-gloo}"
     batch = [i.value.type.shape for i in step.graph.inputs if i.role.kind.value == "batch"]
     assert batch == [(2, 4), (2, 4)]
     assert "pipeline" in step.plan.notes
@@ -591,3 +592,63 @@ def test_a_pipelines_compute_counts_every_microbatch_and_its_bubble():
         assert c.bubble_s > 0 and c.total_s == c.compute_s + c.exposed_comm_s + c.bubble_s
         share[m] = c.bubble_s / c.total_s
     assert share[8] < share[2]
+
+
+def test_stages_balance_forward_backward_and_update_time_not_forward_flops():
+    """Fine-tuning an 8-layer MLP whose first 4 layers are frozen, pp=2: the frozen layers'
+    backward computes no weight gradients (and none at all below the first trainable
+    layer), so equal forward flops (balance=forward-flops: 4 and 4 layers) leave the first
+    stage with under a third of the last one's time on the device model. Balanced on each
+    op's roofline seconds with the backward and update that run beside it (the default),
+    the first stage takes 6 layers and the two stages' times are within 10%."""
+    from diphoma_compile.ir.analysis import op_cost
+    from diphoma_compile.ir.device_model import device_model
+    from models import frozen_mlp, trainable
+
+    torch.manual_seed(0)
+    model = frozen_mlp(layers=8, frozen=4, width=64)
+    opt = torch.optim.SGD(trainable(model), lr=0.1, momentum=0.9)
+    x, y = torch.randn(32, 64), torch.randn(32, 64)
+
+    def step(model, opt, x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    g = diphoma_compile.trace(step, model, opt, x, y).replace(mesh=Mesh({"pp": 2}))
+    hw = device_model("h100-nccl")
+    got = {}
+    for balance in ("time", "forward-flops"):
+        out, ctx = run(g, f"dce,pipeline{{axis=pp, microbatches=2, balance={balance}}}")
+        types, seconds = out.value_types(), [0.0, 0.0]
+        for op in out.ops:
+            c = op_cost(op, types, {})
+            runs = 0.5 if op.phase.value == "update" else 1.0    # once a step, M = 2
+            seconds[op.stage] += runs * hw.compute_s(c.flops, c.bytes)
+        got[balance] = ([len(s.layers) for s in ctx.decision(PipelineRecord).stages],
+                        seconds)
+    (layers, (a, b)), (flat, (c, d)) = got["time"], got["forward-flops"]
+    assert flat == [4, 4] and d > 3 * c, got
+    assert layers == [6, 2] and max(a, b) <= 1.1 * min(a, b), got
+
+
+def test_an_unknown_balance_or_device_model_is_refused():
+    with pytest.raises(PassError, match="unknown balance 'bytes'"):
+        run(traced_gpt(), "dce,pipeline{axis=pp, balance=bytes}")
+    with pytest.raises(PassError, match="unknown device model 'tpu'") as e:
+        run(traced_gpt(), "dce,pipeline{axis=pp, device-model=tpu}")
+    assert "hint: device-model=NAME" in str(e.value)
+
+
+def test_the_device_a_torch_step_runs_on_is_its_parameters():
+    """What parallelize picks the pipeline's device model from: the first parameter of a
+    module (or of an optimizer, or the first tensor) among the step's arguments."""
+    from diphoma_compile.torch.framework import FRAMEWORK
+    cpu, meta = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta")
+    assert FRAMEWORK.device((cpu, torch.optim.SGD(cpu.parameters(), lr=0.1))) == ("cpu", "")
+    assert FRAMEWORK.device((meta,)) == ("meta", "")
+    assert FRAMEWORK.device((torch.optim.SGD(meta.parameters(), lr=0.1), 3)) == ("meta", "")
+    assert FRAMEWORK.device((torch.nn.ReLU(), torch.zeros(1, device="meta"))) == ("meta", "")
+    assert FRAMEWORK.device(({"lr": 0.1},)) == ("", "")
