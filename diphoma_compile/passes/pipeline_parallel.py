@@ -46,6 +46,7 @@ from ..ir.framework_ops import framework_rule
 from ..ir.ops import op_def, random_draw
 from .base import Pass, PassContext, PassFailure, register_pass
 from .data_parallel import require_axis
+from .pipeline_balance import balanced_cuts, cheapest_near, forward_costs
 from .pipeline_pack import pack_update_scalars
 from .pipeline_refine import pull_up_backward
 from .spec import parse_spec
@@ -314,7 +315,10 @@ class _Cut:
                               f"place, fewer than the {self.n} stages asked for",
                               hint=f"use a mesh axis {self.ax!r} of at most {len(fwd)} "
                                    "devices, or a deeper model")
-        cost = self.costs(fwd)
+        rest = [op for op in self.g.ops if self.phase[id(op)] is not Phase.forward
+                and id(op) not in self.free]
+        cost = forward_costs(self.g, fwd, rest, self.types, self.sizes, self.microbatches,
+                             self.model, self.balance)
         at = {v.name: k for k, op in enumerate(fwd) for v in op.results}
         last_use: dict[str, int] = {}
         for k, op in enumerate(fwd):
@@ -348,7 +352,7 @@ class _Cut:
         low = min(inner) if inner else 0
         # the layer boundaries: where no more than the residual stream (and a little) lives
         points = [k for k in range(1, len(fwd)) if crossing[k] <= low * 1.5 + 64]
-        cuts = _balance(cost, points, self.n)
+        cuts = balanced_cuts(cost, points, self.n)
         if cuts is None:
             raise PassFailure(
                 f"pipeline: the forward pass has {len(points)} places to cut where few bytes "
@@ -359,7 +363,7 @@ class _Cut:
         link = self.model.link_of(self.ax)
         xfer = [2 * (values[k] * link.latency_s + crossing[k] / link.bytes_per_s)
                 for k in range(len(fwd) + 1)]
-        cuts = _cheapest_near(cuts, points, pre, xfer)
+        cuts = cheapest_near(cuts, points, pre, xfer)
         self.cuts = cuts
         self.cut_bytes = tuple(crossing[k] for k in cuts)
         bounds = [0, *cuts, len(fwd)]
@@ -372,65 +376,6 @@ class _Cut:
                     self.readers[name].add(self.stage[id(op)])
         for name, where in self.readers.items():
             self.home[name] = min(where)
-
-    def costs(self, fwd: list[Op]) -> list[float]:
-        """What balancing weighs for each forward op. ``balance=forward-flops``: its flops.
-        ``balance=time`` (the default): the seconds of the op on the device model (a
-        roofline: flops or bytes, the slower), plus those of every backward and update op
-        that will run on its stage, attributed as place_rest places them: a backward op to
-        the latest forward op whose activations it reads, an update op to the first forward
-        op reading its parameter, gradient-only math to where its results are read. A
-        layer whose weights are frozen has a short backward (no weight gradients) or none
-        at all (below the first trainable layer), which forward flops alone do not see."""
-        model = self.model
-        if self.balance == "forward-flops":     # as seconds at the peak flop rate
-            return [max(op_cost(op, self.types, self.sizes).flops, 1) / model.flops_per_s
-                    for op in fwd]
-
-        def seconds(op: Op) -> float:
-            c = op_cost(op, self.types, self.sizes)
-            return model.compute_s(c.flops, c.bytes)
-
-        cost = [seconds(op) for op in fwd]
-        at = {v.name: k for k, op in enumerate(fwd) for v in op.results}
-        first: dict[str, int] = {}              # param -> the first forward op reading it
-        for k, op in enumerate(fwd):
-            for n in free_inputs(op):
-                if self.kind.get(n) is InputKind.param:
-                    first.setdefault(n, k)
-        of = {i.name: i.role.of for i in self.g.inputs if i.role.kind is InputKind.opt_state}
-        rest = [op for op in self.g.ops if self.phase[id(op)] is not Phase.forward
-                and id(op) not in self.free]
-        anchor: dict[int, int] = {}             # id(op) -> forward index
-        for op in rest:
-            reads = free_inputs(op)
-            acts = [at[n] for n in reads if n in at]
-            home = [first[p] for n in reads
-                    if (p := n if self.kind.get(n) is InputKind.param else of.get(n)) in first]
-            if self.phase[id(op)] is Phase.update and home:
-                anchor[id(op)] = min(home)
-            elif acts:
-                anchor[id(op)] = max(acts)
-        readers: dict[str, list[Op]] = defaultdict(list)
-        for op in rest:
-            for n in free_inputs(op):
-                readers[n].append(op)
-        for op in reversed(rest):         # gradient-only math: where its results are read
-            if id(op) not in anchor and self.phase[id(op)] is Phase.backward:
-                got = [anchor[id(r)] for v in op.results for r in readers.get(v.name, ())
-                       if id(r) in anchor]
-                if got:
-                    anchor[id(op)] = max(got)
-        made = {v.name: id(op) for op in rest for v in op.results}
-        for op in rest:                   # the rest: where its inputs were made
-            if id(op) not in anchor:
-                got = [anchor[made[n]] for n in free_inputs(op) if made.get(n) in anchor]
-                anchor[id(op)] = max(got) if got else (
-                    len(fwd) - 1 if self.phase[id(op)] is Phase.backward else 0)
-            # an update runs once a step, the forward and backward once per microbatch
-            cost[anchor[id(op)]] += seconds(op) / (
-                self.microbatches if self.phase[id(op)] is Phase.update else 1)
-        return [max(c, 1e-12) for c in cost]
 
     # 3. backward by the activations it reads; update by the parameter it updates
     def place_rest(self) -> None:
@@ -691,67 +636,6 @@ def _rename_captures(op: Op, ren: dict[str, str]) -> Op:
         return op
     raise PassFailure("pipeline: an op with regions reads a value from another stage",
                       op=op, hint="control flow inside a stage only")
-
-
-def _cheapest_near(cuts: list[int], points: list[int], pre: list[float], xfer: list[float]
-                   ) -> list[int]:
-    """Each balanced cut moved, between its neighbours, to the point where the longer of its
-    two stages plus the time its sends take is least (the same point on a tie): balancing
-    alone may cut a norm after its rsqrt, sending the [b, s, 1] statistic beside the
-    activation, one message more than one op earlier."""
-    out: list[int] = []
-    for i, c in enumerate(cuts):
-        lo = out[-1] if out else 0
-        hi = cuts[i + 1] if i + 1 < len(cuts) else len(pre) - 1
-
-        def score(p: int, lo: int = lo, hi: int = hi) -> float:
-            return max(pre[p] - pre[lo], pre[hi] - pre[p]) + xfer[p]
-
-        near = [p for p in points if lo < p < hi]
-        out.append(min(near, key=lambda p: (score(p), abs(pre[p] - pre[c]), p), default=c))
-    return out
-
-
-def _balance(cost: list[int], points: list[int], stages: int) -> list[int] | None:
-    """S - 1 cut points among ``points`` that minimise the largest stage's cost (dynamic
-    programming over prefix sums); None when there are too few points."""
-    if stages == 1:
-        return []
-    if len(points) < stages - 1:
-        return None
-    pre = [0]
-    for c in cost:
-        pre.append(pre[-1] + c)
-    end = len(cost)
-    cand = [0, *points]
-    # best[j][k]: the smallest largest cost of j stages covering ops [0, cand[k]) ending at k
-    inf = float("inf")
-    best = [[inf] * len(cand) for _ in range(stages)]
-    back = [[-1] * len(cand) for _ in range(stages)]
-    for k in range(1, len(cand)):
-        best[0][k] = pre[cand[k]]
-    for j in range(1, stages - 1):
-        for k in range(1, len(cand)):
-            for m in range(1, k):
-                v = max(best[j - 1][m], pre[cand[k]] - pre[cand[m]])
-                if v < best[j][k]:
-                    best[j][k], back[j][k] = v, m
-    top, arg = inf, -1
-    for k in range(1, len(cand)):
-        v = max(best[stages - 2][k], pre[end] - pre[cand[k]])
-        if v < top:
-            top, arg = v, k
-    if arg < 0 or top == inf:
-        return None
-    cuts = [cand[arg]]
-    j, k = stages - 2, arg
-    while j > 0:
-        k = back[j][k]
-        if k < 0:
-            return None
-        cuts.append(cand[k])
-        j -= 1
-    return sorted(cuts)
 
 
 def pipeline_of(graph: Graph) -> PipelineParallel | None:
