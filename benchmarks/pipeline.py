@@ -7,7 +7,7 @@ gloo ranks on the CPU.
     python benchmarks/pipeline.py [--steps 6] [--warmup 2] [--nproc 4] [--micro 4]
         [--schedule 1f1b|gpipe|interleaved|interleaved-zb|zbv] [--layers N]
         [--embd 128 --vocab 1024 --seq 64 --batch 16] [--no-torch]
-        [--frozen K] [--balance time|forward-flops|both]
+        [--frozen K] [--balance time|forward-flops|both] [--pin]
 
 --frozen K freezes the embeddings and the first K blocks (fine-tuning the rest: their
 backward computes no weight gradients, and none at all below the first trainable block).
@@ -264,6 +264,9 @@ def _torch(rank: int, args, batches) -> dict:
 def _run(rank: int, args, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    if args.pin:        # rank r on core r (mod the cores): no migrations between cores
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
     dist.init_process_group("gloo", rank=rank, world_size=args.nproc)
     cfg = GPTConfig(block_size=args.seq, vocab_size=args.vocab)
     batches = [make_batch(cfg, args.batch, seed) for seed in range(4)]
@@ -335,6 +338,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--frozen", type=int, default=0, metavar="K",
                    help="freeze the embeddings and the first K blocks")
+    p.add_argument("--pin", action="store_true",
+                   help="pin rank r to core r (os.sched_setaffinity)")
     p.add_argument("--balance", default="time", choices=("time", "forward-flops", "both"),
                    help="what diphoma's stages are balanced on (both: one row each)")
     args = p.parse_args()
