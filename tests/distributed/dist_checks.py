@@ -1341,27 +1341,38 @@ def run_pipeline_buffers(rank: int, world: int) -> dict:
             "forward_sends": len(sends)}
 
 
-@check("pp_frozen")
-def run_pipeline_frozen(rank: int, world: int) -> dict:
-    """Fine-tuning over pp=4: an 8-layer tanh MLP whose first 4 Linears are frozen, 1F1B
-    over 4 microbatches, AdamW on the trainable parameters, three steps: losses and the
-    state dict against the single-device step, and each stage's layers (balanced on their
-    forward, backward and update time, the frozen layers' backward being short or none)."""
+@check("frozen")
+def run_frozen(rank: int, world: int) -> dict:
+    """Fine-tuning: an 8-layer tanh MLP whose first 4 Linears are frozen, AdamW on the
+    trainable parameters, three steps, over dp=4 (the default plan: data parallelism with
+    weight-update sharding), dp=4 with shard_params, and pp=4 (1F1B over 4 microbatches):
+    losses and the whole state dict against the single-device step; under pp, each stage's
+    layers (balanced on their forward, backward and update time, the frozen layers'
+    backward being short or none)."""
     import diphoma_compile
-    torch.manual_seed(0)
-    model = frozen_mlp()
-    ref = copy.deepcopy(model)
-    opt, ref_opt = OPTS["adamw"](trainable(model)), OPTS["adamw"](trainable(ref))
     g = torch.Generator().manual_seed(5)
     batches = [torch.randn(8, 32, generator=g) for _ in range(3)]
-    step = diphoma_compile.parallelize(mse_step, {"pp": world}, microbatches=4)
-    losses = [step(model, opt, b).item() for b in batches]
-    ref_losses = [mse_step(ref, ref_opt, b).item() for b in batches]
-    full = step.state_dict()
-    return {"losses": losses, "ref_losses": ref_losses,
-            "abs": {k: max_abs(v, ref.state_dict()[k]) for k, v in full.items()},
-            "keys_equal": list(full) == list(ref.state_dict()),
-            "layers": [st["layers"] for st in step.plan.notes["pipeline"]["stages"]]}
+    out = {}
+    for case, mesh, kw in (("dp4", {"dp": world}, {}),
+                           ("dp4-shard", {"dp": world}, {"shard_params": True}),
+                           ("pp4", {"pp": world}, {"microbatches": 4})):
+        torch.manual_seed(0)
+        model = frozen_mlp()
+        ref = copy.deepcopy(model)
+        opt, ref_opt = OPTS["adamw"](trainable(model)), OPTS["adamw"](trainable(ref))
+        step = diphoma_compile.parallelize(mse_step, mesh, **kw)
+        n = mesh.get("dp", 1)         # this rank's rows of the global batch
+        mine = [b[rank % n * 8 // n:(rank % n + 1) * 8 // n] for b in batches]
+        losses = [step(model, opt, b).item() for b in mine]
+        ref_losses = [mse_step(ref, ref_opt, b).item() for b in batches]
+        full = step.state_dict()
+        out[case] = {"losses": losses, "ref_losses": ref_losses,
+                     "abs": {k: max_abs(v, ref.state_dict()[k]) for k, v in full.items()},
+                     "keys_equal": list(full) == list(ref.state_dict())}
+        if "pipeline" in step.plan.notes:
+            out[case]["layers"] = [st["layers"]
+                                   for st in step.plan.notes["pipeline"]["stages"]]
+    return out
 
 
 # ------------------------------------------------------------------ the launch

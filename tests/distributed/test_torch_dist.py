@@ -642,17 +642,22 @@ def test_a_pipeline_updates_and_returns_batchnorm_statistics(runs):
         assert got["forward_sends"] == 3, got["forward_sends"]
 
 
-def test_a_fine_tuned_model_with_frozen_layers_pipelines_and_matches(runs):
-    """The first 4 of 8 layers frozen, pp=4: losses within 1e-6 and the state dict within
-    1e-6 of the single-device step on every rank (the frozen weights unchanged); the first
-    stage holds more layers than the last, its frozen layers' backward being short."""
+def test_a_fine_tuned_model_with_frozen_layers_matches_under_each_plan(runs):
+    """The first 4 of 8 layers frozen, over dp=4, dp=4 with shard_params and pp=4: losses
+    within 1e-6 and the whole state dict within 1e-6 of the single-device step on every
+    rank (the frozen weights unchanged, bit for bit); under pp the first stage holds more
+    layers than the last, its frozen layers' backward being short."""
     for r in runs:
-        got = r["pp_frozen"]
-        assert got["keys_equal"]
-        for a, b in zip(got["losses"], got["ref_losses"]):
-            assert abs(a - b) <= 1e-6 * max(1.0, abs(b)), (got["losses"], got["ref_losses"])
-        assert max(got["abs"].values()) <= 1e-6, got["abs"]
-        assert len(got["layers"][0]) > len(got["layers"][-1]), got["layers"]
+        for case, got in r["frozen"].items():
+            assert got["keys_equal"], case
+            for a, b in zip(got["losses"], got["ref_losses"]):
+                assert abs(a - b) <= 1e-6 * max(1.0, abs(b)), (case, got["losses"],
+                                                               got["ref_losses"])
+            assert max(got["abs"].values()) <= 1e-6, (case, got["abs"])
+            assert all(got["abs"][f"{k}.{w}"] == 0 for k in (0, 2, 4, 6)
+                       for w in ("weight", "bias")), (case, got["abs"])
+        layers = r["frozen"]["pp4"]["layers"]
+        assert len(layers[0]) > len(layers[-1]), layers
 
 
 def test_a_pipeline_ranks_measured_peak_is_its_planned_one(runs):
