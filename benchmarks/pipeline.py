@@ -157,6 +157,7 @@ def _diphoma(rank: int, args, batches, balance: str) -> dict:
     return {"s": s, "bubble": worst.item(), "loss": loss, "theory": rec["bubble"],
             "records": every, "stages": len(rec["stages"]), "planned": _planned(step),
             "layers": _layer_span(rec),
+            "balanced": [st["balanced"] for st in rec["stages"]],
             "peaks": peaks}
 
 
@@ -309,7 +310,9 @@ def _report(ours: dict, name: str, args) -> None:
                          args.nproc)
     print("  each stage's mean forward + backward run, ms: "
           + ", ".join(f"{1e3 * t:.1f}" for t in b["stage_s"])
-          + f" (longest / mean {max(b['stage_s']) / statistics.mean(b['stage_s']):.2f})")
+          + f" (longest / mean {max(b['stage_s']) / statistics.mean(b['stage_s']):.2f}); "
+          "what the pass balanced, as shares of the mean: "
+          + ", ".join(f"{t / statistics.mean(ours['balanced']):.2f}" for t in ours["balanced"]))
     print(f"  forward/backward bubble: measured {b['measured']:.1%} (best step "
           f"{b['best']:.1%}); each step replayed with its own durations "
           f"{b['replayed']:.1%} (measured / replayed {b['ratio']:.2f}, step span "
