@@ -603,21 +603,13 @@ def test_stages_balance_forward_backward_and_update_time_not_forward_flops():
     the first stage takes 6 layers and the two stages' times are within 10%."""
     from diphoma_compile.ir.analysis import op_cost
     from diphoma_compile.ir.device_model import device_model
-    from models import frozen_mlp, trainable
+    from models import frozen_mlp, mse_step, trainable
 
     torch.manual_seed(0)
     model = frozen_mlp(layers=8, frozen=4, width=64)
     opt = torch.optim.SGD(trainable(model), lr=0.1, momentum=0.9)
-    x, y = torch.randn(32, 64), torch.randn(32, 64)
-
-    def step(model, opt, x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    g = diphoma_compile.trace(step, model, opt, x, y).replace(mesh=Mesh({"pp": 2}))
+    g = diphoma_compile.trace(mse_step, model, opt, torch.randn(32, 64)).replace(
+        mesh=Mesh({"pp": 2}))
     hw = device_model("h100-nccl")
     got = {}
     for balance in ("time", "forward-flops"):
