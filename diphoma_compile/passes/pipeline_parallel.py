@@ -526,11 +526,13 @@ class _Cut:
                 have(o.name, self.n - 1, Phase.forward)
         outputs = [type(o)(where.get((o.name, self._stage_of(o.name)), o.name), o.role)
                    for o in outputs]
-        # a parameter read on several stages: its home updates it, the others receive it
+        # a parameter read on several stages: its home updates it, the others receive it;
+        # a frozen one (its "new value" is the parameter itself) is never sent: every
+        # stage's copy stays as it is
         self.tied: dict[str, tuple[int, ...]] = {}
         new_of = {o.role.target: o.name for o in outputs if o.role.kind is OutputKind.replaces}
         for p, stages in sorted(self.readers.items()):
-            if len(stages) < 2 or p not in new_of:
+            if len(stages) < 2 or new_of.get(p, p) == p:
                 continue
             self.tied[p] = tuple(sorted(stages))
             src = self._stage_of(new_of[p])

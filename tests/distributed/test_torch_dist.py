@@ -649,6 +649,8 @@ def test_a_fine_tuned_model_with_frozen_layers_matches_under_each_plan(runs):
     layers than the last, its frozen layers' backward being short."""
     for r in runs:
         for case, got in r["frozen"].items():
+            if case == "gpt2-pp4":
+                continue
             assert got["keys_equal"], case
             for a, b in zip(got["losses"], got["ref_losses"]):
                 assert abs(a - b) <= 1e-6 * max(1.0, abs(b)), (case, got["losses"],
@@ -658,6 +660,22 @@ def test_a_fine_tuned_model_with_frozen_layers_matches_under_each_plan(runs):
                        for w in ("weight", "bias")), (case, got["abs"])
         layers = r["frozen"]["pp4"]["layers"]
         assert len(layers[0]) > len(layers[-1]), layers
+
+
+def test_a_hugging_face_gpt2_with_a_frozen_tied_embedding_pipelines(runs):
+    """GPT-2 with its tied embedding and first block frozen over pp=4: losses and the state
+    dict within 1e-6 of the single-device step on every rank, the frozen weights unchanged;
+    the embedding is not a tied parameter whose new value is sent (it failed so: a KeyError
+    on the rank sending it, the others waiting)."""
+    for r in runs:
+        if "gpt2-pp4" not in r["frozen"]:
+            pytest.skip("transformers is not installed")
+        got = r["frozen"]["gpt2-pp4"]
+        assert got["keys_equal"] and got["tied"] == {}, got["tied"]
+        for a, b in zip(got["losses"], got["ref_losses"]):
+            assert abs(a - b) <= 1e-6 * max(1.0, abs(b)), (got["losses"], got["ref_losses"])
+        assert max(got["abs"].values()) <= 1e-6, got["abs"]
+        assert all(got["abs"][k] == 0 for k in got["frozen"]), got["abs"]
 
 
 def test_a_pipeline_ranks_measured_peak_is_its_planned_one(runs):

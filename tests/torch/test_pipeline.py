@@ -644,3 +644,23 @@ def test_the_device_a_torch_step_runs_on_is_its_parameters():
     assert FRAMEWORK.device((torch.optim.SGD(meta.parameters(), lr=0.1), 3)) == ("meta", "")
     assert FRAMEWORK.device((torch.nn.ReLU(), torch.zeros(1, device="meta"))) == ("meta", "")
     assert FRAMEWORK.device(({"lr": 0.1},)) == ("", "")
+
+
+def test_a_frozen_tied_parameter_is_held_on_both_stages_and_never_sent():
+    """The tied embedding frozen (fine-tuning): the step's "new value" of it is the
+    parameter itself, which the pass sent from its home stage's update as a tied
+    parameter's new value, from a program that does not hold it (a KeyError on that rank,
+    the others waiting, in a 4-rank run of Hugging Face GPT-2). Now it is read on both
+    stages, not tied, and no update value crosses."""
+    torch.manual_seed(0)
+    model = GPT(vocab=16, d=8, layers=2, heads=2, block=4)
+    model.tok.weight.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    seq = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(3))
+    g = diphoma_compile.trace(lm_step, model, opt, {"idx": seq[:, :-1],
+                                                     "targets": seq[:, 1:]})
+    out, ctx = run(g.replace(mesh=Mesh({"pp": 2})), "dce,pipeline{axis=pp, microbatches=2}")
+    rec = ctx.decision(PipelineRecord)
+    assert rec.tied == {}
+    assert [s.layers[0] for s in rec.stages] == ["tok", "tok"]
+    assert not [op for op in out.ops if op.name == "send" and op.phase.value == "update"]
