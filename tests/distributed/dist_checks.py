@@ -1400,10 +1400,12 @@ def run_frozen_gpt2(rank: int, world: int) -> dict:
     losses = [step(model, opt, b).item() for b in batches]
     ref_losses = [hf_lm_step(ref, ref_opt, b).item() for b in batches]
     full = step.state_dict()
+    got = step.measure_memory(model, opt, batches[-1])      # one more step, every rank
     return {"losses": losses, "ref_losses": ref_losses,
             "abs": {k: max_abs(v, ref.state_dict()[k]) for k, v in full.items()},
             "keys_equal": list(full) == list(ref.state_dict()),
             "tied": step.plan.notes["pipeline"]["tied"],
+            "peak": (got.peak, step.plan.to_dict()["memory"]["peak_per_rank"][rank]),
             "frozen": ["transformer.wte.weight"] + [
                 f"transformer.h.0.{n}" for n, _ in model.transformer.h[0].named_parameters()]}
 
