@@ -153,7 +153,10 @@ class PipelineRecord:
 @dataclass(frozen=True)
 class PipelineParallel(Pass):
     """Cut the step into stages over mesh axis ``axis``; ``stages=auto`` is the axis size
-    (twice it for the interleaved schedule, which runs stage s on rank s mod the size)."""
+    (twice it for the interleaved schedule, which runs stage s on rank s mod the size).
+    ``balance=time`` balances the stages' forward, backward and update seconds on the
+    roofline of ``device_model`` (a name in ``ir.device_model.MODELS``);
+    ``balance=forward-flops`` their forward flops alone (passes/pipeline_balance.py)."""
 
     name = "pipeline"
     axis: str = "pp"
