@@ -7,10 +7,18 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..ir.analysis import free_inputs, op_cost
+from ..ir.analysis import OpCost, free_inputs, op_cost
 from ..ir.core import Graph, InputKind, Op, Phase
 from ..ir.device_model import DeviceModel
 from ..ir.types import TensorType
+
+
+def op_seconds(cost: OpCost, phase: Phase | None, model: DeviceModel,
+               microbatches: int) -> float:
+    """An op's roofline seconds on ``model`` per microbatch: an update's over M (it runs
+    once a step, the forward and backward once per microbatch)."""
+    return model.compute_s(cost.flops, cost.bytes) / (
+        microbatches if phase is Phase.update else 1)
 
 
 def forward_costs(graph: Graph, fwd: list[Op], rest: list[Op], types: dict[str, TensorType],
@@ -30,8 +38,7 @@ def forward_costs(graph: Graph, fwd: list[Op], rest: list[Op], types: dict[str, 
         return [max(op_cost(op, types, sizes).flops, 1) / model.flops_per_s for op in fwd]
 
     def seconds(op: Op) -> float:
-        c = op_cost(op, types, sizes)
-        return model.compute_s(c.flops, c.bytes)
+        return op_seconds(op_cost(op, types, sizes), op.phase, model, microbatches)
 
     cost = [seconds(op) for op in fwd]
     at = {v.name: k for k, op in enumerate(fwd) for v in op.results}
@@ -68,9 +75,7 @@ def forward_costs(graph: Graph, fwd: list[Op], rest: list[Op], types: dict[str, 
             got = [anchor[made[n]] for n in free_inputs(op) if made.get(n) in anchor]
             anchor[id(op)] = max(got) if got else (
                 len(fwd) - 1 if op.phase is Phase.backward else 0)
-        # an update runs once a step, the forward and backward once per microbatch
-        cost[anchor[id(op)]] += seconds(op) / (
-            microbatches if op.phase is Phase.update else 1)
+        cost[anchor[id(op)]] += seconds(op)
     return [max(c, 1e-12) for c in cost]
 
 

@@ -46,7 +46,7 @@ from ..ir.framework_ops import framework_rule
 from ..ir.ops import op_def, random_draw
 from .base import Pass, PassContext, PassFailure, register_pass
 from .data_parallel import require_axis
-from .pipeline_balance import balanced_cuts, cheapest_near, forward_costs
+from .pipeline_balance import balanced_cuts, cheapest_near, forward_costs, op_seconds
 from .pipeline_pack import pack_update_scalars
 from .pipeline_refine import pull_up_backward
 from .spec import parse_spec
@@ -269,10 +269,9 @@ class _Cut:
     """One run of pipeline: stage of every op, then the rewritten graph."""
 
     def __init__(self, graph: Graph, stages: int, axis: str, ranks: int,
-                 schedule: str = "1f1b", microbatches: int = 1, balance: str = "time",
-                 model: DeviceModel | None = None) -> None:
+                 schedule: str, microbatches: int, balance: str, model: DeviceModel) -> None:
         self.g, self.n, self.ax, self.ranks = graph, stages, axis, ranks
-        self.balance, self.model = balance, model or device_model("h100-nccl")
+        self.balance, self.model = balance, model
         self.rank = [stage_rank(schedule, s, stages, ranks) for s in range(stages)]
         self.types = graph.value_types()
         self.kind = {i.name: i.role.kind for i in graph.inputs}
@@ -605,8 +604,7 @@ class _Cut:
                 by_phase[self.phase[id(op)]][s] += c.flops
                 count[s] += 1
                 if self.balance == "time":
-                    balanced[s] += self.model.compute_s(c.flops, c.bytes) / (
-                        microbatches if self.phase[id(op)] is Phase.update else 1)
+                    balanced[s] += op_seconds(c, self.phase[id(op)], self.model, microbatches)
                 elif self.phase[id(op)] is Phase.forward:
                     balanced[s] += c.flops
         stages = []
