@@ -216,12 +216,19 @@ class PipelineParallel(Pass):
         return out
 
 
+def new_values(graph: Graph) -> dict[str, str]:
+    """Each input the step gives a new value -> the output holding it. An input returned
+    unchanged (the output is the input: a frozen parameter, a buffer the step only reads)
+    has none."""
+    return {o.role.target: o.name for o in graph.outputs if o.role.kind is OutputKind.replaces
+            and o.name != o.role.target}
+
+
 def updated_buffers(graph: Graph) -> dict[str, str]:
     """Each buffer the step writes a new value of (BatchNorm's running statistics) -> the
-    output holding it; a buffer returned unchanged (the output is the input) is not one."""
+    output holding it."""
     buffers = {i.name for i in graph.inputs if i.role.kind is InputKind.buffer}
-    return {o.role.target: o.name for o in graph.outputs if o.role.kind is OutputKind.replaces
-            and o.role.target in buffers and o.name != o.role.target}
+    return {b: new for b, new in new_values(graph).items() if b in buffers}
 
 
 def _batch_statistics(graph: Graph) -> list[str]:
@@ -529,12 +536,13 @@ class _Cut:
         outputs = [type(o)(where.get((o.name, self._stage_of(o.name)), o.name), o.role)
                    for o in outputs]
         # a parameter read on several stages: its home updates it, the others receive it;
-        # a frozen one (its "new value" is the parameter itself) is never sent: every
-        # stage's copy stays as it is
+        # a frozen one (no new value: the step returns the parameter itself) is never sent:
+        # every stage's copy stays as it is
         self.tied: dict[str, tuple[int, ...]] = {}
+        changed = new_values(self.g)
         new_of = {o.role.target: o.name for o in outputs if o.role.kind is OutputKind.replaces}
         for p, stages in sorted(self.readers.items()):
-            if len(stages) < 2 or new_of.get(p, p) == p:
+            if len(stages) < 2 or p not in changed:
                 continue
             self.tied[p] = tuple(sorted(stages))
             src = self._stage_of(new_of[p])
