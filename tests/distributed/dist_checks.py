@@ -152,6 +152,17 @@ def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
 
+def state_parity(losses: list[float], ref_losses: list[float], full: dict, ref: nn.Module
+                 ) -> dict:
+    """A plan's losses and whole state dict (``ParallelStep.state_dict()``) beside the
+    single-device model's: both loss lists, each entry's largest difference, and whether
+    the keys come in the same order."""
+    want = ref.state_dict()
+    return {"losses": losses, "ref_losses": ref_losses,
+            "abs": {k: max_abs(v, want[k]) for k, v in full.items()},
+            "keys_equal": list(full) == list(want)}
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     scale = b.double().abs().max().item() if b.numel() else 0.0
     return max_abs(a, b) / max(scale, 1e-30)
@@ -1335,10 +1346,7 @@ def run_pipeline_buffers(rank: int, world: int) -> dict:
     full = step.state_dict()
     sends = [op for op in step.graph.ops if op.name == "send" and op.phase is not None
              and op.phase.value == "forward"]
-    return {"losses": losses, "ref_losses": ref_losses,
-            "abs": {k: max_abs(v, ref.state_dict()[k]) for k, v in full.items()},
-            "keys_equal": list(full) == list(ref.state_dict()),
-            "forward_sends": len(sends)}
+    return {**state_parity(losses, ref_losses, full, ref), "forward_sends": len(sends)}
 
 
 @check("frozen")
@@ -1367,9 +1375,7 @@ def run_frozen(rank: int, world: int) -> dict:
         losses = [step(model, opt, b).item() for b in mine]
         ref_losses = [mse_step(ref, ref_opt, b).item() for b in batches]
         full = step.state_dict()
-        out[case] = {"losses": losses, "ref_losses": ref_losses,
-                     "abs": {k: max_abs(v, ref.state_dict()[k]) for k, v in full.items()},
-                     "keys_equal": list(full) == list(ref.state_dict())}
+        out[case] = state_parity(losses, ref_losses, full, ref)
         if "pipeline" in step.plan.notes:
             out[case]["layers"] = [st["layers"]
                                    for st in step.plan.notes["pipeline"]["stages"]]
@@ -1401,9 +1407,7 @@ def run_frozen_gpt2(rank: int, world: int) -> dict:
     ref_losses = [hf_lm_step(ref, ref_opt, b).item() for b in batches]
     full = step.state_dict()
     got = step.measure_memory(model, opt, batches[-1])      # one more step, every rank
-    return {"losses": losses, "ref_losses": ref_losses,
-            "abs": {k: max_abs(v, ref.state_dict()[k]) for k, v in full.items()},
-            "keys_equal": list(full) == list(ref.state_dict()),
+    return {**state_parity(losses, ref_losses, full, ref),
             "tied": step.plan.notes["pipeline"]["tied"],
             "peak": (got.peak, step.plan.to_dict()["memory"]["peak_per_rank"][rank]),
             "frozen": ["transformer.wte.weight"] + [
