@@ -8,12 +8,14 @@ gloo ranks on the CPU.
         [--schedule 1f1b|gpipe|interleaved|interleaved-zb|zbv] [--layers N]
         [--embd 128 --vocab 1024 --seq 64 --batch 16] [--no-torch]
         [--frozen K] [--balance time|forward-flops|both] [--pin]
+        [--device-model cpu-gloo|measured-cpu-gloo]
 
 --frozen K freezes the embeddings and the first K blocks (fine-tuning the rest: their
 backward computes no weight gradients, and none at all below the first trainable block).
 --balance picks what diphoma's stages are balanced on (the pipeline pass's balance option,
-on the cpu-gloo device model): each op's seconds with its backward and update (time, the
-default) or the forward's flops alone; both runs the two side by side, one row each.
+on the --device-model: cpu-gloo, or measured-cpu-gloo, measured on the ranks at the
+start): each op's seconds with its backward and update (time, the default) or the
+forward's flops alone; both runs the two side by side, one row each.
 
 One layer per stage by default (n_layer = the stages: nproc, twice that for the schedules
 with two stages per rank). Rank 0 prints one row per variant:
@@ -26,9 +28,11 @@ with two stages per rank). Rank 0 prints one row per variant:
   loss        the last step's loss (both variants start from the same weights and batches).
 Then the peak tensor memory each rank reaches in one more step (every storage counted from
 its making to its freeing; for diphoma beside the plan's peak for that rank). Then the
-plan's own estimate of the step (its cpu-gloo device model: a roofline at the
-model's flop rate, each rank's programs laid out in the schedule's order, transfers on the
-model's link) and the bubble's share of it, beside the measured ones.
+plan's own estimate of the step (a device model's roofline, each rank's programs laid out
+in the schedule's order, transfers on the model's link) and the bubble's share of it,
+beside the measured ones, on two models: cpu-gloo (fixed figures) and the one the ranks
+measured at the start (torch/calibrate.py: a matrix product's rate, a copy's bandwidth,
+a send's latency and bandwidth between ranks 0 and 1).
 Then, for diphoma, the bubble of the forward/backward part alone, from the executor's
 record of when each program ran on each rank (time.perf_counter, one clock for every
 process of the machine), per timed step: 1 - (a rank's seconds in forward/backward programs)
@@ -125,7 +129,7 @@ def _diphoma(rank: int, args, batches, balance: str) -> dict:
     model = _model(args)
     opt = torch.optim.AdamW(_trainable(model), lr=1e-3)
     spec = (f"dce,pipeline{{axis=pp, microbatches={args.micro}, schedule={args.schedule}, "
-            f"balance={balance}, device-model=cpu-gloo}}")
+            f"balance={balance}, device-model={args.device_model}}}")
     step = diphoma_compile.parallelize(train_step, {"pp": args.nproc}, passes=spec)
     it = iter(batches * 100)
 
@@ -174,13 +178,17 @@ def _layer_span(rec: dict) -> str:
 
 
 def _planned(step) -> dict:
-    """The plan's step-time estimate of this pipeline on the cpu-gloo device model
-    (report/pipeline_time.py): seconds, and the bubble's share of them."""
+    """The plan's step-time estimate of this pipeline (report/pipeline_time.py) on the
+    cpu-gloo device model and on the one measured on these ranks at the start
+    (torch/calibrate.py): seconds, and the bubble's share of them, by model name."""
     from diphoma_compile.ir.device_model import device_model
     from diphoma_compile.passes.pipeline_parallel import pipeline_of
     from diphoma_compile.report.pipeline_time import pipeline_compute
-    c = pipeline_compute(step.graph, pipeline_of(step.graph), device_model("cpu-gloo"))
-    return {"s": c.total_s, "bubble": c.bubble_s / c.total_s if c.total_s else 0.0}
+    out = {}
+    for name in ("cpu-gloo", "measured-cpu-gloo"):
+        c = pipeline_compute(step.graph, pipeline_of(step.graph), device_model(name))
+        out[name] = {"s": c.total_s, "bubble": c.bubble_s / c.total_s if c.total_s else 0.0}
+    return out
 
 
 def _measured_bubble(every: list, stages: int, schedule: str, micro: int, ranks: int
@@ -269,6 +277,8 @@ def _run(rank: int, args, port: int) -> None:
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[rank % len(cores)]})
     dist.init_process_group("gloo", rank=rank, world_size=args.nproc)
+    from diphoma_compile.torch.calibrate import measure_device
+    measured = measure_device("cpu")     # every rank at once: the slowest's figures
     cfg = GPTConfig(block_size=args.seq, vocab_size=args.vocab)
     batches = [make_batch(cfg, args.batch, seed) for seed in range(4)]
     modes = ("time", "forward-flops") if args.balance == "both" else (args.balance,)
@@ -295,17 +305,22 @@ def _run(rank: int, args, port: int) -> None:
             print(f"  {name:30} " + "  ".join(cells))
         if args.dump:
             torch.save(ours["records"], args.dump)
+        print(f"measured device model: {measured.flops_per_s / 1e9:.1f} GFLOP/s (a 512 x 512 "
+              f"product), {measured.mem_bytes_per_s / 1e9:.1f} GB/s (a copy), link "
+              f"{measured.link.bytes_per_s / 1e9:.2f} GB/s and "
+              f"{measured.link.latency_s * 1e6:.0f} us (ranks 0 and 1)")
         for b in modes:
             _report(rows[f"diphoma balance={b}"], f"balance={b}", args)
     dist.destroy_process_group()
 
 
 def _report(ours: dict, name: str, args) -> None:
-    plan = ours["planned"]
     print(f"{name}: stages {ours['layers']}")
-    print(f"  the plan's estimate (cpu-gloo device model, report/pipeline_time.py): "
-          f"{plan['s']:.4f} s/step, bubble {plan['bubble']:.1%} of it on the rank finishing last "
-          f"(measured: {ours['s']:.4f} s/step, bubble {ours['bubble']:.1%})")
+    for model, plan in ours["planned"].items():
+        print(f"  the plan's estimate ({model} device model, report/pipeline_time.py): "
+              f"{plan['s']:.4f} s/step ({plan['s'] / ours['s']:.2f}x measured), bubble "
+              f"{plan['bubble']:.1%} of it on the rank finishing last (measured: "
+              f"{ours['s']:.4f} s/step, bubble {ours['bubble']:.1%})")
     b = _measured_bubble(ours["records"], ours["stages"], args.schedule, args.micro,
                          args.nproc)
     print("  each stage's mean forward + backward run, ms: "
@@ -343,6 +358,10 @@ def main() -> None:
                    help="freeze the embeddings and the first K blocks")
     p.add_argument("--pin", action="store_true",
                    help="pin rank r to core r (os.sched_setaffinity)")
+    p.add_argument("--device-model", default="cpu-gloo",
+                   choices=("cpu-gloo", "measured-cpu-gloo"),
+                   help="the device model diphoma's stages are balanced on (measured: on "
+                        "these ranks at the start)")
     p.add_argument("--balance", default="time", choices=("time", "forward-flops", "both"),
                    help="what diphoma's stages are balanced on (both: one row each)")
     args = p.parse_args()

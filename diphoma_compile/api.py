@@ -28,7 +28,7 @@ from . import framework as frameworks
 from .errors import DiphomaError
 from .framework import Framework
 from .ir.analysis import runs_on_one_device
-from .ir.device_model import model_for_device
+from .ir.device_model import MODELS, DeviceModel, device_model, model_for_device, register
 from .ir.core import Graph, InputKind
 from .mesh import Mesh, data_axis, fold_nodes, pipeline_axis, tensor_axis
 from .passes.base import PassContext
@@ -74,7 +74,8 @@ class ParallelStep:
                  batch_argnums: int | Iterable[int] | None = None,
                  donate: bool | None = None, shard_params: bool = False,
                  codegen: str | None = None, microbatches: int | None = None,
-                 schedule: str = "1f1b", compression: str | None = None) -> None:
+                 schedule: str = "1f1b", compression: str | None = None,
+                 device_model: str | DeviceModel | None = None) -> None:
         if shard_params and passes is not None:
             raise DiphomaError("shard_params=True picks the default pipeline's passes, but "
                                f"passes={passes!r} was given too",
@@ -101,6 +102,7 @@ class ParallelStep:
                 self.user_mesh = self.mesh
         self.batch_argnums = argnums(batch_argnums)
         self.pipeline = pipeline_settings(self.mesh, passes, microbatches, schedule)
+        self.device_model = chosen_device_model(device_model)
         self.framework: str | None = None
         self._fw: Framework | None = None
         self._graph: Graph | None = None
@@ -117,12 +119,18 @@ class ParallelStep:
                                                   self.axis, self.batch_argnums, mb,
                                                   codegen=self.codegen or self._auto())
         self.framework = self._fw.name
+        model = self.device_model
+        if model == "measured":      # measured once, on the first trace (every rank)
+            model = self.device_model = self._fw.measure_device(example_args).name
+        elif model is None:          # the model of the device at hand
+            model = model_for_device(*self._fw.device(example_args),
+                                     default=DEFAULT_DEVICE_MODEL)
         pipeline = self.pipeline
-        if pipeline is not None:     # stages balanced on the model of the device at hand
-            pipeline = dataclasses.replace(pipeline, device_model=model_for_device(
-                *self._fw.device(example_args), default=pipeline.device_model))
+        if pipeline is not None:     # stages balanced on that model
+            pipeline = dataclasses.replace(pipeline, device_model=model)
         self._graph, self._plan = run_passes(graph, self._fw, self.mesh, self.axis,
                                              self.passes, ctx or PassContext(),
+                                             device_model=model,
                                              shard_params=self.shard_params,
                                              pipeline=pipeline,
                                              compression=self.compression, local=self.local)
@@ -259,6 +267,21 @@ def trace_step(step_fn: Callable, args: tuple, mesh: Mesh, axis: str,
     return fw, graph, extra
 
 
+def chosen_device_model(model: str | DeviceModel | None) -> str | None:
+    """``parallelize``'s ``device_model``, checked: a model's name (a DeviceModel is
+    registered under its name), ``"measured"`` (measured when the step is traced), or None
+    (the model of the device the step's arguments live on)."""
+    if model is None or model == "measured":
+        return model
+    if isinstance(model, DeviceModel):
+        return register(model).name
+    if not isinstance(model, str):
+        raise DiphomaError(f"device_model={model!r} is neither a name nor a DeviceModel",
+                           hint="pass a name (" + ", ".join(MODELS) + ", or 'measured'), "
+                                "a DeviceModel, or leave it unset")
+    return device_model(model).name
+
+
 def pipeline_settings(mesh: Mesh, passes: str | None, microbatches: int | None,
                       schedule: str) -> PipelineParallel | None:
     """The pipeline pass a plan will run: the one ``passes`` names, or, by default, one
@@ -363,7 +386,8 @@ def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
                 batch_argnums: int | Iterable[int] | None = None,
                 donate: bool | None = None, shard_params: bool = False,
                 codegen: str | None = None, microbatches: int | None = None,
-                schedule: str = "1f1b", compression: str | None = None) -> ParallelStep:
+                schedule: str = "1f1b", compression: str | None = None,
+                device_model: str | DeviceModel | None = None) -> ParallelStep:
     """``step_fn`` as a distributed step over ``mesh`` (a diphoma Mesh, a dict of axis
     sizes, a torch DeviceMesh or a jax.sharding.Mesh). By default: tensor parallelism
     (Megatron's layer pairs) over an axis named tp, tensor or model, and data parallelism
@@ -410,8 +434,16 @@ def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
     (``quantize-grads``, ``quantize-weight-diff``; docs/quantized.md). The plan gives the
     bytes before and after and the declared error per tensor. A mesh axis named node just
     before the data axis (``{"node": 2, "dp": 4}``) is folded into it and the gradients
-    take SDP4Bit's two hops: 8-bit among each node's devices, 4-bit across nodes."""
+    take SDP4Bit's two hops: 8-bit among each node's devices, 4-bit across nodes.
+
+    ``device_model`` is what the plan is costed on (its step-time estimate, and the
+    pipeline's balanced cuts): by default the model of the device the step's arguments
+    live on (cpu-gloo, h200-nccl, h100-nccl; ``ir/device_model.py``), or a name, a
+    ``DeviceModel`` of your own figures, or ``"measured"``: the device measured when the
+    step is traced (its matrix-product rate and memory bandwidth; PyTorch under a process
+    group also the send latency and bandwidth between ranks 0 and 1, every rank measuring
+    at once and all keeping the slowest rank's figures)."""
     return ParallelStep(step_fn, mesh, passes=passes, axis=axis,
                         batch_argnums=batch_argnums, donate=donate, shard_params=shard_params,
                         codegen=codegen, microbatches=microbatches, schedule=schedule,
-                        compression=compression)
+                        compression=compression, device_model=device_model)

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from .errors import FrontendError
 from .ir.core import Graph
+from .ir.device_model import DeviceModel
 from .mesh import Mesh
 
 # name -> the module holding its FRAMEWORK object; the order is the order of detection
@@ -64,6 +65,12 @@ class Framework(Protocol):
         """The kind of device the step's example arguments live on (cpu, cuda, gpu, tpu,
         meta) and its name where the framework tells it (NVIDIA H200), for the device
         model the pipeline's stages are balanced on; ("", "") when it cannot tell."""
+        ...
+
+    def measure_device(self, args: tuple) -> DeviceModel:
+        """The device the step's example arguments live on, measured now (its matrix-
+        product rate, memory bandwidth and, between processes, its link), registered by
+        name; under a process group every rank calls it and all get the same model."""
         ...
 
     def collective_scratch(self, graph: Graph, device_model: str) -> dict[int, int]:

@@ -4,7 +4,9 @@ strategies, plans and step-time estimates can be compared in seconds.
 Compute follows a roofline (the larger of flops over peak flop rate and bytes over memory
 bandwidth); a collective costs a launch latency per ring step plus the bytes one device sends
 over the link of its mesh axis. The figures are defaults to start from, not measurements of
-any one machine; override them (``DeviceModel.replace``, ``with_link``) with your own."""
+any one machine; override them (``DeviceModel.replace``, ``with_link``) with your own, or
+measure the device at hand (``torch/calibrate.py``, ``jax/calibrate.py``; ``parallelize(...,
+device_model="measured")``), which registers the result by its name (``register``)."""
 
 from __future__ import annotations
 
@@ -81,6 +83,9 @@ MODELS: dict[str, DeviceModel] = {
 }
 
 
+_DEFAULTS = frozenset(MODELS)
+
+
 def model_for_device(kind: str, name: str = "", default: str = "h100-nccl") -> str:
     """The model's name for a device of ``kind`` (cpu, cuda or gpu, ...) called ``name``
     (an NVIDIA H200): cpu-gloo for the CPU, h200-nccl for an H200, h100-nccl for another
@@ -93,8 +98,23 @@ def model_for_device(kind: str, name: str = "", default: str = "h100-nccl") -> s
     return default
 
 
+def register(model: DeviceModel) -> DeviceModel:
+    """Make ``model`` known by its name (a measured one: ``torch/calibrate.py``,
+    ``jax/calibrate.py``), replacing a model of that name registered before; the defaults
+    above cannot be replaced."""
+    if model.name in _DEFAULTS:
+        raise DiphomaError(f"device model {model.name!r} is a default and is not replaced",
+                           hint="give your model another name (DeviceModel.replace(name=...))")
+    if not (model.flops_per_s > 0 and model.mem_bytes_per_s > 0
+            and model.link.bytes_per_s > 0 and model.link.latency_s >= 0):
+        raise DiphomaError(f"device model {model.name!r} has a rate that is not positive: "
+                           f"{model}", hint="measure again, or give the figures by hand")
+    MODELS[model.name] = model
+    return model
+
+
 def device_model(name: str) -> DeviceModel:
-    """A default model by name (cpu-gloo, h100-nccl, h200-nccl)."""
+    """A model by name: a default (cpu-gloo, h100-nccl, h200-nccl) or a registered one."""
     try:
         return MODELS[name]
     except KeyError:

@@ -13,6 +13,7 @@ import numpy as np
 from ..errors import BackendError, FrontendError, MeshError
 from ..ir.analysis import runs_on_one_device
 from ..ir.core import Graph
+from ..ir.device_model import DeviceModel
 from ..mesh import Mesh, pipeline_axis
 from . import op_rules  # noqa: F401 - registers the rules of the primitives kept opaque
 from .roles import StepSignature, batch_rows, infer_batch_argnums, path_name
@@ -40,6 +41,11 @@ class JaxFramework:
         import jax
         d = jax.devices()[0]
         return (d.platform, getattr(d, "device_kind", ""))
+
+    def measure_device(self, args: tuple) -> DeviceModel:
+        """JAX's first device measured (jax/calibrate.py; the link is the base model's)."""
+        from .calibrate import measure_device
+        return measure_device()
 
     def trace(self, step_fn: Callable, args: tuple, **options: Any) -> tuple[Graph, Any]:
         """The step's IR and the PyTreeDef of its result."""

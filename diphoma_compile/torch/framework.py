@@ -10,6 +10,7 @@ import torch
 
 from ..errors import FrontendError
 from ..ir.core import Graph
+from ..ir.device_model import DeviceModel
 from ..mesh import Mesh
 
 
@@ -36,6 +37,18 @@ class TorchFramework:
             return ("", "")
         name = torch.cuda.get_device_name(t.device) if t.device.type == "cuda" else ""
         return (t.device.type, name)
+
+    def measure_device(self, args: tuple) -> DeviceModel:
+        """The arguments' device measured (torch/calibrate.py); with a process group,
+        every rank at once, the slowest rank's rates and rank 0's link to rank 1."""
+        from .calibrate import measure_device
+        from .trace import first_tensor
+        t = first_tensor(args)
+        if t is not None and t.device.type == "meta":
+            raise FrontendError("device_model='measured': the step's tensors are on the "
+                                "meta device, which runs nothing to measure",
+                                hint="name the device model to plan for (h100-nccl, ...)")
+        return measure_device(t.device if t is not None else "cpu")
 
     def trace(self, step_fn: Callable, args: tuple, **options: Any) -> tuple[Graph, Any]:
         """The step's IR and its capture (which the runtime binds to the live state)."""

@@ -1510,3 +1510,29 @@ def run_adafactor(rank: int, world: int) -> dict:
                          if t["role"] == "opt_state"}
     out["kept_whole"] = step.plan.to_dict()["notes"].get("weight-update-sharding", {})
     return out
+
+
+@check("measured_model")
+def run_measured_model(rank: int, world: int) -> dict:
+    """parallelize(device_model="measured"): every rank measures its CPU at once (and ranks
+    0 and 1 their link), all keep the same figures, and the plan is costed on them; the step
+    still matches the single-device one."""
+    import diphoma_compile
+    from diphoma_compile.ir.device_model import device_model
+    torch.manual_seed(0)
+    model = OddMLP()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = OPTS["sgdm"](model.parameters()), OPTS["sgdm"](ref.parameters())
+    step = diphoma_compile.parallelize(mlp_step, diphoma_compile.Mesh({"dp": world}),
+                                       device_model="measured")
+    out: dict = {"losses": [], "ref_losses": []}
+    for b in mlp_batches(world)[:2]:
+        out["losses"].append(step(model, opt, *local(b, rank, world)).item())
+        out["ref_losses"].append(mlp_step(ref, ref_opt, *b).item())
+    m = device_model(step.device_model)
+    out.update(name=m.name, figures=(m.flops_per_s, m.mem_bytes_per_s, m.link.bytes_per_s,
+                                     m.link.latency_s),
+               costed_on=step.plan.compute.device_model,
+               param_abs=max(max_abs(p, q) for p, q in zip(model.parameters(),
+                                                           ref.parameters())))
+    return out

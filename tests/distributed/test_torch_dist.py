@@ -730,3 +730,24 @@ def test_adafactor_matches_one_device(runs):
     assert all(r0["placements"][f"{n}.bias.variance"] == "dp: F" for n in ("fc1", "fc2", "fc3"))
     for r in runs[1:]:
         assert r["adafactor"]["losses"] == r0["losses"]
+
+
+def test_a_measured_device_model_is_the_same_on_every_rank(runs):
+    """Each rank measured its own CPU at the same time as the others; all plan on the
+    slowest rank's rates and rank 0's link (a plan that differed between ranks could cut a
+    pipeline in different places and hang), with figures a CPU and a loopback reach, not
+    the base model's link."""
+    from diphoma_compile.ir.device_model import device_model
+    r0 = runs[0]["measured_model"]
+    assert r0["name"] == r0["costed_on"] == "measured-cpu-gloo"
+    flops, mem, link_bw, latency = r0["figures"]
+    assert 1e9 < flops < 1e14 and 1e9 < mem < 1e13
+    assert 1e6 < link_bw < 1e12 and 0 < latency < 0.1
+    assert (link_bw, latency) != (device_model("cpu-gloo").link.bytes_per_s,
+                                  device_model("cpu-gloo").link.latency_s)
+    for r in runs:
+        assert r["measured_model"]["figures"] == r0["figures"]
+        assert r["measured_model"]["losses"] == r0["losses"]
+    for a, b in zip(r0["losses"], r0["ref_losses"]):
+        assert abs(a - b) <= 1e-5
+    assert r0["param_abs"] <= 1e-6

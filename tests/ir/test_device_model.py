@@ -47,3 +47,25 @@ def test_a_device_is_mapped_to_its_model():
     assert model_for_device("cuda", "NVIDIA A100-SXM4-80GB") == "h100-nccl"
     assert model_for_device("meta") == "h100-nccl"
     assert model_for_device("tpu", "TPU v5", default="h200-nccl") == "h200-nccl"
+
+
+def test_a_measured_model_is_registered_by_name_and_defaults_are_kept():
+    """A measured (or hand-written) model is known by its name afterwards, so that pass
+    options (``device-model=NAME``) and inspect can name it; the defaults cannot be
+    replaced, and a model with a rate that is not positive is refused."""
+    from diphoma_compile.ir.device_model import register
+    mine = device_model("cpu-gloo").replace(name="test-host", flops_per_s=7e10)
+    try:
+        assert register(mine) is mine
+        assert device_model("test-host").flops_per_s == 7e10
+        register(mine.replace(flops_per_s=8e10))          # measured again: replaced
+        assert device_model("test-host").flops_per_s == 8e10
+    finally:
+        MODELS.pop("test-host", None)
+    with pytest.raises(DiphomaError, match="'cpu-gloo' is a default"):
+        register(mine.replace(name="cpu-gloo"))
+    with pytest.raises(DiphomaError, match="not positive"):
+        register(mine.replace(mem_bytes_per_s=0.0))
+    with pytest.raises(DiphomaError, match="not positive"):
+        register(mine.replace(link=Link(float("nan"), 0.0)))
+    assert device_model("cpu-gloo").flops_per_s == 20e9

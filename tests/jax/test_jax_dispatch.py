@@ -69,3 +69,19 @@ def test_same_xla_program_as_the_users_jit():
     ours = diphoma_compile.compile(step, params, state, batch).lower(
         params, state, batch).compile().as_text()
     assert _instructions(ours) == _instructions(user)
+
+
+def test_the_first_device_is_measured_and_the_plan_costed_on_it():
+    """parallelize(device_model='measured'): JAX's first device measured when the step is
+    traced (a matrix product's rate and a copy's bandwidth, figures a CPU can reach) and
+    the plan costed on it; by default on the model of the platform at hand."""
+    from diphoma_compile.ir.device_model import device_model
+    params, opt_state, batch = setup()
+    assert diphoma_compile.parallelize(step, {"dp": 1}).trace(
+        params, opt_state, batch).plan.compute.device_model == "cpu-gloo"
+    ps = diphoma_compile.parallelize(step, {"dp": 1}, device_model="measured").trace(
+        params, opt_state, batch)
+    m = device_model("measured-cpu")
+    assert ps.plan.compute.device_model == "measured-cpu"
+    assert 1e9 < m.flops_per_s < 1e14 and 1e9 < m.mem_bytes_per_s < 1e13
+    assert m.link == device_model("cpu-gloo").link
