@@ -49,7 +49,7 @@ def matmul_rate(device: torch.device, repeat: int = 5) -> float:
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
     out = torch.empty(n, n, device=device)
-    reps = 4 if device.type == "cpu" else 20
+    reps = 16 if device.type == "cpu" else 20
 
     def run():
         for _ in range(reps):
