@@ -79,12 +79,23 @@ def forward_costs(graph: Graph, fwd: list[Op], rest: list[Op], types: dict[str, 
     return [max(c, 1e-12) for c in cost]
 
 
-def cheapest_near(cuts: list[int], points: list[int], pre: list[float], xfer: list[float]
-                  ) -> list[int]:
+def _holding(holds: list[bool] | None, n: int) -> list[int]:
+    """Prefix counts of the forward ops that read a parameter (every op when ``holds`` is
+    None): a stage [a, b) holds one when the counts at a and b differ."""
+    out = [0]
+    for k in range(n):
+        out.append(out[-1] + (1 if holds is None or holds[k] else 0))
+    return out
+
+
+def cheapest_near(cuts: list[int], points: list[int], pre: list[float], xfer: list[float],
+                  holds: list[bool] | None = None) -> list[int]:
     """Each balanced cut moved, between its neighbours, to the point where the longer of its
     two stages plus the time its sends take is least (the same point on a tie): balancing
     alone may cut a norm after its rsqrt, sending the [b, s, 1] statistic beside the
-    activation, one message more than one op earlier."""
+    activation, one message more than one op earlier. A move never leaves either stage
+    without an op that reads a parameter (``holds``, per forward op)."""
+    has = _holding(holds, len(pre) - 1)
     out: list[int] = []
     for i, c in enumerate(cuts):
         lo = out[-1] if out else 0
@@ -93,14 +104,16 @@ def cheapest_near(cuts: list[int], points: list[int], pre: list[float], xfer: li
         def score(p: int, lo: int = lo, hi: int = hi) -> float:
             return max(pre[p] - pre[lo], pre[hi] - pre[p]) + xfer[p]
 
-        near = [p for p in points if lo < p < hi]
+        near = [p for p in points if lo < p < hi and has[p] > has[lo] and has[hi] > has[p]]
         out.append(min(near, key=lambda p: (score(p), abs(pre[p] - pre[c]), p), default=c))
     return out
 
 
-def balanced_cuts(cost: list[float], points: list[int], stages: int) -> list[int] | None:
+def balanced_cuts(cost: list[float], points: list[int], stages: int,
+                  holds: list[bool] | None = None) -> list[int] | None:
     """S - 1 cut points among ``points`` that minimise the largest stage's cost (dynamic
-    programming over prefix sums); None when there are too few points."""
+    programming over prefix sums), every stage holding a forward op that reads a parameter
+    (``holds``, per forward op; None: any op will do); None when no such cuts exist."""
     if stages == 1:
         return []
     if len(points) < stages - 1:
@@ -109,22 +122,26 @@ def balanced_cuts(cost: list[float], points: list[int], stages: int) -> list[int
     for c in cost:
         pre.append(pre[-1] + c)
     end = len(cost)
+    has = _holding(holds, end)
     cand = [0, *points]
-    # best[j][k]: the smallest largest cost of j stages covering ops [0, cand[k]) ending at k
     inf = float("inf")
+
+    def stage_cost(a: int, b: int) -> float:      # ops [a, b): none holding one is no stage
+        return pre[b] - pre[a] if has[b] > has[a] else inf
+    # best[j][k]: the smallest largest cost of j stages covering ops [0, cand[k]) ending at k
     best = [[inf] * len(cand) for _ in range(stages)]
     back = [[-1] * len(cand) for _ in range(stages)]
     for k in range(1, len(cand)):
-        best[0][k] = pre[cand[k]]
+        best[0][k] = stage_cost(0, cand[k])
     for j in range(1, stages - 1):
         for k in range(1, len(cand)):
             for m in range(1, k):
-                v = max(best[j - 1][m], pre[cand[k]] - pre[cand[m]])
+                v = max(best[j - 1][m], stage_cost(cand[m], cand[k]))
                 if v < best[j][k]:
                     best[j][k], back[j][k] = v, m
     top, arg = inf, -1
     for k in range(1, len(cand)):
-        v = max(best[stages - 2][k], pre[end] - pre[cand[k]])
+        v = max(best[stages - 2][k], stage_cost(cand[k], end))
         if v < top:
             top, arg = v, k
     if arg < 0 or top == inf:

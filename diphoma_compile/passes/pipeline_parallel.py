@@ -198,6 +198,17 @@ class PipelineParallel(Pass):
                 "single-device one",
                 hint="microbatches=1 (schedule=gpipe), a norm without batch statistics "
                      "(LayerNorm, GroupNorm), or those layers in eval mode")
+        keyed = _keyed_draws_on_the_batch(graph)
+        if self.microbatches > 1 and keyed:
+            raise PassFailure(
+                f"pipeline: random numbers drawn from a key the step holds meet the batch "
+                f"here ({', '.join(keyed[:3])}: dropout, noise on activations); the step "
+                f"is traced at one microbatch, so each of the {self.microbatches} "
+                "microbatches would draw the same numbers from the same key (one mask "
+                "repeated) instead of the whole batch's",
+                hint="microbatches=1, dropout off (rate 0, or deterministic=True) for the "
+                     "pipeline, or draw the random numbers outside the step and pass them "
+                     "in with the batch")
         if self.schedule == "zbv" and s != 2 * n:
             raise PassFailure(f"pipeline: schedule zbv runs two stages per device in a V, not "
                               f"{s} stages on {n} devices", hint=f"stages=auto ({2 * n})")
@@ -243,6 +254,32 @@ def _batch_statistics(graph: Graph) -> list[str]:
                if (op.phase or Phase.forward) is Phase.forward and op.name == "opaque"
                and getattr(framework_rule(op), "batch_stats", False)]
     return out
+
+
+def _keyed_draws_on_the_batch(graph: Graph) -> list[str]:
+    """Where numbers drawn from a key the step holds (JAX's keys; ``random_draw`` "key")
+    meet values computed from the batch, by source line: a draw that reads batch values
+    itself, or an op reading both a batch value and a drawn value of its result's shape
+    (a mask). Draws from the process's own generator (torch's dropout) draw anew on each
+    call and are not listed; noise drawn at a weight's shape meets no batch value."""
+    types = graph.value_types()
+    batch = {i.name for i in graph.inputs if i.role.kind is InputKind.batch}
+    drawn: set[str] = set()
+    out: list[str] = []
+    for op in graph.ops:
+        ins = free_inputs(op)
+        keyed = random_draw(op) == "key"
+        on_batch = any(n in batch for n in ins)
+        shape = op.results[0].type.shape if op.results else None
+        mask = any(n in drawn and types[n].numel > 1 and types[n].shape == shape
+                   for n in ins)
+        if on_batch and (keyed or mask):
+            out.append(op.loc or op.name)
+        if on_batch:
+            batch.update(v.name for v in op.results)
+        elif keyed or any(n in drawn for n in ins):
+            drawn.update(v.name for v in op.results)
+    return list(dict.fromkeys(out))
 
 
 def _buffers_read_where_written(ops: list[Op], graph: Graph) -> None:
@@ -361,18 +398,24 @@ class _Cut:
         low = min(inner) if inner else 0
         # the layer boundaries: where no more than the residual stream (and a little) lives
         points = [k for k in range(1, len(fwd)) if crossing[k] <= low * 1.5 + 64]
-        cuts = balanced_cuts(cost, points, self.n)
+        # every stage holds a parameter: a forward op of its own that reads one
+        holds = [any(self.kind.get(n) is InputKind.param for n in free_inputs(op))
+                 for op in fwd]
+        cuts = balanced_cuts(cost, points, self.n, holds)
         if cuts is None:
             raise PassFailure(
                 f"pipeline: the forward pass has {len(points)} places to cut where few bytes "
-                f"cross (layer boundaries), too few for {self.n} stages that each hold ops",
-                hint=f"use at most {len(points) + 1} stages, or a model with more layers")
+                f"cross (layer boundaries), too few for {self.n} stages that each hold a "
+                "layer with parameters",
+                hint=f"use fewer stages than {self.n} (fewer devices on the {self.ax!r} "
+                     "axis, or a schedule with one stage per device), or a model with more "
+                     "layers")
         # each cut moved to where its two stages' longer one plus the sends (a message's
         # latency each, and its bytes, forward and back) take least time
         link = self.model.link_of(self.ax)
         xfer = [2 * (values[k] * link.latency_s + crossing[k] / link.bytes_per_s)
                 for k in range(len(fwd) + 1)]
-        cuts = cheapest_near(cuts, points, pre, xfer)
+        cuts = cheapest_near(cuts, points, pre, xfer, holds)
         self.cuts = cuts
         self.cut_bytes = tuple(crossing[k] for k in cuts)
         bounds = [0, *cuts, len(fwd)]

@@ -236,3 +236,40 @@ def test_microbatches_without_a_pp_axis_are_refused():
     with pytest.raises(diphoma_compile.DiphomaError) as e:
         diphoma_compile.parallelize(step, {"dp": 2}, microbatches=2)
     assert "microbatches=2 is for pipeline parallelism" in str(e.value)
+
+
+class DropoutMLP(nn.Module):
+    """Eight dense layers with flax's Dropout after the first (a key from the step)."""
+
+    @nn.compact
+    def __call__(self, x, key):
+        x = nn.Dense(DIM)(x)
+        x = nn.Dropout(0.5, deterministic=False)(x, rng=key)
+        for _ in range(7):
+            x = nn.Dense(DIM)(jnp.tanh(x))
+        return x
+
+
+def test_dropout_from_a_key_over_several_microbatches_is_refused():
+    """The step is traced at one microbatch, so a mask drawn from the step's key would be
+    drawn again, the same, for every microbatch (the loss moved 0.62 -> 0.69 on a 16-layer
+    MLP before this was refused); one microbatch draws the batch's own and plans."""
+    model, tx = DropoutMLP(), optax.sgd(0.1)
+    x = jnp.ones((8, DIM))
+    params = model.init(jax.random.PRNGKey(0), x, jax.random.PRNGKey(1))
+
+    def step(params, opt_state, batch, key):
+        def loss_fn(p):
+            return jnp.mean(model.apply(p, batch["x"], key) ** 2)
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    args = (params, tx.init(params), {"x": x}, jax.random.PRNGKey(2))
+    with pytest.raises(diphoma_compile.DiphomaError) as e:
+        diphoma_compile.parallelize(step, {"pp": 8}, microbatches=2, batch_argnums=2
+                                    ).trace(*args)
+    assert "each of the 2 microbatches would draw the same numbers" in str(e.value)
+    assert "hint: microbatches=1" in str(e.value)
+    one = diphoma_compile.parallelize(step, {"pp": 8}, microbatches=1, batch_argnums=2)
+    assert len(one.trace(*args).plan.notes["pipeline"]["stages"]) == 8

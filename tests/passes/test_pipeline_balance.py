@@ -41,3 +41,17 @@ def test_on_a_tie_a_cut_stays_where_the_balance_put_it():
     assert cheapest_near([4], [3, 4, 5], pre, [0.0] * 9) == [4]
     # each cut moves between its neighbours only (the first moved, the second after it)
     assert cheapest_near([3, 6], [2, 3, 4, 6, 7], pre, [0.0] * 9) == [3, 6]
+
+
+def test_every_stage_holds_an_op_that_reads_a_parameter():
+    """Ops 0 and 1 read parameters (a layer's matmul), 2 and 3 are activations (a loss):
+    unconstrained, 2 | 2 is the balance and leaves the second stage without a parameter;
+    constrained, the cut falls at 1 (1 | 3), and 3 stages cannot each hold one of two. A
+    cut's move keeps both of its stages holding one, however cheap the sends elsewhere."""
+    cost, holds, points = [1, 1, 1, 1], [True, True, False, False], [1, 2, 3]
+    assert balanced_cuts(cost, points, 2) == [2]
+    assert balanced_cuts(cost, points, 2, holds) == [1]
+    assert balanced_cuts(cost, points, 3, holds) is None
+    xfer = [0.0, 5.0, 0.0, 5.0, 0.0]          # a cut at 2 sends least
+    assert cheapest_near([1], points, prefix(cost), xfer) == [2]
+    assert cheapest_near([1], points, prefix(cost), xfer, holds) == [1]

@@ -90,7 +90,7 @@ def test_stages_balance_and_only_send_recv_cross():
 @pytest.mark.parametrize("stages, words", [
     (16, "fewer than the 16 stages"),
     (5, "too few for 5 stages"),
-    (4, "stage 2 of 4 would hold no parameter"),
+    (4, "too few for 4 stages that each hold a layer with parameters"),
 ])
 def test_a_model_too_small_to_split_is_refused(stages, words):
     torch.manual_seed(0)
@@ -105,16 +105,28 @@ def test_a_model_too_small_to_split_is_refused(stages, words):
 
 
 @pytest.mark.parametrize("mesh, spec", [
-    ({"pp": 4}, "dce,pipeline{axis=pp, schedule=interleaved}"),     # 8 stages, 2 layers
+    ({"pp": 4}, "dce,pipeline{axis=pp, schedule=interleaved}"),     # 8 stages
     ({"pp": 8}, "dce,pipeline"),
 ])
 def test_fewer_layers_than_stages_is_refused(mesh, spec):
-    """A 2-layer GPT cut into 8 stages: the cut points inside the embedding's sum would
-    leave a stage with ops but no parameter; refused, saying the model has too few layers."""
+    """A 1-layer GPT has 6 pieces with parameters between the places where only the
+    residual stream crosses (token and position embeddings, attention, MLP, final norm,
+    tied head): 8 stages are refused, saying the model has too few layers. A 2-layer GPT
+    has 8 and is cut into them, each stage holding a parameter; the cut points inside the
+    embedding's sum once left a stage with ops but none (refused then as "stage 2 of 8
+    would hold no parameter"), and no cut does now."""
     with pytest.raises(PassError) as e:
-        run(traced_gpt(layers=2, mesh=mesh), spec)
-    assert "too few layers" in str(e.value) and "of 8 would hold no parameter" in str(e.value)
+        run(traced_gpt(layers=1, mesh=mesh), spec)
+    assert "too few for 8 stages that each hold a layer with parameters" in str(e.value)
     assert "hint: use fewer stages than 8" in str(e.value)
+    _, ctx = run(traced_gpt(layers=2, mesh=mesh), spec)
+    rec = ctx.decision(PipelineRecord)
+    assert [st.layers for st in rec.stages] == [
+        ("tok",), ("pos",), ("blocks.0.ln1", "blocks.0.qkv", "blocks.0.proj"),
+        ("blocks.0.ln2", "blocks.0.up", "blocks.0.down"),
+        ("blocks.1.ln1", "blocks.1.qkv", "blocks.1.proj"),
+        ("blocks.1.ln2", "blocks.1.up", "blocks.1.down"), ("ln",), ("tok",)]
+    assert set(rec.sent_bytes) == {4 * 2 * 8 * 4}      # the residual stream alone
 
 
 def test_a_global_gradient_clip_is_staged():
