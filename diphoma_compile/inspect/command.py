@@ -63,7 +63,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--device-model", default=DEFAULT_DEVICE_MODEL, metavar="NAME",
                    help="the machine the step time is estimated on: "
                         + ", ".join(MODELS) + f" (default {DEFAULT_DEVICE_MODEL}, whatever "
-                        "this machine has: inspect needs no devices)")
+                        "this machine has: inspect needs no devices), or measured: this "
+                        "machine's first GPU, else its CPU, measured now")
     p.add_argument("--schedule", default="1f1b",
                    choices=("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv"),
                    help="the pipeline schedule with a pp axis (default 1f1b; the others "
@@ -231,7 +232,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     clock = [("start", time.perf_counter())]
     mesh = parse_mesh(args.mesh)
     axis = inspect_axis(mesh, args.axis)
-    device_model(args.device_model)     # an unknown name fails before the file is loaded
+    if args.device_model != "measured":
+        device_model(args.device_model)  # an unknown name fails before the file is loaded
     dump: Any = "all" if args.dump_ir_after == "all" else frozenset(
         x.strip() for x in args.dump_ir_after.split(",") if x.strip())
     out = sys.stdout
@@ -241,6 +243,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     with contextlib.redirect_stdout(sys.stderr):
         target = build_target(args, mesh, axis)
         clock.append(("load and build", time.perf_counter()))
+        if args.device_model == "measured":     # the framework's device on this machine
+            from .. import framework as frameworks
+            args.device_model = frameworks.get(target.framework).measure_device(()).name
+            clock.append(("measure the device", time.perf_counter()))
         graph, plan, records = plan_target(target, mesh, axis, args.passes, dump, stream,
                                            clock, args.verify_passes, args.device_model,
                                            args.schedule)

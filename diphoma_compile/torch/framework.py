@@ -48,7 +48,9 @@ class TorchFramework:
             raise FrontendError("device_model='measured': the step's tensors are on the "
                                 "meta device, which runs nothing to measure",
                                 hint="name the device model to plan for (h100-nccl, ...)")
-        return measure_device(t.device if t is not None else "cpu")
+        if t is None:        # no tensor to go by (inspect): the first GPU, else the CPU
+            return measure_device("cuda" if torch.cuda.is_available() else "cpu")
+        return measure_device(t.device)
 
     def trace(self, step_fn: Callable, args: tuple, **options: Any) -> tuple[Graph, Any]:
         """The step's IR and its capture (which the runtime binds to the live state)."""

@@ -245,3 +245,16 @@ def test_a_hugging_face_gpt2_pipeline_counts_the_whole_batch_and_its_bubble(caps
     assert rc == 0
     line = next(x for x in out.splitlines() if x.startswith("compute: "))
     assert " pipeline bubble (the last rank to finish" in line
+
+
+def test_the_device_model_can_be_measured_on_this_machine(capsys):
+    """--device-model measured: this machine's device of the model's framework (the CPU
+    here: no GPU), measured when the file is loaded, and the step time estimated on it."""
+    from pathlib import Path
+    from diphoma_compile.ir.device_model import device_model
+    step = str(Path(__file__).parents[1] / "inspect_models" / "torch_step.py")
+    c = inspect_json(capsys, step, "--mesh", "dp=4", "--device-model", "measured")["compute"]
+    assert c["device_model"] == "measured-cpu-gloo"
+    m = device_model("measured-cpu-gloo")
+    assert 1e9 < m.flops_per_s < 1e14
+    assert c["estimated_step_s"]["compute"] > 0
