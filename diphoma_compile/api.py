@@ -28,7 +28,8 @@ from . import framework as frameworks
 from .errors import DiphomaError
 from .framework import Framework
 from .ir.analysis import runs_on_one_device
-from .ir.device_model import MODELS, DeviceModel, device_model, model_for_device, register
+from .ir.device_model import (MODELS, DeviceModel, check, device_model, model_for_device,
+                              register)
 from .ir.core import Graph, InputKind
 from .mesh import Mesh, data_axis, fold_nodes, pipeline_axis, tensor_axis
 from .passes.base import PassContext
@@ -122,6 +123,8 @@ class ParallelStep:
         model = self.device_model
         if model == "measured":      # measured once, on the first trace (every rank)
             model = self.device_model = self._fw.measure_device(example_args).name
+        elif isinstance(model, DeviceModel):    # registered now: this step's figures
+            model = register(model).name
         elif model is None:          # the model of the device at hand
             model = model_for_device(*self._fw.device(example_args),
                                      default=DEFAULT_DEVICE_MODEL)
@@ -267,14 +270,14 @@ def trace_step(step_fn: Callable, args: tuple, mesh: Mesh, axis: str,
     return fw, graph, extra
 
 
-def chosen_device_model(model: str | DeviceModel | None) -> str | None:
-    """``parallelize``'s ``device_model``, checked: a model's name (a DeviceModel is
-    registered under its name), ``"measured"`` (measured when the step is traced), or None
-    (the model of the device the step's arguments live on)."""
+def chosen_device_model(model: str | DeviceModel | None) -> str | DeviceModel | None:
+    """``parallelize``'s ``device_model``, checked: a model's name, a DeviceModel (kept,
+    and registered under its name when the step is traced), ``"measured"`` (measured
+    then), or None (the model of the device the step's arguments live on)."""
     if model is None or model == "measured":
         return model
     if isinstance(model, DeviceModel):
-        return register(model).name
+        return check(model)          # refused now, not at the first call
     if not isinstance(model, str):
         raise DiphomaError(f"device_model={model!r} is neither a name nor a DeviceModel",
                            hint="pass a name (" + ", ".join(MODELS) + ", or 'measured'), "

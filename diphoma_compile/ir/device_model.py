@@ -98,17 +98,28 @@ def model_for_device(kind: str, name: str = "", default: str = "h100-nccl") -> s
     return default
 
 
-def register(model: DeviceModel) -> DeviceModel:
-    """Make ``model`` known by its name (a measured one: ``torch/calibrate.py``,
-    ``jax/calibrate.py``), replacing a model of that name registered before; the defaults
-    above cannot be replaced."""
+def check(model: DeviceModel) -> DeviceModel:
+    """``model`` as ``register`` would take it (the default of its name when it equals
+    one); DiphomaError for other figures under a default's name or a rate that is not
+    positive."""
     if model.name in _DEFAULTS:
-        raise DiphomaError(f"device model {model.name!r} is a default and is not replaced",
-                           hint="give your model another name (DeviceModel.replace(name=...))")
+        if model == MODELS[model.name]:        # the default itself, passed as an object
+            return MODELS[model.name]
+        raise DiphomaError(f"device model {model.name!r} is a default and is not replaced "
+                           "by other figures", hint="give your model another name "
+                           "(DeviceModel.replace(name=...), after with_link too)")
     if not (model.flops_per_s > 0 and model.mem_bytes_per_s > 0
             and model.link.bytes_per_s > 0 and model.link.latency_s >= 0):
         raise DiphomaError(f"device model {model.name!r} has a rate that is not positive: "
                            f"{model}", hint="measure again, or give the figures by hand")
+    return model
+
+
+def register(model: DeviceModel) -> DeviceModel:
+    """Make ``model`` known by its name (a measured one: ``torch/calibrate.py``,
+    ``jax/calibrate.py``), replacing a model of that name registered before; the defaults
+    above cannot be replaced by other figures (one equal to a default is that default)."""
+    model = check(model)
     MODELS[model.name] = model
     return model
 

@@ -258,25 +258,32 @@ def _batch_statistics(graph: Graph) -> list[str]:
 
 def _keyed_draws_on_the_batch(graph: Graph) -> list[str]:
     """Where numbers drawn from a key the step holds (JAX's keys; ``random_draw`` "key")
-    meet values computed from the batch, by source line: a draw that reads batch values
-    itself, or an op reading both a batch value and a drawn value of its result's shape
-    (a mask). Draws from the process's own generator (torch's dropout) draw anew on each
-    call and are not listed; noise drawn at a weight's shape meets no batch value."""
+    meet values computed from the batch in forward or backward, by source line: a draw
+    that reads batch values itself, or an op reading both a batch value and a drawn value
+    of its result's shape (a mask). Not listed: draws from the process's own generator
+    (torch's dropout draws anew on each call), noise on a weight (a weight plus a draw is
+    a weight, the same on every microbatch as on one device), and the update's draws (it
+    runs once a step: optax's noisy_sgd draws once, as on one device)."""
     types = graph.value_types()
-    batch = {i.name for i in graph.inputs if i.role.kind is InputKind.batch}
+    kind = {i.name: i.role.kind for i in graph.inputs}
+    batch = {n for n, k in kind.items() if k is InputKind.batch}
+    weights = {n for n, k in kind.items()
+               if k in (InputKind.param, InputKind.opt_state, InputKind.buffer)}
     drawn: set[str] = set()
     out: list[str] = []
     for op in graph.ops:
+        if op.phase is Phase.update:
+            continue
         ins = free_inputs(op)
         keyed = random_draw(op) == "key"
-        on_batch = any(n in batch for n in ins)
         shape = op.results[0].type.shape if op.results else None
-        mask = any(n in drawn and types[n].numel > 1 and types[n].shape == shape
-                   for n in ins)
-        if on_batch and (keyed or mask):
-            out.append(op.loc or op.name)
-        if on_batch:
+        if any(n in batch for n in ins):
+            if keyed or any(n in drawn and types[n].numel > 1 and types[n].shape == shape
+                            for n in ins):
+                out.append(op.loc or op.name)
             batch.update(v.name for v in op.results)
+        elif any(n in weights for n in ins):
+            weights.update(v.name for v in op.results)
         elif keyed or any(n in drawn for n in ins):
             drawn.update(v.name for v in op.results)
     return list(dict.fromkeys(out))

@@ -19,9 +19,9 @@ import torch.distributed as dist
 from ..ir.device_model import DeviceModel, Link, device_model, register
 
 # sizes: large enough to leave the caches and reach the steady rate, small enough to take
-# a fraction of a second on a 2-core CPU
+# a fraction of a second on a 2-core CPU (and little memory beside a loaded GPU's model)
 _MM = {"cpu": 512, "cuda": 4096}
-_COPY_BYTES = {"cpu": 64 << 20, "cuda": 1 << 30}
+_COPY_BYTES = {"cpu": 64 << 20, "cuda": 256 << 20}
 _MSG_BYTES = 4 << 20
 
 
@@ -43,12 +43,14 @@ def _best(fn, device: torch.device, repeat: int) -> float:
     return best
 
 
-def matmul_rate(device: torch.device, repeat: int = 5) -> float:
-    """Float32 flops per second of one n x n by n x n product on ``device``."""
+def matmul_rate(device: torch.device, repeat: int = 5,
+                dtype: torch.dtype = torch.float32) -> float:
+    """Flops per second of one n x n by n x n product in ``dtype`` on ``device`` (no random
+    numbers: the user's generators are left as they were)."""
     n = _MM.get(device.type, _MM["cuda"])
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
-    out = torch.empty(n, n, device=device)
+    a = torch.full((n, n), 1.0 / n, device=device, dtype=dtype)
+    b = torch.full((n, n), 1.0 / n, device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
     reps = 16 if device.type == "cpu" else 20
 
     def run():
@@ -60,9 +62,12 @@ def matmul_rate(device: torch.device, repeat: int = 5) -> float:
 def copy_bandwidth(device: torch.device, repeat: int = 5) -> float:
     """Bytes per second a copy moves (read and written) on ``device``."""
     nbytes = _COPY_BYTES.get(device.type, _COPY_BYTES["cuda"])
-    src = torch.ones(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    return 2.0 * nbytes / _best(lambda: dst.copy_(src), device, repeat)
+    bufs = [torch.ones(nbytes // 4, device=device), torch.empty(nbytes // 4, device=device)]
+    rate = 2.0 * nbytes / _best(lambda: bufs[1].copy_(bufs[0]), device, repeat)
+    bufs.clear()
+    if device.type == "cuda":          # give the measurement's memory back to the model
+        torch.cuda.empty_cache()
+    return rate
 
 
 def _ping_pong(peer: int, nbytes: int, device: torch.device, group: Any,
@@ -85,9 +90,12 @@ def _ping_pong(peer: int, nbytes: int, device: torch.device, group: Any,
 
 def link_figures(device: torch.device, group: Any = None, repeat: int = 5) -> Link | None:
     """Latency and bandwidth of one send between ranks 0 and 1 of ``group`` (every rank
-    calls it; the others wait), or None without a process group of two or more."""
+    calls it; the others wait), or None without a process group of two or more. The
+    buffers live where the group's backend sends from: the CPU under gloo."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
         return None
+    if str(dist.get_backend(group)) == "gloo":
+        device = torch.device("cpu")
     me = dist.get_rank(group)
     latency = bandwidth = 0.0
     if me in (0, 1):
@@ -102,11 +110,17 @@ def link_figures(device: torch.device, group: Any = None, repeat: int = 5) -> Li
     return Link(bytes_per_s=bandwidth, latency_s=latency)
 
 
+def _collective_device(device: torch.device, group: Any) -> torch.device:
+    """Where the group's collectives take their tensors: the CPU under gloo."""
+    return torch.device("cpu") if str(dist.get_backend(group)) == "gloo" else device
+
+
 def measure_device(device: torch.device | str = "cpu", group: Any = None,
-                   base: str | None = None, repeat: int = 5) -> DeviceModel:
-    """A DeviceModel of ``device`` as measured now, registered by its name
-    (``measured-cpu-gloo``, ``measured-cuda-nccl``) so that pass options and ``inspect``
-    can name it.
+                   base: str | None = None, repeat: int = 5,
+                   dtype: torch.dtype = torch.float32) -> DeviceModel:
+    """A DeviceModel of ``device`` as measured now (matrix products in ``dtype``, the
+    step's parameters' in ``parallelize``), registered by its name (``measured-cpu-gloo``,
+    ``measured-cuda-nccl``) so that pass options and ``inspect`` can name it.
 
     Figures not measured (a link without a process group, the launch latency) come from
     ``base`` (default: cpu-gloo for the CPU, h100-nccl otherwise). Under an initialized
@@ -115,11 +129,12 @@ def measure_device(device: torch.device | str = "cpu", group: Any = None,
     device = torch.device(device)
     base_model = device_model(base or ("cpu-gloo" if device.type == "cpu" else "h100-nccl"))
     grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    if grouped:       # start together (an all-reduce, not barrier(): NCCL's guesses a GPU)
+        dist.all_reduce(torch.zeros(1, device=_collective_device(device, group)),
+                        group=group)
+    rates = [matmul_rate(device, repeat, dtype), copy_bandwidth(device, repeat)]
     if grouped:
-        dist.barrier(group=group)
-    rates = [matmul_rate(device, repeat), copy_bandwidth(device, repeat)]
-    if grouped:
-        t = torch.tensor(rates, dtype=torch.float64, device=device)
+        t = torch.tensor(rates, dtype=torch.float64, device=_collective_device(device, group))
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
         rates = t.tolist()
     link = link_figures(device, group, repeat) if grouped else None

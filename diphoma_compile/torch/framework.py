@@ -39,8 +39,9 @@ class TorchFramework:
         return (t.device.type, name)
 
     def measure_device(self, args: tuple) -> DeviceModel:
-        """The arguments' device measured (torch/calibrate.py); with a process group,
-        every rank at once, the slowest rank's rates and rank 0's link to rank 1."""
+        """The arguments' device measured (torch/calibrate.py; products in the first
+        parameter's dtype); with a process group, every rank at once, the slowest rank's
+        rates and rank 0's link to rank 1."""
         from .calibrate import measure_device
         from .trace import first_tensor
         t = first_tensor(args)
@@ -50,7 +51,8 @@ class TorchFramework:
                                 hint="name the device model to plan for (h100-nccl, ...)")
         if t is None:        # no tensor to go by (inspect): the first GPU, else the CPU
             return measure_device("cuda" if torch.cuda.is_available() else "cpu")
-        return measure_device(t.device)
+        return measure_device(t.device, dtype=t.dtype if t.is_floating_point()
+                              else torch.float32)
 
     def trace(self, step_fn: Callable, args: tuple, **options: Any) -> tuple[Graph, Any]:
         """The step's IR and its capture (which the runtime binds to the live state)."""

@@ -64,6 +64,7 @@ def test_a_measured_model_is_registered_by_name_and_defaults_are_kept():
         MODELS.pop("test-host", None)
     with pytest.raises(DiphomaError, match="'cpu-gloo' is a default"):
         register(mine.replace(name="cpu-gloo"))
+    assert register(device_model("h100-nccl").replace()) is device_model("h100-nccl")
     with pytest.raises(DiphomaError, match="not positive"):
         register(mine.replace(mem_bytes_per_s=0.0))
     with pytest.raises(DiphomaError, match="not positive"):

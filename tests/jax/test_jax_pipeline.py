@@ -273,3 +273,31 @@ def test_dropout_from_a_key_over_several_microbatches_is_refused():
     assert "hint: microbatches=1" in str(e.value)
     one = diphoma_compile.parallelize(step, {"pp": 8}, microbatches=1, batch_argnums=2)
     assert len(one.trace(*args).plan.notes["pipeline"]["stages"]) == 8
+
+
+def test_noise_on_weights_or_in_the_update_is_not_refused():
+    """What draws the same numbers on every microbatch as one device draws once is planned
+    over several microbatches: noise added to a weight (a weight plus a draw is a weight;
+    a shape test alone took x @ w' for a mask when the microbatch had w' 's shape) and
+    optax's noisy_sgd (the update runs once a step)."""
+    def case(tx, weight_noise):
+        def loss_fn(p, x, key):
+            for k in range(8):
+                w = p[k] + 0.01 * jax.random.normal(jax.random.fold_in(key, k), p[k].shape) \
+                    if weight_noise else p[k]
+                x = jnp.tanh(x @ w)
+            return jnp.mean(x ** 2)
+
+        def step(params, opt_state, batch, key):
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch["x"], key)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        params = [jnp.full((16, 16), 0.1) for _ in range(8)]
+        ps = diphoma_compile.parallelize(step, {"pp": 8}, microbatches=2, batch_argnums=2)
+        # 32 rows: a microbatch of 16 x 16, the weights' shape
+        ps.trace(params, tx.init(params), {"x": jnp.ones((32, 16))}, jax.random.PRNGKey(2))
+        return len(ps.plan.notes["pipeline"]["stages"])
+
+    assert case(optax.sgd(0.1), weight_noise=True) == 8
+    assert case(optax.noisy_sgd(0.1, key=0), weight_noise=False) == 8

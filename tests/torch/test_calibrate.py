@@ -32,6 +32,11 @@ def test_the_cpu_is_measured_into_a_registered_model():
     assert 1e9 < m.mem_bytes_per_s < 1e13
     assert m.link == device_model("cpu-gloo").link
     assert device_model("measured-cpu-gloo") is m
+    torch.manual_seed(5)                         # it draws no random numbers of the user's
+    measure_device("cpu", repeat=1)
+    drawn = torch.rand(3)
+    torch.manual_seed(5)
+    assert torch.equal(drawn, torch.rand(3))
 
 
 def test_a_plan_is_costed_on_the_device_at_hand_or_the_one_asked_for():
@@ -49,6 +54,11 @@ def test_a_plan_is_costed_on_the_device_at_hand_or_the_one_asked_for():
         assert plan.compute.compute_s < slow.compute_s    # 5x and 10x cpu-gloo's rates
     finally:
         MODELS.pop("test-my-cpu", None)
+    assert _step({"dp": 1}, device_model=device_model("h200-nccl")
+                 ).plan.compute.device_model == "h200-nccl"
+    with pytest.raises(DiphomaError, match="'h100-nccl' is a default"):    # before tracing
+        diphoma_compile.parallelize(mse_step, {"dp": 1}, device_model=device_model(
+            "h100-nccl").with_link("pp", device_model("cpu-gloo").link))
     measured = _step({"dp": 1}, device_model="measured")
     assert measured.plan.compute.device_model == "measured-cpu-gloo"
     assert measured.device_model == "measured-cpu-gloo"   # measured once, then named
