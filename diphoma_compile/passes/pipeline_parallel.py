@@ -275,7 +275,7 @@ def _keyed_draws_on_the_batch(graph: Graph) -> list[str]:
         if op.phase is Phase.update:
             continue
         ins = free_inputs(op)
-        keyed = random_draw(op) == "key"
+        keyed = _draws_from_a_key(op)
         shape = op.results[0].type.shape if op.results else None
         if any(n in batch for n in ins):
             if keyed or any(n in drawn and types[n].numel > 1 and types[n].shape == shape
@@ -287,6 +287,13 @@ def _keyed_draws_on_the_batch(graph: Graph) -> list[str]:
         elif keyed or any(n in drawn for n in ins):
             drawn.update(v.name for v in op.results)
     return list(dict.fromkeys(out))
+
+
+def _draws_from_a_key(op: Op) -> bool:
+    """Whether ``op`` draws from a key, itself or anywhere in its regions (a lax.scan over
+    layers with dropout inside)."""
+    return random_draw(op) == "key" or any(_draws_from_a_key(o) for r in op.regions
+                                           for o in r.ops)
 
 
 def _buffers_read_where_written(ops: list[Op], graph: Graph) -> None:

@@ -301,3 +301,30 @@ def test_noise_on_weights_or_in_the_update_is_not_refused():
 
     assert case(optax.sgd(0.1), weight_noise=True) == 8
     assert case(optax.noisy_sgd(0.1, key=0), weight_noise=False) == 8
+
+
+def test_dropout_inside_a_scan_is_seen():
+    """A key's draws inside a lax.scan region (dropout in a scanned layer) meet the batch
+    as those outside do: refused over several microbatches."""
+    tx = optax.sgd(0.1)
+
+    def loss_fn(p, x, key):
+        h = jnp.tanh(x @ p[0])
+
+        def body(h, k):
+            return jnp.where(jax.random.bernoulli(k, 0.5, h.shape), h * 2, 0.0), None
+        h, _ = jax.lax.scan(body, h, jax.random.split(key, 3))
+        for k in range(1, 8):
+            h = jnp.tanh(h @ p[k])
+        return jnp.mean(h ** 2)
+
+    def step(params, opt_state, batch, key):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch["x"], key)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params = [jnp.full((16, 16), 0.1) for _ in range(8)]
+    with pytest.raises(diphoma_compile.DiphomaError) as e:
+        diphoma_compile.parallelize(step, {"pp": 8}, microbatches=2, batch_argnums=2).trace(
+            params, tx.init(params), {"x": jnp.ones((8, 16))}, jax.random.PRNGKey(2))
+    assert "would draw the same numbers from the same key" in str(e.value)
