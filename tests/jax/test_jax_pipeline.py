@@ -275,39 +275,44 @@ def test_dropout_from_a_key_over_several_microbatches_is_refused():
     assert len(one.trace(*args).plan.notes["pipeline"]["stages"]) == 8
 
 
+def _plan_eight_stages(loss_fn, tx, rows: int) -> diphoma_compile.ParallelStep:
+    """``loss_fn(params, x, key)`` of eight 16 x 16 weights as an optax step, planned over
+    pp=8 with 2 microbatches of a batch of ``rows`` x 16 and a key."""
+    def step(params, opt_state, batch, key):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch["x"], key)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params = [jnp.full((16, 16), 0.1) for _ in range(8)]
+    return diphoma_compile.parallelize(step, {"pp": 8}, microbatches=2, batch_argnums=2
+                                       ).trace(params, tx.init(params),
+                                               {"x": jnp.ones((rows, 16))},
+                                               jax.random.PRNGKey(2))
+
+
 def test_noise_on_weights_or_in_the_update_is_not_refused():
     """What draws the same numbers on every microbatch as one device draws once is planned
     over several microbatches: noise added to a weight (a weight plus a draw is a weight;
     a shape test alone took x @ w' for a mask when the microbatch had w' 's shape) and
     optax's noisy_sgd (the update runs once a step)."""
-    def case(tx, weight_noise):
-        def loss_fn(p, x, key):
+    def loss_fn(weight_noise):
+        def fn(p, x, key):
             for k in range(8):
                 w = p[k] + 0.01 * jax.random.normal(jax.random.fold_in(key, k), p[k].shape) \
                     if weight_noise else p[k]
                 x = jnp.tanh(x @ w)
             return jnp.mean(x ** 2)
+        return fn
 
-        def step(params, opt_state, batch, key):
-            loss, grads = jax.value_and_grad(loss_fn)(params, batch["x"], key)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
-        params = [jnp.full((16, 16), 0.1) for _ in range(8)]
-        ps = diphoma_compile.parallelize(step, {"pp": 8}, microbatches=2, batch_argnums=2)
-        # 32 rows: a microbatch of 16 x 16, the weights' shape
-        ps.trace(params, tx.init(params), {"x": jnp.ones((32, 16))}, jax.random.PRNGKey(2))
-        return len(ps.plan.notes["pipeline"]["stages"])
-
-    assert case(optax.sgd(0.1), weight_noise=True) == 8
-    assert case(optax.noisy_sgd(0.1, key=0), weight_noise=False) == 8
+    # 32 rows: a microbatch of 16 x 16, the weights' shape
+    for tx, noise in ((optax.sgd(0.1), True), (optax.noisy_sgd(0.1, key=0), False)):
+        ps = _plan_eight_stages(loss_fn(noise), tx, rows=32)
+        assert len(ps.plan.notes["pipeline"]["stages"]) == 8
 
 
 def test_dropout_inside_a_scan_is_seen():
     """A key's draws inside a lax.scan region (dropout in a scanned layer) meet the batch
     as those outside do: refused over several microbatches."""
-    tx = optax.sgd(0.1)
-
     def loss_fn(p, x, key):
         h = jnp.tanh(x @ p[0])
 
@@ -318,13 +323,6 @@ def test_dropout_inside_a_scan_is_seen():
             h = jnp.tanh(h @ p[k])
         return jnp.mean(h ** 2)
 
-    def step(params, opt_state, batch, key):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch["x"], key)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    params = [jnp.full((16, 16), 0.1) for _ in range(8)]
     with pytest.raises(diphoma_compile.DiphomaError) as e:
-        diphoma_compile.parallelize(step, {"pp": 8}, microbatches=2, batch_argnums=2).trace(
-            params, tx.init(params), {"x": jnp.ones((8, 16))}, jax.random.PRNGKey(2))
+        _plan_eight_stages(loss_fn, optax.sgd(0.1), rows=8)
     assert "would draw the same numbers from the same key" in str(e.value)
