@@ -197,6 +197,13 @@ def random_draw(op: Op) -> str | None:
     return None
 
 
+def draws_from_a_key(op: Op) -> bool:
+    """Whether ``op`` draws from a key or seed the step holds (``random_draw`` "key"),
+    itself or anywhere in its regions (a lax.scan over layers with dropout inside)."""
+    return random_draw(op) == "key" or any(draws_from_a_key(o) for r in op.regions
+                                           for o in r.ops)
+
+
 def is_local(name: str) -> bool:
     """True for the collectives that move no data (each device computes its piece alone:
     take_shard, as_partial), which costs, plans and reports count as free."""

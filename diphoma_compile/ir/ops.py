@@ -11,12 +11,13 @@ from . import shape_rules as R
 from . import sharding_rules as S
 from . import strategies as T
 from .core import Attrs, Op, Value
-from .opdef import (ELEMENTWISE, OPS, AttrKind, Category, OpDef, check_attr, is_effectful,
-                    is_elementwise, is_local, is_pure, is_view, op_def, random_draw,
-                    register_op)
+from .opdef import (ELEMENTWISE, OPS, AttrKind, Category, OpDef, check_attr,
+                    draws_from_a_key, is_effectful, is_elementwise, is_local, is_pure,
+                    is_view, op_def, random_draw, register_op)
 from .types import TensorType
 
-__all__ = ["ELEMENTWISE", "OPS", "AttrKind", "Category", "OpDef", "check_attr", "is_effectful",
+__all__ = ["ELEMENTWISE", "OPS", "AttrKind", "Category", "OpDef", "check_attr",
+           "draws_from_a_key", "is_effectful",
            "is_elementwise", "is_local", "is_pure", "is_view", "op_def", "random_draw",
            "register_op"]
 

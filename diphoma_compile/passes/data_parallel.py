@@ -17,7 +17,8 @@ from typing import Any
 
 from ..ir.core import (Attrs, Graph, Input, InputKind, InputRole, Op, Output, OutputKind, Phase,
                        Value)
-from ..ir.ops import op_def, random_draw
+from ..ir.analysis import free_inputs
+from ..ir.ops import draws_from_a_key, op_def, random_draw
 from ..ir.sharding_rules import propagate
 from ..ir.types import REPLICATE, VARYING, TensorType, Varying
 from .base import Pass, PassContext, PassFailure, register_pass
@@ -155,7 +156,8 @@ class _Split:
         op = self.phase_of(op, ins)
         if op.phase is Phase.update:
             self.read_synced(op, ins)
-        elif any(_varying(t, self.ax) for t in ins):
+        elif any(_varying(self.types[n], self.ax) for n in free_inputs(op)):
+            # (a region may read a per-device value it captures, not only its operands)
             op = self.per_device(op, ins, draws)
         self.follow_draws(op, ins, draws)
         self.types.update((v.name, v.type) for v in op.results)
@@ -198,10 +200,7 @@ class _Split:
         ax = self.ax
         self.check_random(op, ins, draws)
         if op.regions:
-            raise PassFailure(f"data-parallel: {op.name} with nested regions reads the "
-                              "batch; per-device control flow is not supported yet",
-                              op=op, hint="trace the step without lax.scan/while "
-                                          "over batch data")
+            return self.per_device_regions(op)
         outs = [v.type for v in op.results]
         got = propagate(op, ins, outs, ax, op_def(op.name).sharding_rule)
         if got is None:
@@ -211,6 +210,66 @@ class _Split:
                                       for v, p in zip(op.results, got)))
         self.made_in.update((v.name, Phase.forward if op.phase is Phase.forward
                              else Phase.backward) for v in op.results)
+        return op
+
+    def per_device_regions(self, op: Op) -> Op:
+        """A lax.scan over per-device values (layers scanned over the activations in
+        forward, its transpose in backward): it runs on each device's own values, as the
+        ops outside it do. Inside its body a value is per device when it is computed from
+        one (the body's carry until that settles); its results are per device where its
+        yields are. Refused: a carry that starts replicated and becomes per device (a
+        shared weight's gradient summed over the iterations), a key's draws inside (they
+        would repeat on every device, as outside), and other control flow (while, cond)
+        over per-device values."""
+        hint = "trace the step without lax.while_loop/cond over batch data"
+        if op.name != "scan" or any(o.regions for o in op.regions[0].ops):
+            raise PassFailure(f"data-parallel: {op.name} with nested regions reads the "
+                              "batch; per-device control flow other than a flat lax.scan "
+                              "is not supported yet", op=op, hint=hint)
+        if draws_from_a_key(op):
+            raise PassFailure(
+                f"data-parallel: random numbers drawn from a JAX key inside {op.name} meet "
+                "per-device values (dropout in a scanned layer): every device would draw "
+                "them from the same key, repeating one another's masks", op=op,
+                hint="turn dropout off (rate 0, or deterministic=True) for data "
+                     "parallelism, or draw the random numbers outside the step and pass "
+                     "them in with the batch")
+        ax, body = self.ax, op.regions[0]
+        nc, nk = op.attrs.get("num_consts", 0), op.attrs["num_carry"]
+        ins = [_varying(self.types[n], ax) for n in op.inputs]
+        captured = {n for n in free_inputs(op) if _varying(self.types[n], ax)}
+        while True:
+            v = captured | {a.name for a, var in zip(body.args, ins) if var}
+            for o in body.ops:
+                if any(n in v for n in free_inputs(o)):
+                    v.update(r.name for r in o.results)
+            grown = [k for k in range(nk) if body.yields[k] in v and not ins[nc + k]]
+            if not grown:
+                break
+            for k in grown:
+                ins[nc + k] = True
+        for k in range(nk):
+            if ins[nc + k] and not _varying(self.types[op.inputs[nc + k]], ax):
+                # the IR has no op making a replicated value per device, and the verifier
+                # matches a carry's placement in and out
+                raise PassFailure(
+                    f"data-parallel: {op.name}'s carry %{op.inputs[nc + k]} starts the same "
+                    "on every device and becomes per device in its body (a weight every "
+                    "iteration reads, its gradient summed over the iterations: an RNN's "
+                    "weight, a layer shared by scanned blocks); not supported yet", op=op,
+                    hint="scan over stacked weights, one per iteration (flax nn.scan with "
+                         "variable_axes={'params': 0}), or unroll the loop")
+
+        def typed(val: Value, var: bool) -> Value:
+            return Value(val.name, val.type.with_placement(ax, VARYING)) if var else val
+        args = tuple(typed(a, var) for a, var in zip(body.args, ins))
+        ops = tuple(o.replace(results=tuple(typed(r, r.name in v) for r in o.results))
+                    for o in body.ops)
+        yv = [y in v for y in body.yields]
+        results = tuple(typed(r, yv[k]) for k, r in enumerate(op.results))
+        op = op.replace(regions=(body.replace(args=args, ops=ops),), results=results)
+        self.made_in.update((r.name, Phase.forward if op.phase is Phase.forward
+                             else Phase.backward) for r, var in zip(op.results, yv) if var)
         return op
 
     def check_random(self, op: Op, ins: list[TensorType], draws: str | None) -> None:

@@ -43,7 +43,8 @@ from ..ir.analysis import free_inputs, op_cost
 from ..ir.core import Attrs, Graph, InputKind, Op, OutputKind, Phase, Value
 from ..ir.device_model import DeviceModel, device_model
 from ..ir.framework_ops import framework_rule
-from ..ir.ops import op_def, random_draw
+from ..ir.ops import draws_from_a_key, op_def, random_draw
+from ..ir.rewrite import rename_region
 from .base import Pass, PassContext, PassFailure, register_pass
 from .data_parallel import require_axis
 from .pipeline_balance import balanced_cuts, cheapest_near, forward_costs, op_seconds
@@ -275,7 +276,7 @@ def _keyed_draws_on_the_batch(graph: Graph) -> list[str]:
         if op.phase is Phase.update:
             continue
         ins = free_inputs(op)
-        keyed = _draws_from_a_key(op)
+        keyed = draws_from_a_key(op)
         shape = op.results[0].type.shape if op.results else None
         if any(n in batch for n in ins):
             if keyed or any(n in drawn and types[n].numel > 1 and types[n].shape == shape
@@ -287,13 +288,6 @@ def _keyed_draws_on_the_batch(graph: Graph) -> list[str]:
         elif keyed or any(n in drawn for n in ins):
             drawn.update(v.name for v in op.results)
     return list(dict.fromkeys(out))
-
-
-def _draws_from_a_key(op: Op) -> bool:
-    """Whether ``op`` draws from a key, itself or anywhere in its regions (a lax.scan over
-    layers with dropout inside)."""
-    return random_draw(op) == "key" or any(_draws_from_a_key(o) for r in op.regions
-                                           for o in r.ops)
 
 
 def _buffers_read_where_written(ops: list[Op], graph: Graph) -> None:
@@ -700,10 +694,13 @@ class _Cut:
 
 
 def _rename_captures(op: Op, ren: dict[str, str]) -> Op:
-    if all(k == v for k, v in ren.items()):
+    """``op`` with the values its regions capture from outside renamed as its operands
+    were: a capture made on another stage is read from its recv on this one (a lax.scan
+    over layers reading the activation the stage before sent)."""
+    mapping = {k: v for k, v in ren.items() if k != v}
+    if not mapping:
         return op
-    raise PassFailure("pipeline: an op with regions reads a value from another stage",
-                      op=op, hint="control flow inside a stage only")
+    return op.replace(regions=tuple(rename_region(r, mapping) for r in op.regions))
 
 
 def pipeline_of(graph: Graph) -> PipelineParallel | None:
