@@ -411,10 +411,12 @@ class _Cut:
                  for op in fwd]
         cuts = balanced_cuts(cost, points, self.n, holds)
         if cuts is None:
+            scanned = any(op.regions and h for op, h in zip(fwd, holds))
             raise PassFailure(
                 f"pipeline: the forward pass has {len(points)} places to cut where few bytes "
                 f"cross (layer boundaries), too few for {self.n} stages that each hold a "
-                "layer with parameters",
+                "layer with parameters" + (" (a lax.scan over layers is one layer here: it "
+                                           "runs whole on one stage)" if scanned else ""),
                 hint=f"use fewer stages than {self.n} (fewer devices on the {self.ax!r} "
                      "axis, or a schedule with one stage per device), or a model with more "
                      "layers")

@@ -148,3 +148,13 @@ def test_control_flow_other_than_a_scan_or_a_keyed_draw_in_one_is_refused():
             diphoma_compile.parallelize(stepper(fn), {"dp": 8}, batch_argnums=2).trace(
                 params, tx.init(params), jnp.ones((16, 4)), jax.random.PRNGKey(1))
         assert words in str(e.value), str(e.value)
+
+
+def test_more_stages_than_places_around_a_scan_is_refused_saying_so():
+    """Dense in, the scan, norm and dense out: three places for stages, so pp=4 is refused,
+    and the reason names the scan (it runs whole on one stage)."""
+    step, params, tx, batch = _case()
+    with pytest.raises(diphoma_compile.DiphomaError) as e:
+        diphoma_compile.parallelize(step, {"dp": 2, "pp": 4}).trace(params, tx.init(params),
+                                                                     batch)
+    assert "a lax.scan over layers is one layer here" in str(e.value)
