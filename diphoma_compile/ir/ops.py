@@ -147,6 +147,9 @@ _add("take_shard", C.collective, R.same_as_input, S.collective,
 _add("as_partial", C.collective, R.same_as_input, S.collective, _COLL, local=True,
      doc="a replicated value as a partial sum: device 0 of the axis keeps it, the others "
          "hold zeros (no communication; a row-parallel layer's bias, added once)")
+_add("as_varying", C.collective, R.same_as_input, S.collective, _COLL, local=True,
+     doc="a replicated value as a per-device one (no communication: every device starts "
+         "from the same value; a scan's carry that its body makes per device)")
 _add("as_shard", C.collective, R.as_shard, S.collective, {**_COLL, "dim": ("dim_or_flat", True)},
      local=True,
      doc="each device's varying value as its piece of a sharded value (the piece is its "

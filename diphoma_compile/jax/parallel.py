@@ -234,6 +234,11 @@ def _as_partial(low: PerDeviceLowering, op: Op, ins: list) -> list:
     return [lax.select(lax.broadcast(mine, np.shape(x)), x, lax.full_like(x, 0))]
 
 
+def _as_varying(low: PerDeviceLowering, op: Op, ins: list) -> list:
+    # under shard_map with check_vma=False a replicated array is already this device's own
+    return [ins[0]]
+
+
 def _all_to_all(low: PerDeviceLowering, op: Op, ins: list) -> list:
     local = op.attrs.get("local")
     if len(ins) > 1 or local:      # 1-d payloads (a bucket): row j of each goes to device j
@@ -253,7 +258,8 @@ def _all_to_all(low: PerDeviceLowering, op: Op, ins: list) -> list:
 
 _COLLECTIVES = {"all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter,
                 "all_gather": _all_gather, "wait": _wait, "take_shard": _take_shard,
-                "broadcast": _broadcast, "all_to_all": _all_to_all, "as_partial": _as_partial}
+                "broadcast": _broadcast, "all_to_all": _all_to_all, "as_partial": _as_partial,
+                "as_varying": _as_varying}
 
 
 # ---------------------------------------------------------------- layouts over the mesh

@@ -138,6 +138,7 @@ class _Split:
                 i = type(i)(Value(i.name, t), i.role)
             self.types[i.name] = t
             self.inputs.append(i)
+        self.names = graph.fresh_names()      # for the values this pass adds
         self.need: dict[str, str] = {}        # varying name -> how it is synchronized
         self.ops: list[Op] = []
         self.made_in: dict[str, Phase] = {n: Phase.forward for n in self.batch}  # varying
@@ -217,10 +218,11 @@ class _Split:
         forward, its transpose in backward): it runs on each device's own values, as the
         ops outside it do. Inside its body a value is per device when it is computed from
         one (the body's carry until that settles); its results are per device where its
-        yields are. Refused: a carry that starts replicated and becomes per device (a
-        shared weight's gradient summed over the iterations), a key's draws inside (they
-        would repeat on every device, as outside), and other control flow (while, cond)
-        over per-device values."""
+        yields are. A carry that starts replicated and becomes per device (a shared
+        weight's gradient summed over the iterations from zeros) enters through
+        ``as_varying``, each device's own copy. Refused: a key's draws inside (they would
+        repeat on every device, as outside) and other control flow (while, cond) over
+        per-device values."""
         hint = "trace the step without lax.while_loop/cond over batch data"
         if op.name != "scan" or any(o.regions for o in op.regions[0].ops):
             raise PassFailure(f"data-parallel: {op.name} with nested regions reads the "
@@ -248,17 +250,20 @@ class _Split:
                 break
             for k in grown:
                 ins[nc + k] = True
+        operands = list(op.inputs)
         for k in range(nk):
-            if ins[nc + k] and not _varying(self.types[op.inputs[nc + k]], ax):
-                # the IR has no op making a replicated value per device, and the verifier
-                # matches a carry's placement in and out
-                raise PassFailure(
-                    f"data-parallel: {op.name}'s carry %{op.inputs[nc + k]} starts the same "
-                    "on every device and becomes per device in its body (a weight every "
-                    "iteration reads, its gradient summed over the iterations: an RNN's "
-                    "weight, a layer shared by scanned blocks); not supported yet", op=op,
-                    hint="scan over stacked weights, one per iteration (flax nn.scan with "
-                         "variable_axes={'params': 0}), or unroll the loop")
+            name = operands[nc + k]
+            if ins[nc + k] and not _varying(self.types[name], ax):
+                # a carry that starts the same everywhere and becomes per device in the
+                # body (a weight every iteration reads: its gradient summed over the
+                # iterations from replicated zeros) enters as this device's own copy
+                v_name = self.names(f"{name}.v")
+                t = self.types[name].with_placement(ax, VARYING)
+                self.ops.append(Op("as_varying", (name,), (Value(v_name, t),),
+                                   Attrs(axis=ax), phase=op.phase, loc=op.loc))
+                self.types[v_name] = t
+                operands[nc + k] = v_name
+        op = op.replace(inputs=tuple(operands))
 
         def typed(val: Value, var: bool) -> Value:
             return Value(val.name, val.type.with_placement(ax, VARYING)) if var else val
@@ -353,7 +358,7 @@ class _Split:
     # 3. the collectives, each right where its value is made
     def insert_syncs(self) -> Graph:
         """The graph with a collective after each value that leaves per-device code."""
-        names = self.graph.fresh_names()
+        names = self.names
         made: dict[str, str] = {}
         out_ops: list[Op] = []
         for n in self.need:

@@ -497,10 +497,16 @@ def _as_partial(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
     return b.call(collectives.as_partial, [comm, b.node(op.inputs[0])])
 
 
+def _as_varying(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
+    """A replicated value as this rank's own: the same tensor, nothing sent."""
+    return b.node(op.inputs[0])
+
+
 # the collectives of one value; the helpers of collectives.py run them
 _COLLECTIVES: dict[str, Callable[[_Builder, Op, fx.Node], fx.Node]] = {
     "all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter, "all_gather": _all_gather,
     "take_shard": _take_shard, "broadcast": _broadcast, "as_partial": _as_partial,
+    "as_varying": _as_varying,
 }
 
 
