@@ -14,7 +14,7 @@ from .ops import Category, check_attr, op_def
 from .printer import format_name, format_op_head
 from .shape_rules import TypeRuleError, region_types
 from .sharding_rules import expected_collective, propagate
-from .types import FLAT_DIRTY, Shard, TensorType, fits
+from .types import FLAT_DIRTY, Replicate, Shard, TensorType, Varying, fits
 
 _PHASE_RANK = {Phase.forward: 0, Phase.backward: 1, Phase.update: 2}
 
@@ -197,11 +197,14 @@ class _Verifier:
         if all(not t.placements for t in ins) and all(not t.placements for t in outs) \
                 and d.category is not Category.collective:
             return
-        if op.name == "scan":
-            # a fixed number of iterations: its region rule matches the body's arguments
-            # to its operands and its results to the body's yields, placements included,
-            # and the body's ops are checked one by one, so a result is per device exactly
-            # where the body makes it so (a stacked output of the weights alone is not)
+        if op.name == "scan" and all(isinstance(t.placement(a), (Replicate, Varying))
+                                     for t in (*ins, *outs) for a in self.sizes):
+            # a fixed number of iterations over whole or per-device values: its region rule
+            # matches the body's arguments to its operands and its results to the body's
+            # yields, placements included, and the body's ops are checked one by one, so a
+            # result is per device exactly where the body makes it so (a stacked output of
+            # the weights alone is not). Split or partial values keep the rule below (a
+            # slice of a value split along the scanned dimension is no longer split so).
             return
         for axis in self.sizes:
             if d.category is Category.collective and op.attrs.get("axis") == axis:

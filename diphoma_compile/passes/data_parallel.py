@@ -236,6 +236,15 @@ class _Split:
                 hint="turn dropout off (rate 0, or deterministic=True) for data "
                      "parallelism, or draw the random numbers outside the step and pass "
                      "them in with the batch")
+        drawn = [n for n in free_inputs(op) if self.drawn.get(n) == "key"]
+        if drawn:
+            raise PassFailure(
+                f"data-parallel: {op.name} over per-device values reads %{drawn[0]}, drawn "
+                "from a JAX key (dropout masks made outside the scan, passed in): every "
+                "device would use the same numbers, repeating one another's masks", op=op,
+                hint="turn dropout off (rate 0, or deterministic=True) for data "
+                     "parallelism, or draw the random numbers outside the step and pass "
+                     "them in with the batch")
         ax, body = self.ax, op.regions[0]
         nc, nk = op.attrs.get("num_consts", 0), op.attrs["num_carry"]
         ins = [_varying(self.types[n], ax) for n in op.inputs]
@@ -268,11 +277,24 @@ class _Split:
         def typed(val: Value, var: bool) -> Value:
             return Value(val.name, val.type.with_placement(ax, VARYING)) if var else val
         args = tuple(typed(a, var) for a, var in zip(body.args, ins))
-        ops = tuple(o.replace(results=tuple(typed(r, r.name in v) for r in o.results))
-                    for o in body.ops)
-        yv = [y in v for y in body.yields]
+        ops = [o.replace(results=tuple(typed(r, r.name in v) for r in o.results))
+               for o in body.ops]
+        yields = list(body.yields)
+        arg_type = {a.name: a.type for a in body.args}
+        made = {r.name: r.type for o in body.ops for r in o.results}
+        for k in range(nk):          # a per-device carry whose body yields a whole value
+            if ins[nc + k] and yields[k] not in v:
+                t = (made.get(yields[k]) or arg_type.get(yields[k]) or self.types[yields[k]])
+                name = self.names(f"{yields[k]}.v")
+                ops.append(Op("as_varying", (yields[k],),
+                              (Value(name, t.with_placement(ax, VARYING)),), Attrs(axis=ax),
+                              phase=op.phase, loc=op.loc))
+                yields[k] = name
+                v.add(name)
+        yv = [y in v for y in yields]
         results = tuple(typed(r, yv[k]) for k, r in enumerate(op.results))
-        op = op.replace(regions=(body.replace(args=args, ops=ops),), results=results)
+        op = op.replace(regions=(body.replace(args=args, ops=tuple(ops),
+                                              yields=tuple(yields)),), results=results)
         self.made_in.update((r.name, Phase.forward if op.phase is Phase.forward
                              else Phase.backward) for r, var in zip(op.results, yv) if var)
         return op

@@ -23,9 +23,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..ir.core import Attrs, Graph, Input, InputKind, Op, OutputKind, Phase, Value
+from ..ir.core import Attrs, Graph, Input, InputKind, Op, OutputKind, Phase, Value, walk_ops
 from ..ir.rewrite import rename_uses
 from ..ir.opdef import Category, is_view, op_def
+from ..ir.shape_rules import TypeRuleError
 from ..ir.sharding_rules import propagate
 from ..ir.types import REPLICATE, Placement, TensorType, dim_attr, fits
 from .base import Pass, PassContext, PassFailure, register_pass
@@ -178,6 +179,27 @@ class ShardParams(Pass):
         return graph.replace(inputs=inputs, ops=tuple(ops), outputs=outputs)
 
 
+def _check_regions(op: Op, ins: list[TensorType], res: list[TensorType],
+                   types: dict[str, TensorType]) -> None:
+    """PassFailure unless ``op``'s regions still take what it now reads (its region rule:
+    body arguments against operands, yields against results, placements included)."""
+    inner = dict(types)
+    for o in walk_ops(op.regions and tuple(x for r in op.regions for x in r.ops) or ()):
+        inner.update((v.name, v.type) for v in o.results)
+    for r in op.regions:
+        inner.update((a.name, a.type) for a in r.args)
+    rule = op_def(op.name).region_rule
+    try:
+        if rule is not None:
+            rule(op, ins, res, [([a.type for a in r.args], [inner[y] for y in r.yields])
+                                for r in op.regions])
+    except TypeRuleError as e:
+        raise PassFailure(f"shard-params: {op.name} reads values placed otherwise than its "
+                          f"body was placed for ({e})", op=op,
+                          hint="keep this step's parameters whole (shard_params=False)"
+                          ) from None
+
+
 def _retype(ops: list[Op], types: dict[str, TensorType], axis: str) -> list[Op]:
     """The ops with their results' placements on ``axis`` derived again from their inputs'
     (a piece held with padding of unknown value, ``Fx``, makes the update math on it
@@ -186,6 +208,13 @@ def _retype(ops: list[Op], types: dict[str, TensorType], axis: str) -> list[Op]:
     for op in ops:
         ins = [types[x] for x in op.inputs]
         res = [v.type for v in op.results]
+        if op.regions:
+            # control flow keeps its body's placements: a scan over per-device values reads
+            # the gathered (whole) parameters its body was placed for
+            _check_regions(op, ins, res, types)
+            types.update((v.name, v.type) for v in op.results)
+            out.append(op)
+            continue
         # a collective on this axis sets its result's placement itself
         own = op_def(op.name).category is Category.collective and op.attrs.get("axis") == axis
         got = None if own else propagate(op, ins, res, axis, op_def(op.name).sharding_rule)

@@ -145,6 +145,9 @@ def render(plan: Plan, max_rows: int = 60) -> str:
     if local.get("as_partial"):
         lines += [f"  and {local['as_partial']} as_partial (a whole tensor kept on one device "
                   "to be summed, as a row layer's bias: no traffic)"]
+    if local.get("as_varying"):
+        lines += [f"  and {local['as_varying']} as_varying (a whole value as each device's own, "
+                  "as a scan's carry that becomes per device: no traffic)"]
     lines += _tensor_parallel_lines(plan.decision(TensorParallelRecord))
     lines += _update_lines(plan.decision(WeightUpdateShardingRecord))
     lines += _shard_params_lines(plan.decision(ShardParamsRecord))

@@ -701,8 +701,8 @@ _EMIT = _emitters()
 
 # the lowerings whose results may be views of (or aliases to) their inputs: permute,
 # reshape, expand, narrow, the gathered buffer's view, and opaque calls (by their schema)
-_VIEWS = {"transpose", "reshape", "broadcast_in_dim", "take_shard", "all_gather", "opaque",
-          "slice"}
+_VIEWS = {"transpose", "reshape", "broadcast_in_dim", "take_shard", "as_varying", "all_gather",
+          "opaque", "slice"}
 
 
 def _makes_storage(op: Op) -> bool:

@@ -188,3 +188,48 @@ def test_an_rnn_scanned_over_time_matches_the_single_device_step():
     for a, b in zip(jax.tree.leaves(ps.user_shapes(got, 0)), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
     assert any(op.name == "as_varying" for op in ps.graph.ops)
+
+
+def test_scan_edge_cases_plan_or_refuse_rightly():
+    """Found in review: a carry that enters per device while the body yields a whole value
+    for it (reset each step) is fed through as_varying inside the body and matches one
+    device; a stacked output of the weights alone stays whole and shard_params=True plans
+    and matches; dropout masks drawn from a key outside the scan and passed in as its
+    scanned input are refused (every device would repeat them), as inside."""
+    tx = optax.sgd(0.1, momentum=0.9)
+
+    def stepper(loss_fn):
+        def step(params, opt_state, batch):
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch["x"])
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+        return step
+
+    def reset(p, x):
+        c, ys = jax.lax.scan(lambda c, xt: (jnp.zeros_like(c), jnp.tanh(c @ p["w"] + xt)), x,
+                             jnp.stack([x * 0.5, x, x * 2]))
+        return jnp.mean(ys ** 2) + jnp.mean(c)
+
+    def norms(p, x):
+        h, n = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), jnp.sum(w * w)), x, p["stack"])
+        return jnp.mean(h ** 2) + 0.01 * jnp.sum(n)
+
+    def masked(p, x):
+        masks = jax.random.bernoulli(jax.random.PRNGKey(3), 0.5, (3,) + x.shape)
+        h, _ = jax.lax.scan(lambda h, m: (jnp.where(m, jnp.tanh(h @ p["w"]), 0.0), None), x,
+                            masks)
+        return jnp.mean(h ** 2)
+
+    rng = np.random.default_rng(2)
+    params = {"w": jnp.asarray(rng.standard_normal((8, 8)) * 0.3, jnp.float32),
+              "stack": jnp.asarray(rng.standard_normal((3, 8, 8)) * 0.3, jnp.float32)}
+    batch = {"x": jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)}
+    for fn, kw in ((reset, {}), (norms, {"shard_params": True})):
+        _, ref_losses = _train(jax.jit(stepper(fn)), params, tx, batch, steps=2)
+        _, losses = _train(diphoma_compile.parallelize(stepper(fn), {"dp": 8}, **kw), params,
+                           tx, batch, steps=2)
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    with pytest.raises(diphoma_compile.DiphomaError) as e:
+        diphoma_compile.parallelize(stepper(masked), {"dp": 8}).trace(params, tx.init(params),
+                                                                      batch)
+    assert "drawn from a JAX key (dropout masks made outside the scan" in str(e.value)
