@@ -36,6 +36,11 @@ def require_axis(graph: Graph, axis: str, pass_name: str) -> int:
     return sizes[axis]
 
 
+# what a refusal of a key's draws meeting per-device values suggests
+_KEY_DRAW_HINT = ("turn dropout off (rate 0, or deterministic=True) for data parallelism, or "
+                  "draw the random numbers outside the step and pass them in with the batch")
+
+
 def _varying(t: TensorType, axis: str) -> bool:
     return isinstance(t.placement(axis), Varying)
 
@@ -233,18 +238,14 @@ class _Split:
                 f"data-parallel: random numbers drawn from a JAX key inside {op.name} meet "
                 "per-device values (dropout in a scanned layer): every device would draw "
                 "them from the same key, repeating one another's masks", op=op,
-                hint="turn dropout off (rate 0, or deterministic=True) for data "
-                     "parallelism, or draw the random numbers outside the step and pass "
-                     "them in with the batch")
+                hint=_KEY_DRAW_HINT)
         drawn = [n for n in free_inputs(op) if self.drawn.get(n) == "key"]
         if drawn:
             raise PassFailure(
                 f"data-parallel: {op.name} over per-device values reads %{drawn[0]}, drawn "
                 "from a JAX key (dropout masks made outside the scan, passed in): every "
                 "device would use the same numbers, repeating one another's masks", op=op,
-                hint="turn dropout off (rate 0, or deterministic=True) for data "
-                     "parallelism, or draw the random numbers outside the step and pass "
-                     "them in with the batch")
+                hint=_KEY_DRAW_HINT)
         ax, body = self.ax, op.regions[0]
         nc, nk = op.attrs.get("num_consts", 0), op.attrs["num_carry"]
         ins = [_varying(self.types[n], ax) for n in op.inputs]
@@ -321,9 +322,7 @@ class _Split:
                 "devices would repeat one another's masks instead of drawing the "
                 "global batch's; per-device random draws are not supported yet",
                 op=op,
-                hint="turn dropout off (rate 0, or deterministic=True) for data "
-                     "parallelism, or draw the random numbers outside the step and "
-                     "pass them in with the batch")
+                hint=_KEY_DRAW_HINT)
 
     def follow_draws(self, op: Op, ins: list[TensorType], draws: str | None) -> None:
         """Remember which values are random draws, through ops on whole values."""

@@ -26,7 +26,7 @@ from typing import Any
 from ..ir.core import Attrs, Graph, Input, InputKind, Op, OutputKind, Phase, Value, walk_ops
 from ..ir.rewrite import rename_uses
 from ..ir.opdef import Category, is_view, op_def
-from ..ir.shape_rules import TypeRuleError
+from ..ir.shape_rules import TypeRuleError, region_types
 from ..ir.sharding_rules import propagate
 from ..ir.types import REPLICATE, Placement, TensorType, dim_attr, fits
 from .base import Pass, PassContext, PassFailure, register_pass
@@ -183,16 +183,14 @@ def _check_regions(op: Op, ins: list[TensorType], res: list[TensorType],
                    types: dict[str, TensorType]) -> None:
     """PassFailure unless ``op``'s regions still take what it now reads (its region rule:
     body arguments against operands, yields against results, placements included)."""
-    inner = dict(types)
-    for o in walk_ops(op.regions and tuple(x for r in op.regions for x in r.ops) or ()):
-        inner.update((v.name, v.type) for v in o.results)
+    inner = dict(types)              # the body's values besides the graph's
     for r in op.regions:
         inner.update((a.name, a.type) for a in r.args)
+        inner.update((v.name, v.type) for o in walk_ops(r.ops) for v in o.results)
     rule = op_def(op.name).region_rule
     try:
         if rule is not None:
-            rule(op, ins, res, [([a.type for a in r.args], [inner[y] for y in r.yields])
-                                for r in op.regions])
+            rule(op, ins, res, region_types(op, inner))
     except TypeRuleError as e:
         raise PassFailure(f"shard-params: {op.name} reads values placed otherwise than its "
                           f"body was placed for ({e})", op=op,

@@ -88,14 +88,18 @@ def _ping_pong(peer: int, nbytes: int, device: torch.device, group: Any,
     return _best(once, device, repeat) / 2
 
 
+def _collective_device(device: torch.device, group: Any) -> torch.device:
+    """Where the group's collectives take their tensors: the CPU under gloo."""
+    return torch.device("cpu") if str(dist.get_backend(group)) == "gloo" else device
+
+
 def link_figures(device: torch.device, group: Any = None, repeat: int = 5) -> Link | None:
     """Latency and bandwidth of one send between ranks 0 and 1 of ``group`` (every rank
     calls it; the others wait), or None without a process group of two or more. The
     buffers live where the group's backend sends from: the CPU under gloo."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
         return None
-    if str(dist.get_backend(group)) == "gloo":
-        device = torch.device("cpu")
+    device = _collective_device(device, group)
     me = dist.get_rank(group)
     latency = bandwidth = 0.0
     if me in (0, 1):
@@ -108,11 +112,6 @@ def link_figures(device: torch.device, group: Any = None, repeat: int = 5) -> Li
                    group=group)
     latency, bandwidth = figures.tolist()
     return Link(bytes_per_s=bandwidth, latency_s=latency)
-
-
-def _collective_device(device: torch.device, group: Any) -> torch.device:
-    """Where the group's collectives take their tensors: the CPU under gloo."""
-    return torch.device("cpu") if str(dist.get_backend(group)) == "gloo" else device
 
 
 def measure_device(device: torch.device | str = "cpu", group: Any = None,
