@@ -5,7 +5,7 @@ LM head untied: torch's PipelineStage cannot hold a weight on two stages) with A
 gloo ranks on the CPU.
 
     python benchmarks/pipeline.py [--steps 6] [--warmup 2] [--nproc 4] [--micro 4]
-        [--schedule 1f1b|gpipe|interleaved|interleaved-zb|zbv] [--layers N]
+        [--schedule 1f1b|gpipe|interleaved|interleaved-zb|zbv|looped-bfs] [--layers N]
         [--embd 128 --vocab 1024 --seq 64 --batch 16] [--no-torch]
         [--frozen K] [--balance time|forward-flops|both] [--pin]
         [--device-model cpu-gloo|measured-cpu-gloo]
@@ -198,7 +198,7 @@ def _measured_bubble(every: list, stages: int, schedule: str, micro: int, ranks:
     program durations, transfers taking no time); laid out with the mean durations; laid
     out with equal stages. And the median over steps of measured span / replayed span
     (what the runtime adds: transfers, dispatch, waiting on a shared core)."""
-    from diphoma_compile.report.schedule import bubble, timeline
+    from diphoma_compile.passes.pipeline_timeline import bubble, timeline
     from diphoma_compile.torch.pipeline_schedule import schedule_actions
     steps = len(every[0])
     acts = schedule_actions(schedule, stages, micro, ranks)
@@ -343,7 +343,8 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--micro", type=int, default=4)
     p.add_argument("--schedule", default="1f1b",
-                   choices=("1f1b", "gpipe", "interleaved", "interleaved-zb", "zbv"))
+                   choices=("1f1b", "gpipe", "interleaved", "interleaved-zb", "zbv",
+                            "looped-bfs"))
     p.add_argument("--layers", type=int, default=None,
                    help="layers of the GPT (default: one per stage)")
     p.add_argument("--dump", metavar="FILE",

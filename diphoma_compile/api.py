@@ -429,7 +429,9 @@ def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
     A mesh axis named pp (or pipe, pipeline) cuts the step into that many pipeline stages
     (``pipeline{axis=pp, microbatches=M, schedule=...}``, docs/pipeline.md): each rank
     passes its whole local batch, which runs as ``microbatches`` M microbatches (default:
-    the axis size) on ``schedule`` (``1f1b`` or ``gpipe``).
+    the axis size) on ``schedule``: ``1f1b`` or ``gpipe`` (a stage per rank),
+    ``interleaved``, ``looped-bfs``, or the zero-bubble ``interleaved-zb`` and ``zbv`` (two
+    stages per rank).
 
     ``compression="sdp4bit"`` (opt-in) quantizes the data axis's collectives as
     SDP4Bit does: gradients reduce-scattered as Hadamard-transformed 4-bit all-to-alls,

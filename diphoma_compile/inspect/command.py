@@ -66,10 +66,11 @@ def add_parser(sub: Any) -> None:
                         "this machine has: inspect needs no devices), or measured: this "
                         "machine's first GPU, else its CPU, measured now")
     p.add_argument("--schedule", default="1f1b",
-                   choices=("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv"),
-                   help="the pipeline schedule with a pp axis (default 1f1b; the others "
-                        "run two stages per rank, the zero-bubble ones interleaved-zb and "
-                        "zbv with split backward)")
+                   choices=("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv",
+                            "looped-bfs"),
+                   help="the pipeline schedule with a pp axis (default 1f1b; interleaved, "
+                        "looped-bfs and the zero-bubble ones interleaved-zb and zbv, with "
+                        "split backward, run two stages per rank)")
     p.add_argument("--plot", metavar="FILE",
                    help="with a pp axis: draw the schedule (ranks x time, forward and "
                         "backward blocks, from the schedule's action lists and the stages' "
@@ -202,7 +203,8 @@ def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump:
 def plot_schedule(plan: Any, framework: str, path: str) -> None:
     """``--plot``: the plan's pipeline schedule laid out in time, drawn into ``path``."""
     from ..passes.pipeline_parallel import PipelineRecord
-    from ..report.schedule import bubble, plot, timeline
+    from ..passes.pipeline_timeline import bubble, timeline
+    from ..report.schedule import plot
     rec = plan.decision(PipelineRecord)
     if rec is None:
         raise InspectError("--plot draws a pipeline schedule, and this plan has none",

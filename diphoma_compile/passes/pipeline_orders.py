@@ -28,20 +28,27 @@ one stage per rank, rank r runs stage r; the zero-bubble schedules split a backw
   W); then, while forwards are left, its first stage's F, I, W and its second stage's F,
   I, W; then r pairs of input gradients, P - r of (first stage's I, W), and the weight
   gradients left, second stage first. Planned for max(M, 2P - 1) microbatches, the ones
-  past M dropped."""
+  past M dropped.
+- Looped BFS (torch's ``ScheduleLoopedBFS``; breadth-first, as in Lamy-Poirier's
+  "Breadth-First Pipeline Parallelism"): rank r holds stages r, r + P, ... (as interleaved)
+  and runs every microbatch's forward of its first stage, then of its next, ...; then the
+  backwards, its last stage first, each stage's microbatches last to first. Its fill and
+  drain are interleaved's, v times shorter than GPipe's, but every stage keeps all M
+  microbatches' activations until its backward (GPipe's memory, v times over)."""
 
 from __future__ import annotations
 
 Action = tuple[str, int, int]          # kind, microbatch, stage
 
-ORDERED = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv")
+ORDERED = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "looped-bfs")
 
 
 def rank_orders(schedule: str, ranks: int, microbatches: int, stages: int | None = None
                 ) -> tuple[tuple[Action, ...], ...]:
     """Each rank's actions under ``schedule`` (one of ``ORDERED``) over ``stages`` stages
     (``ranks`` of them, one per rank, for GPipe and 1F1B; twice that by default for the
-    interleaved schedules, stage s on rank s mod ``ranks``; 2 ``ranks`` for zbv, in a V)
+    interleaved schedules and looped BFS, stage s on rank s mod ``ranks``; 2 ``ranks`` for
+    zbv, in a V)
     and ``microbatches`` microbatches."""
     if schedule not in ORDERED:
         raise ValueError(f"no written-out order for schedule {schedule!r}; "
@@ -49,6 +56,8 @@ def rank_orders(schedule: str, ranks: int, microbatches: int, stages: int | None
     if schedule in ("interleaved", "interleaved-zb"):
         return _interleaved(ranks, 2 * ranks if stages is None else stages, microbatches,
                             split=schedule == "interleaved-zb")
+    if schedule == "looped-bfs":
+        return _looped_bfs(ranks, 2 * ranks if stages is None else stages, microbatches)
     if schedule == "zbv":
         if stages not in (None, 2 * ranks):
             raise ValueError(f"zbv runs two stages per rank, not {stages} stages on "
@@ -113,6 +122,18 @@ def _interleaved_rank(ranks: int, r: int, v: int, per_round: int, microbatches: 
         for local in backwards[max(0, len(backwards) - r):]:
             run("W", local)
     return tuple(order)
+
+
+def _looped_bfs(ranks: int, stages: int, microbatches: int
+                ) -> tuple[tuple[Action, ...], ...]:
+    if stages % ranks:
+        raise ValueError(f"looped BFS needs the stages ({stages}) to be a multiple of the "
+                         f"ranks ({ranks})")
+    mine = [range(r, stages, ranks) for r in range(ranks)]
+    return tuple(tuple([("F", m, s) for s in own for m in range(microbatches)]
+                       + [("B", m, s) for s in reversed(own)
+                          for m in reversed(range(microbatches))])
+                 for own in mine)
 
 
 def _zbv(ranks: int, r: int, microbatches: int) -> tuple[Action, ...]:

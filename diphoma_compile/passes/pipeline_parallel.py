@@ -48,14 +48,16 @@ from ..ir.rewrite import rename_region
 from .base import Pass, PassContext, PassFailure, register_pass
 from .data_parallel import require_axis
 from .pipeline_balance import balanced_cuts, cheapest_near, forward_costs, op_seconds
+from .pipeline_orders import rank_orders
 from .pipeline_pack import pack_update_scalars
 from .pipeline_refine import pull_up_backward
+from .pipeline_timeline import bubble, timeline
 from .spec import parse_spec
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "looped-bfs")
 # schedules that run several stages per rank: stage s on rank s mod the axis size, or for
 # the V-shaped zbv rank r holds stages r and 2P - 1 - r
-LOOPED = ("interleaved", "interleaved-zb", "zbv")
+LOOPED = ("interleaved", "interleaved-zb", "zbv", "looped-bfs")
 # schedules that split each backward into input-gradient (I) and weight-gradient (W) runs
 SPLIT_BACKWARD = ("interleaved-zb", "zbv")
 # what the stages are balanced on: each op's seconds on the device model with its backward
@@ -74,20 +76,21 @@ _EVERYWHERE = (InputKind.batch, InputKind.hyper, InputKind.other)
 
 def bubble_fraction(schedule: str, stages: int, microbatches: int, ranks: int | None = None
                     ) -> float:
-    """The idle share of a rank's step under ``schedule`` with equal stage times: (P - 1) /
-    (M + P - 1) for GPipe and 1F1B over P = S ranks (1F1B saves memory, not time),
-    (P - 1) / (v M + P - 1) for interleaved 1F1B with v = S / P stages per rank (each
-    rank's fill and drain are v times shorter), and (P - 1) / (3 v M + P - 1) for the
-    zero-bubble ones when forward, input-gradient and weight-gradient runs take equal
-    time."""
+    """The idle share of a rank's step under ``schedule`` with equal stages: its per-rank
+    orders (``pipeline_orders``) laid out in time (``pipeline_timeline``) with every
+    stage's backward twice its forward (the zero-bubble schedules' input- and
+    weight-gradient runs each as long as the forward). With M >= P microbatches that is
+    the textbook (P - 1) / (M + P - 1) for GPipe and 1F1B over P = S ranks (1F1B saves
+    memory, not time), (P - 1) / (v M + P - 1) for interleaved 1F1B and looped BFS with v
+    = S / P stages per rank (each rank's fill and drain are v times shorter), and (P - 1) /
+    (3 v M + P - 1) for the zero-bubble ones (which fill the fill and drain with
+    weight-gradient runs; zbv from M >= 2P - 1, the microbatches its generator plans
+    for); with fewer microbatches the ranks wait longer than those formulas say (looped
+    BFS and interleaved: 1 - v M / ((v - 1) P + M + P - 1)). Raises ValueError for M a
+    schedule refuses."""
     p = stages if ranks is None else ranks
-    v = stages // p
-    if schedule in SPLIT_BACKWARD:
-        # torch's zero-bubble schedules fill the fill and drain with weight-gradient runs:
-        # laid out in time (report/schedule.py) with F = I = W they idle (P - 1) forward
-        # times of the 3 v M (tests/torch/test_pipeline.py checks it)
-        return (p - 1) / (3 * v * microbatches + p - 1)
-    return (p - 1) / (v * microbatches + p - 1)
+    orders = rank_orders(schedule, p, microbatches, stages)
+    return bubble(timeline(orders, [1.0] * stages, [2.0] * stages))
 
 
 @dataclass(frozen=True)
@@ -213,6 +216,14 @@ class PipelineParallel(Pass):
         if self.schedule == "zbv" and s != 2 * n:
             raise PassFailure(f"pipeline: schedule zbv runs two stages per device in a V, not "
                               f"{s} stages on {n} devices", hint=f"stages=auto ({2 * n})")
+        try:
+            rank_orders(self.schedule, n, self.microbatches, s)
+        except ValueError as e:         # interleaved rounds: torch's generators refuse it too
+            fit = n * max(1, self.microbatches // n)
+            raise PassFailure(f"pipeline: schedule {self.schedule} cannot run "
+                              f"{self.microbatches} microbatches on {n} devices: {e}",
+                              hint=f"microbatches={fit} (a multiple of the {n} devices)"
+                              ) from None
         if self.balance not in BALANCE:
             raise PassFailure(f"pipeline: unknown balance {self.balance!r}",
                               hint=f"one of {', '.join(BALANCE)}")

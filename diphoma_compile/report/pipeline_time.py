@@ -26,7 +26,7 @@ from ..ir.device_model import DeviceModel
 from ..passes.pipeline_orders import rank_orders
 from ..passes.pipeline_programs import StageProgram, StagePrograms, rank_stage_programs
 from .compute import Compute, estimate_compute
-from .schedule import timeline
+from ..passes.pipeline_timeline import timeline
 
 
 def pipeline_compute(graph: Graph, opts: Any, model: DeviceModel,

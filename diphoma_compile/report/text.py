@@ -189,6 +189,10 @@ def pipeline_lines(pp: PipelineRecord | None, mesh: dict[str, int]) -> list[str]
     vm = "3 v M" if pp.schedule in SPLIT_BACKWARD else "v M"
     theory = (f"(P - 1) / ({vm} + P - 1), P = {ranks} ranks, v = {n // ranks} stages per "
               "rank" if looped else "(S - 1) / (M + S - 1)")
+    k = (3 if pp.schedule in SPLIT_BACKWARD else 1) * (n // ranks if looped else 1)
+    if abs(pp.bubble - (ranks - 1) / (k * pp.microbatches + ranks - 1)) > 1e-9:
+        theory = (f"laid out in its order, above {theory}: too few microbatches to fill "
+                  "the schedule")
     lines = ["", f"pipeline over {pp.axis}={ranks}: " + (f"{n} stages, " if looped else "")
                  + f"schedule {pp.schedule}, "
                  f"{pp.microbatches} microbatch(es), bubble {pp.bubble:.1%} of each rank's "

@@ -18,7 +18,7 @@ from ..errors import BackendError
 Action = tuple[str, int, int]      # ("F" | "B" | "I" | "W", microbatch, stage)
 # torch's names of the generators, by our schedule name, for several stages per rank
 _LOOPED = {"interleaved": "Interleaved1F1B", "interleaved-zb": "InterleavedZeroBubble",
-           "zbv": "ZBVZeroBubble"}
+           "zbv": "ZBVZeroBubble", "looped-bfs": "LoopedBFS"}
 _KINDS = {"F": "F", "FORWARD": "F", "B": "B", "FULL_BACKWARD": "B", "I": "I",
           "BACKWARD_INPUT": "I", "W": "W", "BACKWARD_WEIGHT": "W"}
 
@@ -28,7 +28,7 @@ def schedule_actions(schedule: str, stages: int, microbatches: int, ranks: int |
                      ) -> tuple[tuple[Action, ...], ...]:
     """For each rank, its forward and backward runs in order: one stage per rank for GPipe
     and 1F1B; ``stages`` / ``ranks`` per rank (stage s on rank s mod ranks) for the
-    interleaved schedule."""
+    interleaved schedules and looped BFS; in a V for zbv."""
     ranks = stages if ranks is None else ranks
     try:
         from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
@@ -71,7 +71,8 @@ def schedule_actions(schedule: str, stages: int, microbatches: int, ranks: int |
                          for k in ("F", "B")]
     else:
         raise BackendError(f"the torch runtime has no pipeline schedule {schedule!r}",
-                           hint="schedule=gpipe, 1f1b, interleaved, interleaved-zb or zbv")
+                           hint="schedule=gpipe, 1f1b, interleaved, interleaved-zb, zbv or "
+                                "looped-bfs")
     out = []
     for rank, acts in enumerate(order):
         mine: list[Action] = []

@@ -1200,7 +1200,7 @@ def run_tensor_parallel_gpt2(rank: int, world: int) -> dict:
 
 # ------------------------------------------------------------------ pipeline parallelism
 
-# name: (mesh, optimizer, schedule, layers); interleaved, interleaved-zb and zbv run 2
+# name: (mesh, optimizer, schedule, layers); interleaved, looped-bfs, interleaved-zb and zbv run 2
 # stages per rank (8 at pp=4); the zero-bubble ones split each backward into I and W;
 # a sixth True: the step clips the gradients' global norm (clip_grad_norm_)
 PP_CASES = {"pp4-sgdm-1f1b": ({"pp": 4}, "sgdm", "1f1b", 4),
@@ -1214,6 +1214,8 @@ PP_CASES = {"pp4-sgdm-1f1b": ({"pp": 4}, "sgdm", "1f1b", 4),
                                                True),
             "dp2-pp2-sgdm-1f1b": ({"dp": 2, "pp": 2}, "sgdm", "1f1b", 4),
             "dp2-pp2-adamw-gpipe": ({"dp": 2, "pp": 2}, "adamw", "gpipe", 4),
+            # breadth first: every microbatch through a rank's first stage, then its second
+            "dp2-pp2-sgdm-looped-bfs": ({"dp": 2, "pp": 2}, "sgdm", "looped-bfs", 4),
             # each rank's stage programs compiled by Inductor
             # (SGD with momentum: Adam would turn Inductor's rounding into steps of up to lr)
             "dp2-pp2-sgdm-1f1b-inductor": ({"dp": 2, "pp": 2}, "sgdm", "1f1b", 2, False,

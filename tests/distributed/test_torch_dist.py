@@ -591,6 +591,19 @@ def test_pipeline_interleaved_ranks_run_two_stages_each(runs):
     assert got == "3F0 3F1 3F2 3F3 7F0 7B0 7F1 7B1 7F2 7B2 7F3 7B3 3B0 3B1 3B2 3B3"
 
 
+def test_pipeline_looped_bfs_runs_each_stage_breadth_first(runs):
+    """Looped BFS over dp=2 x pp=2 (4 stages): ranks 0 and 2 run stages 0 and 2, ranks 1
+    and 3 stages 1 and 3; each runs torch's ScheduleLoopedBFS order: every microbatch's
+    forward on its first stage, then on its second, then the backwards, last stage and
+    last microbatch first."""
+    if not runs[0]["pp"]:
+        pytest.skip("transformers is not installed")
+    res = [r["pp"]["dp2-pp2-sgdm-looped-bfs"] for r in runs]
+    assert [r["stages"] for r in res] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    got = " ".join(f"{s}{k}{m}" for k, m, s in res[0]["actions"])
+    assert got == "0F0 0F1 0F2 0F3 2F0 2F1 2F2 2F3 2B3 2B2 2B1 2B0 0B3 0B2 0B1 0B0", got
+
+
 def test_pipeline_zero_bubble_splits_each_backward(runs):
     """zbv over pp=4 (8 stages in a V: rank r runs stages r and 7 - r, so the loss is made
     on rank 0) and interleaved-zb over dp=2 x pp=2: each rank runs torch's F/I/W action

@@ -167,6 +167,17 @@ def test_interleaved_1f1b_runs_two_stages_per_device_column(sgdm):
         assert set(kernel.sharding.device_set) == set(devices[:, column]), block
 
 
+def test_looped_bfs_runs_breadth_first_on_each_device_column(sgdm):
+    """schedule="looped-bfs" over dp=4 x pp=2: stages r and r + 2 on column r, each column
+    running every microbatch through its first stage, then its second, then the backwards
+    last to first (torch's ScheduleLoopedBFS, checked in tests/torch/test_pipeline.py);
+    SGD momentum matches the single-device step."""
+    runner, _ = _two_columns_match(sgdm, "looped-bfs")
+    assert runner.nstages == 4 and runner.rank_of == [0, 1, 0, 1]
+    assert " ".join(f"{s}{k}{m}" for k, m, s in runner.orders[1]) == (
+        "1F0 1F1 1F2 1F3 3F0 3F1 3F2 3F3 3B3 3B2 3B1 3B0 1B3 1B2 1B1 1B0")
+
+
 def test_update_programs_donate_the_state_they_replace(sgdm):
     """Over a mesh the pipelined step donates, as the data-parallel one does: each stage's
     update writes the new parameters and momentum into the old ones' buffers, so the arrays

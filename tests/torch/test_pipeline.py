@@ -207,6 +207,11 @@ GOLDEN_INTERLEAVED = {
         "0W2 0I3 0W3",
         "1F0 1F1 3F0 3I0 3F1 3I1 3W0 1F2 1I0 3W1 1F3 1I1 1W0 3F2 3I2 1W1 3F3 3I3 3W2 1I2 3W3 "
         "1I3 1W2 1W3"],
+    # breadth first: every microbatch through a rank's first stage, then its next; the
+    # backwards last stage first, last microbatch first
+    ("looped-bfs", 4, 4, 2): [
+        "0F0 0F1 0F2 0F3 2F0 2F1 2F2 2F3 2B3 2B2 2B1 2B0 0B3 0B2 0B1 0B0",
+        "1F0 1F1 1F2 1F3 3F0 3F1 3F2 3F3 3B3 3B2 3B1 3B0 1B3 1B2 1B1 1B0"],
     # the V: rank r runs stages r and 2P - 1 - r
     ("zbv", 4, 4, 2): [
         "0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2 3I2 3W2 0I1 0W1 3F3 3I3 3W3 0I2 "
@@ -255,6 +260,18 @@ def test_written_out_interleaved_orders_are_torchs(schedule, ranks, per_rank):
         assert [list(r) for r in ours] == [[tuple(a) for a in r] for r in torchs], m
 
 
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("per_rank", [2, 3])
+def test_written_out_looped_bfs_orders_are_torchs(ranks, per_rank):
+    """The looped BFS orders written out for JAX are torch's ScheduleLoopedBFS's, action for
+    action, for M below, at and above the ranks."""
+    from diphoma_compile.passes.pipeline_orders import rank_orders
+    for m in (1, ranks - 1, ranks, ranks + 1, 2 * ranks + 1):
+        ours = rank_orders("looped-bfs", ranks, m, ranks * per_rank)
+        torchs = schedule_actions("looped-bfs", ranks * per_rank, m, ranks)
+        assert [list(r) for r in ours] == [[tuple(a) for a in r] for r in torchs], m
+
+
 @pytest.mark.parametrize("ranks", [2, 3, 4, 5])
 def test_written_out_zbv_orders_are_torchs(ranks):
     """The ZB-V orders written out for JAX are torch's ZBVZeroBubble's, action for action,
@@ -287,6 +304,25 @@ def test_interleaved_schedule_refuses_microbatches_torch_refuses():
     assert "refuses 5 microbatches on 2 ranks" in str(e.value)
     assert "hint: microbatches=4" in str(e.value)
     assert len(schedule_actions("interleaved", 4, 3, 2)[0]) == 2 * 2 * 3
+
+
+def test_looped_bfs_cuts_and_places_stages_as_interleaved_does():
+    """schedule=looped-bfs differs from interleaved only in the order each rank runs its
+    actions: the same 4 stages on 2 ranks (stage s on rank s mod 2), the same program text
+    but for the pass's own options (the golden of interleaved's covers it); its bubble with
+    M = 1 is that of equal stages laid out (1 - v M / ((v - 1) P + M + P - 1) = 1/2, where
+    (P - 1) / (v M + P - 1) says 1/3), and the plan says the schedule is not filled."""
+    from diphoma_compile.report.text import pipeline_lines
+    spec = "dce,pipeline{axis=pp, microbatches=1, schedule=%s}"
+    bfs, ctx = run(traced_gpt(layers=4), spec % "looped-bfs")
+    inter, _ = run(traced_gpt(layers=4), spec % "interleaved")
+    rec = ctx.decision(PipelineRecord)
+    assert [rec.rank_of(s) for s in range(4)] == [0, 1, 0, 1]
+    assert print_graph(bfs).replace("looped-bfs", "interleaved") == print_graph(inter)
+    assert rec.bubble == pytest.approx(1 / 2)
+    text = "\n".join(pipeline_lines(rec, {"pp": 2}))
+    assert "schedule looped-bfs, 1 microbatch(es), bubble 50.0%" in text
+    assert "too few microbatches to fill the schedule" in text
 
 
 def test_golden_pipeline_interleaved_four_stages_on_two_ranks(golden):
@@ -325,7 +361,8 @@ def test_pipeline_options_that_do_not_fit_the_axis_are_refused(spec, words):
 @pytest.mark.parametrize("key", [("gpipe", 4, 8, 4), ("1f1b", 4, 4, 4), ("1f1b", 4, 8, 4),
                                  ("interleaved", 8, 4, 4), ("interleaved", 8, 8, 4),
                                  ("interleaved", 4, 8, 2), ("interleaved-zb", 8, 8, 4),
-                                 ("zbv", 8, 8, 4), ("zbv", 4, 8, 2)])
+                                 ("zbv", 8, 8, 4), ("zbv", 4, 8, 2),
+                                 ("looped-bfs", 8, 4, 4), ("looped-bfs", 6, 8, 2)])
 def test_schedules_laid_out_in_time_have_the_textbook_bubble(key):
     """report/schedule.timeline places torch's action lists in time (each action when its
     rank is free and its input is done): with equal stages, backward twice the forward, the
@@ -333,15 +370,40 @@ def test_schedules_laid_out_in_time_have_the_textbook_bubble(key):
     schedules (input and weight gradients each as long as the forward) (P - 1) /
     (3 v M + P - 1)."""
     from diphoma_compile.passes.pipeline_parallel import bubble_fraction
-    from diphoma_compile.report.schedule import bubble, timeline
+    from diphoma_compile.passes.pipeline_timeline import bubble, timeline
     schedule, stages, micro, ranks = key
     blocks = timeline(schedule_actions(*key), [1.0] * stages, [2.0] * stages)
     assert len(blocks) == (3 if "zb" in schedule else 2) * stages * micro
     assert bubble(blocks) == pytest.approx(bubble_fraction(schedule, stages, micro, ranks))
+    v = stages // ranks
+    textbook = (ranks - 1) / ((3 if "zb" in schedule else 1) * v * micro + ranks - 1)
+    assert bubble(blocks) == pytest.approx(textbook)
+
+
+@pytest.mark.parametrize("key", [("interleaved", 8, 2, 4), ("looped-bfs", 8, 3, 4),
+                                 ("looped-bfs", 6, 1, 2), ("interleaved-zb", 8, 3, 4),
+                                 ("zbv", 8, 4, 4)])
+def test_fewer_microbatches_than_ranks_leave_more_bubble_than_the_textbook(key):
+    """With M below P (zbv: below 2P - 1, what its generator plans for) the looped and
+    zero-bubble schedules cannot fill their pipeline: the pass's bubble is that of equal
+    stages laid out in the schedule's order (for interleaved and looped BFS 1 - v M / ((v
+    - 1) P + M + P - 1)), not the textbook formula, which says 7-25 points less (the plan
+    reported it until 2026-12-04)."""
+    from diphoma_compile.passes.pipeline_parallel import bubble_fraction
+    from diphoma_compile.passes.pipeline_timeline import bubble, timeline
+    schedule, stages, micro, ranks = key
+    got = bubble_fraction(schedule, stages, micro, ranks)
+    assert got == pytest.approx(bubble(timeline(schedule_actions(*key), [1.0] * stages,
+                                                [2.0] * stages)))
+    v = stages // ranks
+    textbook = (ranks - 1) / ((3 if "zb" in schedule else 1) * v * micro + ranks - 1)
+    assert got > textbook + 0.05, (got, textbook)
+    if "zb" not in schedule:
+        assert got == pytest.approx(1 - v * micro / ((v - 1) * ranks + micro + ranks - 1))
 
 
 def test_a_schedule_whose_actions_wait_on_each_other_is_refused():
-    from diphoma_compile.report.schedule import ScheduleError, timeline
+    from diphoma_compile.passes.pipeline_timeline import ScheduleError, timeline
     # rank 0 runs its backward before rank 1 has run the forward it waits for: stuck
     acts = [[("F", 0, 0), ("B", 0, 0)], [("B", 0, 1), ("F", 0, 1)]]
     with pytest.raises(ScheduleError, match="cannot run"):
@@ -351,7 +413,7 @@ def test_a_schedule_whose_actions_wait_on_each_other_is_refused():
 def test_a_run_is_replayed_with_its_own_durations():
     """``durations`` gives single actions their own length (a measured run's), the rest keep
     their stage's: 1F1B on 2 ranks, 2 microbatches, by hand."""
-    from diphoma_compile.report.schedule import bubble, timeline
+    from diphoma_compile.passes.pipeline_timeline import bubble, timeline
     acts = [[("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("B", 1, 0)],
             [("F", 0, 1), ("B", 0, 1), ("F", 1, 1), ("B", 1, 1)]]
     blocks = timeline(acts, [1.0, 1.0], [2.0, 2.0], durations={("F", 0, 1): 3.0})
