@@ -351,6 +351,9 @@ def test_golden_pipeline_interleaved_four_stages_on_two_ranks(golden):
     ("pipeline{axis=pp, stages=3, schedule=interleaved}", "not a multiple of the 2 devices"),
     ("pipeline{axis=pp, stages=4}", "runs one stage per device"),
     ("pipeline{axis=pp, schedule=zigzag}", "unknown schedule 'zigzag'"),
+    # torch's interleaved generators run M in rounds of max(1, M // P): refused at planning
+    ("pipeline{axis=pp, microbatches=5, schedule=interleaved}",
+     "schedule interleaved cannot run 5 microbatches on 2 devices"),
 ])
 def test_pipeline_options_that_do_not_fit_the_axis_are_refused(spec, words):
     with pytest.raises(PassError) as e:
