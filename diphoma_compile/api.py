@@ -381,6 +381,7 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
     cuts = rank_stage_programs(graph) if is_staged(graph) else None   # pp ranks' programs
     return graph, build_plan(graph, ctx.decisions, backend=backend, device_model=device_model,
                              in_place=fw.in_place_updates(graph, cuts),
+                             written=fw.kernel_written(graph, cuts),
                              scratch=fw.collective_scratch(graph, device_model), cuts=cuts)
 
 

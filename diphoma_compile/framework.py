@@ -61,6 +61,11 @@ class Framework(Protocol):
         a staged graph's ``rank_stage_programs``, when already made."""
         ...
 
+    def kernel_written(self, graph: Graph, cuts: list | None = None) -> set[str]:
+        """Those of ``in_place_updates`` that the backend's kernels make in the replaced
+        input's storage (an ``out=`` kernel): they own no storage at all."""
+        ...
+
     def device(self, args: tuple) -> tuple[str, str]:
         """The kind of device the step's example arguments live on (cpu, cuda, gpu, tpu,
         meta) and its name where the framework tells it (NVIDIA H200), for the device

@@ -239,12 +239,15 @@ def view_bases(graph: Graph) -> dict[str, str]:
 
 
 def peak_memory(graph: Graph, in_place: Collection[str] = (),
-                scratch: Mapping[int, int] | None = None) -> Peak:
+                scratch: Mapping[int, int] | None = None,
+                written: Collection[str] = ()) -> Peak:
     """Liveness over the program as it runs, per device: each value that owns storage lives
     from the op that makes it to its last use (through any view of it), or to the end when
     the step returns it; inputs live throughout; views own nothing. Values in ``in_place``
     are copied into the input they replace where they are made (the backend's in-place
-    updates): they are not held to the end. ``scratch``: top-level op index -> bytes the
+    updates): they are not held to the end; those also in ``written`` are made in the
+    input's storage by their own kernel and own nothing. ``scratch``: top-level op index ->
+    bytes the
     backend holds besides the op's results while it runs (a collective's packed send
     buffer), from the op to the ``wait`` that finishes it (the op alone when it is
     synchronous)."""
@@ -259,7 +262,7 @@ def peak_memory(graph: Graph, in_place: Collection[str] = (),
         for n in free_inputs(op):
             last[base.get(n, n)] = k
         for v in op.results:
-            if v.name not in base:
+            if v.name not in base and v.name not in written:
                 born[v.name] = k
                 size[v.name] = v.type.local_nbytes(sizes)
                 last.setdefault(v.name, k)

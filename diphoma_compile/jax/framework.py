@@ -111,6 +111,10 @@ class JaxFramework:
         plan is made; the planned peak does not count it yet.)"""
         return set()
 
+    def kernel_written(self, graph: Graph, cuts: list | None = None) -> set[str]:
+        """None: XLA places its buffers itself."""
+        return set()
+
     def collective_scratch(self, graph: Graph, device_model: str) -> dict[int, int]:
         """None counted: XLA places the collectives' buffers itself."""
         return {}

@@ -49,12 +49,14 @@ class RankPeak:
 
 
 def pipeline_peak(graph: Graph, opts: Any, in_place: Collection[str] = (),
-                  cuts: list[StagePrograms] | None = None) -> list[RankPeak] | None:
+                  cuts: list[StagePrograms] | None = None,
+                  written: Collection[str] = ()) -> list[RankPeak] | None:
     """Each pipeline rank's peak in the staged ``graph`` under its pipeline pass ``opts``,
     by rank; None when the schedule's order cannot be written out (microbatches it
     refuses). ``in_place``: the update programs' new values the backend writes into the
-    input they replace where they are made (``Framework.in_place_updates``); ``cuts``:
-    ``rank_stage_programs(graph)``, when already made."""
+    input they replace where they are made (``Framework.in_place_updates``), those in
+    ``written`` by their own kernel (no storage of their own; ``Framework.kernel_written``);
+    ``cuts``: ``rank_stage_programs(graph)``, when already made."""
     sizes = dict(graph.mesh.axes)
     ranks = sizes.get(opts.axis, 1)
     nstages = 1 + max(op.stage for op in graph.ops if op.stage is not None)
@@ -63,16 +65,18 @@ def pipeline_peak(graph: Graph, opts: Any, in_place: Collection[str] = (),
     except ValueError:
         return None
     cuts = cuts or rank_stage_programs(graph)
-    return [_RankWalk(graph, sizes, opts.microbatches, cut, r, set(in_place)).run(orders[r])
-            for r, cut in enumerate(cuts)]
+    return [_RankWalk(graph, sizes, opts.microbatches, cut, r, set(in_place),
+                      set(written)).run(orders[r]) for r, cut in enumerate(cuts)]
 
 
 class _RankWalk:
     """One rank's walk: storages by key, each with the holders that keep it alive."""
 
     def __init__(self, graph: Graph, sizes: dict[str, int], microbatches: int,
-                 cut: StagePrograms, rank: int, in_place: set[str]) -> None:
+                 cut: StagePrograms, rank: int, in_place: set[str],
+                 written: set[str] = frozenset()) -> None:
         self.sizes = sizes
+        self.written = written
         self.m = microbatches
         self.rank = rank
         self.in_place = in_place
@@ -121,7 +125,8 @@ class _RankWalk:
     def program_peak(self, key: tuple[int, str], prog: StageProgram) -> tuple[int, str]:
         """A program's peak above its inputs, and the op there."""
         if key not in self._peaks:
-            p = peak_memory(prog.graph, self.in_place & set(prog.outputs))
+            p = peak_memory(prog.graph, self.in_place & set(prog.outputs),
+                            written=self.written & set(prog.outputs))
             at = ""
             if p.index >= 0:
                 op = prog.graph.ops[p.index]

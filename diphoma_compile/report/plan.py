@@ -200,11 +200,13 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
                device_model: DeviceModel | str = DEFAULT_DEVICE_MODEL,
                in_place: Collection[str] = (),
                scratch: Mapping[int, int] | None = None,
-               cuts: list[StagePrograms] | None = None) -> Plan:
+               cuts: list[StagePrograms] | None = None,
+               written: Collection[str] = ()) -> Plan:
     """The plan of a (transformed) graph; ``decisions`` are the passes' records
     (``PassContext.decisions``), ``backend`` how the framework runs it, ``device_model``
     what the step time is estimated on (a DeviceModel or its name), ``in_place`` the new
-    values the backend writes into their inputs' storage and ``scratch`` the bytes its
+    values the backend writes into their inputs' storage (``written``: those its kernels
+    make there, owning no storage) and ``scratch`` the bytes its
     collectives hold while in flight (for the peak: ``analysis.peak_memory``); ``cuts``:
     ``rank_stage_programs(graph)`` of a staged graph, when already made."""
     sizes = dict(graph.mesh.axes)
@@ -265,7 +267,8 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
     by_stage = _saved_by_stage(graph, sizes, types)
     if cuts is None and is_staged(graph):
         cuts = rank_stage_programs(graph)   # each pp rank's programs
-    memory = _memory(graph, sizes, sources, types, in_place, scratch, by_stage, cuts)
+    memory = _memory(graph, sizes, sources, types, in_place, scratch, by_stage, cuts,
+                     written)
     params = sum(i.value.type.numel for i in graph.inputs if i.role.kind is InputKind.param)
     decisions = _with_stage_activations(dict(decisions or {}), by_stage)
     return Plan(graph.name, sizes, graph.passes, tuple(tensors), tuple(collectives), memory,
@@ -376,7 +379,8 @@ def _serves(op: Op, grads: dict[str, str], loss: set[str], metrics: set[str],
 def _memory(graph: Graph, sizes: dict[str, int], grads: dict[str, str],
             types: dict[str, TensorType], in_place: Collection[str] = (),
             scratch: Mapping[int, int] | None = None,
-            by_stage: Mapping[int, int] | None = None, cuts: list | None = None) -> Memory:
+            by_stage: Mapping[int, int] | None = None, cuts: list | None = None,
+            written: Collection[str] = ()) -> Memory:
     per = {k: 0 for k in ("param", "opt_state")}
     whole = dict(per)
     for i in graph.inputs:
@@ -400,14 +404,14 @@ def _memory(graph: Graph, sizes: dict[str, int], grads: dict[str, str],
         in_flight = _activations_in_flight(opts, sizes[opts.axis], by_stage or {})
         if in_flight is not None:
             act_local = in_flight
-    peak = peak_memory(graph, in_place, scratch)
+    peak = peak_memory(graph, in_place, scratch, written)
     peak_bytes, at, rank_peaks = peak.bytes, "", ()
     if peak.index >= 0:
         op = graph.ops[peak.index]
         name = op.attrs.get("target", op.name) if op.name == "opaque" else op.name
         at = f"#{peak.index} {name}" + (f" ({op.phase.value})" if op.phase else "")
     if cuts is not None:
-        by_rank = pipeline_peak(graph, opts, in_place, cuts)
+        by_rank = pipeline_peak(graph, opts, in_place, cuts, written)
         if by_rank is not None:
             top = max(by_rank, key=lambda p: p.bytes)
             peak_bytes, at = top.bytes, top.at

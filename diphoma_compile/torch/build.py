@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._ops import OpOverload
 
 from ..errors import BackendError, UnsupportedOpError
 from ..ir.analysis import free_inputs
@@ -49,8 +50,12 @@ def _py_name(name: str) -> str:
 class _Builder:
     def __init__(self, graph: Graph, comms: dict[str, collectives.Comm] | None = None,
                  in_place: bool = True, device: torch.device | None = None,
-                 host_reads: bool = True) -> None:
+                 host_reads: bool = True, out_variants: bool = False,
+                 dry: bool = False) -> None:
         self.g = graph
+        # dry: emit the program only to learn what it writes where (no module, no comms)
+        self.dry = dry
+        self.kernel_written: set[str] = set()   # new values a kernel wrote into place
         # whether 0-d tensors may be read into Python numbers (.item()); a code generator
         # wants none: a host read cuts its graph and bakes the value in
         self.host_reads = host_reads
@@ -75,6 +80,8 @@ class _Builder:
         for o in graph.outputs:
             self.uses[o.name] = self.uses.get(o.name, 0) + 1
         self.in_place = updates_in_place(graph) if in_place else {}
+        self.out_variants = out_variants
+        self.aliases = input_aliases(graph) if out_variants else {}
         # a collective's result -> the value its wait hands on (the name the step returns)
         self.handed_on: dict[str, str] = {}
         for op in graph.ops:
@@ -83,6 +90,17 @@ class _Builder:
         self.direct: set[str] = set()       # new values the collective wrote into place
 
     def build(self) -> fx.GraphModule:
+        written = self.emit()
+        self.fx.output(tuple(self.env[written.get(o.name, o.name)] for o in self.g.outputs))
+        self.fx.lint()
+        root = torch.nn.Module()
+        for axis, comm in self.comms.items():
+            setattr(root, f"comm_{axis}", comm)
+        return fx.GraphModule(root, self.fx, class_name=_py_name(self.g.name))
+
+    def emit(self) -> dict[str, str]:
+        """Every op into the fx graph; the new values written into an input's storage ->
+        that input."""
         for i in self.g.inputs:
             self.env[i.name] = self.fx.placeholder(_py_name(i.name))
             if i.role.kind is InputKind.hyper and i.value.type.shape == () and self.host_reads:
@@ -98,16 +116,41 @@ class _Builder:
                     written[v.name] = target
                 elif target is not None and isinstance(node, fx.Node) \
                         and v.name not in self.pending:
+                    if self.out_variants and self.write_into(op, node, target):
+                        # the op itself wrote the new value into the input's storage
+                        written[v.name] = target
+                        self.kernel_written.add(v.name)
+                        continue
                     # the input is read no more: its storage takes the new value now, and
                     # the new tensor dies here instead of living to the end of the step
                     self.call(aten.copy_.default, [self.env[target], node])
                     written[v.name] = target
-        self.fx.output(tuple(self.env[written.get(o.name, o.name)] for o in self.g.outputs))
-        self.fx.lint()
-        root = torch.nn.Module()
-        for axis, comm in self.comms.items():
-            setattr(root, f"comm_{axis}", comm)
-        return fx.GraphModule(root, self.fx, class_name=_py_name(self.g.name))
+        return written
+
+    def write_into(self, op: Op, node: fx.Node, target: str) -> bool:
+        """Make the pointwise kernel that ``node`` calls write its result into the storage
+        of input ``target`` (its ``out=`` overload), as eager's in-place optimizer math does,
+        instead of a new tensor copied there: when nothing reads ``node`` yet and each of
+        its tensor arguments is ``target`` itself or a value that cannot alias it (full
+        overlap is what an in-place kernel does; a view of ``target`` would be partial).
+        False (nothing changed) otherwise."""
+        fn = node.target
+        if node.op != "call_function" or node.users or not isinstance(fn, OpOverload) \
+                or torch.Tag.pointwise not in fn.tags:
+            return False
+        out_fn = _out_overload(fn)
+        if out_fn is None:
+            return False
+        dest = self.env[target]
+        named = {id(n): k for k, n in self.env.items() if isinstance(n, fx.Node)}
+        numbers = {id(n) for n in self.scalars.values() if isinstance(n, fx.Node)}
+        for a in (*node.args, *node.kwargs.values()):
+            if isinstance(a, fx.Node) and a is not dest and id(a) not in numbers and (
+                    id(a) not in named or target in self.aliases.get(named[id(a)], ())):
+                return False
+        node.target = out_fn
+        node.kwargs = {**node.kwargs, "out": dest}
+        return True
 
     def destination(self, name: str) -> fx.Node | None:
         """The input whose storage a collective may write ``name`` into as it unpacks it
@@ -210,7 +253,7 @@ class _Builder:
     def comm(self, op: Op) -> fx.Node:
         """The program's node reading the Comm of the collective's axis."""
         axis = comm_key(op)
-        if axis not in self.comms:
+        if axis not in self.comms and not self.dry:
             raise BackendError(f"the program has a {op.name} over mesh axis {axis!r} but no "
                                "process group was given for that axis",
                                hint="run a distributed graph through "
@@ -705,6 +748,18 @@ _VIEWS = {"transpose", "reshape", "broadcast_in_dim", "take_shard", "as_varying"
           "opaque", "slice"}
 
 
+def _out_overload(fn: OpOverload) -> OpOverload | None:
+    """The ``out=`` overload of an aten op: the same arguments, and one more, ``out``."""
+    want = [(a.name, str(a.type)) for a in fn._schema.arguments]
+    packet = fn.overloadpacket
+    for name in packet.overloads():
+        cand = getattr(packet, name)
+        args = [(a.name, str(a.type)) for a in cand._schema.arguments]
+        if args[:-1] == want and args[-1][0] == "out" and len(cand._schema.returns) == 1:
+            return cand
+    return None
+
+
 def _makes_storage(op: Op) -> bool:
     """True when the op's results are new tensors, not views of (or aliases to) its inputs,
     so that a collective may reduce them in place when nothing else reads them."""
@@ -765,7 +820,7 @@ def _getitem(x, i):
 
 def build_module(graph: Graph, comms: dict[str, collectives.Comm] | None = None,
                  in_place: bool = True, device: torch.device | None = None,
-                 host_reads: bool = True) -> fx.GraphModule:
+                 host_reads: bool = True, out_variants: bool = False) -> fx.GraphModule:
     """A GraphModule taking the graph's inputs in order and returning its outputs.
 
     ``comms`` gives the process group of each mesh axis the graph's collectives run on; the
@@ -777,8 +832,35 @@ def build_module(graph: Graph, comms: dict[str, collectives.Comm] | None = None,
     makes (constants, padding) are made on ``device`` (default: the CPU); 0-d ones stay on
     the CPU, which every device's kernels read as scalars, as eager's do. Without
     ``host_reads`` no 0-d tensor is read into a Python number (for a code generator: the
-    graph must be traced with the optimizers' tensor math, ``capture(tensor_hyper=True)``)."""
-    return _Builder(graph, comms, in_place, device, host_reads).build()
+    graph must be traced with the optimizers' tensor math, ``capture(tensor_hyper=True)``).
+    With ``out_variants`` (the fx code generator's; Inductor plans its own buffers) a
+    pointwise kernel making such a new value writes it straight into the input's storage
+    (its ``out=`` overload), as eager's in-place optimizer kernels do, where it safely can
+    (``_Builder.write_into``): no new tensor, no copy."""
+    return _Builder(graph, comms, in_place, device, host_reads, out_variants).build()
+
+
+def input_aliases(graph: Graph) -> dict[str, set[str]]:
+    """Value -> the graph inputs whose storage it may share (itself, for an input; those of
+    its operands, for a view or an op that may return an alias); values that own their
+    storage are absent."""
+    alias: dict[str, set[str]] = {i.name: {i.name} for i in graph.inputs}
+    for op in graph.ops:
+        if not _makes_storage(op):
+            bases = set().union(*(alias.get(n, set()) for n in op.inputs)) if op.inputs \
+                else set()
+            for v in op.results:
+                alias[v.name] = bases
+    return alias
+
+
+def written_by_kernels(graph: Graph) -> set[str]:
+    """The new values of ``updates_in_place`` that the fx program's pointwise kernels write
+    straight into the input they replace (``build_module(out_variants=True)``): they own no
+    storage of their own. Emits the program to find them (no module, no process groups)."""
+    b = _Builder(graph, None, True, None, True, out_variants=True, dry=True)
+    b.emit()
+    return b.kernel_written
 
 
 def updates_in_place(graph: Graph) -> dict[str, str]:
@@ -787,18 +869,13 @@ def updates_in_place(graph: Graph) -> dict[str, str]:
     no later op and not returned, the value owns its storage, and the types agree."""
     inputs = {i.name: i.value.type for i in graph.inputs}
     types = graph.value_types()
-    alias: dict[str, set[str]] = {n: {n} for n in inputs}   # value -> inputs it may alias
+    alias = input_aliases(graph)        # value -> inputs it may alias
     last: dict[str, int] = {}
     made: dict[str, int] = {}
     for k, op in enumerate(graph.ops):
         for n in free_inputs(op):
             for base in alias.get(n, ()):
                 last[base] = k
-        if not _makes_storage(op):
-            bases = set().union(*(alias.get(n, set()) for n in op.inputs)) if op.inputs \
-                else set()
-            for v in op.results:
-                alias[v.name] = bases
         for v in op.results:
             made[v.name] = k
     end = len(graph.ops)

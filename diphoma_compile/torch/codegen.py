@@ -126,7 +126,8 @@ def program(graph: Any, captured: Any, comms: dict | None = None, in_place: bool
     0-d tensor on the host, and its collectives are functional."""
     from .build import build_module
     if captured.codegen != "inductor":
-        return build_module(graph, comms, in_place=in_place, device=captured.device)
+        return build_module(graph, comms, in_place=in_place, device=captured.device,
+                            out_variants=True)
     for c in (comms or {}).values():
         c.functional = True
     gm = build_module(graph, comms, in_place=in_place, device=captured.device,

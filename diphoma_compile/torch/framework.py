@@ -116,6 +116,19 @@ class TorchFramework:
                 cut.programs.items() if kind.startswith("U")
                 for n in updates_in_place(prog.graph)}
 
+    def kernel_written(self, graph: Graph, cuts: list | None = None) -> set[str]:
+        """The new values the fx program's pointwise kernels write straight into their
+        input (``build.written_by_kernels``): the optimizers' updates, mostly. (An Inductor
+        program plans its own buffers; the plan models the fx one.)"""
+        from ..passes.pipeline_parallel import pipeline_of
+        from .build import written_by_kernels
+        if pipeline_of(graph) is None:
+            return written_by_kernels(graph)
+        from ..passes.pipeline_programs import rank_stage_programs
+        return {n for cut in cuts or rank_stage_programs(graph) for (_, kind), prog in
+                cut.programs.items() if kind.startswith("U")
+                for n in written_by_kernels(prog.graph)}
+
     def collective_scratch(self, graph: Graph, device_model: str) -> dict[int, int]:
         """The packed send buffers of collectives.py, alive until each collective's wait
         (and on gloo a reduce-scatter's whole receive buffer: it runs as an all_to_all)."""

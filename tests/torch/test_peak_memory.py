@@ -52,8 +52,9 @@ compiled(model, opt, batch)          # state exists, allocator warm
 before = rss()
 open("/proc/self/clear_refs", "w").write("5")    # the high-water mark restarts here
 compiled(model, opt, batch)
-from diphoma_compile.torch.build import updates_in_place
-peak = peak_memory(compiled.graph, set(updates_in_place(compiled.graph)))
+from diphoma_compile.torch.build import updates_in_place, written_by_kernels
+peak = peak_memory(compiled.graph, set(updates_in_place(compiled.graph)),
+                   written=written_by_kernels(compiled.graph))
 print(json.dumps({"measured": high_water() - before,
                   "planned": peak.bytes - peak.inputs_bytes}))
 """
@@ -69,8 +70,10 @@ def test_planned_peak_is_within_15_percent_of_the_measured_one():
         pytest.skip("this kernel does not let a process reset its high-water mark")
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    # about 96 MB of activations, gradients and new state above what the step holds
-    assert got["measured"] > 50e6
+    # about 50 MB of activations and gradients above what the step holds (96 MB while
+    # AdamW's new state was made beside the old and copied in: now its kernels write it
+    # in place)
+    assert got["measured"] > 40e6
     assert abs(got["planned"] - got["measured"]) <= 0.15 * got["measured"], got
 
 
@@ -99,7 +102,7 @@ def test_a_compiled_step_reaches_the_planned_peak():
     measured tensor peak of a compiled AdamW step equals the planned one."""
     import diphoma_compile
     from diphoma_compile.ir.analysis import peak_memory
-    from diphoma_compile.torch.build import updates_in_place
+    from diphoma_compile.torch.build import updates_in_place, written_by_kernels
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
                                 torch.nn.Linear(256, 10))
@@ -117,7 +120,8 @@ def test_a_compiled_step_reaches_the_planned_peak():
     compiled = diphoma_compile.compile(step, model, opt, batch)
     compiled(model, opt, batch)
     got = compiled.measure_memory(model, opt, batch)
-    peak = peak_memory(compiled.graph, set(updates_in_place(compiled.graph)))
+    peak = peak_memory(compiled.graph, set(updates_in_place(compiled.graph)),
+                       written=written_by_kernels(compiled.graph))
     # the step's inputs: the counter misses only 0-d hyperparameters made per call
     assert 0 <= peak.inputs_bytes - got.held <= 64, (got, peak)
     assert abs(got.peak - peak.bytes) <= 0.02 * peak.bytes, (got, peak)
