@@ -729,16 +729,16 @@ def pipeline_of(graph: Graph) -> PipelineParallel | None:
 def input_gradient_ops(ops: tuple[Op, ...] | list[Op]) -> set[int]:
     """id() of the backward ops of a staged graph that a split backward runs as its
     input-gradient part I, walking back inside each stage's backward from two kinds of
-    value: the gradients the stage sends to an earlier stage's backward, and the backward
+    value: the backward values the stage sends to an earlier stage, and the backward
     values read by two or more of the stage's backward ops (a gradient that fans out is an
     activation's: the chain of activation gradients, which on the first stage sends
     nothing but still runs down to the embedding). The rest of a stage's backward, in-trees
     of ops that each end in a parameter's gradient (a weight's matmul, a bias's sum, an
     embedding's scatter), is its W part."""
     phase_of = {v.name: op.phase for op in ops for v in op.results}
-    bwd_reads = {n for op in ops if op.phase is Phase.backward for n in free_inputs(op)}
+    # every backward value sent (an activation's gradient, or a weight's gradient the
+    # stage before updates: received in its I, per microbatch, as I runs)
     grad_tags = {op.attrs["tag"] for op in ops if op.name == "recv"
-                 and op.results[0].name in bwd_reads
                  and phase_of.get(op.results[0].name) is Phase.backward}
     made = {(v.name, op.stage): op for op in ops for v in op.results}
     need = [(op.inputs[0], op.stage) for op in ops if op.name == "send"

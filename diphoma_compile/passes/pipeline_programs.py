@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..errors import DiphomaError
 from ..ir.analysis import free_inputs, view_bases
 from ..ir.core import Graph, Input, InputKind, InputRole, Op, Output, OutputKind, Phase, Value
 from ..ir.opdef import is_pure
@@ -103,7 +104,30 @@ def rank_stage_programs(graph: Graph) -> list[StagePrograms]:
     """The programs of each rank of a staged graph's pipeline axis, by rank."""
     schedule = pipeline_of(graph).schedule
     rounds = update_rounds(graph)
-    return [stage_programs(graph, stages, schedule, rounds) for stages in rank_stages(graph)]
+    cuts = [stage_programs(graph, stages, schedule, rounds) for stages in rank_stages(graph)]
+    _check_cadence(cuts)
+    return cuts
+
+
+def _check_cadence(cuts: list[StagePrograms]) -> None:
+    """Each send and its receive run as often: both in programs run per microbatch, or
+    both once a step (the update, a tied parameter's write); else the receiving rank would
+    wait for a message sent once, or leave M - 1 unread, and the ranks hang."""
+    sent: dict[int, tuple[str, int, str]] = {}
+    got: dict[int, tuple[str, int, str]] = {}
+    for cut in cuts:
+        for (st, kind), prog in cut.programs.items():
+            sent.update((tag, (name, st, kind)) for name, _, tag in prog.sends)
+            got.update((tag, (name, st, kind)) for name, _, tag in prog.recvs)
+        got.update((tag, (name, -1, "U")) for name, _, tag in cut.writes.values())
+    for tag, (name, st, kind) in sent.items():
+        if tag in got and kind.startswith("U") != got[tag][2].startswith("U"):
+            other, to, k = got[tag]
+            raise DiphomaError(
+                f"pipeline: %{name} is sent by stage {st}'s {kind} program and received as "
+                f"%{other} by stage {to}'s {k} program, one of them run per microbatch and "
+                "the other once a step: the ranks would wait for each other forever",
+                hint="this is a bug in the pipeline pass; report it with the model")
 
 
 def _mark_replaced(graph: Graph, out: StagePrograms, stages: list[int]) -> None:
@@ -162,7 +186,11 @@ def _cut_stage(graph: Graph, me: int, out: StagePrograms, op_round: dict[int, in
                 out.writes[name] = (name, int(op.attrs["peer"]), int(op.attrs["tag"]))
                 continue
             k = min(where, key=kinds.index)
-            if op.phase is Phase.backward and k == "F":
+            if op.phase is Phase.backward and (k == "F" or k.startswith("U")):
+                # a backward value arrives per microbatch, as it is sent: one read by the
+                # update alone (a weight's gradient made on the stage after its home:
+                # GPT-NeoX's embedding when its stage holds nothing else) is summed over
+                # the microbatches like the stage's own gradients
                 k = kinds[1]
             recvs[k].append((name, int(op.attrs["peer"]), int(op.attrs["tag"])))
             seg_of[name] = "R" + k

@@ -1222,7 +1222,9 @@ PP_CASES = {"pp4-sgdm-1f1b": ({"pp": 4}, "sgdm", "1f1b", 4),
                                            "inductor"),
             # a Hugging Face Llama (RMSNorm written out in aten ops, rotary tables sent
             # forward, grouped-query attention, tied embedding)
-            "pp4-sgdm-1f1b-llama": ({"pp": 4}, "sgdm", "1f1b", 4, False, None, "llama")}
+            "pp4-sgdm-1f1b-llama": ({"pp": 4}, "sgdm", "1f1b", 4, False, None, "llama"),
+            # GPT-NeoX, 2 layers on 4 stages: the first holds the embedding alone
+            "pp4-sgdm-1f1b-neox": ({"pp": 4}, "sgdm", "1f1b", 2, False, None, "neox")}
 PP_STEPS, PP_LOCAL, PP_MICRO = 3, 4, 4   # steps; sequences per dp rank; microbatches
 
 
@@ -1245,7 +1247,19 @@ def tiny_llama(layers: int = 4) -> nn.Module:
     return transformers.LlamaForCausalLM(cfg)
 
 
-PP_MODELS = {"gpt2": tiny_gpt2, "llama": tiny_llama}
+def tiny_neox(layers: int = 2) -> nn.Module:
+    """A Hugging Face GPT-NeoX (untied embedding and head, partial rotary): with 2 layers on
+    4 stages the first holds the embedding alone, and the embedding's gradient is made on
+    the second stage (it hung, 2026-12-04: sent per microbatch, received once)."""
+    import transformers
+    cfg = transformers.GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=layers, num_attention_heads=4,
+                                     max_position_embeddings=16, rotary_pct=0.5,
+                                     hidden_dropout=0.0, attention_dropout=0.0)
+    return transformers.GPTNeoXForCausalLM(cfg)
+
+
+PP_MODELS = {"gpt2": tiny_gpt2, "llama": tiny_llama, "neox": tiny_neox}
 
 
 @check("pp")

@@ -741,3 +741,21 @@ def test_a_frozen_tied_parameter_is_held_on_both_stages_and_never_sent():
     assert rec.tied == {}
     assert [s.layers[0] for s in rec.stages] == ["tok", "tok"]
     assert not [op for op in out.ops if op.name == "send" and op.phase.value == "update"]
+
+
+def test_a_send_and_its_receive_of_different_cadence_are_refused():
+    """A value sent by a program run per microbatch and received by one run once a step
+    (or the other way round) would leave the ranks waiting on each other forever (GPT-NeoX
+    at pp=4 hung so, 2026-12-04): rank_stage_programs refuses such a cut."""
+    from diphoma_compile.errors import DiphomaError
+    from diphoma_compile.passes.pipeline_programs import (StageProgram, StagePrograms,
+                                                          _check_cadence)
+    g = traced_gpt(layers=1)
+
+    def cut(kind: str, sends=(), recvs=()) -> StagePrograms:
+        out = StagePrograms("FBU", 1)
+        out.programs[(0, kind)] = StageProgram(g, sends=list(sends), recvs=list(recvs))
+        return out
+    _check_cadence([cut("B", sends=[("g", 0, 5)]), cut("B", recvs=[("g.s0", 1, 5)])])
+    with pytest.raises(DiphomaError, match="one of them run per microbatch"):
+        _check_cadence([cut("B", sends=[("g", 0, 5)]), cut("U0", recvs=[("g.s0", 1, 5)])])
