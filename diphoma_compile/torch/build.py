@@ -133,23 +133,46 @@ class _Builder:
         instead of a new tensor copied there: when nothing reads ``node`` yet and each of
         its tensor arguments is ``target`` itself or a value that cannot alias it (full
         overlap is what an in-place kernel does; a view of ``target`` would be partial).
+        Then the chain of pointwise kernels feeding it through their first argument, each
+        read by the next alone, writes there too, while nothing else reads ``target`` in
+        between (AdamW's ``mul`` by 1 - lr wd before its ``addcdiv``, as eager's ``mul_``).
         False (nothing changed) otherwise."""
-        fn = node.target
-        if node.op != "call_function" or node.users or not isinstance(fn, OpOverload) \
-                or torch.Tag.pointwise not in fn.tags:
-            return False
-        out_fn = _out_overload(fn)
-        if out_fn is None:
-            return False
         dest = self.env[target]
         named = {id(n): k for k, n in self.env.items() if isinstance(n, fx.Node)}
         numbers = {id(n) for n in self.scalars.values() if isinstance(n, fx.Node)}
-        for a in (*node.args, *node.kwargs.values()):
-            if isinstance(a, fx.Node) and a is not dest and id(a) not in numbers and (
-                    id(a) not in named or target in self.aliases.get(named[id(a)], ())):
-                return False
-        node.target = out_fn
-        node.kwargs = {**node.kwargs, "out": dest}
+
+        def out_of(n: fx.Node) -> OpOverload | None:
+            fn = n.target
+            if n.op != "call_function" or not isinstance(fn, OpOverload) \
+                    or torch.Tag.pointwise not in fn.tags:
+                return None
+            for a in (*n.args, *n.kwargs.values()):
+                if isinstance(a, fx.Node) and a is not dest and id(a) not in numbers and (
+                        id(a) not in named or target in self.aliases.get(named[id(a)], ())):
+                    return None
+            return _out_overload(fn)
+
+        out_fn = out_of(node) if not node.users else None
+        if out_fn is None:
+            return False
+        node.target, node.kwargs = out_fn, {**node.kwargs, "out": dest}
+        cur = node
+        while cur.args and isinstance(cur.args[0], fx.Node):
+            a = cur.args[0]
+            rest = (*cur.args[1:], *(v for k, v in cur.kwargs.items() if k != "out"))
+            if a is dest or len(a.users) != 1 or id(a) not in named or dest in rest:
+                break
+            out_fn = out_of(a)
+            n = a.next
+            while out_fn is not None and n is not cur:     # nothing reads target between
+                if dest in n.all_input_nodes:
+                    out_fn = None
+                n = n.next
+            if out_fn is None:
+                break
+            a.target, a.kwargs = out_fn, {**a.kwargs, "out": dest}
+            self.kernel_written.add(named[id(a)])
+            cur = a
         return True
 
     def destination(self, name: str) -> fx.Node | None:

@@ -70,10 +70,10 @@ def test_planned_peak_is_within_15_percent_of_the_measured_one():
         pytest.skip("this kernel does not let a process reset its high-water mark")
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    # about 50 MB of activations and gradients above what the step holds (96 MB while
+    # about 33 MB of activations and gradients above what the step holds (84 MB while
     # AdamW's new state was made beside the old and copied in: now its kernels write it
-    # in place)
-    assert got["measured"] > 40e6
+    # in place, as eager's do)
+    assert got["measured"] > 25e6
     assert abs(got["planned"] - got["measured"]) <= 0.15 * got["measured"], got
 
 
