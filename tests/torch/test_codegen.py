@@ -155,3 +155,25 @@ def test_inductor_runs_single_tensor_sgd():
         assert abs(ours.item() - want.item()) <= LOSS_TOL
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=PARAM_TOL)
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum", "adamw", "adam"])
+@pytest.mark.parametrize("foreach", [False, True])
+def test_fx_updates_are_written_in_place_by_their_kernels(name, foreach):
+    """The fx program copies no new parameter or optimizer state into place: the pointwise
+    kernels making them write into the inputs (``out=``), as eager's in-place optimizer
+    kernels do, and three steps stay equal to eager's bit for bit (parameters and state)."""
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (OPTIMIZERS[name](m.parameters(), foreach) for m in (model, ref))
+    batches = mlp_batches(3)
+    step = diphoma_compile.compile(classify_step, model, opt, batches[0], codegen="fx")
+    assert "copy_" not in step.code
+    assert step.code.count("out = ") >= len(list(model.parameters()))
+    for b in batches:
+        assert torch.equal(step(model, opt, b), classify_step(ref, ref_opt, b))
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, ref_opt.state[q][k]), k
