@@ -82,6 +82,13 @@ class _Builder:
         self.in_place = updates_in_place(graph) if in_place else {}
         self.out_variants = out_variants
         self.aliases = input_aliases(graph) if out_variants else {}
+        self.reads: dict[str, int] = {}     # how often each value is read, regions and
+        if out_variants:                    # outputs included
+            for op in graph.ops:
+                for n in free_inputs(op):
+                    self.reads[n] = self.reads.get(n, 0) + 1
+            for o in graph.outputs:
+                self.reads[o.name] = self.reads.get(o.name, 0) + 1
         # a collective's result -> the value its wait hands on (the name the step returns)
         self.handed_on: dict[str, str] = {}
         for op in graph.ops:
@@ -161,6 +168,10 @@ class _Builder:
             a = cur.args[0]
             rest = (*cur.args[1:], *(v for k, v in cur.kwargs.items() if k != "out"))
             if a is dest or len(a.users) != 1 or id(a) not in named or dest in rest:
+                break
+            # read once in the whole step (by cur's op): no op emitted later may read it
+            # (it will hold the new value)
+            if sum(self.reads.get(k, 0) for k, n in self.env.items() if n is a) != 1:
                 break
             out_fn = out_of(a)
             n = a.next

@@ -177,3 +177,30 @@ def test_fx_updates_are_written_in_place_by_their_kernels(name, foreach):
         assert torch.equal(p, q)
         for k, v in opt.state[p].items():
             assert torch.equal(v, ref_opt.state[q][k]), k
+
+
+def test_an_update_term_read_again_later_is_not_written_into_place():
+    """``p * p`` feeds the new ``p`` (an ``add`` writing into ``p``) and is read again after
+    it: the ``mul`` must not write into ``p`` too (the sum would read the new value), though
+    when the ``add`` is emitted nothing else reads it yet."""
+    from diphoma_compile.ir.parser import parse
+    from diphoma_compile.torch.build import build_module, written_by_kernels
+    g = parse("""graph @step (
+  %p: f32[4] param,
+  %g: f32[4] batch,
+) {
+  %0: f32[4] = mul(%p, %p) phase=update
+  %1: f32[4] = add(%0, %g) phase=update
+  %2: f32[] = reduce_sum(%0) {dims=[0], keepdim=false} phase=update
+  return (
+    %2 loss,
+    %1 replaces(%p),
+  )
+}""")
+    gm = build_module(g, out_variants=True)
+    assert "out = p" in gm.code and gm.code.count("out = ") == 1
+    assert written_by_kernels(g) == {"1"}
+    p, grad = torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.ones(4)
+    loss, new = gm(p, grad)
+    assert loss.item() == 30.0 and torch.equal(new, torch.tensor([2.0, 5.0, 10.0, 17.0]))
+    assert new.data_ptr() == p.data_ptr()
