@@ -183,10 +183,12 @@ class PipelineParallel(Pass):
                               f"devices; schedule {self.schedule} runs one stage per device",
                               hint="leave stages=auto, or schedule=interleaved for several "
                                    "stages per device")
-        if looped and (s < n or s % n):
+        if looped and (s < 2 * n or s % n):
             raise PassFailure(f"pipeline: stages={s} is not a multiple of the {n} devices "
-                              f"of the mesh axis {self.axis!r}",
-                              hint=f"stages=auto ({auto}) or another multiple of {n}")
+                              f"of the mesh axis {self.axis!r} of two or more stages per "
+                              f"device, which schedule {self.schedule} runs",
+                              hint=f"stages=auto ({auto}) or another multiple of {n}, or "
+                                   "schedule=1f1b for one stage per device")
         if self.microbatches < 1:
             raise PassFailure("pipeline: microbatches must be at least 1",
                               hint="microbatches=M with M >= 1 (M >= stages keeps the "

@@ -103,8 +103,8 @@ def timeline(actions: list[list[Action]] | tuple, forward: list[float],
 
 
 def bubble(blocks: list[Block]) -> float:
-    """The idle share of the busiest-to-finish rank's step: 1 - its busy time / the step
-    (the makespan over all ranks)."""
+    """The idle share of the idlest rank's step: 1 - its busy time / the step (the
+    makespan over all ranks)."""
     span = max(b.end for b in blocks) - min(b.start for b in blocks)
     ranks = {b.rank for b in blocks}
     busy = min(sum(b.end - b.start for b in blocks if b.rank == r) for r in ranks)

@@ -126,7 +126,7 @@ class _RankWalk:
         """A program's peak above its inputs, and the op there."""
         if key not in self._peaks:
             p = peak_memory(prog.graph, self.in_place & set(prog.outputs),
-                            written=self.written & set(prog.outputs))
+                            written=self.written)
             at = ""
             if p.index >= 0:
                 op = prog.graph.ops[p.index]

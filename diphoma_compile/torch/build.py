@@ -82,11 +82,22 @@ class _Builder:
         self.in_place = updates_in_place(graph) if in_place else {}
         self.out_variants = out_variants
         self.aliases = input_aliases(graph) if out_variants else {}
-        self.reads: dict[str, int] = {}     # how often each value is read, regions and
-        if out_variants:                    # outputs included
-            for op in graph.ops:
+        # for write_into: how often each value is read (regions and outputs included),
+        # where each value is made, the last op reading each input (or a view of it), and
+        # the inputs a collective reads (its transfer may still read them after the op)
+        self.reads: dict[str, int] = {}
+        self.made_at: dict[str, int] = {}
+        self.last_read: dict[str, int] = {}
+        self.collective_read: set[str] = set()
+        if out_variants:
+            for k, op in enumerate(graph.ops):
                 for n in free_inputs(op):
                     self.reads[n] = self.reads.get(n, 0) + 1
+                    for base in self.aliases.get(n, ()):
+                        self.last_read[base] = k
+                        if op_def(op.name).category is Category.collective:
+                            self.collective_read.add(base)
+                self.made_at.update((v.name, k) for v in op.results)
             for o in graph.outputs:
                 self.reads[o.name] = self.reads.get(o.name, 0) + 1
         # a collective's result -> the value its wait hands on (the name the step returns)
@@ -110,6 +121,7 @@ class _Builder:
         that input."""
         for i in self.g.inputs:
             self.env[i.name] = self.fx.placeholder(_py_name(i.name))
+            self.env[i.name].meta["ir"] = [i.name]
             if i.role.kind is InputKind.hyper and i.value.type.shape == () and self.host_reads:
                 self.set_host(i.name, self.call(aten._local_scalar_dense.default,
                                                 [self.env[i.name]]), i.value.type.dtype)
@@ -119,6 +131,8 @@ class _Builder:
             for v in op.results:
                 target = self.in_place.get(v.name)
                 node = self.env.get(v.name)
+                if isinstance(node, fx.Node):       # which IR values a node holds
+                    node.meta.setdefault("ir", []).append(v.name)
                 if v.name in self.direct:
                     written[v.name] = target
                 elif target is not None and isinstance(node, fx.Node) \
@@ -140,49 +154,50 @@ class _Builder:
         instead of a new tensor copied there: when nothing reads ``node`` yet and each of
         its tensor arguments is ``target`` itself or a value that cannot alias it (full
         overlap is what an in-place kernel does; a view of ``target`` would be partial).
-        Then the chain of pointwise kernels feeding it through their first argument, each
-        read by the next alone, writes there too, while nothing else reads ``target`` in
-        between (AdamW's ``mul`` by 1 - lr wd before its ``addcdiv``, as eager's ``mul_``).
+        Then the chain of pointwise kernels feeding it through their first argument writes
+        there too (AdamW's ``mul`` by 1 - lr wd before its ``addcdiv``, as eager's ``mul_``):
+        each link of ``target``'s type, read once in the step (by the next), made where
+        nothing reads ``target`` or a view of it any more and no collective reads it.
         False (nothing changed) otherwise."""
         dest = self.env[target]
-        named = {id(n): k for k, n in self.env.items() if isinstance(n, fx.Node)}
-        numbers = {id(n) for n in self.scalars.values() if isinstance(n, fx.Node)}
+        want = self.g_types[target]
+
+        def aliasing(a: object) -> bool:     # a tensor argument that may share target's
+            if not isinstance(a, fx.Node) or a is dest or a.meta.get("host"):
+                return False
+            names = a.meta.get("ir")
+            return not names or any(target in self.aliases.get(k, ()) for k in names)
 
         def out_of(n: fx.Node) -> OpOverload | None:
             fn = n.target
             if n.op != "call_function" or not isinstance(fn, OpOverload) \
-                    or torch.Tag.pointwise not in fn.tags:
+                    or torch.Tag.pointwise not in fn.tags \
+                    or any(aliasing(a) for a in (*n.args, *n.kwargs.values())):
                 return None
-            for a in (*n.args, *n.kwargs.values()):
-                if isinstance(a, fx.Node) and a is not dest and id(a) not in numbers and (
-                        id(a) not in named or target in self.aliases.get(named[id(a)], ())):
-                    return None
             return _out_overload(fn)
 
         out_fn = out_of(node) if not node.users else None
         if out_fn is None:
             return False
         node.target, node.kwargs = out_fn, {**node.kwargs, "out": dest}
+        if target in self.collective_read:
+            return True
         cur = node
         while cur.args and isinstance(cur.args[0], fx.Node):
             a = cur.args[0]
+            names = a.meta.get("ir", [])
             rest = (*cur.args[1:], *(v for k, v in cur.kwargs.items() if k != "out"))
-            if a is dest or len(a.users) != 1 or id(a) not in named or dest in rest:
-                break
-            # read once in the whole step (by cur's op): no op emitted later may read it
-            # (it will hold the new value)
-            if sum(self.reads.get(k, 0) for k, n in self.env.items() if n is a) != 1:
+            if a is dest or len(a.users) != 1 or not names or dest in rest \
+                    or sum(self.reads.get(k, 0) for k in names) != 1 \
+                    or any(self.g_types.get(k) != want for k in names) \
+                    or min(self.made_at.get(k, -1) for k in names) < \
+                    self.last_read.get(target, -1):
                 break
             out_fn = out_of(a)
-            n = a.next
-            while out_fn is not None and n is not cur:     # nothing reads target between
-                if dest in n.all_input_nodes:
-                    out_fn = None
-                n = n.next
             if out_fn is None:
                 break
             a.target, a.kwargs = out_fn, {**a.kwargs, "out": dest}
-            self.kernel_written.add(named[id(a)])
+            self.kernel_written.update(names)
             cur = a
         return True
 
@@ -224,6 +239,8 @@ class _Builder:
     def set_host(self, name: str, value: Any, dtype: DType) -> None:
         """Record ``name`` as a host scalar: a Python number or a node producing one."""
         self.scalars[name] = value
+        if isinstance(value, fx.Node):
+            value.meta["host"] = True
         self.dtype_of[name] = DTYPE_TO_TORCH[dtype]
 
     def host(self, op: Op) -> bool:

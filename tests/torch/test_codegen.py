@@ -204,3 +204,51 @@ def test_an_update_term_read_again_later_is_not_written_into_place():
     loss, new = gm(p, grad)
     assert loss.item() == 30.0 and torch.equal(new, torch.tensor([2.0, 5.0, 10.0, 17.0]))
     assert new.data_ptr() == p.data_ptr()
+
+
+_HEAD = "graph @step (\n  %p: f32[4] param,\n  %g: f32[4] batch,\n  %s: f32[{s}] buffer,\n) {{\n"
+_CHAINS = {
+    # a view of p read between the link (g * g) and the update: the link keeps its storage
+    "view read between": ("""  %v: f32[2,2] = reshape(%p) phase=update
+  %0: f32[4] = mul(%g, %g) phase=update
+  %1: f32[2,2] = mul(%v, %v) phase=update
+  %2: f32[] = reduce_sum(%1) {dims=[0,1], keepdim=false} phase=update
+  %3: f32[4] = add(%0, %g) phase=update
+  return (
+    %2 loss,
+    %3 replaces(%p),
+  )
+}""", "4"),
+    # links of another shape (broadcast) or dtype (a predicate) than p's
+    "broadcasting link": ("""  %0: f32[1] = exp(%s) phase=update
+  %1: f32[4] = mul(%0, %g) phase=update
+  return (
+    %1 replaces(%p),
+  )
+}""", "1"),
+    "bool link": ("""  %0: bool[4] = gt(%g, %s) phase=update
+  %1: f32[4] = select(%0, %g, %s) phase=update
+  return (
+    %1 replaces(%p),
+  )
+}""", "4"),
+}
+
+
+@pytest.mark.parametrize("case", list(_CHAINS))
+def test_update_chains_write_into_place_only_where_nothing_else_sees_it(case):
+    """Hand-written updates whose chain of kernels must not all write into ``p`` (a view of
+    it read in between; a link of another shape or dtype): the program's results and ``p``
+    after it equal those of the program that copies the new value in (each failed so
+    before the check: a wrong loss, or ``p`` resized and an error)."""
+    from diphoma_compile.ir.parser import parse
+    from diphoma_compile.torch.build import build_module
+    body, size = _CHAINS[case]
+    g = parse(_HEAD.format(s=size) + body)
+    args = [torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([1.0, 5.0, 1.0, 5.0]),
+            torch.full((int(size),), 0.5)]
+    mine, ref = [a.clone() for a in args], [a.clone() for a in args]
+    got = build_module(g, out_variants=True)(*mine)
+    want = build_module(g, out_variants=False)(*ref)
+    assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+    assert torch.equal(mine[0], ref[0])

@@ -349,6 +349,8 @@ def test_golden_pipeline_interleaved_four_stages_on_two_ranks(golden):
 
 @pytest.mark.parametrize("spec, words", [
     ("pipeline{axis=pp, stages=3, schedule=interleaved}", "not a multiple of the 2 devices"),
+    # one stage per device: torch's looped generators want two or more
+    ("pipeline{axis=pp, stages=2, schedule=looped-bfs}", "two or more stages per device"),
     ("pipeline{axis=pp, stages=4}", "runs one stage per device"),
     ("pipeline{axis=pp, schedule=zigzag}", "unknown schedule 'zigzag'"),
     # torch's interleaved generators run M in rounds of max(1, M // P): refused at planning
