@@ -72,8 +72,30 @@ def explain(exc: Exception) -> FrontendError:
         return FrontendError(f"op {text} has no mapping: it cannot run on fake tensors{at}",
                              hint="register a fake (meta) implementation for custom ops "
                                   "(torch.library.register_fake)")
+    op = _failing_op(exc)
+    if op is not None:
+        return FrontendError(
+            f"tracing the step failed{at}, in {op}: {name}: {text}",
+            hint=f"{op}'s shape and dtype rules (its fake kernel, which tracing runs) refused "
+                 "these inputs; if the eager step runs, its kernel for this device is less "
+                 "strict: use another implementation of the layer that calls it (Hugging "
+                 "Face mixture-of-experts: experts_implementation=\"batched_mm\"), or cast "
+                 "its inputs as the message asks; the chained exception has the traceback")
     return FrontendError(f"tracing the step failed{at}: {name}: {text}",
                          hint="see the chained exception for the full traceback")
+
+
+def _failing_op(exc: BaseException) -> str | None:
+    """The aten op being dispatched where ``exc`` was raised (innermost), if any."""
+    from torch._ops import OpOverload
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        func = tb.tb_frame.f_locals.get("func")
+        if isinstance(func, OpOverload):
+            found = str(func)
+        tb = tb.tb_next
+    return found
 
 
 def trace_torch(step_fn: Callable, *example_args: Any, codegen: str | None = None

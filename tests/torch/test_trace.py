@@ -149,6 +149,36 @@ def test_data_dependent_control_flow_is_named():
     assert "torch.where" in msg
 
 
+def test_an_op_whose_fake_kernel_refuses_the_inputs_is_named():
+    """An op whose fake kernel (what tracing runs) is stricter than its CPU kernel, as
+    aten._grouped_mm's asks bf16 where the CPU one takes float32 (Hugging Face Mixtral's
+    default experts, found 2026-12-04): the error names the op and says what to do."""
+    lib = torch.library.Library("diphoma_strict", "FRAGMENT")  # noqa: TOR901
+    lib.define("bf16_only(Tensor x) -> Tensor")
+    lib.impl("bf16_only", lambda x: x * 2, "CPU")
+
+    def fake(x):
+        if x.dtype != torch.bfloat16:
+            raise RuntimeError(f"Expected inputs of BF16 type but got {x.dtype}")
+        return torch.empty_like(x)
+    torch.library.register_fake("diphoma_strict::bf16_only", fake, lib=lib)
+
+    def step(model, opt, batch):
+        out = torch.ops.diphoma_strict.bf16_only(model(batch["x"]))
+        loss = F.cross_entropy(out, batch["y"])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    model = MLP()
+    opt = OPTIMIZERS["sgd"](model.parameters(), True)
+    with pytest.raises(FrontendError) as e:
+        diphoma_compile.trace(step, model, opt, mlp_batches(1)[0])
+    msg = str(e.value)
+    assert "in diphoma_strict.bf16_only.default: RuntimeError: Expected inputs of BF16" in msg
+    assert "test_trace.py" in msg and "another implementation of the layer" in msg
+
+
 def test_op_without_mapping_is_named():
     lib = torch.library.Library("diphoma_test", "FRAGMENT")  # noqa: TOR901
     lib.define("opaque_scale(Tensor x) -> Tensor")
