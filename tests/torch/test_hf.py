@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import diphoma_compile  # noqa: E402
+from models import hf_lm_step as lm_step  # noqa: E402
 
 
 def hf_step(model, opt, batch):
@@ -157,14 +158,6 @@ def mixtral(**kw):
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
         num_experts_per_tok=2, max_position_embeddings=64, attention_dropout=0.0, **kw))
-
-
-def lm_step(model, opt, ids):
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return out.loss
 
 
 def test_mixtral_with_batched_experts_bit_exact_and_its_default_experts_named():

@@ -149,6 +149,22 @@ def test_data_dependent_control_flow_is_named():
     assert "torch.where" in msg
 
 
+def _refusal_through(op) -> str:
+    """The FrontendError's message for an MLP step whose logits pass through ``op``."""
+    def step(model, opt, batch):
+        out = op(model(batch["x"]))
+        loss = F.cross_entropy(out, batch["y"])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    model = MLP()
+    opt = OPTIMIZERS["sgd"](model.parameters(), True)
+    with pytest.raises(FrontendError) as e:
+        diphoma_compile.trace(step, model, opt, mlp_batches(1)[0])
+    return str(e.value)
+
+
 def test_an_op_whose_fake_kernel_refuses_the_inputs_is_named():
     """An op whose fake kernel (what tracing runs) is stricter than its CPU kernel, as
     aten._grouped_mm's asks bf16 where the CPU one takes float32 (Hugging Face Mixtral's
@@ -163,18 +179,7 @@ def test_an_op_whose_fake_kernel_refuses_the_inputs_is_named():
         return torch.empty_like(x)
     torch.library.register_fake("diphoma_strict::bf16_only", fake, lib=lib)
 
-    def step(model, opt, batch):
-        out = torch.ops.diphoma_strict.bf16_only(model(batch["x"]))
-        loss = F.cross_entropy(out, batch["y"])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-    model = MLP()
-    opt = OPTIMIZERS["sgd"](model.parameters(), True)
-    with pytest.raises(FrontendError) as e:
-        diphoma_compile.trace(step, model, opt, mlp_batches(1)[0])
-    msg = str(e.value)
+    msg = _refusal_through(torch.ops.diphoma_strict.bf16_only)
     assert "in diphoma_strict.bf16_only.default: RuntimeError: Expected inputs of BF16" in msg
     assert "test_trace.py" in msg and "another implementation of the layer" in msg
 
@@ -184,18 +189,7 @@ def test_op_without_mapping_is_named():
     lib.define("opaque_scale(Tensor x) -> Tensor")
     lib.impl("opaque_scale", lambda x: x * 2, "CPU")
 
-    def step(model, opt, batch):
-        out = torch.ops.diphoma_test.opaque_scale(model(batch["x"]))
-        loss = F.cross_entropy(out, batch["y"])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-    model = MLP()
-    opt = OPTIMIZERS["sgd"](model.parameters(), True)
-    with pytest.raises(FrontendError) as e:
-        diphoma_compile.trace(step, model, opt, mlp_batches(1)[0])
-    msg = str(e.value)
+    msg = _refusal_through(torch.ops.diphoma_test.opaque_scale)
     assert "diphoma_test.opaque_scale" in msg
     assert "test_trace.py" in msg and "register_fake" in msg
 
