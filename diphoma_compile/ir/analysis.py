@@ -247,9 +247,8 @@ def peak_memory(graph: Graph, in_place: Collection[str] = (),
     are copied into the input they replace where they are made (the backend's in-place
     updates): they are not held to the end; those also in ``written`` are made in the
     input's storage by their own kernel and own nothing. ``scratch``: top-level op index ->
-    bytes the
-    backend holds besides the op's results while it runs (a collective's packed send
-    buffer), from the op to the ``wait`` that finishes it (the op alone when it is
+    bytes the backend holds besides the op's results while it runs (a collective's packed
+    send buffer), from the op to the ``wait`` that finishes it (the op alone when it is
     synchronous)."""
     sizes = dict(graph.mesh.axes)
     inputs = sum(i.value.type.local_nbytes(sizes) for i in graph.inputs)

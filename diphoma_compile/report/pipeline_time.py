@@ -25,8 +25,8 @@ from ..ir.core import Graph
 from ..ir.device_model import DeviceModel
 from ..passes.pipeline_orders import rank_orders
 from ..passes.pipeline_programs import StageProgram, StagePrograms, rank_stage_programs
-from .compute import Compute, estimate_compute
 from ..passes.pipeline_timeline import timeline
+from .compute import Compute, estimate_compute
 
 
 def pipeline_compute(graph: Graph, opts: Any, model: DeviceModel,

@@ -79,25 +79,22 @@ class _Builder:
                 self.uses[name] = self.uses.get(name, 0) + 1
         for o in graph.outputs:
             self.uses[o.name] = self.uses.get(o.name, 0) + 1
-        self.in_place = updates_in_place(graph) if in_place else {}
         self.out_variants = out_variants
-        self.aliases = input_aliases(graph) if out_variants else {}
-        # for write_into: how often each value is read (regions and outputs included),
-        # where each value is made, the last op reading each input (or a view of it), and
+        self.aliases = input_aliases(graph) if in_place or out_variants else {}
+        self.in_place = updates_in_place(graph, self.aliases) if in_place else {}
+        # for write_into: the last op reading each input (or a view of it), where each
+        # value is made, how often each value is read (regions and outputs included), and
         # the inputs a collective reads (its transfer may still read them after the op)
+        self.last_read, self.made_at = _reads_and_makers(graph, self.aliases) \
+            if out_variants else ({}, {})
         self.reads: dict[str, int] = {}
-        self.made_at: dict[str, int] = {}
-        self.last_read: dict[str, int] = {}
         self.collective_read: set[str] = set()
         if out_variants:
-            for k, op in enumerate(graph.ops):
+            for op in graph.ops:
                 for n in free_inputs(op):
                     self.reads[n] = self.reads.get(n, 0) + 1
-                    for base in self.aliases.get(n, ()):
-                        self.last_read[base] = k
-                        if op_def(op.name).category is Category.collective:
-                            self.collective_read.add(base)
-                self.made_at.update((v.name, k) for v in op.results)
+                    if op_def(op.name).category is Category.collective:
+                        self.collective_read.update(self.aliases.get(n, ()))
             for o in graph.outputs:
                 self.reads[o.name] = self.reads.get(o.name, 0) + 1
         # a collective's result -> the value its wait hands on (the name the step returns)
@@ -914,13 +911,10 @@ def written_by_kernels(graph: Graph) -> set[str]:
     return b.kernel_written
 
 
-def updates_in_place(graph: Graph) -> dict[str, str]:
-    """Value -> the input it replaces, for new values that can be written into the input's
-    storage where they are made: the input (and every value that may alias it) is read by
-    no later op and not returned, the value owns its storage, and the types agree."""
-    inputs = {i.name: i.value.type for i in graph.inputs}
-    types = graph.value_types()
-    alias = input_aliases(graph)        # value -> inputs it may alias
+def _reads_and_makers(graph: Graph, alias: dict[str, set[str]]
+                      ) -> tuple[dict[str, int], dict[str, int]]:
+    """(input -> index of the last op reading it or a value that may alias it, value ->
+    index of the op making it)."""
     last: dict[str, int] = {}
     made: dict[str, int] = {}
     for k, op in enumerate(graph.ops):
@@ -929,6 +923,19 @@ def updates_in_place(graph: Graph) -> dict[str, str]:
                 last[base] = k
         for v in op.results:
             made[v.name] = k
+    return last, made
+
+
+def updates_in_place(graph: Graph, alias: dict[str, set[str]] | None = None
+                     ) -> dict[str, str]:
+    """Value -> the input it replaces, for new values that can be written into the input's
+    storage where they are made: the input (and every value that may alias it) is read by
+    no later op and not returned, the value owns its storage, and the types agree.
+    ``alias``: ``input_aliases(graph)``, when already made."""
+    inputs = {i.name: i.value.type for i in graph.inputs}
+    types = graph.value_types()
+    alias = input_aliases(graph) if alias is None else alias   # value -> inputs it aliases
+    last, made = _reads_and_makers(graph, alias)
     end = len(graph.ops)
     for o in graph.outputs:
         for base in alias.get(o.name, ()):

@@ -107,27 +107,15 @@ class TorchFramework:
         """New values build_module copies into their input's storage where they are made
         (a pipeline's: those of its update programs, which its runtime builds in place;
         ``cuts``: its ranks' programs, when already made)."""
-        from ..passes.pipeline_parallel import pipeline_of
         from .build import updates_in_place
-        if pipeline_of(graph) is None:
-            return set(updates_in_place(graph))
-        from ..passes.pipeline_programs import rank_stage_programs
-        return {n for cut in cuts or rank_stage_programs(graph) for (_, kind), prog in
-                cut.programs.items() if kind.startswith("U")
-                for n in updates_in_place(prog.graph)}
+        return _of_update_programs(graph, cuts, lambda g: set(updates_in_place(g)))
 
     def kernel_written(self, graph: Graph, cuts: list | None = None) -> set[str]:
         """The new values the fx program's pointwise kernels write straight into their
         input (``build.written_by_kernels``): the optimizers' updates, mostly. (An Inductor
         program plans its own buffers; the plan models the fx one.)"""
-        from ..passes.pipeline_parallel import pipeline_of
         from .build import written_by_kernels
-        if pipeline_of(graph) is None:
-            return written_by_kernels(graph)
-        from ..passes.pipeline_programs import rank_stage_programs
-        return {n for cut in cuts or rank_stage_programs(graph) for (_, kind), prog in
-                cut.programs.items() if kind.startswith("U")
-                for n in written_by_kernels(prog.graph)}
+        return _of_update_programs(graph, cuts, written_by_kernels)
 
     def collective_scratch(self, graph: Graph, device_model: str) -> dict[int, int]:
         """The packed send buffers of collectives.py, alive until each collective's wait
@@ -154,3 +142,15 @@ class TorchFramework:
 
 
 FRAMEWORK = TorchFramework()
+
+
+def _of_update_programs(graph: Graph, cuts: list | None,
+                        values: Callable[[Graph], set[str]]) -> set[str]:
+    """``values`` of the graph, or of a pipeline's update programs (the only ones its
+    runtime builds in place; ``cuts``: its ranks' programs, when already made)."""
+    from ..passes.pipeline_parallel import pipeline_of
+    if pipeline_of(graph) is None:
+        return values(graph)
+    from ..passes.pipeline_programs import rank_stage_programs
+    return {n for cut in cuts or rank_stage_programs(graph) for (_, kind), prog in
+            cut.programs.items() if kind.startswith("U") for n in values(prog.graph)}
