@@ -20,26 +20,28 @@ to split, and the step runs as ``compile()`` runs it (bit for bit), with no proc
 from __future__ import annotations
 
 import dataclasses
-
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import framework as frameworks
-from .errors import DiphomaError
+from .errors import DiphomaError, DiphomaWarning
 from .framework import Framework
 from .ir.analysis import runs_on_one_device
 from .ir.device_model import (MODELS, DeviceModel, check, device_model, model_for_device,
                               register)
 from .ir.core import Graph, InputKind
 from .mesh import Mesh, data_axis, fold_nodes, pipeline_axis, tensor_axis
-from .passes.base import PassContext
+from .passes.base import PassContext, find_decision
+from .passes.data_parallel import DataParallelRecord
 from .passes.defaults import COMPRESSION, default_passes
 from .passes.pipeline import Pipeline
-from .passes.pipeline_parallel import PipelineParallel
+from .passes.pipeline_parallel import PipelineParallel, PipelineRecord
 from .passes.pipeline_programs import is_staged, rank_stage_programs
 from .passes.spec import parse_spec
 from .report.compute import DEFAULT_DEVICE_MODEL
 from .report.plan import Plan, build_plan
+from .report.text import coupling_warning
 
 
 def trace(step_fn: Callable, *example_args: Any, **options: Any) -> Graph:
@@ -332,10 +334,13 @@ def check_compression(compression: str | None, passes: str | None,
 def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str | None,
                ctx: PassContext, device_model: str = DEFAULT_DEVICE_MODEL,
                shard_params: bool = False, pipeline: PipelineParallel | None = None,
-               compression: str | None = None, local: int = 0) -> tuple[Graph, Plan]:
+               compression: str | None = None, local: int = 0,
+               warn: bool = True) -> tuple[Graph, Plan]:
     """The graph placed on ``mesh`` after the pipeline (``passes``, or the default one for
     the framework and the model's gradient bytes), and its plan, with the step time
-    estimated on ``device_model`` (a name in ``ir.device_model.MODELS``).
+    estimated on ``device_model`` (a name in ``ir.device_model.MODELS``). With ``warn``, a
+    DiphomaWarning where the plan splits a batch whose forward combines examples
+    (``ir/batch_coupling.py``; ``inspect`` prints it in the plan instead).
 
     The default pipeline is tensor parallelism over the mesh's tensor axis (named tp,
     tensor or model) when it has more than one device, then data parallelism with
@@ -374,6 +379,10 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
         spec = ",".join(parts)
     if spec:
         graph = Pipeline.from_spec(spec).run(graph, ctx)
+        coupled = coupling_warning(find_decision(ctx.decisions, DataParallelRecord),
+                                   find_decision(ctx.decisions, PipelineRecord))
+        if coupled and warn:
+            warnings.warn(coupled, DiphomaWarning, stacklevel=2)
     backend = fw.backend
     if runs_on_one_device(graph):
         backend = (f"the single-device program, as compile() runs it: the mesh has one "

@@ -12,6 +12,11 @@ class DiphomaError(Exception):
         super().__init__(message if hint is None else f"{message}\n  hint: {hint}")
 
 
+class DiphomaWarning(UserWarning):
+    """A plan that runs but differs from the single-device step in a way the user should
+    know of (a forward that combines examples of the batch, split over devices)."""
+
+
 class IRError(DiphomaError):
     """Something is wrong with an IR graph."""
 

@@ -21,7 +21,10 @@ class FrameworkOpRule:
     permuted alike in every operand (``strategies.regrouped``); False where the op ties
     contiguous runs of a dimension together (grouped convolution, group norm).
     ``batch_stats``: it normalizes with statistics over the batch's rows (a batch norm in
-    training mode), so a microbatch's result is not a slice of the batch's."""
+    training mode), so a microbatch's result is not a slice of the batch's. ``row_mean``:
+    where its strategies take no split rows, it is a mean over the rows that it counts by
+    their values (cross-entropy's ignored targets and class weights); the words say so
+    (``batch_coupling.py``: a share's mean is exact when every share counts alike)."""
 
     target: str
     flops: CostFn
@@ -29,6 +32,7 @@ class FrameworkOpRule:
     bytes: CostFn | None = None
     regroup: bool = True
     batch_stats: bool = False
+    row_mean: str = ""
 
 
 FRAMEWORK_OPS: dict[str, FrameworkOpRule] = {}

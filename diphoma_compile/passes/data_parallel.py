@@ -7,7 +7,10 @@ per-device computation, and each varying value that the update or an output read
 ``all_reduce{op=avg}`` right where it is made (the end of backward for a gradient). This is
 the DDP convention: the step's loss is a mean over the examples of the batch, so the mean of
 the devices' gradients is the gradient of the global batch. Buffers that the forward pass
-updates from the batch (BatchNorm statistics) take device 0's new value, as DDP does."""
+updates from the batch (BatchNorm statistics) take device 0's new value, as DDP does.
+Where the forward combines examples of the batch (a batch norm's statistics, a contrastive
+loss, a mean over a mask's count), each device's share computes it alone, as under DDP: the
+record lists those places (``ir/batch_coupling.py``) and ``parallelize`` warns of them."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from typing import Any
 from ..ir.core import (Attrs, Graph, Input, InputKind, InputRole, Op, Output, OutputKind, Phase,
                        Value)
 from ..ir.analysis import free_inputs
+from ..ir.batch_coupling import split_notes
 from ..ir.ops import draws_from_a_key, op_def, random_draw
 from ..ir.sharding_rules import propagate
 from ..ir.types import REPLICATE, VARYING, TensorType, Varying
@@ -94,14 +98,19 @@ class DataParallelRecord:
     broadcast: tuple[str, ...]            # buffers that take device 0's value
     combined: Mapping[str, str]           # returned scalars combined by "max" or "min"
     random_per_device: tuple[str, ...]    # where per-process draws meet per-device values
-    loss_normalized_per_device: str | None  # where the loss divides by a per-device count
+    # forward ops that combine examples of the batch (ir/batch_coupling.py): the step
+    # differs from the single-device one whatever the data; then those exact only when
+    # every device's share counts alike (a mean over a mask's count, ignored targets)
+    batch_coupled: tuple[str, ...] = ()
+    batch_counted: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's ``notes["data-parallel"]`` (docs/plan.md)."""
         return {"axis": self.axis, "batch": list(self.batch), "averaged": list(self.averaged),
                 "broadcast": list(self.broadcast), "combined": dict(self.combined),
                 "random_per_device": list(self.random_per_device),
-                "loss_normalized_per_device": self.loss_normalized_per_device}
+                "batch_coupled": list(self.batch_coupled),
+                "batch_counted": list(self.batch_counted)}
 
 
 @register_pass
@@ -120,7 +129,7 @@ class DataParallel(Pass):
             split.place(op)
         split.combine_outputs()
         out = split.insert_syncs()
-        ctx.decisions[self.name] = split.record()
+        ctx.decisions[self.name] = split.record(*split_notes(split.graph))
         return out
 
 
@@ -151,7 +160,6 @@ class _Split:
                          if o.role.kind in (OutputKind.loss, OutputKind.metric)}
         self.drawn: dict[str, str] = {}       # values computed from random draws -> how drawn
         self.random_ops: list[str] = []       # per-process draws that meet per-device values
-        self.per_device_norm: str | None = None
 
     # 1. every op before the update that reads a per-device value computes per device;
     #    the update reads averaged values instead (step 2)
@@ -368,11 +376,6 @@ class _Split:
         elif o.role.kind in (OutputKind.loss, OutputKind.metric):
             need[o.name] = _combine(o.name, types[o.name], made_by, types,
                                     self.made_in.get(o.name))
-            last = made_by.get(o.name)
-            if o.role.kind is OutputKind.loss and last is not None and \
-                    last.name == "div" and _varying(types[last.inputs[1]], self.ax):
-                # sum(l * mask) / sum(mask): each device divides by its own count
-                self.per_device_norm = last.loc or last.name
         else:
             need.setdefault(o.name, "avg")
 
@@ -417,8 +420,9 @@ class _Split:
         return Op(kind, (n,), (Value(new, t),), attrs,
                   phase=phase, loc=at.loc if at is not None else None)
 
-    def record(self) -> DataParallelRecord:
-        """What this run decided, for the plan."""
+    def record(self, coupled: tuple[str, ...], counted: tuple[str, ...]
+               ) -> DataParallelRecord:
+        """What this run decided, for the plan (with ``split_notes``' two lists)."""
         need = self.need
         return DataParallelRecord(
             axis=self.ax, batch=tuple(self.batch),
@@ -426,4 +430,4 @@ class _Split:
             broadcast=tuple(n for n, how in need.items() if how == "root0"),
             combined={n: how for n, how in need.items() if how in ("max", "min")},
             random_per_device=tuple(sorted(set(self.random_ops))),
-            loss_normalized_per_device=self.per_device_norm)
+            batch_coupled=coupled, batch_counted=counted)

@@ -35,11 +35,12 @@ several stages per rank, stage s runs on rank s mod P (zbv: in a V, rank r holds
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import DiphomaError
 from ..ir.analysis import free_inputs, op_cost
+from ..ir.batch_coupling import split_notes
 from ..ir.core import Attrs, Graph, InputKind, Op, OutputKind, Phase, Value
 from ..ir.device_model import DeviceModel, device_model
 from ..ir.framework_ops import framework_rule
@@ -137,6 +138,10 @@ class PipelineRecord:
     ranks: int = 0          # devices of the axis; stage s runs on rank s mod ranks
     balance: str = "time"   # what StageInfo.balanced measures (the pass's option)
     device_model: str = ""  # whose roofline, for balance=time
+    # with microbatches > 1, forward ops that combine examples of the batch, computed per
+    # microbatch (DataParallelRecord's two lists, ir/batch_coupling.py)
+    batch_coupled: tuple[str, ...] = ()
+    batch_counted: tuple[str, ...] = ()
 
     def rank_of(self, stage: int) -> int:
         """The rank (index on the axis) that runs ``stage``."""
@@ -150,7 +155,9 @@ class PipelineRecord:
                 "sent_bytes": list(self.sent_bytes),
                 "tied": {k: list(v) for k, v in self.tied.items()}, "bubble": self.bubble,
                 "ranks": self.ranks or len(self.stages), "balance": self.balance,
-                "device_model": self.device_model}
+                "device_model": self.device_model,
+                "batch_coupled": list(self.batch_coupled),
+                "batch_counted": list(self.batch_counted)}
 
 
 @register_pass
@@ -236,8 +243,10 @@ class PipelineParallel(Pass):
                               "diphoma_compile.ir.device_model.MODELS") from None
         cut = _Cut(graph, s, self.axis, n, self.schedule, self.microbatches, self.balance,
                    model)
+        notes = split_notes(graph) if self.microbatches > 1 else ((), ())
         out = cut.rewrite()
-        ctx.decisions[self.name] = cut.record(self.schedule, self.microbatches)
+        ctx.decisions[self.name] = replace(cut.record(self.schedule, self.microbatches),
+                                           batch_coupled=notes[0], batch_counted=notes[1])
         return out
 
 

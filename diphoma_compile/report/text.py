@@ -153,6 +153,7 @@ def render(plan: Plan, max_rows: int = 60) -> str:
     lines += _shard_params_lines(plan.decision(ShardParamsRecord))
     lines += _data_parallel_lines(plan.decision(DataParallelRecord))
     lines += pipeline_lines(plan.decision(PipelineRecord), plan.mesh)
+    lines += _batch_lines(plan.decision(DataParallelRecord), plan.decision(PipelineRecord))
     lines += _quantized_lines(plan)
     lines += _comm_lines(plan)
     return "\n".join(lines) + "\n"
@@ -298,18 +299,55 @@ def _data_parallel_lines(dp: DataParallelRecord | None) -> list[str]:
     if dp is None:
         return []
     lines = []
-    norm = dp.loss_normalized_per_device
-    if norm:
-        lines += ["", f"the loss divides by a count computed from the batch ({norm}): each "
-                      "device divides by its own count and the devices' losses and gradients "
-                      "are averaged, as under DDP, which differs from the single-device step "
-                      "when the count differs between devices (masked or padded examples)"]
     drawn = dp.random_per_device
     if drawn:
         lines += ["", f"random draws per device ({', '.join(drawn)}): each process draws from "
                       "its own generator, as under DDP, so dropout matches the single-device "
                       "step in distribution, not bit for bit"]
     return lines
+
+
+def _shares(dp: DataParallelRecord | None, pp: PipelineRecord | None, field: str) -> str:
+    """Who computes a batch-coupled op alone: each device's share, each microbatch."""
+    who = [w for w, r in (("each device's share of the batch", dp),
+                          ("each microbatch", pp)) if r is not None and getattr(r, field)]
+    return " and ".join(who)
+
+
+def _batch_lines(dp: DataParallelRecord | None, pp: PipelineRecord | None) -> list[str]:
+    """Where the forward combines examples of the batch, which a split batch computes per
+    share (ir/batch_coupling.py): always different, then exact only for equal counts."""
+    lines = []
+    for field, text in (
+            ("batch_coupled", "the forward combines examples of the batch; {who} computes "
+                              "these alone and the results are averaged, as under DDP, so "
+                              "the step differs from the single-device one:"),
+            ("batch_counted", "the forward divides by counts over the batch; {who} divides "
+                              "by its own count and the results are averaged, as under DDP: "
+                              "the single-device step's only when every share counts "
+                              "alike:")):
+        where = list(dict.fromkeys((getattr(dp, field) if dp else ()) +
+                                   (getattr(pp, field) if pp else ())))
+        if where:
+            lines += ["", text.format(who=_shares(dp, pp, field))]
+            lines += [f"  {w}" for w in where]
+    return lines
+
+
+def coupling_warning(dp: DataParallelRecord | None, pp: PipelineRecord | None) -> str | None:
+    """The warning ``parallelize`` gives for a forward that combines examples of the batch
+    under a plan that splits the batch, or None."""
+    where = list(dict.fromkeys((dp.batch_coupled if dp else ()) +
+                               (pp.batch_coupled if pp else ())))
+    if not where:
+        return None
+    more = f" (and {len(where) - 2} more: the plan lists them)" if len(where) > 2 else ""
+    return (f"the step's forward combines examples of its batch: {'; '.join(where[:2])}"
+            f"{more}. Under this plan {_shares(dp, pp, 'batch_coupled')} computes it alone "
+            "and the results are averaged, as DDP does, so losses and gradients differ from "
+            "the single-device step's. To match it, compute such terms from values that do "
+            "not mix examples (LayerNorm or GroupNorm for a batch norm), or run the step "
+            "without splitting its batch.")
 
 
 def _quantized_lines(plan: Plan) -> list[str]:

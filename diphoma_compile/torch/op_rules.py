@@ -22,7 +22,8 @@ Flop conventions (logical, whole tensors; one multiply-add is 2 flops, as
 - per element of the result: gelu 8 (backward 10), silu 4 (backward 8), tanh_backward 3,
   softmax 5 (backward 4), log_softmax 4 (backward 3), mse_loss 3 (backward 3),
   threshold_backward, masked_fill, tril/triu, pow, mul/div by a number, sin/cos 1, clamp 1
-  per bound, a random draw (bernoulli, normal, rand) 1, native_dropout 3 (backward 2).
+  per bound (clamp_min, clamp_max 1), a random draw (bernoulli, normal, rand) 1,
+  native_dropout 3 (backward 2).
 - nll_loss forward and backward: 1 per row (target element); argmax 1 per input element;
   max pooling 1 per window element of each result (backward: 1 per grad_out element);
   ``_foreach_norm`` 2 per element; embedding 0; embedding_dense_backward 1 per grad_out
@@ -756,6 +757,7 @@ _register("pow.Tensor_Scalar cos.default sin.default", _per_out(1), _elementwise
 _register("clamp.default", lambda c: _numel(c.outs[0]) * ((c["min"] is not None)
                                                          + (c["max"] is not None)),
           _elementwise())
+_register("clamp_min.default clamp_max.default", _per_out(1), _elementwise())
 _register("masked_fill.Scalar", _per_out(1), _masked_fill)
 _register("tril.default triu.default", _per_out(1), _triangle)
 _register("gelu.default", _per_out(8), _elementwise())
@@ -773,7 +775,9 @@ _register("_softmax_backward_data.default", _per_out(4), _softmax_backward)
 _register("_log_softmax_backward_data.default", _per_out(3), _softmax_backward)
 _register("nll_loss_forward.default", lambda c: max(_numel(c.t("target")), 1), _nll_forward,
           lambda c: (_nbytes(c.t("target")) + _numel(c.t("target")) * c.t("self").dtype.itemsize
-                     + _nbytes(c.t("weight")) + _written(c)))
+                     + _nbytes(c.t("weight")) + _written(c)),
+          row_mean="a mean over the targets it counts (those not equal to ignore_index, "
+                   "weighted by the class weights when given)")
 _register("nll_loss_backward.default", lambda c: max(_numel(c.t("target")), 1), _nll_backward,
           lambda c: (_nbytes(c.t("grad_output")) + _nbytes(c.t("target"))
                      + _nbytes(c.t("weight")) + _nbytes(c.t("total_weight")) + _written(c)))

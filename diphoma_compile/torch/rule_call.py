@@ -133,11 +133,11 @@ def _cost(fn: Callable[[_Call], float]) -> Callable:
 def _register(targets: str, flops: Callable[[_Call], float],
               strategies: Callable[[_Call], list] | None = None,
               nbytes: Callable[[_Call], float] | None = None, regroup: bool = True,
-              batch_stats: bool = False) -> None:
+              batch_stats: bool = False, row_mean: str = "") -> None:
     for t in targets.split():
         register_framework_op(FrameworkOpRule(
             f"aten.{t}", _cost(flops), None if strategies is None else _menu(strategies),
-            None if nbytes is None else _cost(nbytes), regroup, batch_stats))
+            None if nbytes is None else _cost(nbytes), regroup, batch_stats, row_mean))
 
 
 def _numel(t: TensorType | None) -> int:

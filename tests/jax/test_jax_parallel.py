@@ -9,6 +9,7 @@ by one on hand-written IR, and the errors a bad mesh or batch gives."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 
@@ -23,7 +24,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from diphoma_compile.jax.parallel import compile_jax_parallel  # noqa: E402
-from diphoma_compile.errors import BackendError, DiphomaError, MeshError  # noqa: E402
+from diphoma_compile.errors import (BackendError, DiphomaError, DiphomaWarning,  # noqa: E402
+                                    MeshError)
 from diphoma_compile.ir import parse, verify  # noqa: E402
 from diphoma_compile import parallelize  # noqa: E402
 
@@ -489,7 +491,8 @@ def test_multisteps_gradient_accumulation_matches_the_single_device_step():
 
 def test_a_loss_divided_by_a_count_of_the_batch_is_noted():
     """sum(err * mask) / sum(mask): each device divides by its own count (as under DDP); the
-    plan says so, since it differs from the single-device step when counts differ."""
+    plan says so, since it differs from the single-device step when counts differ. Not a
+    warning: with equal counts it is the single-device step."""
     tx = optax.sgd(0.1)
 
     def step(params, opt_state, batch):
@@ -502,13 +505,52 @@ def test_a_loss_divided_by_a_count_of_the_batch_is_noted():
     params = {"w": jnp.ones((8, 16))}
     batch = (jnp.ones((16, 8)), jnp.ones((16, 16)), jnp.ones((16,)))
     pstep = parallelize(step, jax_mesh((8,)), axis="data")
-    pstep.trace(params, tx.init(params), batch)
-    assert pstep.plan.notes["data-parallel"]["loss_normalized_per_device"]
-    assert "the loss divides by a count computed from the batch" in pstep.plan.to_text()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DiphomaWarning)
+        pstep.trace(params, tx.init(params), batch)
+    counted = pstep.plan.notes["data-parallel"]["batch_counted"]
+    assert len(counted) == 1 and "(div): divides by a sum over the batch" in counted[0]
+    assert "the forward divides by counts over the batch" in pstep.plan.to_text()
     plain = parallelize(make("mlp", "momentum")[0], jax_mesh((8,)), axis="data")
     _, p2, s2, b2 = make("mlp", "momentum")
     plain.trace(p2, s2, b2)
-    assert plain.plan.notes["data-parallel"]["loss_normalized_per_device"] is None
+    assert plain.plan.notes["data-parallel"]["batch_counted"] == []
+    assert plain.plan.notes["data-parallel"]["batch_coupled"] == []
+
+
+def test_a_batch_centering_and_a_contrastive_loss_are_warned_of():
+    """Features centred over the batch (a batch norm's first half, written out) and a
+    contrastive loss (every example's embedding against every other's): each device's
+    share computes them alone."""
+    tx = optax.sgd(0.1)
+
+    def centred_step(params, opt_state, batch):
+        def loss_of(p):
+            h = batch[0] @ p["w"]
+            h = h - jnp.mean(h, axis=0)
+            return jnp.mean((h - batch[1]) ** 2)
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    params = {"w": jnp.ones((8, 4))}
+    pstep = parallelize(centred_step, jax_mesh((8,)), axis="data")
+    with pytest.warns(DiphomaWarning, match=r"\(sub\): reads a sum or mean over the batch"):
+        pstep.trace(params, tx.init(params), (jnp.ones((16, 8)), jnp.ones((16, 4))))
+    assert len(pstep.plan.notes["data-parallel"]["batch_coupled"]) == 1
+
+    def contrastive_step(params, opt_state, batch):
+        def loss_of(p):
+            u, v = batch[0] @ p["a"], batch[1] @ p["b"]
+            logits = u @ v.T
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits, jnp.arange(logits.shape[0])).mean()
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    params = {"a": jnp.ones((8, 4)), "b": jnp.ones((6, 4))}
+    pstep = parallelize(contrastive_step, jax_mesh((8,)), axis="data")
+    with pytest.warns(DiphomaWarning, match=r"\(dot\)"):
+        pstep.trace(params, tx.init(params), (jnp.ones((16, 8)), jnp.ones((16, 6))))
 
 
 # ------------------------------------------------------------------ several batch arguments

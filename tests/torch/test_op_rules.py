@@ -505,6 +505,8 @@ SAMPLES: dict[str, list] = {
     "cos.default": [_one((2, 4))],
     "sin.default": [_one((2, 4))],
     "clamp.default": [_one((2, 4), extra=[-0.5, 0.5])],
+    "clamp_min.default": [_one((2, 4), extra=[0.1])],
+    "clamp_max.default": [_one((2, 4), extra=[0.1])],
     "masked_fill.Scalar": [lambda r: ([r(2, 4, 6), r.bools(4, 6), -1.0], {}),
                            lambda r: ([r(2, 4, 6), r.bools(2, 1, 6), 0.0], {})],
     "tril.default": [_one((2, 4, 4))],

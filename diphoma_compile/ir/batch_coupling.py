@@ -1,0 +1,302 @@
+"""Where a step's forward pass combines different examples of its batch.
+
+Data and pipeline parallelism run the forward on a share of the batch (a device's, a
+microbatch's) and average what comes out, as DDP does. That equals the single-device step
+when the loss is a mean over examples of per-example terms. It does not when the forward
+ties examples together: a batch norm's statistics, a contrastive loss's product of every
+image with every text, a mean over tokens divided by a count of the batch's mask.
+
+``batch_coupling`` finds those ops. It splits the batch inputs along dimension 0 (the
+dimension both passes split) and follows the split through the forward ops with the ops'
+own sharding strategies (``strategies.py``), as a partitioner would on a batch axis: a value
+is split along some dimension, whole (computed from weights alone), a partial sum over the
+examples (a sum or mean over the batch), or a constant that may be built in whatever
+placement a consumer needs. An op none of whose strategies takes its inputs as they are
+combines examples: each share's result is not a slice, nor a part of a sum, of the whole
+batch's. Ops without strategies (a framework op with no rule, a random draw) are not
+judged: what they make from rows is taken as rows where it keeps the batch's first
+dimension (``_unjudged``), and not followed otherwise, so the analysis reports only what
+the strategies show. So are ops that take some of the rows or join pieces of rows (a slice
+of the batch for gradient accumulation, ``_rows_kept``): each row is still one example
+(a loss over the first example alone is so not found)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .core import Graph, InputKind, Op, Phase
+from .framework_ops import framework_rule
+from .opdef import op_def
+from .strategies import (Strategy, group_counts, no_strategies, replicate_only,
+                         strategies_of)
+from .types import REPLICATE, Partial, Placement, Replicate, Shard, TensorType
+
+# a value no strategy could place (an op without a rule made it): not followed
+_UNKNOWN = None
+
+
+@dataclass(frozen=True)
+class Coupling:
+    """One op of the forward that combines examples of the batch."""
+
+    where: str          # the op's source line, or its name
+    op: str             # the op (a framework op's target)
+    why: str            # what it does with the batch, in words
+    certain: bool       # False: exact when every share counts alike (a mask's count)
+
+    def __str__(self) -> str:
+        return f"{self.where} ({self.op}): {self.why}"
+
+
+def batch_coupling(graph: Graph) -> list[Coupling]:
+    """The forward ops of ``graph`` that combine examples of its batch, in program order.
+    Nothing when a batch input holds one row (a share of one example, as traced): its rows
+    cannot be told from the dimensions they merge into."""
+    if any(i.role.kind is InputKind.batch and i.value.type.rank >= 1
+           and i.value.type.shape[0] == 1 for i in graph.inputs):
+        return []
+    return _Follow(graph).run()
+
+
+def split_notes(graph: Graph) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """What a plan says of ``batch_coupling``: the couplings that change the step whatever
+    the data, then those exact only when every share counts alike; one line per source
+    line and reason."""
+    found = batch_coupling(graph)
+
+    def lines(certain: bool) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(str(c) for c in found if c.certain is certain))
+    return lines(True), lines(False)
+
+
+def _norm(p: Placement) -> Placement:
+    """A mean over the batch is a partial sum scaled by a constant: one kind here."""
+    return Partial("sum") if isinstance(p, Partial) and p.op in ("sum", "avg") else p
+
+
+@dataclass(frozen=True, eq=False)
+class _Summed:
+    """A scalar computed from sums over the batch by math not linear in them (a count
+    clamped to at least 1): judged by what reads it. Dividing by it is a mean over a count;
+    anything else (or returning it) combines examples, found at ``made_by``."""
+
+    made_by: Op
+
+
+def _split(p: object) -> bool:
+    """True for a state that depends on the batch (a split, a partial sum, a scalar of
+    sums)."""
+    return isinstance(p, (Shard, Partial, _Summed))
+
+
+class _Follow:
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.types = graph.value_types()
+        # name -> a Placement, a frozenset of placements (a constant: any of these),
+        # or _UNKNOWN; values not here are whole (weights, optimizer state)
+        self.at: dict[str, object] = {}
+        for i in graph.inputs:
+            t = i.value.type
+            if i.role.kind is InputKind.batch and t.rank >= 1:
+                self.at[i.name] = Shard(0)
+        self.found: list[Coupling] = []
+
+    def run(self) -> list[Coupling]:
+        for op in self.graph.ops:
+            if (op.phase or Phase.forward) is Phase.forward:
+                self.place(op)
+        for o in self.graph.outputs:        # a loss made of sums by nonlinear math
+            s = self.state(o.name)
+            if isinstance(s, _Summed):
+                self.report(s.made_by, _NONLINEAR, certain=True)
+                self.at[o.name] = _UNKNOWN
+        return self.found
+
+    def state(self, name: str) -> object:
+        return self.at.get(name, REPLICATE)
+
+    def place(self, op: Op) -> None:
+        outs = [v.type for v in op.results]
+        if op.regions:      # control flow: not judged, its batch-dependent results dropped
+            if any(_split(self.state(n)) or self.state(n) is _UNKNOWN
+                   for n in _reads(op)):
+                self.set(op, [_UNKNOWN] * len(outs))
+            return
+        states = [self.state(n) for n in op.inputs]
+        if any(s is _UNKNOWN for s in states):
+            self.set(op, [_UNKNOWN] * len(outs))
+            return
+        ins = [self.types[n] for n in op.inputs]
+        if not any(_split(s) for s in states):
+            self.place_whole(op, states, ins, outs)
+            return
+        rule = framework_rule(op) if op.name == "opaque" else None
+        if rule is not None and rule.batch_stats:
+            self.report(op, "normalizes with statistics over the batch (a batch norm in "
+                            "training mode)", certain=True)
+            self.set(op, [_UNKNOWN] * len(outs))
+            return
+        actual = [_norm(s) if isinstance(s, Placement) else s for s in states]
+        if any(isinstance(s, _Summed) for s in actual):
+            self.place_summed(op, actual, ins, outs)
+            return
+        if op.name == "neg" and isinstance(actual[0], Partial) and actual[0].op in _SWAP:
+            # -max over the batch is a min over it: a metric data parallelism combines so
+            self.set(op, [Partial(_SWAP[actual[0].op])])
+            return
+        menu = strategies_of(op, ins, outs,
+                             group_counts(s for s in actual if isinstance(s, Placement)))
+        fit = _first_fit(menu, actual)
+        if fit is not None:
+            self.set(op, [_norm(p) for p in fit.outputs])
+            return
+        if rule is not None and rule.row_mean and \
+                all(s == Shard(0) or not _split(s) for s in actual):
+            # a mean over the rows that it counts by value (cross-entropy's ignored
+            # targets): a mean over examples when it counts every row
+            self.report(op, rule.row_mean, certain=False)
+            self.set(op, [Partial("sum")] * len(outs))
+            return
+        if not _has_strategies(op):
+            self.set(op, _unjudged(actual, ins, outs))
+            return
+        if _rows_kept(actual, ins, outs):
+            self.set(op, [Shard(0)] * len(outs))
+            return
+        if op.name != "div" and _scalar_math(actual, ins, outs):
+            self.set(op, [_Summed(op)] * len(outs))     # judged by its reader
+            return
+        self.report(op, _why(op, actual), certain=_certain(op, actual))
+        self.set(op, [_UNKNOWN] * len(outs))
+
+    def place_summed(self, op: Op, actual: list[object], ins: Sequence[TensorType],
+                     outs: Sequence[TensorType]) -> None:
+        """An op reading a scalar of sums: a division by it is a mean over a count; more
+        scalar math keeps it a scalar of sums; anything else combines examples."""
+        if op.name == "div" and len(actual) == 2 and isinstance(actual[1], _Summed) \
+                and not isinstance(actual[0], _Summed):
+            self.report(op, _COUNT, certain=False)
+            self.set(op, [Partial("sum")] * len(outs))
+        elif _scalar_math(actual, ins, outs):
+            made = next(a for a in actual if isinstance(a, _Summed)).made_by
+            self.set(op, [_Summed(made)] * len(outs))
+        else:
+            made = {id(a.made_by): a.made_by for a in actual if isinstance(a, _Summed)}
+            for m in made.values():
+                self.report(m, _NONLINEAR, certain=True)
+            self.set(op, [_UNKNOWN] * len(outs))
+
+    def place_whole(self, op: Op, states: list[object], ins: Sequence[TensorType],
+                    outs: Sequence[TensorType]) -> None:
+        """An op reading no batch value: whole, or, where it reads constants, in any
+        placement its strategies can build it in from theirs; a broadcast is uniform along
+        the dims it adds, so it can also be built split along them."""
+        have = [s if isinstance(s, frozenset) else frozenset({s}) for s in states]
+        if all(h == {REPLICATE} for h in have) and op.name != "broadcast_in_dim" \
+                and op.inputs:
+            self.set(op, [REPLICATE] * len(outs))
+            return
+        allowed: list[set[Placement]] = [set() for _ in outs]
+        for s in strategies_of(op, ins, outs):
+            if all(p in h for p, h in zip(s.inputs, have)):
+                for a, p in zip(allowed, s.outputs):
+                    a.add(_norm(p))
+        if op.name == "broadcast_in_dim":
+            dims = tuple(op.attrs["dims"])
+            allowed[0].update(Shard(e) for e in range(outs[0].rank)
+                              if e not in dims or ins[0].shape[dims.index(e)] == 1)
+        self.set(op, [REPLICATE if a == {REPLICATE} else frozenset(a) for a in allowed])
+
+    def set(self, op: Op, states: Sequence[object]) -> None:
+        for v, s in zip(op.results, states):
+            if isinstance(s, Replicate):
+                self.at.pop(v.name, None)
+            else:
+                self.at[v.name] = s
+
+    def report(self, op: Op, why: str, certain: bool) -> None:
+        name = str(op.attrs.get("target", "")) if op.name == "opaque" else op.name
+        self.found.append(Coupling(op.loc or name, name, why, certain))
+
+
+def _reads(op: Op) -> list[str]:
+    from .analysis import free_inputs
+    return free_inputs(op)
+
+
+def _has_strategies(op: Op) -> bool:
+    """Whether the op's menu says how it splits (not: runs whole only, for want of a rule
+    or because it draws random numbers or runs control flow)."""
+    if op.name == "opaque":
+        rule = framework_rule(op)
+        return rule is not None and rule.strategies is not None
+    return op_def(op.name).strategies not in (None, replicate_only, no_strategies)
+
+
+def _unjudged(actual: Sequence[object], ins: Sequence[TensorType],
+              outs: Sequence[TensorType]) -> list[object]:
+    """What an op without strategies makes from split rows (a random draw of their shape,
+    an indexing op picking a position per row): taken as rows again where its result keeps
+    the batch's rows as its first dimension, not followed otherwise. Not judging the op
+    itself, this can only move a finding later, never make one."""
+    if any(_split(a) and a != Shard(0) for a in actual):
+        return [_UNKNOWN] * len(outs)
+    rows = {t.shape[0] for a, t in zip(actual, ins) if _split(a)}
+    if len(rows) != 1:
+        return [_UNKNOWN] * len(outs)
+    (b,) = rows
+    return [Shard(0) if t.rank and t.shape[0] == b else _UNKNOWN for t in outs]
+
+
+def _first_fit(menu: Sequence[Strategy], actual: Sequence[object]) -> Strategy | None:
+    """The first strategy taking every input as it is (a constant: in a placement it can
+    be built in)."""
+    for s in menu:
+        if s.masked or len(s.inputs) != len(actual):
+            continue
+        if all(p in a if isinstance(a, frozenset) else _norm(p) == a
+               for p, a in zip(s.inputs, actual)):
+            return s
+    return None
+
+
+_SWAP = {"max": "min", "min": "max"}
+_COUNT = "divides by a sum over the batch (a count of its examples or tokens)"
+_NONLINEAR = "reads a sum or mean over the batch in math that is not linear in it"
+
+
+def _rows_kept(actual: Sequence[object], ins: Sequence[TensorType],
+               outs: Sequence[TensorType]) -> bool:
+    """Some of the share's rows, or the rows of several pieces joined (a slice of the batch
+    for gradient accumulation, the pieces concatenated again): each row is still one
+    example. Every split operand and result has the same rows' shape, and the result
+    fewer rows than its one split operand or as many as its split operands together."""
+    split = [t for a, t in zip(actual, ins) if _split(a)]
+    if len(outs) != 1 or any(_split(a) and a != Shard(0) for a in actual) or \
+            any(t.rank == 0 or t.shape[1:] != outs[0].shape[1:] for t in split + list(outs)):
+        return False
+    rows = outs[0].shape[0]
+    return rows < split[0].shape[0] if len(split) == 1 else \
+        rows == sum(t.shape[0] for t in split)
+
+
+def _scalar_math(actual: Sequence[object], ins: Sequence[TensorType],
+                 outs: Sequence[TensorType]) -> bool:
+    """Math on scalars alone, reading sums over the batch and nothing split by rows."""
+    return all(t.numel == 1 for t in list(ins) + list(outs)) and \
+        not any(isinstance(a, Shard) for a in actual)
+
+
+def _why(op: Op, actual: Sequence[object]) -> str:
+    if op.name == "div" and len(actual) == 2 and isinstance(actual[1], Partial):
+        return _COUNT
+    if any(isinstance(a, Partial) for a in actual):
+        return _NONLINEAR
+    return "combines different examples of the batch (a product or comparison across them)"
+
+
+def _certain(op: Op, actual: Sequence[object]) -> bool:
+    """A division by a sum over the batch is exact when every share sums alike."""
+    return not (op.name == "div" and len(actual) == 2 and isinstance(actual[1], Partial))

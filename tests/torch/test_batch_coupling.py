@@ -1,0 +1,216 @@
+"""A forward that combines examples of the batch, split by data or pipeline parallelism
+(ir/batch_coupling.py): found on traced PyTorch steps (a contrastive loss, batch norm, a
+mean over a mask's count, cross-entropy's ignored targets), listed in the plan, warned of
+by ``parallelize`` when the step differs from the single-device one whatever the data, and
+not on the steps whose loss is a mean over examples."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import diphoma_compile  # noqa: E402
+from diphoma_compile.errors import DiphomaWarning  # noqa: E402
+from diphoma_compile.ir.batch_coupling import batch_coupling  # noqa: E402
+
+from models import CNN, GPT, MLP, classify_step, cnn_batches, lm_step, mlp_batches  # noqa: E402
+
+
+class TwoTowers(nn.Module):
+    """CLIP's loss in small: every image against every text of the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.img, self.txt = nn.Linear(8, 4), nn.Linear(6, 4)
+        self.scale = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x, y):
+        u, v = F.normalize(self.img(x), dim=-1), F.normalize(self.txt(y), dim=-1)
+        logits = self.scale.exp() * u @ v.T
+        labels = torch.arange(x.shape[0])
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+def contrastive_step(model, opt, x, y):
+    loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def masked_step(model, opt, x, y, mask):
+    err = ((model(x) - y) ** 2).mean(-1)
+    loss = (err * mask).sum() / mask.sum()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _contrastive():
+    torch.manual_seed(0)
+    model = TwoTowers()
+    return contrastive_step, (model, _sgd(model), torch.randn(8, 8), torch.randn(8, 6))
+
+
+def _kinds(step, *args) -> list[tuple[str, bool]]:
+    return [(c.op, c.certain) for c in batch_coupling(diphoma_compile.trace(step, *args))]
+
+
+def test_what_is_found_on_traced_steps():
+    torch.manual_seed(0)
+    # the product of every image with every text
+    step, args = _contrastive()
+    assert _kinds(step, *args) == [("dot", True)]
+    cnn = CNN()
+    assert _kinds(classify_step, cnn, _sgd(cnn), cnn_batches(1)[0]) == \
+        [("aten._native_batch_norm_legit_functional.default", True)]
+    mlp = MLP(8, 16, 4)
+    assert _kinds(masked_step, mlp, _sgd(mlp), torch.randn(8, 8), torch.randn(8, 4),
+                  torch.ones(8)) == [("div", False)]
+    # cross-entropy's mean counts the targets that are not ignore_index: exact per share
+    # only when every share counts alike
+    mlp = MLP()
+    assert _kinds(classify_step, mlp, _sgd(mlp), mlp_batches(1)[0]) == \
+        [("aten.nll_loss_forward.default", False)]
+    gpt = GPT()
+    seq = torch.randint(0, 64, (2, 17))
+    assert _kinds(lm_step, gpt, _sgd(gpt), {"idx": seq[:, :-1], "targets": seq[:, 1:]}) == \
+        [("aten.nll_loss_forward.default", False)]
+
+
+def test_slices_of_the_batch_keep_its_examples():
+    """Gradient accumulation over two halves of the batch: the slices pick rows, each
+    still one example, so nothing is found but the cross-entropies' counts."""
+    def halves_step(model, opt, x, y):
+        n = x.shape[0] // 2
+        for xs, ys in ((x[:n], y[:n]), (x[n:], y[n:])):
+            loss = F.cross_entropy(model(xs), ys) / 2
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    torch.manual_seed(0)
+    mlp = MLP()
+    assert _kinds(halves_step, mlp, _sgd(mlp), torch.randn(8, 8), torch.randint(0, 4, (8,))) \
+        == [("aten.nll_loss_forward.default", False)] * 2
+
+
+def test_data_parallel_warns_of_a_contrastive_loss_and_lists_it_in_the_plan():
+    step, args = _contrastive()
+    pstep = diphoma_compile.parallelize(step, {"dp": 2})
+    with pytest.warns(DiphomaWarning, match="combines examples of its batch") as got:
+        pstep.trace(*args)
+    assert "each device's share of the batch computes it alone" in str(got[0].message)
+    dp = pstep.plan.notes["data-parallel"]
+    assert len(dp["batch_coupled"]) == 1 and "(dot)" in dp["batch_coupled"][0]
+    # the two cross-entropies over the contrastive logits are not judged again: what
+    # they read is already not a share's own
+    text = pstep.plan.to_text()
+    assert "the forward combines examples of the batch; each device's share" in text
+
+
+def test_a_loss_that_is_a_mean_over_examples_gives_no_warning():
+    torch.manual_seed(0)
+    gpt = GPT()
+    seq = torch.randint(0, 64, (4, 17))
+    pstep = diphoma_compile.parallelize(lm_step, {"dp": 2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DiphomaWarning)
+        pstep.trace(gpt, _sgd(gpt), {"idx": seq[:, :-1], "targets": seq[:, 1:]})
+    dp = pstep.plan.notes["data-parallel"]
+    assert dp["batch_coupled"] == []
+    assert ["nll_loss_forward" in w for w in dp["batch_counted"]] == [True]
+    assert "the forward divides by counts over the batch" in pstep.plan.to_text()
+
+
+def test_a_mask_count_is_listed_not_warned():
+    torch.manual_seed(0)
+    mlp = MLP(8, 16, 4)
+    pstep = diphoma_compile.parallelize(masked_step, {"dp": 2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DiphomaWarning)
+        pstep.trace(mlp, _sgd(mlp), torch.randn(8, 8), torch.randn(8, 4), torch.ones(8))
+    counted = pstep.plan.notes["data-parallel"]["batch_counted"]
+    assert len(counted) == 1 and "(div): divides by a sum over the batch" in counted[0]
+
+
+def test_a_batch_norm_under_data_parallelism_is_warned_of():
+    torch.manual_seed(0)
+    cnn = CNN()
+    pstep = diphoma_compile.parallelize(classify_step, {"dp": 2})
+    with pytest.warns(DiphomaWarning, match="batch norm"):
+        pstep.trace(cnn, _sgd(cnn), cnn_batches(1)[0])
+
+
+def test_the_pipeline_warns_per_microbatch():
+    """pp=2 with 2 microbatches: each microbatch computes the contrastive logits alone."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+
+    def step(model, opt, x):
+        z = model(x)
+        loss = F.cross_entropy(z @ z.T, torch.arange(x.shape[0]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    pstep = diphoma_compile.parallelize(step, {"pp": 2}, microbatches=2)
+    with pytest.warns(DiphomaWarning, match="each microbatch computes it alone"):
+        pstep.trace(model, _sgd(model), torch.randn(8, 8))
+    assert len(pstep.plan.notes["pipeline"]["batch_coupled"]) == 1
+
+
+def test_hugging_face_clip_is_warned_of_and_distilbert_mlm_listed():
+    """HF CLIP's contrastive loss (its text tower picks each row's end-of-text position
+    with an op that has no strategies: followed as rows) and DistilBERT's masked-LM loss
+    (targets of -100 ignored: a mean over a count)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.CLIPConfig(
+        text_config=dict(vocab_size=64, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2,
+                         max_position_embeddings=8),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=8, patch_size=4),
+        projection_dim=8)
+    clip = transformers.CLIPModel(cfg)
+
+    def clip_step(model, opt, ids, pixels):
+        loss = model(input_ids=ids, pixel_values=pixels, return_loss=True).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    pstep = diphoma_compile.parallelize(clip_step, {"dp": 2})
+    with pytest.warns(DiphomaWarning, match=r"modeling_clip\.py:\d+ \(dot\)"):
+        pstep.trace(clip, _sgd(clip), torch.randint(0, 64, (4, 8)), torch.randn(4, 3, 8, 8))
+
+    bert = transformers.DistilBertForMaskedLM(transformers.DistilBertConfig(
+        vocab_size=64, dim=16, n_layers=1, n_heads=2, hidden_dim=32,
+        max_position_embeddings=16))
+
+    def mlm_step(model, opt, ids, labels):
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    ids = torch.randint(0, 64, (4, 16))
+    labels = ids.masked_fill(torch.rand(4, 16) < 0.85, -100)
+    pstep = diphoma_compile.parallelize(mlm_step, {"dp": 2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DiphomaWarning)
+        pstep.trace(bert, _sgd(bert), ids, labels)
+    counted = pstep.plan.notes["data-parallel"]["batch_counted"]
+    assert len(counted) == 1 and "ignore_index" in counted[0]
