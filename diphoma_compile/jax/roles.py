@@ -183,18 +183,34 @@ def opt_state_links(params: Any, opt_state: Any) -> list[tuple[int | None, str |
     return links
 
 
+def flax_state(params: Any) -> list[bool]:
+    """For each leaf of the params argument: True where it is model state, not a
+    parameter. A flax variables dict (``{"params": ..., "batch_stats": ...}``: a dict with
+    a "params" collection beside others) holds parameters under "params" and state in the
+    other collections (BatchNorm's running statistics), which the step returns updated but
+    the optimizer does not touch; any other params argument is parameters throughout."""
+    paths = [p for p, _ in tree_flatten_with_path(params)[0]]
+    if not (isinstance(params, dict) and "params" in params and len(params) > 1):
+        return [False] * len(paths)
+    return [getattr(p[0], "key", None) != "params" for p in paths]
+
+
 def step_inputs(args: Sequence[Any], sig: StepSignature) -> list[Input]:
-    """The graph inputs for the step's arguments, flattened in argument order, with roles."""
+    """The graph inputs for the step's arguments, flattened in argument order, with roles;
+    a flax variables dict's collections other than "params" are buffers (``flax_state``)."""
     leaves = {k: arg_leaves(a, sig.prefix(k)) for k, a in enumerate(args)}
-    param_names = [n for n, _ in leaves[sig.params_argnum]]
-    links = opt_state_links(args[sig.params_argnum], args[sig.opt_state_argnum])
+    params = args[sig.params_argnum]
+    state = flax_state(params)
+    param_names = [n for (n, _), st in zip(leaves[sig.params_argnum], state) if not st]
+    links = opt_state_links(params["params"] if any(state) else params,
+                            args[sig.opt_state_argnum])
     names = NameSupply(set())
     inputs = []
     for k in range(len(args)):
         for j, (name, leaf) in enumerate(leaves[k]):
             t = ir_type(leaf, f"step argument leaf {name}")
             if k == sig.params_argnum:
-                role = InputRole(InputKind.param)
+                role = InputRole(InputKind.buffer if state[j] else InputKind.param)
             elif k == sig.opt_state_argnum:
                 of, slot = links[j]
                 role = InputRole(InputKind.opt_state,

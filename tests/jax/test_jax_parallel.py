@@ -518,6 +518,85 @@ def test_a_loss_divided_by_a_count_of_the_batch_is_noted():
     assert plain.plan.notes["data-parallel"]["batch_coupled"] == []
 
 
+class _BatchNormNet(nn.Module):
+    """No bias before the norm (as in ResNets): its gradient is zero up to rounding, which
+    AdamW would turn into steps of the learning rate's size."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.BatchNorm(use_running_average=False)(nn.Dense(16, use_bias=False)(x))
+        return nn.Dense(4)(nn.relu(h))
+
+
+def _batch_norm_step(net, tx):
+    """A flax variables dict in, the new one out: parameters under "params", the running
+    statistics under "batch_stats"."""
+    def loss_of(p, stats, x, y):
+        out, new = net.apply({"params": p, "batch_stats": stats}, x, mutable=["batch_stats"])
+        return jnp.mean((out - y) ** 2), new
+
+    def step(variables, opt_state, batch):
+        (loss, new), grads = jax.value_and_grad(loss_of, has_aux=True)(
+            variables["params"], variables["batch_stats"], *batch)
+        updates, opt_state = tx.update(grads, opt_state, variables["params"])
+        return ({"params": optax.apply_updates(variables["params"], updates),
+                 "batch_stats": new["batch_stats"]}, opt_state, loss)
+    return step, loss_of
+
+
+def test_flax_batch_norm_runs_as_ddp_does():
+    """A flax variables dict's batch_stats collection is model state (buffers), not
+    parameters: compile() runs the step bit for bit, and data parallelism over 8 devices
+    runs it as DDP does (each device normalizes its share, the gradients are averaged, the
+    running statistics are device 0's), with a warning that the step so differs from the
+    single-device one. The reference is that computed by hand: each share's gradients
+    (vmap), their mean, one AdamW update, share 0's statistics."""
+    from diphoma_compile import compile as compile_step
+    net, tx = _BatchNormNet(), optax.adamw(1e-2)
+    x = jax.random.normal(jax.random.PRNGKey(1), (16, 8))
+    y = jax.random.normal(jax.random.PRNGKey(2), (16, 4))
+    variables = net.init(jax.random.PRNGKey(0), x)
+    opt_state = tx.init(variables["params"])
+    step, loss_of = _batch_norm_step(net, tx)
+
+    compiled = compile_step(step, variables, opt_state, (x, y))
+    roles = {i.name: i.role.kind.value for i in compiled.graph.inputs}
+    assert roles["params/batch_stats/BatchNorm_0/mean"] == "buffer"
+    assert roles["params/params/Dense_0/kernel"] == "param"
+    mu = next(i for i in compiled.graph.inputs if i.name == "opt_state/0/mu/Dense_0/kernel")
+    assert mu.role.of == "params/params/Dense_0/kernel"
+    ref = jax.jit(step)
+    a, b = (variables, opt_state), (variables, opt_state)
+    for _ in range(2):
+        *a, la = ref(*a, (x, y))
+        *b, lb = compiled(*b, (x, y))
+        assert float(la) == float(lb)
+    assert jax.tree.all(jax.tree.map(lambda p, q: bool(jnp.array_equal(p, q)), a[0], b[0]))
+
+    pstep = parallelize(step, jax_mesh((8,)), axis="data")
+    with pytest.warns(DiphomaWarning, match="combines examples of its batch"):
+        pstep.trace(variables, opt_state, (x, y))
+    assert pstep.plan.notes["data-parallel"]["broadcast"] == [
+        "new/params/batch_stats/BatchNorm_0/mean", "new/params/batch_stats/BatchNorm_0/var"]
+
+    def ddp(variables, opt_state):
+        shares = (x.reshape(8, 2, 8), y.reshape(8, 2, 4))
+        (losses, new), grads = jax.vmap(jax.value_and_grad(loss_of, has_aux=True),
+                                        in_axes=(None, None, 0, 0))(
+            variables["params"], variables["batch_stats"], *shares)
+        grads = jax.tree.map(lambda g: g.mean(0), grads)
+        updates, opt_state = tx.update(grads, opt_state, variables["params"])
+        stats = jax.tree.map(lambda s: s[0], new["batch_stats"])
+        return ({"params": optax.apply_updates(variables["params"], updates),
+                 "batch_stats": stats}, opt_state, losses.mean())
+    a, b = (variables, opt_state), (variables, opt_state)
+    for _ in range(3):
+        *a, la = jax.jit(ddp)(*a)
+        *b, lb = pstep(*b, (x, y))
+        np.testing.assert_allclose(float(lb), float(la), rtol=1e-5)
+    assert max_rel_dev(a[0], pstep.user_shapes(b[0], 0)) <= 1e-5
+
+
 def test_a_batch_centering_and_a_contrastive_loss_are_warned_of():
     """Features centred over the batch (a batch norm's first half, written out) and a
     contrastive loss (every example's embedding against every other's): each device's
