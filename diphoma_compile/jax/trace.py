@@ -59,8 +59,8 @@ def trace_jax_with_tree(step_fn: Callable, *example_args: Any, params_argnum: in
     Leaves of other arguments are ``rng`` (PRNG keys), ``hyper`` (single numbers: learning
     rates, step counts) or ``other``; a flax variables dict as the parameters holds
     ``buffer`` leaves in its collections other than "params" (``roles.flax_state``). The
-    first scalar float metric is the loss. ``locations`` records the user's file:line on each op. Returns the
-    graph and the PyTreeDef of the step's result."""
+    first scalar float metric is the loss. ``locations`` records the user's file:line on
+    each op. Returns the graph and the PyTreeDef of the step's result."""
     sig = StepSignature(params_argnum, opt_state_argnum, tuple(batch_argnums))
     sig.check(len(example_args))
     inputs = step_inputs(example_args, sig)
