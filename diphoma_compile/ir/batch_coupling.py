@@ -25,9 +25,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .core import Graph, InputKind, Op, Phase
+from .analysis import free_inputs
+from .core import Graph, InputKind, Op, OutputKind, Phase
 from .framework_ops import framework_rule
-from .opdef import op_def
+from .opdef import op_def, random_draw
 from .strategies import (Strategy, group_counts, no_strategies, replicate_only,
                          strategies_of)
 from .types import REPLICATE, Partial, Placement, Replicate, Shard, TensorType
@@ -51,10 +52,12 @@ class Coupling:
 
 def batch_coupling(graph: Graph) -> list[Coupling]:
     """The forward ops of ``graph`` that combine examples of its batch, in program order.
-    Nothing when a batch input holds one row (a share of one example, as traced): its rows
-    cannot be told from the dimensions they merge into."""
-    if any(i.role.kind is InputKind.batch and i.value.type.rank >= 1
-           and i.value.type.shape[0] == 1 for i in graph.inputs):
+    Nothing when every batch input holds one row (a share of one example, as traced): its
+    rows cannot be told from the dimensions they merge into; a batch input of one row
+    beside others of more (a temperature passed with the batch) is taken as whole."""
+    rows = [i.value.type.shape[0] for i in graph.inputs
+            if i.role.kind is InputKind.batch and i.value.type.rank >= 1]
+    if rows and all(r == 1 for r in rows):
         return []
     return _Follow(graph).run()
 
@@ -71,8 +74,32 @@ def split_notes(graph: Graph) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def _norm(p: Placement) -> Placement:
-    """A mean over the batch is a partial sum scaled by a constant: one kind here."""
+    """A mean over the batch is a partial sum scaled by a constant: one kind to the
+    strategies (what is linear in a sum is linear in a mean)."""
     return Partial("sum") if isinstance(p, Partial) and p.op in ("sum", "avg") else p
+
+
+def _mean_kept(out: Placement, states: Sequence[object]) -> Placement:
+    """A strategy's partial-sum result is a mean when it is linear in means alone."""
+    if out == Partial("avg"):       # a mean over the batch (reduce_mean of rows)
+        return out
+    parts = {s.op for s in states if isinstance(s, Partial)}
+    return Partial("avg") if _norm(out) == Partial("sum") and parts == {"avg"} else _norm(out)
+
+
+def _affine_in_a_mean(op: Op, states: Sequence[object], ins: Sequence[TensorType],
+                      outs: Sequence[TensorType]) -> bool:
+    """A mean over the batch plus or minus whole values (a weight decay term added to the
+    loss), or cast to another dtype: the shares' results average to the batch's. (A sum
+    over the batch is taken as a mean here, as data parallelism takes it: JAX writes a
+    mean as a sum divided by the count, which cannot be told from a scaled sum.)"""
+    split = [s for s in states if _split(s)]
+    if len(split) != 1 or _norm(split[0]) != Partial("sum"):
+        return False
+    if op.name in ("add", "sub"):
+        return True
+    return len(ins) == 1 and len(outs) == 1 and ins[0].shape == outs[0].shape and \
+        ins[0].dtype != outs[0].dtype and _has_strategies(op)
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,20 +126,34 @@ class _Follow:
         self.at: dict[str, object] = {}
         for i in graph.inputs:
             t = i.value.type
-            if i.role.kind is InputKind.batch and t.rank >= 1:
+            if i.role.kind is InputKind.batch and t.rank >= 1 and t.shape[0] > 1:
                 self.at[i.name] = Shard(0)
         self.found: list[Coupling] = []
+        self.counts: set[int] = set()     # scalars of sums divided by: counts (ids of ops)
 
     def run(self) -> list[Coupling]:
+        later: list[str] = []
         for op in self.graph.ops:
             if (op.phase or Phase.forward) is Phase.forward:
                 self.place(op)
-        for o in self.graph.outputs:        # a loss made of sums by nonlinear math
+            else:
+                later += free_inputs(op)
+        # a scalar of sums made by nonlinear math that the step returns, or that backward
+        # differentiates (a loss whose square root is backpropagated, another returned)
+        made = {id(s.made_by): s.made_by for n in later + [o.name for o in self.graph.outputs]
+                if isinstance(s := self.state(n), _Summed) and id(s.made_by) not in self.counts}
+        for op in made.values():
+            self.report(op, _NONLINEAR, certain=True)
+        for o in self.graph.outputs:
             s = self.state(o.name)
-            if isinstance(s, _Summed):
-                self.report(s.made_by, _NONLINEAR, certain=True)
-                self.at[o.name] = _UNKNOWN
+            if o.role.kind is OutputKind.loss and isinstance(s, Partial) and s.op in _SWAP:
+                op = self.made_by(o.name)
+                self.report(op, "makes the loss a maximum or minimum over the batch: each "
+                                "share's gradients are those of its own", certain=True)
         return self.found
+
+    def made_by(self, name: str) -> Op:
+        return next(op for op in self.graph.ops if any(v.name == name for v in op.results))
 
     def state(self, name: str) -> object:
         return self.at.get(name, REPLICATE)
@@ -121,7 +162,7 @@ class _Follow:
         outs = [v.type for v in op.results]
         if op.regions:      # control flow: not judged, its batch-dependent results dropped
             if any(_split(self.state(n)) or self.state(n) is _UNKNOWN
-                   for n in _reads(op)):
+                   for n in free_inputs(op)):
                 self.set(op, [_UNKNOWN] * len(outs))
             return
         states = [self.state(n) for n in op.inputs]
@@ -133,7 +174,8 @@ class _Follow:
             self.place_whole(op, states, ins, outs)
             return
         rule = framework_rule(op) if op.name == "opaque" else None
-        if rule is not None and rule.batch_stats:
+        if rule is not None and rule.batch_stats and Shard(0) in states:
+            # (split on another dim it normalizes per example: instance norm's view)
             self.report(op, "normalizes with statistics over the batch (a batch norm in "
                             "training mode)", certain=True)
             self.set(op, [_UNKNOWN] * len(outs))
@@ -150,14 +192,17 @@ class _Follow:
                              group_counts(s for s in actual if isinstance(s, Placement)))
         fit = _first_fit(menu, actual)
         if fit is not None:
-            self.set(op, [_norm(p) for p in fit.outputs])
+            self.set(op, [_mean_kept(p, states) for p in fit.outputs])
+            return
+        if _affine_in_a_mean(op, states, ins, outs):
+            self.set(op, [Partial("avg")] * len(outs))
             return
         if rule is not None and rule.row_mean and \
                 all(s == Shard(0) or not _split(s) for s in actual):
             # a mean over the rows that it counts by value (cross-entropy's ignored
             # targets): a mean over examples when it counts every row
             self.report(op, rule.row_mean, certain=False)
-            self.set(op, [Partial("sum")] * len(outs))
+            self.set(op, [Partial("avg")] * len(outs))
             return
         if not _has_strategies(op):
             self.set(op, _unjudged(actual, ins, outs))
@@ -168,8 +213,10 @@ class _Follow:
         if op.name != "div" and _scalar_math(actual, ins, outs):
             self.set(op, [_Summed(op)] * len(outs))     # judged by its reader
             return
-        self.report(op, _why(op, actual), certain=_certain(op, actual))
-        self.set(op, [_UNKNOWN] * len(outs))
+        certain = _certain(op, actual)
+        self.report(op, _why(op, actual), certain=certain)
+        # a mean over a count stays followed (a weight decay term may be added to it)
+        self.set(op, [_UNKNOWN if certain else Partial("avg")] * len(outs))
 
     def place_summed(self, op: Op, actual: list[object], ins: Sequence[TensorType],
                      outs: Sequence[TensorType]) -> None:
@@ -177,8 +224,9 @@ class _Follow:
         scalar math keeps it a scalar of sums; anything else combines examples."""
         if op.name == "div" and len(actual) == 2 and isinstance(actual[1], _Summed) \
                 and not isinstance(actual[0], _Summed):
+            self.counts.add(id(actual[1].made_by))   # backward reads it too: that is fine
             self.report(op, _COUNT, certain=False)
-            self.set(op, [Partial("sum")] * len(outs))
+            self.set(op, [Partial("avg")] * len(outs))
         elif _scalar_math(actual, ins, outs):
             made = next(a for a in actual if isinstance(a, _Summed)).made_by
             self.set(op, [_Summed(made)] * len(outs))
@@ -194,6 +242,17 @@ class _Follow:
         placement its strategies can build it in from theirs; a broadcast is uniform along
         the dims it adds, so it can also be built split along them."""
         have = [s if isinstance(s, frozenset) else frozenset({s}) for s in states]
+        if not _has_strategies(op) and (not op.inputs or any(
+                isinstance(s, frozenset) for s in states)) or op.name == "iota" or \
+                random_draw(op) is not None:
+            # made at the share's shape from no batch value (torch.ones(B, S), a DropPath's
+            # rand(B, 1, 1), positions arange(B) to pick each row's entry, a table indexed
+            # by positions repeated per row): what the share builds for its rows is what
+            # the batch builds for them (an iota weighting examples by their position would
+            # differ: not found); a random draw of the share's shape is the share's draw
+            self.set(op, [frozenset({REPLICATE, *(Shard(d) for d in range(t.rank))})
+                          for t in outs])
+            return
         if all(h == {REPLICATE} for h in have) and op.name != "broadcast_in_dim" \
                 and op.inputs:
             self.set(op, [REPLICATE] * len(outs))
@@ -219,11 +278,6 @@ class _Follow:
     def report(self, op: Op, why: str, certain: bool) -> None:
         name = str(op.attrs.get("target", "")) if op.name == "opaque" else op.name
         self.found.append(Coupling(op.loc or name, name, why, certain))
-
-
-def _reads(op: Op) -> list[str]:
-    from .analysis import free_inputs
-    return free_inputs(op)
 
 
 def _has_strategies(op: Op) -> bool:
@@ -269,17 +323,18 @@ _NONLINEAR = "reads a sum or mean over the batch in math that is not linear in i
 
 def _rows_kept(actual: Sequence[object], ins: Sequence[TensorType],
                outs: Sequence[TensorType]) -> bool:
-    """Some of the share's rows, or the rows of several pieces joined (a slice of the batch
-    for gradient accumulation, the pieces concatenated again): each row is still one
-    example. Every split operand and result has the same rows' shape, and the result
-    fewer rows than its one split operand or as many as its split operands together."""
+    """Some of the share's rows, or the rows of several pieces joined (slices or chunks of
+    the batch for gradient accumulation, the pieces concatenated again): each row is still
+    one example. Every split operand and result has the same rows' shape, and each result
+    fewer rows than its one split operand, or one result as many as its split operands
+    together."""
     split = [t for a, t in zip(actual, ins) if _split(a)]
-    if len(outs) != 1 or any(_split(a) and a != Shard(0) for a in actual) or \
+    if not outs or any(_split(a) and a != Shard(0) for a in actual) or \
             any(t.rank == 0 or t.shape[1:] != outs[0].shape[1:] for t in split + list(outs)):
         return False
-    rows = outs[0].shape[0]
-    return rows < split[0].shape[0] if len(split) == 1 else \
-        rows == sum(t.shape[0] for t in split)
+    if len(split) == 1:         # slices or chunks of the rows
+        return all(t.shape[0] < split[0].shape[0] for t in outs)
+    return len(outs) == 1 and outs[0].shape[0] == sum(t.shape[0] for t in split)
 
 
 def _scalar_math(actual: Sequence[object], ins: Sequence[TensorType],
@@ -292,6 +347,8 @@ def _scalar_math(actual: Sequence[object], ins: Sequence[TensorType],
 def _why(op: Op, actual: Sequence[object]) -> str:
     if op.name == "div" and len(actual) == 2 and isinstance(actual[1], Partial):
         return _COUNT
+    if any(isinstance(a, Partial) and a.op in _SWAP for a in actual):
+        return "reads a maximum or minimum over the batch in math that is not combined so"
     if any(isinstance(a, Partial) for a in actual):
         return _NONLINEAR
     return "combines different examples of the batch (a product or comparison across them)"

@@ -85,6 +85,14 @@ class _Flow:
                 stack.extend(self.made[n] for n in self.reads[k] if n in self.made)
         return seen
 
+    def constants(self) -> set[int]:
+        """The ops computed from no input at all (a literal, ``1 - decay``)."""
+        out: set[int] = set()
+        for k, names in enumerate(self.reads):
+            if all(n in self.made and self.made[n] in out for n in names):
+                out.add(k)
+        return out
+
     def users(self) -> dict[int, list[int]]:
         """For each op, the ops reading one of its results."""
         users: dict[int, list[int]] = {k: [] for k in range(len(self.ops))}
@@ -149,8 +157,10 @@ def _phases_from_flow(flow: _Flow, forward: set[int], update: set[int],
                       feeds_state: set[int]) -> list[Phase]:
     """Each op's phase from data flow and roles (rules 1-4 of the docstring)."""
     phases: list[Phase] = []
+    const = flow.constants()
     for k in range(len(flow.ops)):
-        src = [phases[flow.made[n]] for n in flow.reads[k] if n in flow.made]
+        src = [phases[flow.made[n]] for n in flow.reads[k]
+               if n in flow.made and flow.made[n] not in const]
         if k in forward:
             phases.append(Phase.forward)
         elif k in update or Phase.update in src:
@@ -170,8 +180,10 @@ def _phases_from_marks(flow: _Flow, forward: set[int], transposed: set[str],
     # the untransposed values the backward pass reads (residuals) run in the forward pass
     forward = forward | (flow.ancestors(transposed) - backward)
     phases: list[Phase] = []
+    const = flow.constants()
     for k in range(len(flow.ops)):
-        src = {phases[flow.made[n]] for n in flow.reads[k] if n in flow.made}
+        src = {phases[flow.made[n]] for n in flow.reads[k]
+               if n in flow.made and flow.made[n] not in const}
         if k in forward:
             phases.append(Phase.forward)
         elif k in backward:
@@ -197,4 +209,31 @@ def assign_phases(graph: Graph, transposed: set[str] | frozenset[str] = frozense
     else:
         update = _update_ops(graph, flow, forward, feeds_state)
         phases = _phases_from_flow(flow, forward, update, feeds_state)
+    phases = _constants_where_read(flow, phases, {o.name for o in graph.outputs})
     return graph.replace(ops=tuple(_with_phase(op, p) for op, p in zip(graph.ops, phases)))
+
+
+_ORDER = (Phase.forward, Phase.backward, Phase.update)
+
+
+def _constants_where_read(flow: _Flow, phases: list[Phase], outputs: set[str]
+                          ) -> list[Phase]:
+    """A constant (computed from no input) runs in the earliest phase among the live ops
+    that read it, which is its own when nothing reads it: one literal may be shared by the
+    optimizer and a forward op (JAX makes ``1 - 0.9`` once for SGD's momentum and a
+    BatchNorm's moving average alike), and its readers in later phases may read an earlier
+    value. (A constant does not make its readers' phase either: the rules above skip it
+    among what an op reads.) An op no output needs runs no earlier than what it reads."""
+    const = flow.constants()
+    users = flow.users()
+    live = flow.ancestors(outputs)
+    phases = list(phases)
+    for k in sorted(const, reverse=True):     # a constant's readers come after it
+        readers = [phases[u] for u in users[k] if u in live]
+        if readers:
+            phases[k] = min(readers, key=_ORDER.index)
+    for k in range(len(flow.ops)):            # a dead op runs no earlier than what it reads
+        if k not in live:
+            phases[k] = max([phases[k]] + [phases[flow.made[n]] for n in flow.reads[k]
+                                           if n in flow.made], key=_ORDER.index)
+    return phases

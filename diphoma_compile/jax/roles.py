@@ -247,6 +247,30 @@ def _check_mirror(what: str, got: Any, want: Any) -> None:
                 hint="a new parameter or optimizer state must keep its input's type")
 
 
+def returned_state(out: Any, args: Sequence[Any], sig: StepSignature) -> dict[int, int]:
+    """Results after the optimizer state that are the new value of a later argument (model
+    state: haiku's ``state``, flax's ``batch_stats`` passed apart): result index among the
+    metrics -> the argument it replaces. A result is one when it has an argument's pytree
+    structure, leaf shapes and dtypes, and some leaf of more than one element, the argument
+    being neither the parameters, the optimizer state nor the batch, nor keys (a new key
+    returned stays a metric)."""
+    taken = {sig.params_argnum, sig.opt_state_argnum, *sig.batch_argnums}
+    found: dict[int, int] = {}
+    for m, metric in enumerate(out[2:]):
+        for k, a in enumerate(args):
+            if k in taken or k in found.values():
+                continue
+            got, want = jax.tree.leaves(metric), jax.tree.leaves(a)
+            if tree_structure(metric) == tree_structure(a) and want and \
+                    not any(_is_key_like(w) for w in want) and \
+                    all(g.shape == tuple(np.shape(w)) and g.dtype == w.dtype
+                        for g, w in zip(got, want)) and \
+                    any(math.prod(np.shape(w)) > 1 for w in want):
+                found[m] = k
+                break
+    return found
+
+
 def step_outputs(out: Any, args: Sequence[Any], sig: StepSignature,
                  inputs: list[Input]) -> list[tuple[str, OutputRole]]:
     """(preferred value name, role) of every output leaf, checking the convention."""
@@ -273,8 +297,13 @@ def step_outputs(out: Any, args: Sequence[Any], sig: StepSignature,
     for argnum in (sig.params_argnum, sig.opt_state_argnum):
         for target in by_arg[argnum]:
             result.append((f"new/{target}", OutputRole(OutputKind.replaces, target)))
+    state = returned_state(out, args, sig)
     have_loss = False
     for m, metric in enumerate(out[2:]):
+        if m in state:
+            for target in by_arg[state[m]]:
+                result.append((f"new/{target}", OutputRole(OutputKind.replaces, target)))
+            continue
         for path, leaf in tree_flatten_with_path(metric)[0]:
             floating = jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating)
             if not have_loss and leaf.shape == () and floating:

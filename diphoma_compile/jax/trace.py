@@ -9,7 +9,8 @@ from typing import Any
 import jax
 
 from ..errors import FrontendError
-from ..ir.core import Graph, NameSupply, Op, Output, Value
+from ..ir.core import (Graph, Input, InputKind, InputRole, NameSupply, Op, Output, OutputKind,
+                       Value)
 from ..ir.rewrite import rename_uses
 from ..ir.verify import verify
 from .convert import JaxprConverter
@@ -74,6 +75,11 @@ def trace_jax_with_tree(step_fn: Callable, *example_args: Any, params_argnum: in
                             hint="return (params, opt_state, *metrics) with array leaves") \
             from None
     roles = step_outputs(out_shape, example_args, sig, inputs)
+    # an argument the step returns updated is model state (``roles.returned_state``)
+    replaced = {r.target for _, r in roles if r.kind is OutputKind.replaces}
+    inputs = [Input(i.value, InputRole(InputKind.buffer))
+              if i.name in replaced and i.role.kind in (InputKind.other, InputKind.hyper)
+              else i for i in inputs]
 
     names = NameSupply({i.name for i in inputs})
     converter = JaxprConverter(names, locations)

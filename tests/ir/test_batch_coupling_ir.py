@@ -7,9 +7,10 @@ from diphoma_compile.ir import parse
 from diphoma_compile.ir.batch_coupling import batch_coupling, split_notes
 
 
-def _graph(body: str, inputs: str = "%x: f32[8,4] batch, %w: f32[4,3] param"):
+def _graph(body: str, inputs: str = "%x: f32[8,4] batch, %w: f32[4,3] param",
+           outputs: str = "%loss loss"):
     return parse(f"# diphoma-ir v1\ngraph @g (\n  {inputs},\n) {{\n{body}\n"
-                 "  return (\n    %loss loss,\n  )\n}\n")
+                 f"  return (\n    {outputs},\n  )\n}}\n")
 
 
 def _found(body: str, **kw) -> list:
@@ -26,11 +27,12 @@ def test_a_mean_over_examples_of_per_example_terms_combines_nothing():
 
 
 def test_a_maximum_over_the_batch_returned_as_a_minimum_combines_nothing():
-    """-max(-x): a metric data parallelism combines by min (passes/data_parallel.py)."""
+    """-max(-x) as a metric: data parallelism combines it by min (passes/data_parallel.py)."""
     assert _found("""
+  %loss: f32[] = reduce_mean(%x) {dims=[0, 1]} phase=forward
   %n: f32[8,4] = neg(%x) phase=forward
   %m: f32[] = reduce_max(%n) {dims=[0, 1]} phase=forward
-  %loss: f32[] = neg(%m) phase=forward""") == []
+  %mn: f32[] = neg(%m) phase=forward""", outputs="%loss loss,\n    %mn metric") == []
 
 
 def test_a_sum_over_the_batch_in_nonlinear_math_is_found():
@@ -84,19 +86,48 @@ def test_a_division_by_a_count_over_the_batch_depends_on_the_data():
     assert split_notes(graph) == ((), (str(found[0]),))
 
 
-def test_constants_take_the_placement_their_reader_needs_but_a_count_along_the_batch_not():
-    """A constant broadcast to the batch's shape is the same on every share; an iota along
-    the batch's dimension (labels 0..B-1 of a contrastive loss) is not."""
+def test_constants_take_the_placement_their_reader_needs():
+    """A constant broadcast to the batch's shape is the same on every share; so, for this
+    question, are positions along the batch (an iota picking each row's entry): the share
+    builds them for its own rows."""
     assert _found("""
   %c: f32[] = full() {value=2.0} phase=forward
   %b: f32[8,4] = broadcast_in_dim(%c) {dims=[]} phase=forward
   %y: f32[8,4] = mul(%x, %b) phase=forward
   %loss: f32[] = reduce_mean(%y) {dims=[0, 1]} phase=forward""") == []
-    found = _found("""
+    assert _found("""
   %i: f32[8,4] = iota() {dim=0} phase=forward
   %y: f32[8,4] = mul(%x, %i) phase=forward
-  %loss: f32[] = reduce_mean(%y) {dims=[0, 1]} phase=forward""")
-    assert [(c.op, c.certain) for c in found] == [("mul", True)]
+  %loss: f32[] = reduce_mean(%y) {dims=[0, 1]} phase=forward""") == []
+
+
+def test_a_mean_plus_a_term_of_the_weights_stays_a_mean():
+    """mean + weight decay: the shares' results average to the batch's. A sum is taken as
+    a mean, as data parallelism takes it (JAX writes a mean as a sum over the count)."""
+    body = """
+  %l: f32[8,4] = mul(%x, %x) phase=forward
+  %m: f32[] = {kind}(%l) {{dims=[0, 1]}} phase=forward
+  %ww: f32[4,3] = mul(%w, %w) phase=forward
+  %r: f32[] = reduce_sum(%ww) {{dims=[0, 1]}} phase=forward
+  %loss: f32[] = add(%m, %r) phase=forward"""
+    assert _found(body.format(kind="reduce_mean")) == []
+    assert _found(body.format(kind="reduce_sum")) == []
+
+
+def test_a_nonlinear_loss_backpropagated_but_not_returned_is_found():
+    """sqrt(mean) differentiated while the step returns something else."""
+    found = _found("""
+  %m: f32[] = reduce_mean(%x) {dims=[0, 1]} phase=forward
+  %s: f32[] = sqrt(%m) phase=forward
+  %loss: f32[] = neg(%m) phase=forward
+  %g: f32[] = div(%s, %m) phase=backward""")
+    assert [(c.op, c.certain) for c in found] == [("sqrt", True)]
+
+
+def test_a_loss_that_is_a_maximum_over_the_batch_is_found():
+    found = _found("""
+  %loss: f32[] = reduce_max(%x) {dims=[0, 1]} phase=forward""")
+    assert [(c.op, c.certain) for c in found] == [("reduce_max", True)]
 
 
 def test_backward_and_update_are_not_judged():

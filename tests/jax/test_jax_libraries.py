@@ -141,3 +141,69 @@ def test_data_parallel_over_8_devices_matches_one(library):
     report = pstep.memory_report()
     whole = sum(x.nbytes for x in jax.tree.leaves(ref_s))
     assert report.opt_state_bytes < whole / 8 * 1.1, (report.opt_state_bytes, whole)
+
+
+@pytest.mark.skipif(jax.device_count() < 8,
+                    reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+def test_haiku_batch_norm_state_is_model_state():
+    """haiku's transform_with_state: the BatchNorm's moving averages are an argument after
+    the batch that the step returns updated (jax/roles.py ``returned_state``): buffers.
+    compile() runs the step bit for bit; data parallelism runs it as DDP does (each device
+    normalizes its share; the new averages are device 0's), with the coupling warning, and
+    matches that written by hand: each share's gradients (vmap), their mean, one update,
+    share 0's state. (JAX makes ``1 - 0.9`` once for the momentum and the moving averages:
+    jax/phases.py runs that constant in the forward pass.)"""
+    hk = pytest.importorskip("haiku")
+    from diphoma_compile.errors import DiphomaWarning
+
+    def fwd(x):
+        h = hk.BatchNorm(True, True, 0.9)(hk.Linear(16, with_bias=False)(x), is_training=True)
+        return hk.Linear(4)(jax.nn.relu(h))
+    net = hk.without_apply_rng(hk.transform_with_state(fwd))
+    x = jax.random.normal(jax.random.PRNGKey(1), (16, 8))
+    y = jax.random.normal(jax.random.PRNGKey(2), (16, 4))
+    params, state = net.init(jax.random.PRNGKey(0), x)
+    tx = optax.sgd(0.1, momentum=0.9)
+
+    def loss_of(p, st, x, y):
+        out, st = net.apply(p, st, x)
+        return jnp.mean((out - y) ** 2), st
+
+    def step(params, opt_state, batch, state):
+        (loss, state), grads = jax.value_and_grad(loss_of, has_aux=True)(params, state, *batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, state, loss
+
+    def ddp(params, opt_state, batch, state):
+        shares = (batch[0].reshape(8, 2, 8), batch[1].reshape(8, 2, 4))
+        (losses, new), grads = jax.vmap(jax.value_and_grad(loss_of, has_aux=True),
+                                        in_axes=(None, None, 0, 0))(params, state, *shares)
+        updates, opt_state = tx.update(jax.tree.map(lambda g: g.mean(0), grads), opt_state,
+                                       params)
+        return (optax.apply_updates(params, updates), opt_state,
+                jax.tree.map(lambda s: s[0], new), losses.mean())
+
+    args = (params, tx.init(params), (x, y), state)
+    compiled = diphoma_compile.compile(step, *args)
+    assert {i.role.kind.value for i in compiled.graph.inputs
+            if i.name.startswith("arg3/")} == {"buffer"}
+    a = b = args
+    for _ in range(2):
+        want, got = jax.jit(step)(*a), compiled(*b)
+        for p, q in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert np.asarray(p).tobytes() == np.asarray(q).tobytes()
+        a, b = (*want[:2], (x, y), want[2]), (*got[:2], (x, y), got[2])
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
+    pstep = diphoma_compile.parallelize(step, mesh, axis="data", batch_argnums=(2,))
+    with pytest.warns(DiphomaWarning, match="combines examples of its batch"):
+        pstep.trace(*args)
+    assert len(pstep.plan.notes["data-parallel"]["broadcast"]) == 4     # two averages
+    a = b = args
+    for _ in range(3):
+        want, got = jax.jit(ddp)(*a), pstep(*b)
+        np.testing.assert_allclose(float(got[3]), float(want[3]), rtol=1e-5)
+        a, b = (*want[:2], (x, y), want[2]), (*got[:2], (x, y), got[2])
+    ours = (b[0], pstep.user_shapes(b[1], 1), b[3])
+    for p, q in zip(jax.tree.leaves(ours), jax.tree.leaves((a[0], a[1], a[3]))):
+        np.testing.assert_allclose(np.asarray(p), np.asarray(q), rtol=1e-5, atol=1e-6)

@@ -106,6 +106,44 @@ def test_slices_of_the_batch_keep_its_examples():
         == [("aten.nll_loss_forward.default", False)] * 2
 
 
+@pytest.mark.parametrize("case", ["weight decay", "bf16 loss", "ones mask", "chunks",
+                                  "instance norm", "drop path"])
+def test_per_example_losses_people_write_are_not_found(case):
+    """A loss that is a mean over examples, written the ways people write it: a term of the
+    weights added (a mean plus a whole value), computed in bf16 and cast back, against a
+    mask or target the step builds at the batch's shape, over chunks of the batch, through
+    an instance norm (a batch norm over a view of one row per example and channel), with
+    stochastic depth drawing per row."""
+    torch.manual_seed(0)
+    mlp = MLP(8, 16, 4)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+
+    def loss_of(model, x, y):
+        if case == "weight decay":
+            return F.mse_loss(model(x), y) + 1e-4 * sum(p.pow(2).sum()
+                                                        for p in model.parameters())
+        if case == "bf16 loss":
+            return F.mse_loss(model(x).bfloat16(), y.bfloat16()).float()
+        if case == "ones mask":
+            return (F.mse_loss(model(x), y, reduction="none") * torch.ones(8, 4)).mean()
+        if case == "chunks":
+            return sum(F.mse_loss(model(a), b) for a, b in zip(x.chunk(2), y.chunk(2))) / 2
+        if case == "instance norm":
+            h = F.instance_norm(model(x).reshape(8, 2, 2, 1).expand(8, 2, 2, 3))
+            return F.mse_loss(h.mean((2, 3)), y[:, :2])
+        keep = (torch.rand(8, 1) > 0.1).float()         # drop path, per row
+        return F.mse_loss(model(x) * keep / 0.9, y)
+
+    def step(model, opt, x, y):
+        loss = loss_of(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    assert [c for c in batch_coupling(diphoma_compile.trace(step, mlp, _sgd(mlp), x, y))
+            if c.certain] == []
+
+
 def test_data_parallel_warns_of_a_contrastive_loss_and_lists_it_in_the_plan():
     step, args = _contrastive()
     pstep = diphoma_compile.parallelize(step, {"dp": 2})
