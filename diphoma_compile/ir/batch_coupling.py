@@ -277,7 +277,21 @@ class _Follow:
 
     def report(self, op: Op, why: str, certain: bool) -> None:
         name = str(op.attrs.get("target", "")) if op.name == "opaque" else op.name
-        self.found.append(Coupling(op.loc or name, name, why, certain))
+        self.found.append(Coupling(op.loc or self.near(op) or name, name, why, certain))
+
+    def near(self, op: Op) -> str | None:
+        """For an op the frontend gave no source line (inside a library's decomposed
+        function: jnp.std's subtraction), the line of the closest forward op reading what
+        it makes, in program order."""
+        ops = [o for o in self.graph.ops if (o.phase or Phase.forward) is Phase.forward]
+        names = {v.name for v in op.results}
+        start = next((k for k, o in enumerate(ops) if o is op), len(ops))
+        for o in ops[start + 1:]:
+            if names & set(o.inputs):
+                if o.loc:
+                    return o.loc
+                names |= {v.name for v in o.results}
+        return None
 
 
 def _has_strategies(op: Op) -> bool:
