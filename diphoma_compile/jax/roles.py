@@ -188,7 +188,8 @@ def flax_state(params: Any) -> list[bool]:
     parameter. A flax variables dict (``{"params": ..., "batch_stats": ...}``: a dict with
     a "params" collection beside others) holds parameters under "params" and state in the
     other collections (BatchNorm's running statistics), which the step returns updated but
-    the optimizer does not touch; any other params argument is parameters throughout."""
+    the optimizer does not touch; any other params argument is parameters throughout, and
+    so is such a dict whose every leaf the optimizer keeps state for (``step_inputs``)."""
     paths = [p for p, _ in tree_flatten_with_path(params)[0]]
     if not (isinstance(params, dict) and "params" in params and len(params) > 1):
         return [False] * len(paths)
@@ -201,6 +202,11 @@ def step_inputs(args: Sequence[Any], sig: StepSignature) -> list[Input]:
     leaves = {k: arg_leaves(a, sig.prefix(k)) for k, a in enumerate(args)}
     params = args[sig.params_argnum]
     state = flax_state(params)
+    if any(state) and any(of is not None for of, _ in opt_state_links(
+            params, args[sig.opt_state_argnum])):
+        # the optimizer keeps state for every leaf: all of them are trained ({"params": w,
+        # "scale": s} of the user's own, not flax's collections)
+        state = [False] * len(state)
     param_names = [n for (n, _), st in zip(leaves[sig.params_argnum], state) if not st]
     links = opt_state_links(params["params"] if any(state) else params,
                             args[sig.opt_state_argnum])

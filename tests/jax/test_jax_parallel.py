@@ -546,11 +546,13 @@ def _batch_norm_step(net, tx):
 
 def test_flax_batch_norm_runs_as_ddp_does():
     """A flax variables dict's batch_stats collection is model state (buffers), not
-    parameters: compile() runs the step bit for bit, and data parallelism over 8 devices
-    runs it as DDP does (each device normalizes its share, the gradients are averaged, the
-    running statistics are device 0's), with a warning that the step so differs from the
-    single-device one. The reference is that computed by hand: each share's gradients
-    (vmap), their mean, one AdamW update, share 0's statistics."""
+    parameters (a dict of the user's own with a "params" key, whose every leaf the
+    optimizer keeps state for, is parameters throughout): compile() runs the step bit for
+    bit, and data parallelism over 8 devices runs it as DDP does (each device normalizes
+    its share, the gradients are averaged, the running statistics are device 0's), with a
+    warning that the step so differs from the single-device one. The reference is that
+    computed by hand: each share's gradients (vmap), their mean, one AdamW update, share
+    0's statistics."""
     from diphoma_compile import compile as compile_step
     net, tx = _BatchNormNet(), optax.adamw(1e-2)
     x = jax.random.normal(jax.random.PRNGKey(1), (16, 8))
@@ -565,6 +567,18 @@ def test_flax_batch_norm_runs_as_ddp_does():
     assert roles["params/params/Dense_0/kernel"] == "param"
     mu = next(i for i in compiled.graph.inputs if i.name == "opt_state/0/mu/Dense_0/kernel")
     assert mu.role.of == "params/params/Dense_0/kernel"
+    # a dict of the user's own with a "params" key, every leaf trained: all parameters
+    tx_all = optax.adam(0.1)
+    own = {"params": jnp.ones((8, 4)), "scale": jnp.ones((4,))}
+
+    def own_step(p, s, b):
+        loss, grads = jax.value_and_grad(
+            lambda p: jnp.mean((b[0] @ p["params"] * p["scale"]) ** 2))(p)
+        updates, s = tx_all.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+    kinds = {i.name: i.role.kind.value for i in
+             compile_step(own_step, own, tx_all.init(own), (x,)).graph.inputs}
+    assert kinds["params/scale"] == "param"
     ref = jax.jit(step)
     a, b = (variables, opt_state), (variables, opt_state)
     for _ in range(2):
