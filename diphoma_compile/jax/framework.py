@@ -16,7 +16,8 @@ from ..ir.core import Graph
 from ..ir.device_model import DeviceModel
 from ..mesh import Mesh, pipeline_axis
 from . import op_rules  # noqa: F401 - registers the rules of the primitives kept opaque
-from .roles import StepSignature, batch_rows, infer_batch_argnums, path_name
+from .roles import (StepSignature, batch_rows, infer_batch_argnums, path_name,
+                    returned_state)
 
 
 class JaxFramework:
@@ -69,7 +70,7 @@ class JaxFramework:
         # the global batch is cut into the data axis's shares, each into M microbatches
         n = (1 if staged and axis == pp else mesh.axis_size(axis)) * microbatches
         if batch_argnums is None:
-            nums = infer_batch_argnums(args)
+            nums = infer_batch_argnums(args, state=_state_argnums(step_fn, args))
             check_rows_pair(step_fn, args, nums, n)
         else:
             nums = tuple(batch_argnums)
@@ -179,6 +180,19 @@ def local_args(args: tuple, n: int, axis: str, batch_argnums: Sequence[int] = (2
                             hint=f"use a global batch that is a multiple of {n}")
         return jax.ShapeDtypeStruct((shape[0] // n, *shape[1:]), x.dtype)
     return _resized(args, nums, local)
+
+
+def _state_argnums(step_fn: Callable, args: tuple) -> tuple[int, ...]:
+    """The arguments the step returns a new value of (model state such as haiku's: not
+    batch), from its abstract result; none when it cannot be evaluated so (the trace then
+    says why)."""
+    try:
+        out = jax.eval_shape(step_fn, *args)
+    except Exception:       # the trace that follows reports the step's own error
+        return ()
+    if not isinstance(out, (tuple, list)) or len(out) < 3:
+        return ()
+    return tuple(returned_state(out, args, StepSignature()).values())
 
 
 def check_rows_pair(step_fn: Callable, args: tuple, nums: Sequence[int], n: int) -> None:

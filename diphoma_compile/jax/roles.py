@@ -96,20 +96,24 @@ def batch_rows(batch: Any) -> int | None:
     return int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) >= 1 else None
 
 
-def infer_batch_argnums(args: Sequence[Any], first: int = 2) -> tuple[int, ...]:
+def infer_batch_argnums(args: Sequence[Any], first: int = 2, state: Sequence[int] = ()
+                        ) -> tuple[int, ...]:
     """The batch arguments of ``step(params, opt_state, batch, *rest)`` by shape: argument
     ``first``, and every later argument whose array leaves all have its first leaf's
     number of rows. A later argument of keys and single numbers (a learning rate, a step
     count) is not batch; anything else (other rows, a mix) is a FrontendError naming it.
 
     Keys are settings unless they have the batch's rows (one key per example); so is a
-    legacy uint32[2] key, unless the batch has 2 rows. ``parallelize`` then checks that
-    each argument found this way does pair with the batch's rows (jax/framework.py)."""
+    legacy uint32[2] key, unless the batch has 2 rows. ``state`` arguments (the step
+    returns their new value: ``returned_state``) are not batch. ``parallelize`` then checks
+    that each argument found this way does pair with the batch's rows (jax/framework.py)."""
     rows = batch_rows(args[first]) if len(args) > first else None
     if rows is None:
         return (first,)            # the batch's own check says what is wrong with it
     nums = [first]
     for k in range(first + 1, len(args)):
+        if k in state:
+            continue
         kinds: dict[str, list[str]] = {"rows": [], "setting": [], "other": []}
         for path, leaf in tree_flatten_with_path(args[k])[0]:
             name = path_name(f"argument {k}", path)

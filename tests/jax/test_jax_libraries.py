@@ -195,7 +195,7 @@ def test_haiku_batch_norm_state_is_model_state():
         a, b = (*want[:2], (x, y), want[2]), (*got[:2], (x, y), got[2])
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
-    pstep = diphoma_compile.parallelize(step, mesh, axis="data", batch_argnums=(2,))
+    pstep = diphoma_compile.parallelize(step, mesh, axis="data")    # state found: not batch
     with pytest.warns(DiphomaWarning, match="combines examples of its batch"):
         pstep.trace(*args)
     assert len(pstep.plan.notes["data-parallel"]["broadcast"]) == 4     # two averages
