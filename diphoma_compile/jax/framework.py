@@ -185,7 +185,9 @@ def local_args(args: tuple, n: int, axis: str, batch_argnums: Sequence[int] = (2
 def _state_argnums(step_fn: Callable, args: tuple) -> tuple[int, ...]:
     """The arguments the step returns a new value of (model state such as haiku's: not
     batch), from its abstract result; none when it cannot be evaluated so (the trace then
-    says why)."""
+    says why). Only evaluated when arguments follow the batch."""
+    if len(args) <= 3:
+        return ()
     try:
         out = jax.eval_shape(step_fn, *args)
     except Exception:       # the trace that follows reports the step's own error
