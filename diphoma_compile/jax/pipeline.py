@@ -265,7 +265,8 @@ class JaxPipelineStep(MeasuredRunner):
             if not moved:
                 raise BackendError("the pipeline schedule waits on itself",
                                    hint="this is a bug in the pipeline schedule")
-        final = {s: {n: v / self.m for n, v in acc[s].items()} for s in range(self.nstages)}
+        final = {s: {n: _mean(v, self.m) for n, v in acc[s].items()}
+                 for s in range(self.nstages)}
         for r in range(self.cut.nrounds):
             for s in range(self.nstages):
                 call((s, f"U{r}"), self.m, final[s], False)
@@ -316,3 +317,11 @@ class JaxPipelineStep(MeasuredRunner):
 
 
 __all__ = ["JaxPipelineStep", "schedule_orders"]
+
+
+def _mean(total: Any, m: int) -> Any:
+    """A sum over m microbatches as their mean, in its own dtype (an integer a step
+    writes, as haiku's moving-average counter, stays an integer)."""
+    if jnp.issubdtype(total.dtype, jnp.floating):
+        return total / m
+    return total if m == 1 else total // m

@@ -263,12 +263,16 @@ def returned_state(out: Any, args: Sequence[Any], sig: StepSignature) -> dict[in
     metrics -> the argument it replaces. A result is one when it has an argument's pytree
     structure, leaf shapes and dtypes, and some leaf of more than one element, the argument
     being neither the parameters, the optimizer state nor the batch, nor keys (a new key
-    returned stays a metric)."""
+    returned stays a metric), nor an argument with a leaf of the batch's rows (a
+    per-example result shaped like per-example weights is a metric, not their new
+    value)."""
     taken = {sig.params_argnum, sig.opt_state_argnum, *sig.batch_argnums}
+    rows = next((batch_rows(args[k]) for k in sig.batch_argnums if k < len(args)), None)
     found: dict[int, int] = {}
     for m, metric in enumerate(out[2:]):
         for k, a in enumerate(args):
-            if k in taken or k in found.values():
+            if k in taken or k in found.values() or any(
+                    np.ndim(w) >= 1 and np.shape(w)[0] == rows for w in jax.tree.leaves(a)):
                 continue
             got, want = jax.tree.leaves(metric), jax.tree.leaves(a)
             if tree_structure(metric) == tree_structure(a) and want and \

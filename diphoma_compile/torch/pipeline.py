@@ -250,7 +250,8 @@ class TorchPipelineStep(TorchDistStep):
             args = env = None
         # the sums become averages in place (each is this executor's own copy): no second
         # copy of the gradients beside them while the update runs
-        env = {n: v.div_(m) if v.is_floating_point() else v / m for n, v in acc.items()}
+        env = {n: v.div_(m) if v.is_floating_point() else v if m == 1
+               else v.div(m, rounding_mode="floor") for n, v in acc.items()}
         for r in range(self.nrounds):
             for st in self.stages:
                 seg = self.segs[(st, f"U{r}")]

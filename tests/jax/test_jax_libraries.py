@@ -207,3 +207,40 @@ def test_haiku_batch_norm_state_is_model_state():
     ours = (b[0], pstep.user_shapes(b[1], 1), b[3])
     for p, q in zip(jax.tree.leaves(ours), jax.tree.leaves((a[0], a[1], a[3]))):
         np.testing.assert_allclose(np.asarray(p), np.asarray(q), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(jax.device_count() < 8,
+                    reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+def test_haiku_batch_norm_state_through_a_two_stage_pipeline():
+    """One microbatch over pp=2: the moving averages' integer counters come back as
+    integers (the pipeline's mean over microbatches keeps a buffer's dtype), and the
+    step runs as jax.jit runs it, twice in a row."""
+    hk = pytest.importorskip("haiku")
+
+    def fwd(x):
+        for _ in range(2):
+            x = jax.nn.relu(hk.BatchNorm(True, True, 0.9)(hk.Linear(8, with_bias=False)(x),
+                                                          is_training=True))
+        return hk.Linear(4)(x)
+    net = hk.without_apply_rng(hk.transform_with_state(fwd))
+    x = jax.random.normal(jax.random.PRNGKey(1), (8, 8))
+    y = jax.random.normal(jax.random.PRNGKey(2), (8, 4))
+    params, state = net.init(jax.random.PRNGKey(0), x)
+    tx = optax.sgd(0.1, momentum=0.9)
+
+    def step(params, opt_state, batch, state):
+        def loss_of(p):
+            out, new = net.apply(p, state, batch[0])
+            return jnp.mean((out - batch[1]) ** 2), new
+        (loss, state), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, state, loss
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("pp",))
+    pstep = diphoma_compile.parallelize(step, mesh, microbatches=1)
+    a = b = (params, tx.init(params), (x, y), state)
+    for _ in range(2):
+        want, got = jax.jit(step)(*a), pstep(*b)
+        assert [leaf.dtype for leaf in jax.tree.leaves(got[2])] == \
+            [leaf.dtype for leaf in jax.tree.leaves(want[2])]
+        np.testing.assert_allclose(float(got[3]), float(want[3]), rtol=1e-6)
+        a, b = (*want[:2], (x, y), want[2]), (*got[:2], (x, y), got[2])

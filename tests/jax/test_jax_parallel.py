@@ -611,6 +611,30 @@ def test_flax_batch_norm_runs_as_ddp_does():
     assert max_rel_dev(a[0], pstep.user_shapes(b[0], 0)) <= 1e-5
 
 
+def test_a_per_example_result_shaped_like_batch_weights_is_not_their_new_value():
+    """A step returning per-example losses, shaped like the per-example weights it takes
+    after the batch: the weights stay batch (split with it), the result a metric; the
+    loss is the single-device step's."""
+    net, tx = nn.Dense(4), optax.sgd(0.1)
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    x, y = jax.random.normal(k[0], (8, 8)), jax.random.normal(k[1], (8, 4))
+    w = jax.random.uniform(k[2], (8,))
+    params = net.init(k[3], x)["params"]
+
+    def step(params, opt_state, x, y, w):
+        def loss_of(p):
+            per = jnp.mean((net.apply({"params": p}, x) - y) ** 2, -1) * w
+            return per.mean(), per
+        (loss, per), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, per
+    pstep = parallelize(step, jax_mesh((8,)), axis="data")
+    got = pstep(params, tx.init(params), x, y, w)
+    want = jax.jit(step)(params, tx.init(params), x, y, w)
+    assert {i.name: i.role.kind.value for i in pstep.graph.inputs}["batch2"] == "batch"
+    np.testing.assert_allclose(float(got[2]), float(want[2]), rtol=1e-6)
+
+
 def test_a_batch_centering_and_a_contrastive_loss_are_warned_of():
     """Features centred over the batch (a batch norm's first half, written out) and a
     contrastive loss (every example's embedding against every other's): each device's
