@@ -143,25 +143,20 @@ def test_data_parallel_over_8_devices_matches_one(library):
     assert report.opt_state_bytes < whole / 8 * 1.1, (report.opt_state_bytes, whole)
 
 
-@pytest.mark.skipif(jax.device_count() < 8,
-                    reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
-def test_haiku_batch_norm_state_is_model_state():
-    """haiku's transform_with_state: the BatchNorm's moving averages are an argument after
-    the batch that the step returns updated (jax/roles.py ``returned_state``): buffers.
-    compile() runs the step bit for bit; data parallelism runs it as DDP does (each device
-    normalizes its share; the new averages are device 0's), with the coupling warning, and
-    matches that written by hand: each share's gradients (vmap), their mean, one update,
-    share 0's state. (JAX makes ``1 - 0.9`` once for the momentum and the moving averages:
-    jax/phases.py runs that constant in the forward pass.)"""
+def _haiku_batch_norm_case(layers: int, width: int, rows: int):
+    """haiku's transform_with_state over ``layers`` x (Linear, BatchNorm, relu) and a head,
+    SGD momentum: (net, tx, step, loss_of(params, state, x, y), (params, state, x, y)),
+    the step ``step(params, opt_state, batch, state) -> (params, opt_state, state, loss)``."""
     hk = pytest.importorskip("haiku")
-    from diphoma_compile.errors import DiphomaWarning
 
     def fwd(x):
-        h = hk.BatchNorm(True, True, 0.9)(hk.Linear(16, with_bias=False)(x), is_training=True)
-        return hk.Linear(4)(jax.nn.relu(h))
+        for _ in range(layers):
+            x = jax.nn.relu(hk.BatchNorm(True, True, 0.9)(
+                hk.Linear(width, with_bias=False)(x), is_training=True))
+        return hk.Linear(4)(x)
     net = hk.without_apply_rng(hk.transform_with_state(fwd))
-    x = jax.random.normal(jax.random.PRNGKey(1), (16, 8))
-    y = jax.random.normal(jax.random.PRNGKey(2), (16, 4))
+    x = jax.random.normal(jax.random.PRNGKey(1), (rows, 8))
+    y = jax.random.normal(jax.random.PRNGKey(2), (rows, 4))
     params, state = net.init(jax.random.PRNGKey(0), x)
     tx = optax.sgd(0.1, momentum=0.9)
 
@@ -173,6 +168,21 @@ def test_haiku_batch_norm_state_is_model_state():
         (loss, state), grads = jax.value_and_grad(loss_of, has_aux=True)(params, state, *batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, state, loss
+    return net, tx, step, loss_of, (params, state, x, y)
+
+
+@pytest.mark.skipif(jax.device_count() < 8,
+                    reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+def test_haiku_batch_norm_state_is_model_state():
+    """haiku's transform_with_state: the BatchNorm's moving averages are an argument after
+    the batch that the step returns updated (jax/roles.py ``returned_state``): buffers.
+    compile() runs the step bit for bit; data parallelism runs it as DDP does (each device
+    normalizes its share; the new averages are device 0's), with the coupling warning, and
+    matches that written by hand: each share's gradients (vmap), their mean, one update,
+    share 0's state. (JAX makes ``1 - 0.9`` once for the momentum and the moving averages:
+    jax/phases.py runs that constant in the forward pass.)"""
+    from diphoma_compile.errors import DiphomaWarning
+    net, tx, step, loss_of, (params, state, x, y) = _haiku_batch_norm_case(1, 16, 16)
 
     def ddp(params, opt_state, batch, state):
         shares = (batch[0].reshape(8, 2, 8), batch[1].reshape(8, 2, 4))
@@ -215,26 +225,7 @@ def test_haiku_batch_norm_state_through_a_two_stage_pipeline():
     """One microbatch over pp=2: the moving averages' integer counters come back as
     integers (the pipeline's mean over microbatches keeps a buffer's dtype), and the
     step runs as jax.jit runs it, twice in a row."""
-    hk = pytest.importorskip("haiku")
-
-    def fwd(x):
-        for _ in range(2):
-            x = jax.nn.relu(hk.BatchNorm(True, True, 0.9)(hk.Linear(8, with_bias=False)(x),
-                                                          is_training=True))
-        return hk.Linear(4)(x)
-    net = hk.without_apply_rng(hk.transform_with_state(fwd))
-    x = jax.random.normal(jax.random.PRNGKey(1), (8, 8))
-    y = jax.random.normal(jax.random.PRNGKey(2), (8, 4))
-    params, state = net.init(jax.random.PRNGKey(0), x)
-    tx = optax.sgd(0.1, momentum=0.9)
-
-    def step(params, opt_state, batch, state):
-        def loss_of(p):
-            out, new = net.apply(p, state, batch[0])
-            return jnp.mean((out - batch[1]) ** 2), new
-        (loss, state), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, state, loss
+    _, tx, step, _, (params, state, x, y) = _haiku_batch_norm_case(2, 8, 8)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("pp",))
     pstep = diphoma_compile.parallelize(step, mesh, microbatches=1)
     a = b = (params, tx.init(params), (x, y), state)

@@ -19,6 +19,7 @@ from diphoma_compile.errors import DiphomaWarning  # noqa: E402
 from diphoma_compile.ir.batch_coupling import batch_coupling  # noqa: E402
 
 from models import CNN, GPT, MLP, classify_step, cnn_batches, lm_step, mlp_batches  # noqa: E402
+from test_edge_cases import accumulating_step  # noqa: E402
 
 
 class TwoTowers(nn.Module):
@@ -90,19 +91,12 @@ def test_what_is_found_on_traced_steps():
 
 
 def test_slices_of_the_batch_keep_its_examples():
-    """Gradient accumulation over two halves of the batch: the slices pick rows, each
-    still one example, so nothing is found but the cross-entropies' counts."""
-    def halves_step(model, opt, x, y):
-        n = x.shape[0] // 2
-        for xs, ys in ((x[:n], y[:n]), (x[n:], y[n:])):
-            loss = F.cross_entropy(model(xs), ys) / 2
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+    """Gradient accumulation over two halves of the batch (test_edge_cases.py's step): the
+    slices pick rows, each still one example, so nothing is found but the
+    cross-entropies' counts."""
     torch.manual_seed(0)
     mlp = MLP()
-    assert _kinds(halves_step, mlp, _sgd(mlp), torch.randn(8, 8), torch.randint(0, 4, (8,))) \
+    assert _kinds(accumulating_step, mlp, _sgd(mlp), mlp_batches(1)[0]) \
         == [("aten.nll_loss_forward.default", False)] * 2
 
 
