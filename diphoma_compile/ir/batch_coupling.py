@@ -16,9 +16,9 @@ combines examples: each share's result is not a slice, nor a part of a sum, of t
 batch's. Ops without strategies (a framework op with no rule, a random draw) are not
 judged: what they make from rows is taken as rows where it keeps the batch's first
 dimension (``_unjudged``), and not followed otherwise, so the analysis reports only what
-the strategies show. So are ops that take some of the rows or join pieces of rows (a slice
-of the batch for gradient accumulation, ``_rows_kept``): each row is still one example
-(a loss over the first example alone is so not found)."""
+the strategies show. Ops that take some of the rows or join pieces of rows (slices or chunks
+of the batch for gradient accumulation, ``_rows_kept``) keep rows: each row is still one
+example (one example picked out, ``x[0]``, drops the rows' dimension and is found)."""
 
 from __future__ import annotations
 
@@ -213,8 +213,9 @@ class _Follow:
         if op.name != "div" and _scalar_math(actual, ins, outs):
             self.set(op, [_Summed(op)] * len(outs))     # judged by its reader
             return
-        certain = _certain(op, actual)
-        self.report(op, _why(op, actual), certain=certain)
+        why = _why(op, actual)
+        certain = why is not _COUNT      # a division by a sum: exact when shares sum alike
+        self.report(op, why, certain=certain)
         # a mean over a count stays followed (a weight decay term may be added to it)
         self.set(op, [_UNKNOWN if certain else Partial("avg")] * len(outs))
 
@@ -241,7 +242,6 @@ class _Follow:
         """An op reading no batch value: whole, or, where it reads constants, in any
         placement its strategies can build it in from theirs; a broadcast is uniform along
         the dims it adds, so it can also be built split along them."""
-        have = [s if isinstance(s, frozenset) else frozenset({s}) for s in states]
         if not _has_strategies(op) and (not op.inputs or any(
                 isinstance(s, frozenset) for s in states)) or op.name == "iota" or \
                 random_draw(op) is not None:
@@ -253,6 +253,7 @@ class _Follow:
             self.set(op, [frozenset({REPLICATE, *(Shard(d) for d in range(t.rank))})
                           for t in outs])
             return
+        have = [s if isinstance(s, frozenset) else frozenset({s}) for s in states]
         if all(h == {REPLICATE} for h in have) and op.name != "broadcast_in_dim" \
                 and op.inputs:
             self.set(op, [REPLICATE] * len(outs))
@@ -366,8 +367,3 @@ def _why(op: Op, actual: Sequence[object]) -> str:
     if any(isinstance(a, Partial) for a in actual):
         return _NONLINEAR
     return "combines different examples of the batch (a product or comparison across them)"
-
-
-def _certain(op: Op, actual: Sequence[object]) -> bool:
-    """A division by a sum over the batch is exact when every share sums alike."""
-    return not (op.name == "div" and len(actual) == 2 and isinstance(actual[1], Partial))

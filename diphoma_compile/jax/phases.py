@@ -154,10 +154,10 @@ def _update_ops(graph: Graph, flow: _Flow, forward: set[int], feeds_state: set[i
 
 
 def _phases_from_flow(flow: _Flow, forward: set[int], update: set[int],
-                      feeds_state: set[int]) -> list[Phase]:
-    """Each op's phase from data flow and roles (rules 1-4 of the docstring)."""
+                      feeds_state: set[int], const: set[int]) -> list[Phase]:
+    """Each op's phase from data flow and roles (rules 1-4 of the docstring); the
+    constants ``const`` give no phase to their readers."""
     phases: list[Phase] = []
-    const = flow.constants()
     for k in range(len(flow.ops)):
         src = [phases[flow.made[n]] for n in flow.reads[k]
                if n in flow.made and flow.made[n] not in const]
@@ -173,14 +173,13 @@ def _phases_from_flow(flow: _Flow, forward: set[int], update: set[int],
 
 
 def _phases_from_marks(flow: _Flow, forward: set[int], transposed: set[str],
-                       feeds_state: set[int]) -> list[Phase]:
+                       feeds_state: set[int], const: set[int]) -> list[Phase]:
     """Each op's phase from autodiff's marks: the transposed ops are the backward pass."""
     backward = {k for k, op in enumerate(flow.ops) if any(v.name in transposed
                                                           for v in op.results)}
     # the untransposed values the backward pass reads (residuals) run in the forward pass
     forward = forward | (flow.ancestors(transposed) - backward)
     phases: list[Phase] = []
-    const = flow.constants()
     for k in range(len(flow.ops)):
         src = {phases[flow.made[n]] for n in flow.reads[k]
                if n in flow.made and flow.made[n] not in const}
@@ -204,27 +203,27 @@ def assign_phases(graph: Graph, transposed: set[str] | frozenset[str] = frozense
     flow = _data_flow(graph)
     forward = flow.ancestors(loss)
     feeds_state = flow.ancestors(_state_outputs(graph))
+    const = flow.constants()
     if transposed:
-        phases = _phases_from_marks(flow, forward, set(transposed), feeds_state)
+        phases = _phases_from_marks(flow, forward, set(transposed), feeds_state, const)
     else:
         update = _update_ops(graph, flow, forward, feeds_state)
-        phases = _phases_from_flow(flow, forward, update, feeds_state)
-    phases = _constants_where_read(flow, phases, {o.name for o in graph.outputs})
+        phases = _phases_from_flow(flow, forward, update, feeds_state, const)
+    phases = _constants_where_read(flow, phases, const, {o.name for o in graph.outputs})
     return graph.replace(ops=tuple(_with_phase(op, p) for op, p in zip(graph.ops, phases)))
 
 
 _ORDER = (Phase.forward, Phase.backward, Phase.update)
 
 
-def _constants_where_read(flow: _Flow, phases: list[Phase], outputs: set[str]
-                          ) -> list[Phase]:
+def _constants_where_read(flow: _Flow, phases: list[Phase], const: set[int],
+                          outputs: set[str]) -> list[Phase]:
     """A constant (computed from no input) runs in the earliest phase among the live ops
     that read it, which is its own when nothing reads it: one literal may be shared by the
     optimizer and a forward op (JAX makes ``1 - 0.9`` once for SGD's momentum and a
     BatchNorm's moving average alike), and its readers in later phases may read an earlier
     value. (A constant does not make its readers' phase either: the rules above skip it
     among what an op reads.) An op no output needs runs no earlier than what it reads."""
-    const = flow.constants()
     users = flow.users()
     live = flow.ancestors(outputs)
     phases = list(phases)

@@ -204,16 +204,16 @@ def step_inputs(args: Sequence[Any], sig: StepSignature) -> list[Input]:
     """The graph inputs for the step's arguments, flattened in argument order, with roles;
     a flax variables dict's collections other than "params" are buffers (``flax_state``)."""
     leaves = {k: arg_leaves(a, sig.prefix(k)) for k, a in enumerate(args)}
-    params = args[sig.params_argnum]
+    params, opt_state = args[sig.params_argnum], args[sig.opt_state_argnum]
     state = flax_state(params)
-    if any(state) and any(of is not None for of, _ in opt_state_links(
-            params, args[sig.opt_state_argnum])):
+    links = opt_state_links(params, opt_state)
+    if any(of is not None for of, _ in links):
         # the optimizer keeps state for every leaf: all of them are trained ({"params": w,
         # "scale": s} of the user's own, not flax's collections)
         state = [False] * len(state)
+    elif any(state):
+        links = opt_state_links(params["params"], opt_state)
     param_names = [n for (n, _), st in zip(leaves[sig.params_argnum], state) if not st]
-    links = opt_state_links(params["params"] if any(state) else params,
-                            args[sig.opt_state_argnum])
     names = NameSupply(set())
     inputs = []
     for k in range(len(args)):
@@ -268,18 +268,21 @@ def returned_state(out: Any, args: Sequence[Any], sig: StepSignature) -> dict[in
     value)."""
     taken = {sig.params_argnum, sig.opt_state_argnum, *sig.batch_argnums}
     rows = next((batch_rows(args[k]) for k in sig.batch_argnums if k < len(args)), None)
+
+    def may_be_state(leaves: list[Any]) -> bool:
+        return bool(leaves) and not any(_is_key_like(w) for w in leaves) and \
+            not any(np.ndim(w) >= 1 and np.shape(w)[0] == rows for w in leaves) and \
+            any(math.prod(np.shape(w)) > 1 for w in leaves)
+    candidates = [k for k, a in enumerate(args)
+                  if k not in taken and may_be_state(jax.tree.leaves(a))]
     found: dict[int, int] = {}
     for m, metric in enumerate(out[2:]):
-        for k, a in enumerate(args):
-            if k in taken or k in found.values() or any(
-                    np.ndim(w) >= 1 and np.shape(w)[0] == rows for w in jax.tree.leaves(a)):
-                continue
-            got, want = jax.tree.leaves(metric), jax.tree.leaves(a)
-            if tree_structure(metric) == tree_structure(a) and want and \
-                    not any(_is_key_like(w) for w in want) and \
-                    all(g.shape == tuple(np.shape(w)) and g.dtype == w.dtype
-                        for g, w in zip(got, want)) and \
-                    any(math.prod(np.shape(w)) > 1 for w in want):
+        got = jax.tree.leaves(metric)
+        for k in candidates:
+            want = jax.tree.leaves(args[k])
+            if k not in found.values() and tree_structure(metric) == tree_structure(args[k]) \
+                    and all(g.shape == tuple(np.shape(w)) and g.dtype == w.dtype
+                            for g, w in zip(got, want)):
                 found[m] = k
                 break
     return found

@@ -314,6 +314,13 @@ def _shares(dp: DataParallelRecord | None, pp: PipelineRecord | None, field: str
     return " and ".join(who)
 
 
+def _places(dp: DataParallelRecord | None, pp: PipelineRecord | None, field: str
+            ) -> list[str]:
+    """The places both records list under ``field`` (batch_coupled, batch_counted), once."""
+    return list(dict.fromkeys((getattr(dp, field) if dp else ()) +
+                              (getattr(pp, field) if pp else ())))
+
+
 def _batch_lines(dp: DataParallelRecord | None, pp: PipelineRecord | None) -> list[str]:
     """Where the forward combines examples of the batch, which a split batch computes per
     share (ir/batch_coupling.py): always different, then exact only for equal counts."""
@@ -326,8 +333,7 @@ def _batch_lines(dp: DataParallelRecord | None, pp: PipelineRecord | None) -> li
                               "by its own count and the results are averaged, as under DDP: "
                               "the single-device step's only when every share counts "
                               "alike:")):
-        where = list(dict.fromkeys((getattr(dp, field) if dp else ()) +
-                                   (getattr(pp, field) if pp else ())))
+        where = _places(dp, pp, field)
         if where:
             lines += ["", text.format(who=_shares(dp, pp, field))]
             lines += [f"  {w}" for w in where]
@@ -337,8 +343,7 @@ def _batch_lines(dp: DataParallelRecord | None, pp: PipelineRecord | None) -> li
 def coupling_warning(dp: DataParallelRecord | None, pp: PipelineRecord | None) -> str | None:
     """The warning ``parallelize`` gives for a forward that combines examples of the batch
     under a plan that splits the batch, or None."""
-    where = list(dict.fromkeys((dp.batch_coupled if dp else ()) +
-                               (pp.batch_coupled if pp else ())))
+    where = _places(dp, pp, "batch_coupled")
     if not where:
         return None
     more = f" (and {len(where) - 2} more: the plan lists them)" if len(where) > 2 else ""
