@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from .analysis import free_inputs
 from .core import Graph, InputKind, Op, OutputKind, Phase
-from .framework_ops import framework_rule
+from .framework_ops import FrameworkOpRule, framework_rule
 from .opdef import op_def, random_draw
 from .strategies import (Strategy, group_counts, no_strategies, replicate_only,
                          strategies_of)
@@ -128,6 +128,7 @@ class _Follow:
             t = i.value.type
             if i.role.kind is InputKind.batch and t.rank >= 1 and t.shape[0] > 1:
                 self.at[i.name] = Shard(0)
+        self.producer = {v.name: op for op in graph.ops for v in op.results}
         self.found: list[Coupling] = []
         self.counts: set[int] = set()     # scalars of sums divided by: counts (ids of ops)
 
@@ -153,7 +154,7 @@ class _Follow:
         return self.found
 
     def made_by(self, name: str) -> Op:
-        return next(op for op in self.graph.ops if any(v.name == name for v in op.results))
+        return self.producer[name]
 
     def state(self, name: str) -> object:
         return self.at.get(name, REPLICATE)
@@ -194,6 +195,10 @@ class _Follow:
         if fit is not None:
             self.set(op, [_mean_kept(p, states) for p in fit.outputs])
             return
+        if rule is not None and rule.row_picks is not None and \
+                (dim := self.picked_per_row(op, rule, actual, ins, outs)) is not None:
+            self.set(op, [Shard(dim)])
+            return
         if _affine_in_a_mean(op, states, ins, outs):
             self.set(op, [Partial("avg")] * len(outs))
             return
@@ -218,6 +223,52 @@ class _Follow:
         self.report(op, why, certain=certain)
         # a mean over a count stays followed (a weight decay term may be added to it)
         self.set(op, [_UNKNOWN if certain else Partial("avg")] * len(outs))
+
+    def picked_per_row(self, op: Op, rule: FrameworkOpRule, actual: Sequence[object],
+                       ins: Sequence[TensorType], outs: Sequence[TensorType]) -> int | None:
+        """A gather of each row's own entry (``logp[arange(n), labels]``): the operand's
+        rows split, the indices' rows split (or a constant), and the index entry picking
+        the operand's rows holding each row's position. The result's split dim, or None."""
+        operand, idx = actual
+        picks, out_dim = rule.row_picks(op, ins, outs)
+        if not isinstance(operand, Shard) or operand.dim not in picks or out_dim is None or \
+                not (idx == Shard(0) or isinstance(idx, frozenset) and Shard(0) in idx) or \
+                ins[1].rank < 2 or ins[1].shape[0] != ins[0].shape[operand.dim]:
+            return None
+        return out_dim if self.positions(op.inputs[1], picks[operand.dim]) else None
+
+    def positions(self, name: str, entry: int | None) -> bool:
+        """Whether each element of a value (``entry`` None), or entry ``entry`` of its last
+        dim, is the position of its row along dim 0: an iota along dim 0 (built at the
+        share's rows, as the share's own positions), normalized for negative indices
+        (``select(i < 0, i + n, i)``), broadcast, reshaped or converted to one element
+        per row, joined beside other entries (``concat`` on the last dim)."""
+        op, t = self.producer.get(name), self.types[name]
+        if op is None or t.rank == 0:
+            return False
+        if op.name == "iota":
+            return int(op.attrs["dim"]) == 0
+        if op.name == "concat" and entry is not None and int(op.attrs["dim"]) == t.rank - 1:
+            for x in op.inputs:
+                if entry < self.types[x].shape[-1]:
+                    return self.positions(x, entry)
+                entry -= self.types[x].shape[-1]
+            return False
+        if op.name in ("broadcast_in_dim", "reshape", "convert"):
+            src = self.types[op.inputs[0]]
+            if op.name == "convert":
+                return self.positions(op.inputs[0], entry)
+            dims = tuple(op.attrs.get("dims", (0,)))
+            return src.rank >= 1 and src.shape[0] == t.shape[0] and dims[0] == 0 and \
+                src.numel == src.shape[0] and self.positions(op.inputs[0], None)
+        if op.name == "select":
+            pred, _, kept = op.inputs
+            lt, zero = self.producer.get(pred), None
+            if lt is not None and lt.name == "lt" and lt.inputs[0] == kept:
+                zero = self.producer.get(lt.inputs[1])
+            return zero is not None and zero.name == "full" and \
+                float(zero.attrs["value"]) == 0 and self.positions(kept, entry)
+        return False
 
     def place_summed(self, op: Op, actual: list[object], ins: Sequence[TensorType],
                      outs: Sequence[TensorType]) -> None:

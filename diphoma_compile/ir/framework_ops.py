@@ -24,7 +24,11 @@ class FrameworkOpRule:
     training mode), so a microbatch's result is not a slice of the batch's. ``row_mean``:
     where its strategies take no split rows, it is a mean over the rows that it counts by
     their values (cross-entropy's ignored targets and class weights); the words say so
-    (``batch_coupling.py``: a share's mean is exact when every share counts alike)."""
+    (``batch_coupling.py``: a share's mean is exact when every share counts alike).
+    ``row_picks``: for a gather, the operand dims it picks one index at a time, each with
+    the entry of the index vector that picks it, and the result's dim holding the indices'
+    first dim; where that entry is each row's own position (``logp[arange(n), labels]``),
+    the operand's rows split with the indices' is a pick per example (``batch_coupling``)."""
 
     target: str
     flops: CostFn
@@ -33,6 +37,8 @@ class FrameworkOpRule:
     regroup: bool = True
     batch_stats: bool = False
     row_mean: str = ""
+    row_picks: Callable[[Op, Sequence[TensorType], Sequence[TensorType]],
+                        tuple[dict[int, int], int | None]] | None = None
 
 
 FRAMEWORK_OPS: dict[str, FrameworkOpRule] = {}

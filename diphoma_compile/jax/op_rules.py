@@ -33,10 +33,10 @@ def _param(op: Op, name: str, default: Any = None) -> Any:
 
 
 def _register(names: str, flops: CostFn, strategies: StrategyFn | None = None,
-              nbytes: CostFn | None = None, regroup: bool = True) -> None:
+              nbytes: CostFn | None = None, regroup: bool = True, **more: Any) -> None:
     for name in names.split():
         register_framework_op(FrameworkOpRule(f"jax:{name}", flops, strategies, nbytes,
-                                              regroup))
+                                              regroup, **more))
 
 
 # ---------------------------------------------------------------- costs
@@ -304,6 +304,18 @@ def _gather(op: Op, ins: Types, outs: Types) -> list[Strategy]:
     return menu
 
 
+def _gather_picks(op: Op, ins: Types, outs: Types) -> tuple[dict[int, int], int | None]:
+    """The operand dims a gather picks one index at a time (collapsed, indexed, not batching
+    dims), each with the entry of the index vector picking it; and the result's dim that
+    holds the indices' first dim."""
+    dn = _param(op, "dimension_numbers")
+    start_map, collapsed = tuple(dn.start_index_map), set(dn.collapsed_slice_dims)
+    picks = {d: k for k, d in enumerate(start_map)
+             if d in collapsed and d not in tuple(dn.operand_batching_dims)}
+    return picks, next((d for d in range(outs[0].rank) if d not in tuple(dn.offset_dims)),
+                       None)
+
+
 def _scatter(linear: bool) -> StrategyFn:
     """lax.scatter and its combining forms (the last dim of the indices holds each index
     vector):
@@ -378,7 +390,7 @@ _register("reduce_window_max", _window_flops, _window("max"))
 _register("reduce_window_min", _window_flops, _window("min"))
 _register("conv_general_dilated", _conv_flops, _conv, regroup=False)
 _register("dot_general", _dot_flops, _dot_general)
-_register("gather", _none, _gather, _gather_bytes)
+_register("gather", _none, _gather, _gather_bytes, row_picks=_gather_picks)
 _register("scatter-add scatter-sub", _scatter_flops, _scatter(linear=True), _scatter_bytes)
 _register("scatter scatter-mul scatter-min scatter-max", _scatter_flops, _scatter(linear=False),
           _scatter_bytes)

@@ -518,6 +518,63 @@ def test_a_loss_divided_by_a_count_of_the_batch_is_noted():
     assert plain.plan.notes["data-parallel"]["batch_coupled"] == []
 
 
+def _picking_step(pick):
+    """SGD on a classifier whose loss is ``-mean(pick(logp, labels, perm))``."""
+    tx = optax.sgd(0.1)
+
+    def step(params, opt_state, batch):
+        x, y, perm = batch
+
+        def loss_of(p):
+            return -jnp.mean(pick(jax.nn.log_softmax(x @ p["w"]), y, perm))
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    params = {"w": jax.random.normal(jax.random.key(0), (8, 10)) * 0.1}
+    batch = (jax.random.normal(jax.random.key(1), (16, 8)), jnp.arange(16) % 10,
+             jnp.arange(16)[::-1])
+    return step, params, tx.init(params), batch
+
+
+_N = 16
+_PICKS = {   # each row's own entry: not found
+    "arange and labels": (lambda lp, y, _: lp[jnp.arange(lp.shape[0]), y], False),
+    "arange rows": (lambda lp, y, _: lp[jnp.arange(lp.shape[0])][:, 0], False),
+    "take_along_axis": (lambda lp, y, _: jnp.take_along_axis(lp, y[:, None], axis=-1), False),
+    # other rows' entries: found
+    "reversed": (lambda lp, y, _: lp[jnp.arange(_N)[::-1], y], True),
+    "shifted": (lambda lp, y, _: lp[(jnp.arange(_N) + 1) % _N, y], True),
+    "rows from the batch": (lambda lp, y, perm: lp[perm, y], True),
+}
+
+
+@pytest.mark.parametrize("case", list(_PICKS))
+def test_a_gather_of_each_rows_own_entry_is_not_found(case):
+    """``logp[jnp.arange(n), labels]`` picks each example's own entry: the positions a
+    share builds are its own rows'. Positions that are not the row's own (reversed,
+    shifted, read from the batch) pick other examples' entries and are found."""
+    from diphoma_compile.ir.batch_coupling import batch_coupling
+    from diphoma_compile import trace
+    pick, found = _PICKS[case]
+    step, params, state, batch = _picking_step(pick)
+    coupled = [c for c in batch_coupling(trace(step, params, state, batch))]
+    # found at the gather, or where the reversed positions meet the labels (concat)
+    assert len(coupled) == found and all(c.certain for c in coupled)
+
+
+def test_a_gather_of_each_rows_own_entry_runs_as_the_single_device_step():
+    step, params, state, batch = _picking_step(_PICKS["arange and labels"][0])
+    pstep = parallelize(step, jax_mesh((8,)), axis="data")
+    rp, rs, op, os_ = params, state, params, state
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DiphomaWarning)
+        for _ in range(3):
+            rp, rs, rl = jax.jit(step)(rp, rs, batch)
+            op, os_, ol = pstep(op, os_, batch)
+            np.testing.assert_allclose(float(ol), float(rl), rtol=1e-5)
+    assert max_rel_dev(rp, op) <= 1e-5
+
+
 class _BatchNormNet(nn.Module):
     """No bias before the norm (as in ResNets): its gradient is zero up to rounding, which
     AdamW would turn into steps of the learning rate's size."""
