@@ -16,7 +16,8 @@ from typing import Any
 
 from ..ir.core import Attrs, Op
 from ..ir.framework_ops import FrameworkOpRule, register_framework_op
-from ..ir.strategies import Strategy, StrategyFn, dot, elementwise, replicated, reshape
+from ..ir.strategies import (Strategy, StrategyFn, dot, elementwise, reduce, replicated,
+                             reshape)
 from ..ir.types import REPLICATE, Partial, Shard, TensorType
 from .params import decode
 
@@ -153,6 +154,19 @@ def _kept_dims(op: Op, ins: Types, outs: Types) -> list[Strategy]:
             od = d - sum(a < d for a in axes)
             menu.append(Strategy((Shard(d),), tuple(Shard(od) for _ in outs), "split"))
     return menu
+
+
+def _positional(kind: str) -> StrategyFn:
+    """psum, pmax, pmin over positional axes (``jax.vmap(f, axis_name=...)`` of a
+    collective over the mapped axis: equinox's BatchNorm) reduce those dims of their one
+    operand, as the neutral reduction does; over named axes (inside shard_map) they run
+    whole."""
+    def strategies(op: Op, ins: Types, outs: Types) -> list[Strategy]:
+        axes = _param(op, "axes", ())
+        if len(ins) != 1 or not all(isinstance(a, int) for a in axes):
+            return [replicated(ins, outs)]
+        return reduce(op.replace(name=kind, attrs=Attrs({"dims": tuple(axes)})), ins, outs)
+    return strategies
 
 
 def _untouched(dims: Sequence[int], ins: Types, outs: Types, partial: str | None,
@@ -369,6 +383,9 @@ _register("erf_inv erfc lgamma digamma tan asin acos atan sinh cosh asinh acosh 
           "exp2 nextafter round not shift_left shift_right_logical shift_right_arithmetic "
           "population_count clz reduce_precision imag real conj abs select_n",
           _per_result_element(1), elementwise)
+_register("psum", _per_operand_element(1), _positional("reduce_sum"))
+_register("pmax", _per_operand_element(1), _positional("reduce_max"))
+_register("pmin", _per_operand_element(1), _positional("reduce_min"))
 _register("argmax argmin reduce_and reduce_or reduce_xor", _per_operand_element(1), _kept_dims)
 _register("cumsum", _per_result_element(1), _along_axis(_axis("axis"), "sum"))
 _register("cummax", _per_result_element(1), _along_axis(_axis("axis"), "max"))

@@ -604,12 +604,20 @@ class _Cut:
                 where[(v.name, s)] = v.name
         outputs = list(self.g.outputs)
         # the step's results are made where their stage puts them; a free value returned
-        # (a metric of the batch alone) is computed on the last stage
-        for o in outputs:
-            if (o.name, self._stage_of(o.name)) not in where and o.name in origin:
-                have(o.name, self.n - 1, Phase.forward)
-        outputs = [type(o)(where.get((o.name, self._stage_of(o.name)), o.name), o.role)
-                   for o in outputs]
+        # is computed on the stage reading the buffer it replaces (equinox BatchNorm's
+        # first-call flag, made False), or else on the last stage (a metric of the batch)
+        reading: dict[str, set[int]] = {}
+        for op in out:
+            for n in op.inputs:
+                reading.setdefault(n, set()).add(op.stage)
+        at = [self._stage_of(o.name, reading.get(o.role.target, set())
+                             if o.role.kind is OutputKind.replaces else set())
+              for o in outputs]
+        for o, s in zip(outputs, at):
+            if (o.name, s) not in where and o.name in origin:
+                have(o.name, s, Phase.forward)
+        outputs = [type(o)(where.get((o.name, s), o.name), o.role)
+                   for o, s in zip(outputs, at)]
         # a parameter read on several stages: its home updates it, the others receive it;
         # a frozen one (no new value: the step returns the parameter itself) is never sent:
         # every stage's copy stays as it is
@@ -636,10 +644,14 @@ class _Cut:
         self.out = out
         return self.g.replace(ops=tuple(out), outputs=tuple(outputs))
 
-    def _stage_of(self, name: str) -> int:
+    def _stage_of(self, name: str, readers: set[int] = frozenset()) -> int:
+        """The stage making ``name``; for a free value, the first of ``readers`` (the
+        stages reading the buffer it replaces), or the last stage."""
         op = self.made.get(name)
-        if op is None or id(op) in self.free:
-            return self.n - 1 if op is not None else 0
+        if op is None:
+            return 0
+        if id(op) in self.free:
+            return min(readers, default=self.n - 1)
         return self.stage[id(op)]
 
     def clone(self, op: Op, s: int, names, have, before: Phase) -> Op:

@@ -235,3 +235,69 @@ def test_haiku_batch_norm_state_through_a_two_stage_pipeline():
             [leaf.dtype for leaf in jax.tree.leaves(want[2])]
         np.testing.assert_allclose(float(got[3]), float(want[3]), rtol=1e-6)
         a, b = (*want[:2], (x, y), want[2]), (*got[:2], (x, y), got[2])
+
+
+def _equinox_batch_norm_case():
+    """equinox's ``eqx.nn.BatchNorm`` with ``eqx.nn.State`` under ``jax.vmap(...,
+    axis_name="batch")``: its batch statistics are ``psum`` over the mapped axis (a
+    reduction over the batch's rows in the traced step) and its first-call flag a state
+    leaf the step returns as False. (step, tx, args): ``step(params, opt_state, batch,
+    state) -> (params, opt_state, state, loss)``."""
+    eqx = pytest.importorskip("equinox")
+
+    class Net(eqx.Module):
+        l1: eqx.nn.Linear
+        bn: eqx.nn.BatchNorm
+        l2: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.l1 = eqx.nn.Linear(8, 12, key=k1)
+            self.bn = eqx.nn.BatchNorm(12, axis_name="batch", mode="ema")
+            self.l2 = eqx.nn.Linear(12, 4, key=k2)
+
+        def __call__(self, x, state):
+            h, state = self.bn(self.l1(x), state)
+            return self.l2(jax.nn.relu(h)), state
+
+    model, state = eqx.nn.make_with_state(Net)(jax.random.PRNGKey(0))
+    params, static = eqx.partition(model, eqx.is_array)
+    tx = optax.sgd(0.1, momentum=0.9)
+
+    def step(params, opt_state, batch, state):
+        x, y = batch
+
+        def loss_of(p):
+            out, new = jax.vmap(eqx.combine(p, static), axis_name="batch",
+                                in_axes=(0, None), out_axes=(0, None))(x, state)
+            return jnp.mean((out - y) ** 2), new
+        (loss, state), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, state, loss
+    batch = (jax.random.normal(jax.random.PRNGKey(1), (16, 8)),
+             jax.random.normal(jax.random.PRNGKey(2), (16, 4)))
+    return step, (params, tx.init(params), batch, state)
+
+
+@pytest.mark.skipif(jax.device_count() < 8,
+                    reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+def test_equinox_batch_norm_is_warned_of_and_runs_through_a_two_stage_pipeline():
+    """Data parallelism warns at equinox's batch statistics (a psum over the vmapped batch
+    axis has the rule of a sum over those rows); a two-stage pipeline at one microbatch
+    makes the flag's new value on the stage reading the flag, and runs the step as
+    jax.jit does, three times in a row."""
+    from diphoma_compile.errors import DiphomaWarning
+    step, args = _equinox_batch_norm_case()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
+    pstep = diphoma_compile.parallelize(step, mesh, axis="data")
+    with pytest.warns(DiphomaWarning, match=r"combines examples of its batch: _batch_norm"):
+        pstep.trace(*args)
+    pipe = diphoma_compile.parallelize(
+        step, jax.sharding.Mesh(np.array(jax.devices()[:2]), ("pp",)), microbatches=1)
+    a = b = args
+    for _ in range(3):
+        want, got = jax.jit(step)(*a), pipe(*b)
+        np.testing.assert_allclose(float(got[3]), float(want[3]), rtol=1e-6)
+        a, b = (*want[:2], args[2], want[2]), (*got[:2], args[2], got[2])
+    for p, q in zip(jax.tree.leaves((b[0], b[3])), jax.tree.leaves((a[0], a[3]))):
+        np.testing.assert_allclose(np.asarray(p), np.asarray(q), rtol=1e-5, atol=1e-6)

@@ -259,7 +259,12 @@ def _axis_cases() -> list[Case]:
             cases_of(lambda x: lax.top_k(x, 3), _f32(4, 2, 6)) +
             cases_of(lambda x: jnp.argmax(x, 1), _f32(4, 6, 2)) +
             cases_of(lambda b: jnp.all(b, 0), jnp.zeros((4, 8), bool)) +
-            cases_of(lambda x: jnp.split(x, 3, axis=1), x))
+            cases_of(lambda x: jnp.split(x, 3, axis=1), x) +
+            # a collective over a vmapped axis (equinox's BatchNorm): positional axes
+            cases_of(lambda x: jax.vmap(lambda r: lax.psum(r, "b"), axis_name="b",
+                                        out_axes=None)(x), x) +
+            cases_of(lambda x: jax.vmap(lambda r: lax.pmax(r, "b"), axis_name="b",
+                                        out_axes=None)(x), _f32(6, 4)))
 
 
 def _other_cases() -> list[Case]:
