@@ -185,7 +185,9 @@ def local_args(args: tuple, n: int, axis: str, batch_argnums: Sequence[int] = (2
 def _state_argnums(step_fn: Callable, args: tuple) -> tuple[int, ...]:
     """The arguments the step returns a new value of (model state such as haiku's: not
     batch), from its abstract result; none when it cannot be evaluated so (the trace then
-    says why). Only evaluated when arguments follow the batch."""
+    says why). Only evaluated when arguments follow the batch. Argument 2 is a candidate
+    only where it cannot be the batch (its first leaf has no rows: equinox's state, whose
+    first leaf is a BatchNorm's first-call flag, passed before the batch)."""
     if len(args) <= 3:
         return ()
     try:
@@ -194,7 +196,8 @@ def _state_argnums(step_fn: Callable, args: tuple) -> tuple[int, ...]:
         return ()
     if not isinstance(out, (tuple, list)) or len(out) < 3:
         return ()
-    return tuple(returned_state(out, args, StepSignature()).values())
+    sig = StepSignature(batch_argnums=(2,) if batch_rows(args[2]) is not None else ())
+    return tuple(returned_state(out, args, sig).values())
 
 
 def check_rows_pair(step_fn: Callable, args: tuple, nums: Sequence[int], n: int) -> None:

@@ -105,8 +105,11 @@ def infer_batch_argnums(args: Sequence[Any], first: int = 2, state: Sequence[int
 
     Keys are settings unless they have the batch's rows (one key per example); so is a
     legacy uint32[2] key, unless the batch has 2 rows. ``state`` arguments (the step
-    returns their new value: ``returned_state``) are not batch. ``parallelize`` then checks
-    that each argument found this way does pair with the batch's rows (jax/framework.py)."""
+    returns their new value: ``returned_state``) are not batch; the batch then starts at
+    the first argument from ``first`` that is not state. ``parallelize`` then checks that
+    each argument found this way does pair with the batch's rows (jax/framework.py)."""
+    while first in state and first + 1 < len(args):
+        first += 1
     rows = batch_rows(args[first]) if len(args) > first else None
     if rows is None:
         return (first,)            # the batch's own check says what is wrong with it

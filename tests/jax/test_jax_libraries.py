@@ -281,23 +281,38 @@ def _equinox_batch_norm_case():
 
 @pytest.mark.skipif(jax.device_count() < 8,
                     reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
-def test_equinox_batch_norm_is_warned_of_and_runs_through_a_two_stage_pipeline():
+@pytest.mark.parametrize("state_first", [False, True], ids=["after", "before"])
+def test_equinox_batch_norm_is_warned_of_and_runs_through_a_two_stage_pipeline(state_first):
     """Data parallelism warns at equinox's batch statistics (a psum over the vmapped batch
     axis has the rule of a sum over those rows); a two-stage pipeline at one microbatch
     makes the flag's new value on the stage reading the flag, and runs the step as
-    jax.jit does, three times in a row."""
+    jax.jit does, three times in a row. The state passed before the batch
+    (``step(params, opt_state, state, batch)``, as equinox's examples order it) is found
+    as state too: its first leaf, the flag, has no rows, so it cannot be the batch."""
     from diphoma_compile.errors import DiphomaWarning
-    step, args = _equinox_batch_norm_case()
+    after, args = _equinox_batch_norm_case()
+    step = after
+    if state_first:
+        def step(params, opt_state, state, batch):
+            return after(params, opt_state, batch, state)
+        args = (*args[:2], args[3], args[2])
+    k_batch, k_state = (3, 2) if state_first else (2, 3)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
     pstep = diphoma_compile.parallelize(step, mesh, axis="data")
     with pytest.warns(DiphomaWarning, match=r"combines examples of its batch: _batch_norm"):
         pstep.trace(*args)
+    assert len(pstep.plan.notes["data-parallel"]["batch"]) == 2     # x and y, not the state
     pipe = diphoma_compile.parallelize(
         step, jax.sharding.Mesh(np.array(jax.devices()[:2]), ("pp",)), microbatches=1)
+
+    def again(out):
+        new = [*out[:2], None, None]
+        new[k_batch], new[k_state] = args[k_batch], out[2]
+        return tuple(new)
     a = b = args
     for _ in range(3):
         want, got = jax.jit(step)(*a), pipe(*b)
         np.testing.assert_allclose(float(got[3]), float(want[3]), rtol=1e-6)
-        a, b = (*want[:2], args[2], want[2]), (*got[:2], args[2], got[2])
-    for p, q in zip(jax.tree.leaves((b[0], b[3])), jax.tree.leaves((a[0], a[3]))):
+        a, b = again(want), again(got)
+    for p, q in zip(jax.tree.leaves((b[0], b[k_state])), jax.tree.leaves((a[0], a[k_state]))):
         np.testing.assert_allclose(np.asarray(p), np.asarray(q), rtol=1e-5, atol=1e-6)
