@@ -34,6 +34,7 @@ from ..errors import FrontendError
 from ..ir.core import Phase
 from .codegen import check_codegen
 from .effects import INTERNAL_PATHS, HostWatch, StaleValue
+from .library_hooks import tracing_known_to_libraries
 from .ops import draws_random
 from .state import (LR_DTYPE, Captured, Slot, StateKey, hyper_value, is_state, settings_of,
                     sign)
@@ -658,7 +659,8 @@ def _trace(step: Step, inputs: list[torch.Tensor], rec: _Recorder) -> fx.GraphMo
         with rec.recording(get_proxy_mode().tracer):
             return fn(*flat)
     rec.stop_at(traced)
-    with rec.watching(), _unchecked_symbolic_floats(), _lazy_graph_module():
+    with rec.watching(), _unchecked_symbolic_floats(), _lazy_graph_module(), \
+            tracing_known_to_libraries():
         return make_fx(traced, tracing_mode="fake", **_MAKE_FX_OPTIONS)(*inputs)
 
 

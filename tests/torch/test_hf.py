@@ -205,3 +205,36 @@ def test_whisper_encoder_decoder_bit_exact():
     data = [(torch.randn(2, 8, 16, generator=g), torch.randint(3, 128, (2, 8), generator=g),
              torch.randint(3, 128, (2, 8), generator=g)) for _ in range(3)]
     _bit_exact(step, *_twins(model), data)
+
+
+def padded_step(model, opt, ids, mask, labels):
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    out.loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return out.loss
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_gpt2_with_a_padding_mask_and_no_cache_bit_exact(checkpointing):
+    """A batch padded on the right (``attention_mask``, labels -100 at the padding),
+    ``use_cache=False``, and gradient checkpointing: transformers asks ``is_tracing`` of
+    the mask before reading it on the host, which it now answers True for the step's
+    traced tensors (torch/library_hooks.py); before, each was refused as a branch on
+    tensor data. Dropout off: checkpointing recomputes the forward."""
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=128,
+                                  n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                                  attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    g = torch.Generator().manual_seed(1)
+    data = []
+    for k in range(3):
+        ids = torch.randint(0, 128, (2, 16), generator=g)
+        mask = torch.ones(2, 16, dtype=torch.long)
+        mask[1, 12 - k:] = 0
+        data.append((ids, mask, ids.masked_fill(mask == 0, -100)))
+    _bit_exact(padded_step, *_twins(model), data)
