@@ -536,6 +536,12 @@ def _emit_opaque(b: _Builder, op: Op) -> fx.Node:
         args, kwargs = with_local_arguments(
             op, args, kwargs, [local(b.g_types[i]) for i in op.inputs],
             [local(v.type) for v in op.results])
+    if target is aten.bernoulli.p:
+        # eager's dropout draws into empty_like(x) in place, x's strides kept; the
+        # functional form draws into a contiguous tensor, so on a transposed activation
+        # the same numbers would land on other elements
+        like = b.call(aten.empty_like.default, [args[0]])
+        return b.call(aten.bernoulli_.float, [like, *args[1:]], kwargs)
     return b.call(target, args, kwargs)
 
 
