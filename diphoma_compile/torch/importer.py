@@ -66,7 +66,7 @@ class _Importer:
         return outs
 
     def scalar(self, value: Any, dtype) -> str:
-        return self.emit("full", [], [TensorType((), dtype)], {"value": value})[0]
+        return self.emit("full", [], [TensorType((), dtype)], {"value": _number(value)})[0]
 
     def convert(self, name: str, dtype) -> str:
         t = self.types[name]
@@ -127,7 +127,7 @@ class _Importer:
         t = _ttype(value)
         flat = value.detach().reshape(-1).tolist()
         if len(set(flat)) == 1:
-            self.env[node] = self.emit("full", [], [t], {"value": flat[0]})[0]
+            self.env[node] = self.emit("full", [], [t], {"value": _number(flat[0])})[0]
         else:
             self.env[node] = self.emit("literal", [], [t], {"data": tuple(flat)})[0]
 
@@ -267,3 +267,9 @@ def _concrete(v: Any) -> Any:
 def import_captured(cap: Captured) -> Graph:
     """The IR graph of a captured step."""
     return _Importer(cap).run()
+
+
+def _number(value: Any) -> Any:
+    """A fill value as the IR's ``full`` takes it: a number (True is 1; the result's
+    dtype, bool, makes it True again)."""
+    return int(value) if isinstance(value, bool) else value

@@ -95,6 +95,23 @@ class Clamped(MLP):
         return self.fc2(h) + h.amax() * 0 + h.sum(dim=[]) * 0 + h.mean(dim=[]) * 0
 
 
+class Masked(MLP):
+    """A bool mask built in the step with entries set True (how a key padding mask is
+    built), and a True filled in: constants the IR's ``full`` holds as 1."""
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        mask = torch.zeros(x.shape[0], h.shape[1], dtype=torch.bool)
+        mask[:, -1] = True
+        keep = torch.full((h.shape[1],), True)
+        return self.fc2(h.masked_fill(mask & keep, 0.0))
+
+
+def test_a_bool_mask_set_true_in_the_step():
+    run_both(Masked, lambda m: torch.optim.AdamW(m.parameters(), lr=0.01), clipped_step,
+             mlp_batches(3))
+
+
 def test_constant_operand_of_maximum_and_empty_dim_lists():
     run_both(Clamped, lambda m: torch.optim.Adam(m.parameters(), lr=0.01), clipped_step,
              mlp_batches(3))
