@@ -22,7 +22,7 @@ example (one example picked out, ``x[0]``, drops the rows' dimension and is foun
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .analysis import free_inputs
@@ -50,23 +50,45 @@ class Coupling:
         return f"{self.where} ({self.op}): {self.why}"
 
 
-def batch_coupling(graph: Graph) -> list[Coupling]:
-    """The forward ops of ``graph`` that combine examples of its batch, in program order.
-    Nothing when every batch input holds one row (a share of one example, as traced): its
-    rows cannot be told from the dimensions they merge into; a batch input of one row
-    beside others of more (a temperature passed with the batch) is taken as whole."""
+@dataclass(frozen=True)
+class BatchSplit:
+    """What splitting the batch by rows does to a step: the forward ops that combine
+    examples, and how each returned value made from the batch (the loss, a metric, a
+    buffer's new value) that is a sum or a mean over it combines across the shares:
+    ``sum`` (the shares' values add up to the batch's: ``reduction="sum"``, a sum divided
+    by the global batch's size, a count of correct answers) or ``avg`` (they average to
+    it: a mean, an exponential average of a batch mean)."""
+
+    couplings: tuple[Coupling, ...]
+    combine: Mapping[str, str]
+
+
+def split_batch(graph: Graph) -> BatchSplit:
+    """``BatchSplit`` of ``graph``. Nothing when every batch input holds one row (a share
+    of one example, as traced): its rows cannot be told from the dimensions they merge
+    into; a batch input of one row beside others of more (a temperature passed with the
+    batch) is taken as whole."""
     rows = [i.value.type.shape[0] for i in graph.inputs
             if i.role.kind is InputKind.batch and i.value.type.rank >= 1]
     if rows and all(r == 1 for r in rows):
-        return []
-    return _Follow(graph).run()
+        return BatchSplit((), {})
+    follow = _Follow(graph)
+    found = tuple(follow.run())
+    combine = {o.name: s.op for o in graph.outputs
+               if isinstance(s := follow.state(o.name), Partial) and s.op in ("sum", "avg")}
+    return BatchSplit(found, combine)
 
 
-def split_notes(graph: Graph) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """What a plan says of ``batch_coupling``: the couplings that change the step whatever
+def batch_coupling(graph: Graph) -> list[Coupling]:
+    """The forward ops of ``graph`` that combine examples of its batch, in program order
+    (``split_batch``)."""
+    return list(split_batch(graph).couplings)
+
+
+def split_notes(found: Sequence[Coupling]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """What a plan says of the couplings ``found``: those that change the step whatever
     the data, then those exact only when every share counts alike; one line per source
     line and reason."""
-    found = batch_coupling(graph)
 
     def lines(certain: bool) -> tuple[str, ...]:
         return tuple(dict.fromkeys(str(c) for c in found if c.certain is certain))
@@ -129,14 +151,26 @@ class _Follow:
             if i.role.kind is InputKind.batch and t.rank >= 1 and t.shape[0] > 1:
                 self.at[i.name] = Shard(0)
         self.producer = {v.name: op for op in graph.ops for v in op.results}
+        # a value split by rows or summed over them -> the sizes of the other dims summed
+        # into it; a sum over the rows -> (its rows, those sizes): what a mean divides by
+        self.extra: dict[str, tuple[int, ...]] = {}
+        self.summed: dict[str, tuple[int, tuple[int, ...]]] = {}
         self.found: list[Coupling] = []
         self.counts: set[int] = set()     # scalars of sums divided by: counts (ids of ops)
 
     def run(self) -> list[Coupling]:
         later: list[str] = []
+        late: set[str] = set()
         for op in self.graph.ops:
             if (op.phase or Phase.forward) is Phase.forward:
                 self.place(op)
+            elif op.phase is Phase.update and any(
+                    n in late or isinstance(self.state(n), Shard) for n in free_inputs(op)):
+                # a metric of the batch's rows computed after the optimizer step
+                # (``(out.argmax(-1) == y).sum()`` in the return); not the update's reads
+                # of the loss, which data parallelism syncs first
+                self.place(op)
+                late.update(v.name for v in op.results)
             else:
                 later += free_inputs(op)
         # a scalar of sums made by nonlinear math that the step returns, or that backward
@@ -193,13 +227,23 @@ class _Follow:
                              group_counts(s for s in actual if isinstance(s, Placement)))
         fit = _first_fit(menu, actual)
         if fit is not None:
-            self.set(op, [_mean_kept(p, states) for p in fit.outputs])
+            self.set(op, [self.mean_or_sum(op, p, states, actual, ins) for p in fit.outputs])
             return
         if rule is not None and rule.row_picks is not None and \
                 (dim := self.picked_per_row(op, rule, actual, ins, outs)) is not None:
             self.set(op, [Shard(dim)])
             return
         if _affine_in_a_mean(op, states, ins, outs):
+            summed = [n for n, st in zip(op.inputs, states) if st == Partial("sum")]
+            if summed and op.name in ("add", "sub"):
+                self.report(op, "adds a whole value to a sum over the batch: adding the "
+                                "devices' values up counts it once per device, averaging "
+                                "them divides the sum", certain=True)
+            elif summed and summed[0] in self.summed:
+                for v in op.results:                # a cast of a sum
+                    self.summed[v.name] = self.summed[summed[0]]
+                self.set(op, [Partial("sum")] * len(outs))
+                return
             self.set(op, [Partial("avg")] * len(outs))
             return
         if rule is not None and rule.row_mean and \
@@ -223,6 +267,68 @@ class _Follow:
         self.report(op, why, certain=certain)
         # a mean over a count stays followed (a weight decay term may be added to it)
         self.set(op, [_UNKNOWN if certain else Partial("avg")] * len(outs))
+
+    def mean_or_sum(self, op: Op, out: Placement, states: Sequence[object],
+                    actual: Sequence[object], ins: Sequence[TensorType]) -> Placement:
+        """A strategy's result, a sum over the rows told from a mean. An op summing split
+        rows (``reduce_sum`` over dim 0, a loss with reduction ``sum``) makes a sum of
+        its rows, noted with the other dims it sums; dividing that by the number of
+        elements summed (the rows times some of those dims: ``jnp.mean``, ``sum() /
+        x.shape[0]``) makes a mean, by any other constant (the global batch's size, a
+        scale) leaves a sum. What is linear in means alone is a mean, in sums alone a sum;
+        a mean and a sum added (or a sum and a whole value) are found: the devices'
+        values combine to the single-device one neither by averaging nor by adding."""
+        split = [(n, a, t) for n, a, t in zip(op.inputs, actual, ins) if _split(a)]
+        extra = next((self.extra.get(n, ()) for n, a, _ in split if a == Shard(0)), ())
+        if out == Shard(0):       # a per-row sum adds its dims to what a mean counts
+            more = tuple(ins[0].shape[d] for d in op.attrs.get("dims", ())) \
+                if op.name == "reduce_sum" else ()
+            for v in op.results:
+                if extra or more:
+                    self.extra[v.name] = extra + more
+        if _norm(out) != Partial("sum"):
+            return out
+        if out == Partial("avg") and op.name != "div":     # reduce_mean, a loss's mean
+            return out
+        row_split = [(n, t) for n, a, t in split if a == Shard(0)]
+        if row_split:           # summing rows (and maybe other dims) of a split value
+            n, t = row_split[0]
+            dims = tuple(op.attrs.get("dims", range(t.rank))) if op.name == "reduce_sum" \
+                else tuple(range(t.rank))
+            others = extra + tuple(t.shape[d] for d in dims if d != 0)
+            for v in op.results:
+                self.summed[v.name] = (t.shape[0], others)
+            return Partial("sum")
+        parts = {s.op for s in states if isinstance(s, Partial)}
+        if parts == {"sum"} and op.name in ("div", "mul") and len(split) == 1:
+            scale = self.constant(op.inputs[1]) if split[0][0] == op.inputs[0] else None
+            counted = self.summed.get(split[0][0])
+            if scale is not None and counted is not None:
+                n = scale if op.name == "div" else (1 / scale if scale else None)
+                if n is not None and _is_count(n, *counted):
+                    return Partial("avg")
+            if counted is not None:
+                for v in op.results:
+                    self.summed[v.name] = counted
+            return Partial("sum")
+        if parts == {"sum"} and len(split) == 1 and split[0][0] in self.summed:
+            for v in op.results:                 # -sum, a cast of a sum
+                self.summed[v.name] = self.summed[split[0][0]]
+        if parts == {"avg", "sum"}:
+            self.report(op, "adds a mean over the batch and a sum over it: the devices' "
+                            "values neither average nor add up to the single-device one",
+                        certain=True)
+            return Partial("avg")
+        return _mean_kept(out, states)
+
+    def constant(self, name: str) -> float | None:
+        """The value of a constant filled in (``full``, converted), or None."""
+        op = self.producer.get(name)
+        while op is not None and op.name == "convert":
+            op = self.producer.get(op.inputs[0])
+        if op is None or op.name != "full":
+            return None
+        return float(op.attrs["value"])
 
     def picked_per_row(self, op: Op, rule: FrameworkOpRule, actual: Sequence[object],
                        ins: Sequence[TensorType], outs: Sequence[TensorType]) -> int | None:
@@ -368,6 +474,15 @@ def _unjudged(actual: Sequence[object], ins: Sequence[TensorType],
         return [_UNKNOWN] * len(outs)
     (b,) = rows
     return [Shard(0) if t.rank and t.shape[0] == b else _UNKNOWN for t in outs]
+
+
+def _is_count(n: float, rows: int, others: tuple[int, ...]) -> bool:
+    """Whether ``n`` is the number of elements a sum over ``rows`` rows (and some of the
+    dims of sizes ``others``) added up: a mean divides by it."""
+    counts = {rows}
+    for d in others:
+        counts |= {c * d for c in counts}
+    return any(abs(n - c) <= 1e-6 * c for c in counts)
 
 
 def _first_fit(menu: Sequence[Strategy], actual: Sequence[object]) -> Strategy | None:

@@ -6,8 +6,12 @@ varying (``V``, one value per device), every op that reads a varying value becom
 per-device computation, and each varying value that the update or an output reads gets an
 ``all_reduce{op=avg}`` right where it is made (the end of backward for a gradient). This is
 the DDP convention: the step's loss is a mean over the examples of the batch, so the mean of
-the devices' gradients is the gradient of the global batch. Buffers that the forward pass
-updates from the batch (BatchNorm statistics) take device 0's new value, as DDP does.
+the devices' gradients is the gradient of the global batch. A loss that is a sum over the
+batch (``ir/batch_coupling.py``'s ``split_batch`` tells it from a mean) has its gradients
+and itself added up instead (``op=sum``), and so has any returned sum over the batch.
+Buffers that the forward pass updates from the batch take the average (or sum) of the
+devices' values where they are linear in means (or sums) over the batch (a moving average
+of a batch mean), else device 0's new value, as DDP does (a BatchNorm's variance).
 Where the forward combines examples of the batch (a batch norm's statistics, a contrastive
 loss, a mean over a mask's count), each device's share computes it alone, as under DDP: the
 record lists those places (``ir/batch_coupling.py``) and ``parallelize`` warns of them."""
@@ -21,7 +25,7 @@ from typing import Any
 from ..ir.core import (Attrs, Graph, Input, InputKind, InputRole, Op, Output, OutputKind, Phase,
                        Value)
 from ..ir.analysis import free_inputs
-from ..ir.batch_coupling import split_notes
+from ..ir.batch_coupling import split_batch, split_notes
 from ..ir.ops import draws_from_a_key, op_def, random_draw
 from ..ir.sharding_rules import propagate
 from ..ir.types import REPLICATE, VARYING, TensorType, Varying
@@ -57,19 +61,21 @@ def _sums_contributions(op: Op, ins: list[TensorType], axis: str) -> bool:
 
 
 def _combine(name: str, t: TensorType, made_by: dict[str, Op], types: dict[str, TensorType],
-             made_in: Phase | None) -> str:
+             made_in: Phase | None, kinds: Mapping[str, str], grads: str) -> str:
     """How the devices' values of a returned per-device value make the single-device value.
 
-    A gradient (made in backward) is averaged, as the update's are. A scalar made by a
-    maximum or minimum over more than one element is combined by max or min (through
-    negations, which swap them); any other scalar is averaged: a mean over the batch, each
-    device holding an equal share, which is the convention the loss follows too (a loss
-    or metric that is a *sum* over the batch would need a sum, but a sum cannot be told from
-    a mean written as a sum, ``(x / n).sum()``, without knowing which dimension is the
-    batch, so it is averaged, as DDP does). A forward value that is not a scalar
-    (per-example outputs, per-class statistics) has no such rule and is refused."""
+    A gradient (made in backward) is combined as the update's are (``grads``). A value
+    the batch analysis found a sum or a mean over the batch (``kinds``, from
+    ``ir/batch_coupling.py``'s ``split_batch``: a loss with ``reduction="sum"``, a count of
+    correct answers; a mean, also written as a sum divided by the rows) is added up or
+    averaged. A scalar made by a maximum or minimum over more than one element is combined
+    by max or min (through negations, which swap them); any other scalar is averaged, as
+    DDP does. A forward value that is not a scalar (per-example outputs, per-class
+    statistics) and not a sum or mean over the batch is refused."""
     if made_in is Phase.backward:
-        return "avg"
+        return grads
+    if name in kinds:
+        return kinds[name]
     if t.numel != 1:
         raise PassFailure(
             f"data-parallel: the step returns %{name}, a {list(t.shape)} value computed per "
@@ -96,13 +102,15 @@ class DataParallelRecord:
     batch: tuple[str, ...]                # the inputs made per-device
     averaged: tuple[str, ...]             # all-reduced (avg) where they leave per-device code
     broadcast: tuple[str, ...]            # buffers that take device 0's value
-    combined: Mapping[str, str]           # returned scalars combined by "max" or "min"
+    combined: Mapping[str, str]           # returned values combined by "sum", "max", "min"
     random_per_device: tuple[str, ...]    # where per-process draws meet per-device values
     # forward ops that combine examples of the batch (ir/batch_coupling.py): the step
     # differs from the single-device one whatever the data; then those exact only when
     # every device's share counts alike (a mean over a mask's count, ignored targets)
     batch_coupled: tuple[str, ...] = ()
     batch_counted: tuple[str, ...] = ()
+    # how the gradients combine: "avg", or "sum" where the loss is a sum over the batch
+    gradients: str = "avg"
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's ``notes["data-parallel"]`` (docs/plan.md)."""
@@ -110,7 +118,7 @@ class DataParallelRecord:
                 "broadcast": list(self.broadcast), "combined": dict(self.combined),
                 "random_per_device": list(self.random_per_device),
                 "batch_coupled": list(self.batch_coupled),
-                "batch_counted": list(self.batch_counted)}
+                "batch_counted": list(self.batch_counted), "gradients": self.gradients}
 
 
 @register_pass
@@ -129,7 +137,7 @@ class DataParallel(Pass):
             split.place(op)
         split.combine_outputs()
         out = split.insert_syncs()
-        ctx.decisions[self.name] = split.record(*split_notes(split.graph))
+        ctx.decisions[self.name] = split.record(*split_notes(split.analysis.couplings))
         return out
 
 
@@ -160,6 +168,11 @@ class _Split:
                          if o.role.kind in (OutputKind.loss, OutputKind.metric)}
         self.drawn: dict[str, str] = {}       # values computed from random draws -> how drawn
         self.random_ops: list[str] = []       # per-process draws that meet per-device values
+        # returned sums and means over the batch; a loss that is a sum over the batch
+        # (reduction="sum") has gradients that add up across devices, not average
+        self.analysis = split_batch(graph)
+        loss = next((o.name for o in graph.outputs if o.role.kind is OutputKind.loss), None)
+        self.grads = "sum" if self.analysis.combine.get(loss) == "sum" else "avg"
 
     # 1. every op before the update that reads a per-device value computes per device;
     #    the update reads averaged values instead (step 2)
@@ -207,7 +220,8 @@ class _Split:
                                   hint="the update may read gradients, parameters "
                                        "and optimizer state, not the batch")
             if _varying(t, self.ax):
-                self.need.setdefault(n, "avg")
+                self.need.setdefault(n, self.grads if self.made_in.get(n) is Phase.backward
+                                     else self.analysis.combine.get(n, "avg"))
 
     def per_device(self, op: Op, ins: list[TensorType], draws: str | None) -> Op:
         """The op run per device: its results placed by the op's sharding rule."""
@@ -365,7 +379,10 @@ class _Split:
         types, need = self.types, self.need
         if o.role.kind is OutputKind.replaces and \
                 roles[o.role.target].kind is InputKind.buffer:
-            need[o.name] = "root0"
+            # linear in sums or means over the batch (a moving average of a batch mean, a
+            # running total of the loss): added up or averaged, the single-device value;
+            # else device 0's, as DDP keeps a BatchNorm's statistics
+            need[o.name] = self.analysis.combine.get(o.name, "root0")
         elif o.role.kind is OutputKind.replaces and o.name not in need and \
                 roles[o.role.target].kind in (InputKind.param, InputKind.opt_state):
             raise PassFailure(f"data-parallel: the new value of %{o.role.target} is "
@@ -375,9 +392,10 @@ class _Split:
                                    "optimizer state, not the batch")
         elif o.role.kind in (OutputKind.loss, OutputKind.metric):
             need[o.name] = _combine(o.name, types[o.name], made_by, types,
-                                    self.made_in.get(o.name))
+                                    self.made_in.get(o.name), self.analysis.combine,
+                                    self.grads)
         else:
-            need.setdefault(o.name, "avg")
+            need.setdefault(o.name, self.grads)
 
     # 3. the collectives, each right where its value is made
     def insert_syncs(self) -> Graph:
@@ -424,10 +442,12 @@ class _Split:
                ) -> DataParallelRecord:
         """What this run decided, for the plan (with ``split_notes``' two lists)."""
         need = self.need
+        returned = {o.name for o in self.graph.outputs}
         return DataParallelRecord(
             axis=self.ax, batch=tuple(self.batch),
             averaged=tuple(n for n, how in need.items() if how == "avg"),
             broadcast=tuple(n for n, how in need.items() if how == "root0"),
-            combined={n: how for n, how in need.items() if how in ("max", "min")},
+            combined={n: how for n, how in need.items() if how in ("sum", "max", "min")
+                      and n in returned},
             random_per_device=tuple(sorted(set(self.random_ops))),
-            batch_coupled=coupled, batch_counted=counted)
+            batch_coupled=coupled, batch_counted=counted, gradients=self.grads)

@@ -35,12 +35,13 @@ several stages per rank, stage s runs on rank s mod P (zbv: in a V, rank r holds
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import DiphomaError
 from ..ir.analysis import free_inputs, op_cost
-from ..ir.batch_coupling import split_notes
+from ..ir.batch_coupling import split_batch, split_notes
 from ..ir.core import Attrs, Graph, InputKind, Op, OutputKind, Phase, Value
 from ..ir.device_model import DeviceModel, device_model
 from ..ir.framework_ops import framework_rule
@@ -241,13 +242,33 @@ class PipelineParallel(Pass):
         except DiphomaError as e:
             raise PassFailure(f"pipeline: {e}", hint="device-model=NAME, a name in "
                               "diphoma_compile.ir.device_model.MODELS") from None
+        notes: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+        if self.microbatches > 1:
+            split = split_batch(graph)
+            _refuse_summed(graph, split.combine, self.microbatches)
+            notes = split_notes(split.couplings)
         cut = _Cut(graph, s, self.axis, n, self.schedule, self.microbatches, self.balance,
                    model)
-        notes = split_notes(graph) if self.microbatches > 1 else ((), ())
         out = cut.rewrite()
         ctx.decisions[self.name] = replace(cut.record(self.schedule, self.microbatches),
                                            batch_coupled=notes[0], batch_counted=notes[1])
         return out
+
+
+def _refuse_summed(graph: Graph, combine: Mapping[str, str], microbatches: int) -> None:
+    """The runtimes average the microbatches' losses, metrics and gradients: a loss or
+    metric that is a sum over the batch (``ir/batch_coupling.py``) would come out 1/M of
+    the single-device step's."""
+    for o in graph.outputs:
+        if combine.get(o.name) == "sum" and o.role.kind in (OutputKind.loss,
+                                                            OutputKind.metric):
+            what = "loss" if o.role.kind is OutputKind.loss else f"metric %{o.name}"
+            raise PassFailure(
+                f"pipeline: the step's {what} is a sum over the batch; over {microbatches} "
+                "microbatches the pipeline averages the microbatches' losses and gradients, "
+                f"which would give 1/{microbatches} of the single-device step's",
+                hint="make it a mean over the batch (divide by the batch's size, "
+                     "reduction='mean'), or microbatches=1")
 
 
 def new_values(graph: Graph) -> dict[str, str]:

@@ -299,6 +299,9 @@ def _data_parallel_lines(dp: DataParallelRecord | None) -> list[str]:
     if dp is None:
         return []
     lines = []
+    if dp.gradients == "sum":
+        lines += ["", "the loss is a sum over the batch: the devices' losses and gradients "
+                      "are added up, not averaged (each device's share holds a part of it)"]
     drawn = dp.random_per_device
     if drawn:
         lines += ["", f"random draws per device ({', '.join(drawn)}): each process draws from "

@@ -522,6 +522,41 @@ def run_summed(rank: int, world: int) -> dict:
     return out
 
 
+def sum_loss_step(model, opt, batch):
+    """A loss summed over the batch (reduction="sum"), as the PyTorch VAE example writes
+    its reconstruction loss, and a count of correct answers."""
+    out = model(batch["x"])
+    loss = F.cross_entropy(out, batch["y"], reduction="sum")
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss, (out.detach().argmax(-1) == batch["y"]).float().sum()
+
+
+@check("sum_loss")
+def run_sum_loss(rank: int, world: int) -> dict:
+    """parallelize on a step whose loss and metric are sums over the batch, against the
+    global batch: the devices' losses, counts and gradients add up (each device's share
+    holds a part of the sum), where averaging them would give 1/N of each."""
+    import diphoma_compile
+    torch.manual_seed(0)
+    model = OddMLP()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.002, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.002, momentum=0.9)
+    step = diphoma_compile.parallelize(sum_loss_step, diphoma_compile.Mesh({"dp": world}))
+    got, want = [], []
+    for b in mlp_batches(world, seed=5)[:3]:
+        got.append([t.item() for t in step(model, opt, *local(b, rank, world))])
+        if rank == 0:
+            want.append([t.item() for t in sum_loss_step(ref, ref_opt, *b)])
+    notes = step.plan.notes["data-parallel"]
+    out = {"got": got, "combined": notes["combined"], "gradients": notes["gradients"]}
+    if rank == 0:
+        out.update(want=want, param=compare_params(model, ref))
+    return out
+
+
 STEM_STEPS, STEM_LOCAL = 3, 2
 
 

@@ -164,6 +164,17 @@ def test_max_min_metrics_match_the_global_batch(runs):
         assert r["summed"]["got"] == r0["got"]     # every rank returns the same values
 
 
+def test_a_loss_summed_over_the_batch_adds_up_across_ranks(runs):
+    r0 = runs[0]["sum_loss"]
+    assert sorted(r0["combined"].values()) == ["sum", "sum"] and r0["gradients"] == "sum"
+    for got, want in zip(r0["got"], r0["want"]):
+        for a, b in zip(got, want):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (got, want)
+    assert r0["param"]["rel"] <= 1e-5, r0["param"]
+    for r in runs:
+        assert r["sum_loss"]["got"] == r0["got"]
+
+
 def test_uneven_batches_across_ranks_are_refused(runs):
     for r in runs:
         msg = r["summed"]["uneven"]

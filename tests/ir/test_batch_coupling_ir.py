@@ -4,7 +4,7 @@ batch (split along dimension 0), which are per example or a mean over examples."
 from __future__ import annotations
 
 from diphoma_compile.ir import parse
-from diphoma_compile.ir.batch_coupling import batch_coupling, split_notes
+from diphoma_compile.ir.batch_coupling import batch_coupling, split_batch, split_notes
 
 
 def _graph(body: str, inputs: str = "%x: f32[8,4] batch, %w: f32[4,3] param",
@@ -83,7 +83,7 @@ def test_a_division_by_a_count_over_the_batch_depends_on_the_data():
     assert [(c.op, c.certain) for c in found] == [("div", False)]
     assert "count" in found[0].why
     # the plan's two lists: nothing that differs whatever the data; this one
-    assert split_notes(graph) == ((), (str(found[0]),))
+    assert split_notes(found) == ((), (str(found[0]),))
 
 
 def test_constants_take_the_placement_their_reader_needs():
@@ -102,8 +102,9 @@ def test_constants_take_the_placement_their_reader_needs():
 
 
 def test_a_mean_plus_a_term_of_the_weights_stays_a_mean():
-    """mean + weight decay: the shares' results average to the batch's. A sum is taken as
-    a mean, as data parallelism takes it (JAX writes a mean as a sum over the count)."""
+    """mean + weight decay: the shares' results average to the batch's. A sum plus the
+    term is found: adding the shares' results counts the term once per share, averaging
+    them divides the sum."""
     body = """
   %l: f32[8,4] = mul(%x, %x) phase=forward
   %m: f32[] = {kind}(%l) {{dims=[0, 1]}} phase=forward
@@ -111,7 +112,37 @@ def test_a_mean_plus_a_term_of_the_weights_stays_a_mean():
   %r: f32[] = reduce_sum(%ww) {{dims=[0, 1]}} phase=forward
   %loss: f32[] = add(%m, %r) phase=forward"""
     assert _found(body.format(kind="reduce_mean")) == []
-    assert _found(body.format(kind="reduce_sum")) == []
+    assert [(c.op, c.certain) for c in _found(body.format(kind="reduce_sum"))] == \
+        [("add", True)]
+
+
+_SUM_OR_MEAN = """
+  %l: f32[8,4] = mul(%x, %x) phase=forward
+  %r: f32[8] = reduce_sum(%l) {{dims=[1]}} phase=forward
+  %s: f32[] = reduce_sum(%r) {{dims=[0]}} phase=forward
+  %n: f32[] = full() {{value={n}}} phase=forward
+  %loss: f32[] = div(%s, %n) phase=forward"""
+
+
+def test_a_sum_over_the_rows_is_told_from_a_mean():
+    """A sum divided by the elements it adds (the rows, or the rows times a summed dim:
+    ``jnp.mean`` as JAX writes it, ``sum() / x.shape[0]``) is a mean: the shares' values
+    average to the batch's. Divided by another number (the global batch's size, 64, or
+    a scale) it stays a sum: they add up to it. Neither is a coupling."""
+    kinds = {}
+    for n in (8.0, 32.0, 64.0, 2.0):
+        split = split_batch(_graph(_SUM_OR_MEAN.format(n=n)))
+        assert split.couplings == ()
+        kinds[n] = split.combine["loss"]
+    assert kinds == {8.0: "avg", 32.0: "avg", 64.0: "sum", 2.0: "sum"}
+
+
+def test_a_mean_added_to_a_sum_is_found():
+    found = _found("""
+  %m: f32[] = reduce_mean(%x) {dims=[0, 1]} phase=forward
+  %s: f32[] = reduce_sum(%x) {dims=[0, 1]} phase=forward
+  %loss: f32[] = add(%m, %s) phase=forward""")
+    assert [(c.op, c.certain) for c in found] == [("add", True)]
 
 
 def test_a_nonlinear_loss_backpropagated_but_not_returned_is_found():

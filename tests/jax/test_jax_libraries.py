@@ -177,7 +177,8 @@ def test_haiku_batch_norm_state_is_model_state():
     """haiku's transform_with_state: the BatchNorm's moving averages are an argument after
     the batch that the step returns updated (jax/roles.py ``returned_state``): buffers.
     compile() runs the step bit for bit; data parallelism runs it as DDP does (each device
-    normalizes its share; the new averages are device 0's), with the coupling warning, and
+    normalizes its share; the new variance averages are device 0's, the mean averages,
+    linear in the batch's mean, the shares' average), with the coupling warning, and
     matches that written by hand: each share's gradients (vmap), their mean, one update,
     share 0's state. (JAX makes ``1 - 0.9`` once for the momentum and the moving averages:
     jax/phases.py runs that constant in the forward pass.)"""
@@ -190,8 +191,11 @@ def test_haiku_batch_norm_state_is_model_state():
                                         in_axes=(None, None, 0, 0))(params, state, *shares)
         updates, opt_state = tx.update(jax.tree.map(lambda g: g.mean(0), grads), opt_state,
                                        params)
+        def combined(path, s):       # the mean's averages averaged, the rest share 0's
+            mean = "mean_ema" in jax.tree_util.keystr(path) and s.dtype.kind == "f"
+            return s.mean(0) if mean else s[0]
         return (optax.apply_updates(params, updates), opt_state,
-                jax.tree.map(lambda s: s[0], new), losses.mean())
+                jax.tree_util.tree_map_with_path(combined, new), losses.mean())
 
     args = (params, tx.init(params), (x, y), state)
     compiled = diphoma_compile.compile(step, *args)
@@ -208,7 +212,10 @@ def test_haiku_batch_norm_state_is_model_state():
     pstep = diphoma_compile.parallelize(step, mesh, axis="data")    # state found: not batch
     with pytest.warns(DiphomaWarning, match="combines examples of its batch"):
         pstep.trace(*args)
-    assert len(pstep.plan.notes["data-parallel"]["broadcast"]) == 4     # two averages
+    notes = pstep.plan.notes["data-parallel"]
+    assert sorted(n.split("/")[-2:][0] for n in notes["broadcast"]) == ["var_ema"] * 2
+    assert {"new/arg3/batch_norm/~/mean_ema/hidden",
+            "new/arg3/batch_norm/~/mean_ema/average"} <= set(notes["averaged"])
     a = b = args
     for _ in range(3):
         want, got = jax.jit(ddp)(*a), pstep(*b)

@@ -575,6 +575,57 @@ def test_a_gather_of_each_rows_own_entry_runs_as_the_single_device_step():
     assert max_rel_dev(rp, op) <= 1e-5
 
 
+def _summing_step(params, opt_state, batch, state):
+    """SGD momentum on a loss written as a sum over the batch divided by the global
+    batch's size (16, a constant: on each device's share of 2 rows it is no mean); a
+    count of correct answers; a moving average of a batch mean of activations and a
+    running total of the mean cross-entropy carried as state after the batch (a running
+    total of the summed loss would be found: the state would be counted once per
+    device)."""
+    tx = optax.sgd(0.05, momentum=0.9)
+
+    def loss_of(p):
+        h = jnp.tanh(batch[0] @ p["w"])
+        logits = h @ p["v"]
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch[1])
+        return ce.sum() / 16, (h, logits, ce)
+    (loss, (h, logits, ce)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    new = {"ema": 0.9 * state["ema"] + 0.1 * jnp.mean(jax.lax.stop_gradient(h), axis=0),
+           "ce_total": state["ce_total"] + jnp.mean(ce)}
+    correct = jnp.sum(jnp.argmax(logits, -1) == batch[1]).astype(jnp.float32)
+    return optax.apply_updates(params, updates), opt_state, new, loss, correct
+
+
+def test_sums_over_the_batch_add_up_and_state_linear_in_it_is_exact():
+    """Under data parallelism the devices' losses, counts and gradients of a loss that is
+    a sum over the batch add up to the single-device step's (averaging gave 1/8 of each);
+    state updated linearly from batch means and the loss (a moving average of
+    activations, a running total) is averaged, the single-device value (it was device 0's
+    own); no warning."""
+    k = jax.random.split(jax.random.PRNGKey(3), 4)
+    params = {"w": jax.random.normal(k[0], (8, 12)) * 0.3,
+              "v": jax.random.normal(k[1], (12, 5)) * 0.3}
+    batch = (jax.random.normal(k[2], (16, 8)), jax.random.randint(k[3], (16,), 0, 5))
+    state = {"ema": jnp.zeros(12), "ce_total": jnp.float32(0)}
+    opt_state = optax.sgd(0.05, momentum=0.9).init(params)
+    pstep = parallelize(_summing_step, jax_mesh((8,)), axis="data", donate=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DiphomaWarning)
+        pstep.trace(params, opt_state, batch, state)
+    notes = pstep.plan.notes["data-parallel"]
+    assert notes["gradients"] == "sum" and sorted(notes["combined"].values()) == ["sum"] * 2
+    assert notes["broadcast"] == []
+    a = b = (params, opt_state, batch, state)
+    for _ in range(3):
+        want, got = jax.jit(_summing_step)(*a), pstep(*b)
+        for w_, g_ in zip(want[3:], got[3:]):
+            np.testing.assert_allclose(float(g_), float(w_), rtol=1e-5)
+        a, b = (*want[:2], batch, want[2]), (*got[:2], batch, got[2])
+    assert max_rel_dev((a[0], a[3]), (b[0], b[3])) <= 1e-5
+    assert max_rel_dev(a[1], pstep.user_shapes(b[1], 1)) <= 1e-5
+
+
 class _BatchNormNet(nn.Module):
     """No bias before the norm (as in ResNets): its gradient is zero up to rounding, which
     AdamW would turn into steps of the learning rate's size."""
@@ -606,10 +657,11 @@ def test_flax_batch_norm_runs_as_ddp_does():
     parameters (a dict of the user's own with a "params" key, whose every leaf the
     optimizer keeps state for, is parameters throughout): compile() runs the step bit for
     bit, and data parallelism over 8 devices runs it as DDP does (each device normalizes
-    its share, the gradients are averaged, the running statistics are device 0's), with a
-    warning that the step so differs from the single-device one. The reference is that
-    computed by hand: each share's gradients (vmap), their mean, one AdamW update, share
-    0's statistics."""
+    its share, the gradients are averaged), with a warning that the step so differs from
+    the single-device one. The running mean, a moving average of a batch mean, is the
+    shares' average (the single-device value); the running variance, not linear in the
+    batch, is device 0's, as under DDP. The reference is that computed by hand: each
+    share's gradients (vmap), their mean, one AdamW update, those statistics."""
     from diphoma_compile import compile as compile_step
     net, tx = _BatchNormNet(), optax.adamw(1e-2)
     x = jax.random.normal(jax.random.PRNGKey(1), (16, 8))
@@ -648,7 +700,9 @@ def test_flax_batch_norm_runs_as_ddp_does():
     with pytest.warns(DiphomaWarning, match="combines examples of its batch"):
         pstep.trace(variables, opt_state, (x, y))
     assert pstep.plan.notes["data-parallel"]["broadcast"] == [
-        "new/params/batch_stats/BatchNorm_0/mean", "new/params/batch_stats/BatchNorm_0/var"]
+        "new/params/batch_stats/BatchNorm_0/var"]
+    assert "new/params/batch_stats/BatchNorm_0/mean" in \
+        pstep.plan.notes["data-parallel"]["averaged"]
 
     def ddp(variables, opt_state):
         shares = (x.reshape(8, 2, 8), y.reshape(8, 2, 4))
@@ -657,7 +711,8 @@ def test_flax_batch_norm_runs_as_ddp_does():
             variables["params"], variables["batch_stats"], *shares)
         grads = jax.tree.map(lambda g: g.mean(0), grads)
         updates, opt_state = tx.update(grads, opt_state, variables["params"])
-        stats = jax.tree.map(lambda s: s[0], new["batch_stats"])
+        stats = jax.tree_util.tree_map_with_path(
+            lambda path, s: s.mean(0) if path[-1].key == "mean" else s[0], new["batch_stats"])
         return ({"params": optax.apply_updates(variables["params"], updates),
                  "batch_stats": stats}, opt_state, losses.mean())
     a, b = (variables, opt_state), (variables, opt_state)

@@ -104,6 +104,33 @@ def test_a_model_too_small_to_split_is_refused(stages, words):
     assert "hint: use" in str(e.value)
 
 
+def sum_lm_step(model, opt, batch):
+    loss = F.cross_entropy(model(batch["idx"]).flatten(0, 1), batch["targets"].flatten(),
+                           reduction="sum")
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def test_a_loss_summed_over_the_batch_is_refused_over_microbatches():
+    """The pipeline averages its microbatches' losses and gradients: a loss that is a sum
+    over the batch (reduction="sum") would be 1/M of the single-device step's. At one
+    microbatch nothing is averaged, and the step is cut."""
+    torch.manual_seed(0)
+    model = GPT(vocab=16, d=8, layers=2, heads=2, block=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seq = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(3))
+    g = diphoma_compile.trace(sum_lm_step, model, opt,
+                              {"idx": seq[:, :-1], "targets": seq[:, 1:]})
+    g = g.replace(mesh=Mesh({"pp": 2}))
+    with pytest.raises(PassError) as e:
+        run(g, "dce,pipeline{axis=pp, microbatches=2}")
+    assert "the step's loss is a sum over the batch; over 2 microbatches" in str(e.value)
+    assert "hint: make it a mean over the batch" in str(e.value)
+    run(g, "dce,pipeline{axis=pp, microbatches=1, schedule=gpipe}")
+
+
 @pytest.mark.parametrize("mesh, spec", [
     ({"pp": 4}, "dce,pipeline{axis=pp, schedule=interleaved}"),     # 8 stages
     ({"pp": 8}, "dce,pipeline"),
