@@ -194,21 +194,25 @@ class _Recorder:
         orig_backward, orig_grad = torch.autograd.backward, torch.autograd.grad
 
         since = [None]      # how many nodes were noted when the last backward ended
+        depth = [0]         # backwards running (a reentrant checkpoint's inside another)
 
         def wrap(orig):
             def inner(*a, **k):
-                if since[0] is not None:
+                if since[0] is not None and depth[0] == 0:
                     # another backward (gradient accumulation over micro-batches): what ran
                     # since the last one was the next micro-batch's forward, not the update
                     for name in list(self.phase)[since[0]:]:
                         if self.phase[name] is Phase.update:
                             self.phase[name] = Phase.forward
                 self.current = Phase.backward
+                depth[0] += 1
                 try:
                     return orig(*a, **k)
                 finally:
-                    self.current = Phase.update  # gradient clipping and the optimizer follow
-                    since[0] = len(self.phase)
+                    depth[0] -= 1
+                    if depth[0] == 0:   # gradient clipping and the optimizer follow
+                        self.current = Phase.update
+                        since[0] = len(self.phase)
             return inner
         with mock.patch("torch.autograd.backward", wrap(orig_backward)), \
                 mock.patch("torch.autograd.grad", wrap(orig_grad)):

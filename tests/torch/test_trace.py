@@ -124,6 +124,44 @@ def test_dropout_on_a_transposed_activation_draws_eager_mask():
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_runs_as_eager_and_its_backward_is_backward(reentrant):
+    """torch.utils.checkpoint recomputes a block's forward in backward; the reentrant form
+    runs a backward inside the outer one, whose end once labelled the rest of the outer
+    backward as the update (data parallelism then refused the step)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2, self.fc3 = (torch.nn.Linear(16, 32), torch.nn.Linear(32, 32),
+                                            torch.nn.Linear(32, 5))
+
+        def forward(self, x):
+            h = F.gelu(self.fc1(x))
+            h = checkpoint(lambda t: F.gelu(self.fc2(t)), h, use_reentrant=reentrant)
+            return self.fc3(h)
+
+    def step(model, opt, x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    data = [(torch.randn(8, 16), torch.randint(0, 5, (8,))) for _ in range(3)]
+    compiled = diphoma_compile.compile(step, model, opt, *data[0])
+    assert {op.phase.value for op in compiled.graph.ops
+            if "gelu_backward" in str(op.attrs.get("target", ""))} == {"backward"}
+    for x, y in data:
+        assert torch.equal(compiled(model, opt, x, y), step(ref, ref_opt, x, y))
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
 def lm_step_dropout(model, opt, batch):
     model.train()
     loss = F.cross_entropy(model(batch["idx"]).flatten(0, 1), batch["targets"].flatten())
