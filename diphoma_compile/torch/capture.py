@@ -817,6 +817,7 @@ def capture(step_fn: Callable, *args: Any, codegen: str | None = "fx") -> Captur
     with watch.watching(), _device_errors(device):
         gm = _trace(step, inputs, rec)
     effects = watch.effects()
+    watch.rng.replay(gm)     # draws activation checkpointing repeats read the first ones
     if step.grads_left and not step.cleared_first:
         raise FrontendError(
             "the step leaves tensors in .grad when it ends and does not clear them before "

@@ -36,6 +36,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..errors import FrontendError
 from .pystate import PythonState, changed_error
+from .rng_replay import RngPositions
 
 # where torch, this package and the standard library live: frames there are not the user's
 INTERNAL_PATHS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)),
@@ -178,6 +179,7 @@ class HostWatch:
                  opts: list[torch.optim.Optimizer], draws: Callable[[], int]) -> None:
         self.opts = opts
         self.draws = draws
+        self.rng = RngPositions(draws)
         self.state = PythonState(fn, args, modules, opts)
         self.calls: list[_Call] = []
         self.opt_steps: dict[int, int] = {}
@@ -227,9 +229,13 @@ class HostWatch:
         seed = self._seed(torch.random.manual_seed)
         patches += [mock.patch.object(torch, "manual_seed", seed),
                     mock.patch.object(torch.random, "manual_seed", seed)]
-        for mod, name in ((torch, "seed"), (torch.random, "seed"), (torch, "set_rng_state"),
-                          (torch.random, "set_rng_state")):
+        for mod, name in ((torch, "seed"), (torch.random, "seed")):
             patches.append(mock.patch.object(mod, name, _refuse_rng(getattr(mod, name))))
+        for mod in (torch, torch.random):       # torch's own saves and restores: followed
+            patches += [mock.patch.object(mod, "set_rng_state", _refuse_rng(
+                            mod.set_rng_state, self.rng.restored)),
+                        mock.patch.object(mod, "get_rng_state",
+                                          _noting_rng(mod.get_rng_state, self.rng.noted))]
         if hasattr(torch, "cuda"):
             for name in ("manual_seed", "manual_seed_all"):
                 if hasattr(torch.cuda, name):
@@ -335,10 +341,20 @@ def _refuse_last_lr(sched: Any) -> Any:
              "as a tensor")
 
 
-def _refuse_rng(orig: Callable) -> Callable:
+def _noting_rng(orig: Callable, note: Callable[[Any], Any]) -> Callable:
+    def get(*args: Any, **kwargs: Any) -> Any:
+        state = orig(*args, **kwargs)
+        path, _ = _caller()
+        return note(state) if path.startswith(_TORCH_PATH) else state
+    return get
+
+
+def _refuse_rng(orig: Callable, follow: Callable[[Any], None] | None = None) -> Callable:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         path, _ = _caller()
         if path.startswith(_TORCH_PATH):
+            if follow is not None:          # torch's own restore (fork_rng, checkpoint)
+                follow(args[0] if args else kwargs["new_state"])
             return orig(*args, **kwargs)    # torch's own (fork_rng, checkpoint)
         raise FrontendError(
             f"torch.{orig.__name__}() is called inside the step{_user_line()}; it would run "

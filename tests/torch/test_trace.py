@@ -128,7 +128,10 @@ def test_dropout_on_a_transposed_activation_draws_eager_mask():
 def test_activation_checkpointing_runs_as_eager_and_its_backward_is_backward(reentrant):
     """torch.utils.checkpoint recomputes a block's forward in backward; the reentrant form
     runs a backward inside the outer one, whose end once labelled the rest of the outer
-    backward as the update (data parallelism then refused the step)."""
+    backward as the update (data parallelism then refused the step). The block's dropout
+    is recomputed from the generator state saved before its forward: the program reads
+    the forward's mask there (torch/rng_replay.py), and leaves the generator where eager
+    does."""
     from torch.utils.checkpoint import checkpoint
 
     class Net(torch.nn.Module):
@@ -139,7 +142,8 @@ def test_activation_checkpointing_runs_as_eager_and_its_backward_is_backward(ree
 
         def forward(self, x):
             h = F.gelu(self.fc1(x))
-            h = checkpoint(lambda t: F.gelu(self.fc2(t)), h, use_reentrant=reentrant)
+            h = checkpoint(lambda t: F.dropout(F.gelu(self.fc2(t)), 0.3, self.training), h,
+                           use_reentrant=reentrant)
             return self.fc3(h)
 
     def step(model, opt, x, y):
@@ -156,10 +160,16 @@ def test_activation_checkpointing_runs_as_eager_and_its_backward_is_backward(ree
     compiled = diphoma_compile.compile(step, model, opt, *data[0])
     assert {op.phase.value for op in compiled.graph.ops
             if "gelu_backward" in str(op.attrs.get("target", ""))} == {"backward"}
-    for x, y in data:
-        assert torch.equal(compiled(model, opt, x, y), step(ref, ref_opt, x, y))
+    for i, (x, y) in enumerate(data):
+        torch.manual_seed(i)
+        loss = compiled(model, opt, x, y)
+        after = torch.get_rng_state()
+        torch.manual_seed(i)
+        assert torch.equal(loss, step(ref, ref_opt, x, y))
+        assert torch.equal(after, torch.get_rng_state())
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q)
+    assert sum(op.attrs.get("rng") == "global" for op in compiled.graph.ops) == 1
 
 
 def lm_step_dropout(model, opt, batch):
