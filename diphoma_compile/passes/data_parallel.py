@@ -168,6 +168,7 @@ class _Split:
                          if o.role.kind in (OutputKind.loss, OutputKind.metric)}
         self.drawn: dict[str, str] = {}       # values computed from random draws -> how drawn
         self.random_ops: list[str] = []       # per-process draws that meet per-device values
+        self.updated: set[str] = set()        # what update ops make (new params, late metrics)
         # returned sums and means over the batch; a loss that is a sum over the batch
         # (reduction="sum") has gradients that add up across devices, not average
         self.analysis = split_batch(graph)
@@ -181,14 +182,24 @@ class _Split:
         ins = [self.types[n] for n in op.inputs]
         draws = random_draw(op)
         op = self.phase_of(op, ins)
-        if op.phase is Phase.update:
+        varying = any(_varying(self.types[n], self.ax) for n in free_inputs(op))
+        if op.phase is Phase.update and not (varying and self.after_update(op)):
             self.read_synced(op, ins)
-        elif any(_varying(self.types[n], self.ax) for n in free_inputs(op)):
+            self.updated.update(v.name for v in op.results)
+        elif varying:
             # (a region may read a per-device value it captures, not only its operands)
             op = self.per_device(op, ins, draws)
         self.follow_draws(op, ins, draws)
         self.types.update((v.name, v.type) for v in op.results)
         self.ops.append(op)
+
+    def after_update(self, op: Op) -> bool:
+        """An update op reading the batch's values and the new parameters: the model run
+        again after the optimizer step for a metric (``with torch.no_grad(): model(x)``),
+        per-device work after the update, combined where it is returned."""
+        ins = free_inputs(op)
+        return any(n in self.updated for n in ins) and not any(
+            self.made_in.get(n) is Phase.backward for n in ins)
 
     def phase_of(self, op: Op, ins: list[TensorType]) -> Op:
         """The op in the phase it runs in: gradient-part sums and late metrics are per device."""
@@ -205,7 +216,7 @@ class _Split:
                                   "per-device forward value and a gradient", op=op,
                                   hint="compute metrics of the batch and the update "
                                        "apart")
-            if Phase.forward in kinds:
+            if Phase.forward in kinds and not self.after_update(op):
                 # a metric of the batch computed after backward (accuracy, the largest
                 # logit): it is per-device work, combined where it is returned
                 op = op.replace(phase=Phase.forward)
@@ -236,8 +247,11 @@ class _Split:
                               "values", op=op)
         op = op.replace(results=tuple(Value(v.name, v.type.with_placement(ax, p))
                                       for v, p in zip(op.results, got)))
-        self.made_in.update((v.name, Phase.forward if op.phase is Phase.forward
-                             else Phase.backward) for v in op.results)
+        # (an update-phase op here is a metric after the update: a forward value)
+        self.made_in.update((v.name, Phase.backward if op.phase is Phase.backward
+                             else Phase.forward) for v in op.results)
+        if op.phase is Phase.update:
+            self.updated.update(v.name for v in op.results)
         return op
 
     def per_device_regions(self, op: Op) -> Op:

@@ -148,6 +148,21 @@ class _Plan:
             tuple(self.grads_left_sharded))
 
 
+def _refuse_late_metrics(graph: Graph, axis: str, name: str) -> None:
+    """An update op reading per-device values (the model run again on the batch after the
+    optimizer step, for a metric): under this pass each device holds only its piece of
+    the new parameters there."""
+    for op in graph.ops:
+        if op.phase is Phase.update and op.name not in ("all_reduce", "broadcast") and any(
+                isinstance(v.type.placement(axis), Varying) for v in op.results):
+            raise PassFailure(
+                f"{name}: the step runs the model on the batch again after the optimizer "
+                "step (a metric of the updated parameters); with the update sharded each "
+                "device holds only its piece of the new parameters there", op=op,
+                hint="compute that metric at the start of the next step (or outside it), "
+                     "or parallelize with passes='data-parallel' (no update sharding)")
+
+
 @register_pass
 @dataclass(frozen=True)
 class WeightUpdateSharding(Pass):
@@ -174,6 +189,7 @@ class WeightUpdateSharding(Pass):
                               hint=f"run data-parallel{{axis={self.axis}}} first")
         if n == 1:
             return graph
+        _refuse_late_metrics(graph, self.axis, self.name)
         dirty: set[str] = set()
         for _ in range(4):   # state whose padding the update dirties is declared Fx
             out, plan, more = _Rewrite(graph, self.axis, n, self.layout, dirty).run()

@@ -197,3 +197,33 @@ def test_the_update_may_read_the_loss():
     (loss_sync,) = [op for op in g.ops if op.name == "all_reduce" and op.results[0].type.numel == 1]
     readers = [op for op in g.ops if loss_sync.results[0].name in op.inputs]
     assert readers and all(op.phase is Phase.update for op in readers)
+
+
+def metric_after_update_step(model, opt, batch):
+    loss = torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        acc = (model(batch["x"]).argmax(-1) == batch["y"]).float().mean()
+    return loss, acc
+
+
+def test_a_metric_of_the_updated_model_runs_per_device_after_the_update():
+    """The model run again on the batch after opt.step() (a metric of the new weights):
+    under data parallelism it runs per device in the update phase, reading the new
+    weights, and its mean is averaged where it is returned (the pass once left a graph
+    that did not verify); weight-update sharding, where each device holds only a piece
+    of the new weights there, refuses it with what to do."""
+    g = traced("sgd", step=metric_after_update_step)
+    out, ctx = run(g, "dce,data-parallel{axis=dp}")
+    rec = ctx.decision(DataParallelRecord)
+    acc = next(o.name for o in g.outputs if o.role.kind is OutputKind.metric)
+    assert acc in rec.averaged
+    late = [op for op in out.ops if op.phase is Phase.update and
+            any(isinstance(v.type.placement("dp"), Varying) for v in op.results)]
+    assert late and any("addmm" in str(op.attrs.get("target", "")) for op in late)
+    with pytest.raises(PassError) as e:
+        run(g, "dce,data-parallel{axis=dp},weight-update-sharding{axis=dp}")
+    assert "runs the model on the batch again after the optimizer step" in str(e.value)
+    assert "passes='data-parallel'" in str(e.value)
