@@ -157,6 +157,10 @@ class _Follow:
         self.summed: dict[str, tuple[int, tuple[int, ...]]] = {}
         self.found: list[Coupling] = []
         self.counts: set[int] = set()     # scalars of sums divided by: counts (ids of ops)
+        # a value split by rows -> the windows of its rows that slices read, with their ops
+        self.windows: dict[str, list[tuple[range, Op]]] = {}
+        self.read = {n for op in graph.ops for n in free_inputs(op)} | \
+            {o.name for o in graph.outputs}
 
     def run(self) -> list[Coupling]:
         later: list[str] = []
@@ -185,7 +189,45 @@ class _Follow:
                 op = self.made_by(o.name)
                 self.report(op, "makes the loss a maximum or minimum over the batch: each "
                                 "share's gradients are those of its own", certain=True)
+        self.positional_rows()
         return self.found
+
+    def note_windows(self, op: Op, actual: Sequence[object], ins: Sequence[TensorType],
+                     outs: Sequence[TensorType]) -> None:
+        """Record the rows a slice or split takes of a value split by rows (the results
+        nothing reads left out: ``jnp.split``'s unused pieces)."""
+        if not actual or actual[0] != Shard(0) or not ins[0].rank:
+            return
+        if op.name == "slice":
+            strides = op.attrs.get("strides") or (1,) * ins[0].rank
+            got = [range(int(op.attrs["starts"][0]), int(op.attrs["limits"][0]),
+                         int(strides[0]))]
+        else:
+            rule = framework_rule(op) if op.name == "opaque" else None
+            got = None if rule is None or rule.row_window is None else \
+                rule.row_window(op, ins, outs)
+        if got is None or len(got) != len(op.results):
+            return
+        for rows, v in zip(got, op.results):
+            if v.name in self.read and len(rows) < ins[0].shape[0]:
+                self.windows.setdefault(op.inputs[0], []).append((rows, op))
+
+    def positional_rows(self) -> None:
+        """Slices of the batch's rows that, together, leave some rows out: ``x[:n // 2]``
+        picks examples by their position, and a device's share has other examples at those
+        positions. (Windows covering every row, the micro-batches of gradient accumulation,
+        treat each row alike: each share runs them on its own rows.)"""
+        for name, windows in self.windows.items():
+            n = self.types[name].shape[0]
+            taken = set().union(*(set(r) for r, _ in windows))
+            if len(taken) == n:
+                continue
+            rows, op = windows[0]
+            self.report(op, f"takes rows {_span(rows)} of {n} by their position, not every "
+                            "row: a device's share of the batch holds other examples there "
+                            "(take the rows before the step, or pass only the rows to train "
+                            "on)",
+                        certain=True)
 
     def made_by(self, name: str) -> Op:
         return self.producer[name]
@@ -216,6 +258,7 @@ class _Follow:
             self.set(op, [_UNKNOWN] * len(outs))
             return
         actual = [_norm(s) if isinstance(s, Placement) else s for s in states]
+        self.note_windows(op, actual, ins, outs)
         if any(isinstance(s, _Summed) for s in actual):
             self.place_summed(op, actual, ins, outs)
             return
@@ -498,6 +541,11 @@ def _first_fit(menu: Sequence[Strategy], actual: Sequence[object]) -> Strategy |
 
 
 _SWAP = {"max": "min", "min": "max"}
+
+
+def _span(rows: range) -> str:
+    step = f":{rows.step}" if rows.step != 1 else ""
+    return f"[{rows.start}:{rows.stop}{step}]"
 _COUNT = "divides by a sum over the batch (a count of its examples or tokens)"
 _NONLINEAR = "reads a sum or mean over the batch in math that is not linear in it"
 

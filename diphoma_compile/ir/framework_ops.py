@@ -28,7 +28,10 @@ class FrameworkOpRule:
     ``row_picks``: for a gather, the operand dims it picks one index at a time, each with
     the entry of the index vector that picks it, and the result's dim holding the indices'
     first dim; where that entry is each row's own position (``logp[arange(n), labels]``),
-    the operand's rows split with the indices' is a pick per example (``batch_coupling``)."""
+    the operand's rows split with the indices' is a pick per example (``batch_coupling``).
+    ``row_window``: for a slice or split, the rows of its first operand's dim 0 that each
+    result holds (a ``range``), or None where it cuts another dim; ``batch_coupling`` finds
+    rows taken by their position that no other window of the same value takes."""
 
     target: str
     flops: CostFn
@@ -39,6 +42,8 @@ class FrameworkOpRule:
     row_mean: str = ""
     row_picks: Callable[[Op, Sequence[TensorType], Sequence[TensorType]],
                         tuple[dict[int, int], int | None]] | None = None
+    row_window: Callable[[Op, Sequence[TensorType], Sequence[TensorType]],
+                         list[range] | None] | None = None
 
 
 FRAMEWORK_OPS: dict[str, FrameworkOpRule] = {}

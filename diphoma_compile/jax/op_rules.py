@@ -318,6 +318,16 @@ def _gather(op: Op, ins: Types, outs: Types) -> list[Strategy]:
     return menu
 
 
+def _split_rows(op: Op, ins: Types, outs: Types) -> list[range] | None:
+    """The rows of dim 0 each piece of a split holds (None: it cuts another axis)."""
+    if not ins[0].rank or int(op.attrs["axis"]) % ins[0].rank != 0:
+        return None
+    ends = [0]
+    for size in decode(op.attrs["sizes"]):
+        ends.append(ends[-1] + int(size))
+    return [range(a, b) for a, b in zip(ends, ends[1:])]
+
+
 def _gather_picks(op: Op, ins: Types, outs: Types) -> tuple[dict[int, int], int | None]:
     """The operand dims a gather picks one index at a time (collapsed, indexed, not batching
     dims), each with the entry of the index vector picking it; and the result's dim that
@@ -394,7 +404,7 @@ _register("cumprod", _per_result_element(1), _along_axis(_axis("axis")))
 _register("cumlogsumexp", _per_result_element(3), _along_axis(_axis("axis")))
 _register("sort", _sort_flops, _along_axis(_axis("dimension")))
 _register("top_k", _top_k_flops, _along_axis(_last_or_axis))
-_register("split", _none, _along_axis(_axis("axis")))
+_register("split", _none, _along_axis(_axis("axis")), row_window=_split_rows)
 # a reshape with dimensions (a grouped conv's gradient) and a grouped convolution tie
 # contiguous runs of channels together: no grouped splits
 _register("reshape", _none, _reshape, regroup=False)

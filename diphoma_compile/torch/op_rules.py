@@ -121,6 +121,27 @@ def _slice(c: _Call) -> list:
     return _keeps(c, lambda d: None if d == dim else d)
 
 
+def _slice_rows(c: _Call) -> list[range] | None:
+    """The rows of dim 0 a slice takes (None: it cuts another dim)."""
+    x = c.t("self")
+    if x.rank == 0 or _dim(c["dim"], x.rank) != 0:
+        return None
+    n = x.shape[0]
+    start, end = c["start"], c["end"]
+    start = 0 if start is None else (start + n if start < 0 else start)
+    end = n if end is None else (end + n if end < 0 else end)
+    return [range(max(0, min(start, n)), max(0, min(end, n)), c["step"] or 1)]
+
+
+def _split_rows(c: _Call) -> list[range] | None:
+    """The rows of dim 0 each kept piece of a split holds (None: it cuts another dim)."""
+    x = c.t("self")
+    if x.rank == 0 or _dim(c["dim"], x.rank) != 0:
+        return None
+    size, n = int(c["split_size"]), x.shape[0]
+    return [range(p * size, min((p + 1) * size, n)) for p in c.positions]
+
+
 def _select(c: _Call) -> list:
     """Dims other than the selected one split (those after it shift down)."""
     dim = _dim(c["dim"], c.t("self").rank)
@@ -728,11 +749,12 @@ _register("bernoulli.p bernoulli.default normal.float_float rand.default randn.d
 _register("native_dropout.default", _per_in(3))
 
 # views and copies
-_register("slice.Tensor", _zero, _slice, _views)
+_register("slice.Tensor", _zero, _slice, _views, row_window=_slice_rows)
 _register("select.int", _zero, _select, _views)
 _register("squeeze.dim", _zero, _squeeze, _views)
 _register("unsqueeze.default", _zero, _unsqueeze, _views)
-_register("split.Tensor unbind.int", _zero, _pieces, _views)
+_register("split.Tensor", _zero, _pieces, _views, row_window=_split_rows)
+_register("unbind.int", _zero, _pieces, _views)
 _register("clone.default", _zero, _elementwise(("self",)))
 _register("_to_copy.default", _zero, _elementwise())
 _register("copy.default", _zero, _elementwise(),

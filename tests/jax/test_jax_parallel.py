@@ -782,6 +782,42 @@ def test_a_batch_centering_and_a_contrastive_loss_are_warned_of():
         pstep.trace(params, tx.init(params), (jnp.ones((16, 8)), jnp.ones((16, 6))))
 
 
+@pytest.mark.parametrize("take", ["half", "one piece", "both pieces"])
+def test_rows_taken_by_position_are_warned_of(take):
+    """A loss over the batch's first half (a slice, or one piece of ``jnp.split``): each
+    device's share holds other examples there, so the parallel step trains on other rows
+    than the single-device one (before, silently). Both pieces (each row once) are exact."""
+    tx = optax.sgd(0.1)
+
+    def step(params, opt_state, batch):
+        x, y = batch
+
+        def loss_of(p):
+            if take == "half":
+                return jnp.mean((x[: x.shape[0] // 2] @ p["w"] - y[: y.shape[0] // 2]) ** 2)
+            pieces = list(zip(jnp.split(x, 2), jnp.split(y, 2)))
+            if take == "one piece":
+                pieces = pieces[:1]
+            return sum(jnp.mean((a @ p["w"] - b) ** 2) for a, b in pieces) / len(pieces)
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = {"w": jax.random.normal(k[0], (8, 4))}
+    batch = (jax.random.normal(k[1], (32, 8)), jax.random.normal(k[2], (32, 4)))
+    pstep = parallelize(step, jax_mesh((8,)), axis="data")
+    if take == "both pieces":
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DiphomaWarning)
+            got = pstep(params, tx.init(params), batch)
+        want = jax.jit(step)(params, tx.init(params), batch)
+        assert max_rel_dev(want[0], got[0]) <= 1e-5
+        return
+    op = "slice" if take == "half" else "jax:split"
+    with pytest.warns(DiphomaWarning, match=rf"\({op}\): takes rows \[0:2\] of 4 by their"):
+        pstep.trace(params, tx.init(params), batch)
+
+
 # ------------------------------------------------------------------ several batch arguments
 
 class Small(nn.Module):

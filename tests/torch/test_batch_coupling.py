@@ -100,6 +100,52 @@ def test_slices_of_the_batch_keep_its_examples():
         == [("aten.nll_loss_forward.default", False)] * 2
 
 
+@pytest.mark.parametrize("take", ["slice", "chunk", "strided"])
+def test_rows_taken_by_position_are_found(take):
+    """A loss over some of the rows, picked by position (the first half, the first chunk,
+    every other row): a device's share holds other examples at those positions, so data
+    parallelism trains on other examples than the single-device step (found: before,
+    nothing was). The pieces of the batch covering every row (gradient accumulation, the
+    chunks above) are not found."""
+    torch.manual_seed(0)
+    mlp = MLP(8, 16, 4)
+
+    def step(model, opt, x, y):
+        n = x.shape[0]
+        rows = {"slice": slice(0, n // 2), "chunk": slice(0, n // 4),
+                "strided": slice(None, None, 2)}[take]
+        if take == "chunk":
+            x, y = x.chunk(4)[0], y.chunk(4)[0]
+        else:
+            x, y = x[rows], y[rows]
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    found = batch_coupling(diphoma_compile.trace(step, mlp, _sgd(mlp), torch.randn(8, 8),
+                                                 torch.randn(8, 4)))
+    want = {"slice": "[0:4] of 8", "chunk": "[0:2] of 8", "strided": "[0:8:2] of 8"}[take]
+    assert [(c.op, c.certain) for c in found] == \
+        [("aten.split.Tensor" if take == "chunk" else "aten.slice.Tensor", True)] * 2
+    assert all(f"takes rows {want} by their position" in c.why for c in found)
+
+
+def test_data_parallel_warns_of_rows_taken_by_position():
+    torch.manual_seed(0)
+    mlp = MLP(8, 16, 4)
+
+    def first_half(model, opt, x, y):
+        loss = F.mse_loss(model(x[:4]), y[:4])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    step = diphoma_compile.parallelize(first_half, diphoma_compile.Mesh({"dp": 2}))
+    with pytest.warns(DiphomaWarning, match=r"takes rows \[0:4\] of 8 by their position"):
+        step.trace(mlp, _sgd(mlp), torch.randn(8, 8), torch.randn(8, 4))
+
+
 @pytest.mark.parametrize("case", ["weight decay", "bf16 loss", "ones mask", "chunks",
                                   "instance norm", "drop path"])
 def test_per_example_losses_people_write_are_not_found(case):
