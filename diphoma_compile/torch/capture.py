@@ -319,6 +319,7 @@ class Step:
                           if isinstance(leaf, torch.Tensor)]
         self.state_keys: list[list[StateKey]] = []
         self.user_spec: pytree.TreeSpec | None = None
+        self.user_nones: tuple[int, ...] = ()
         self.n_user = 0
         self.grads_left: list[int] = []    # params whose .grad the step leaves set
         self.cleared_first = False         # zero_grad came before the first backward
@@ -441,10 +442,13 @@ class Step:
             new_buffers = [self._buffer_now(m_slot, bs[i]) for i, m_slot in
                            enumerate(self.buffer_slots)]
         out_leaves, self.user_spec = pytree.tree_flatten(out)
+        # None returned (alone, or in a tuple: no metric this step) comes back as None
+        self.user_nones = tuple(i for i, leaf in enumerate(out_leaves) if leaf is None)
+        out_leaves = [leaf for leaf in out_leaves if leaf is not None]
         for leaf in out_leaves:
             if not isinstance(leaf, torch.Tensor):
                 raise FrontendError(f"the step returns a {type(leaf).__name__}; a traced step "
-                                    "returns tensors (the loss, metrics) or nothing",
+                                    "returns tensors (the loss, metrics), None or nothing",
                                     hint="return loss, not loss.item()")
         self.n_user = len(out_leaves)
         new_state = [state[ps[pi]][k] for pi, keys in enumerate(self.state_keys)
@@ -491,8 +495,14 @@ class Step:
             gi, key, idx = slot.key
             # for a code generator: the value stays a 0-d tensor, so no .item() cuts the graph
             v = t if self.tensor_hyper else t.item()
+            given = self.opts[slot.owner].param_groups[gi][key]
+            given = given if idx is None else given[idx]
+            if isinstance(given, torch.Tensor):
+                # the user's own tensor (``lr=torch.tensor(1e-3)``): eager does tensor math
+                # in its dtype, not Python doubles
+                v = t.to(dtype=given.dtype)
             s = self.hyper_signs.get(slot.name)
-            if s is not None and not self.tensor_hyper:
+            if s is not None and not isinstance(v, torch.Tensor):
                 torch._check(v > 0 if s > 0 else v < 0 if s < 0 else v == 0)
             group = values[slot.owner][gi]
             if idx is None:
@@ -837,5 +847,5 @@ def capture(step_fn: Callable, *args: Any, codegen: str | None = "fx") -> Captur
     return Captured(gm, slots, outputs, step.user_spec, modules, opts, step.params,
                     step.state_keys, rec.phase, rec.loc, getattr(step_fn, "__name__", "step"),
                     settings_of(modules, opts, live), step.cleared_first, effects,
-                    step.hyper_signs, device, codegen)
+                    step.hyper_signs, device, codegen, user_nones=step.user_nones)
 

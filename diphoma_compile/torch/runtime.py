@@ -163,7 +163,10 @@ class TorchStep:
         for effect in cap.effects:
             if effect.when == "after":
                 effect()
-        return pytree.tree_unflatten(list(outs[:n_user]), cap.user_out_spec)
+        leaves = list(outs[:n_user])
+        for i in cap.user_nones:
+            leaves.insert(i, None)
+        return pytree.tree_unflatten(leaves, cap.user_out_spec)
 
     def measure_memory(self, *args: Any) -> MeasuredPeak:
         """Run one real step (it updates the model) and measure the peak of tensor memory

@@ -61,6 +61,7 @@ class Captured:
     # the device the parameters and buffers live on: constants the program makes go there
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     codegen: str = "fx"    # the code generator the graph was traced for (codegen.py)
+    user_nones: tuple[int, ...] = ()   # leaves of what the step returns that are None
 
 
 _LIVE_KEYS = {"params", "lr", "initial_lr"}   # read per call, or not used by step()

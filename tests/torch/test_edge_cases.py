@@ -261,3 +261,22 @@ def test_fused_optimizer_is_refused_by_name():
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
     with pytest.raises(DiphomaError, match=r"Adam\(fused=True\) runs one fused kernel"):
         diphoma_compile.trace(clipped_step, model, opt, mlp_batches(1)[0])
+
+
+@pytest.mark.parametrize("opt_name", ["adam", "adamw", "sgd"])
+def test_a_tensor_learning_rate_is_bit_exact(opt_name):
+    """``lr=torch.tensor(...)``: eager's optimizer does its step-size math in the tensor's
+    float32, so the trace binds a float32 tensor too (it bound a Python double and Adam's
+    parameters drifted by 3e-8); a new value set in place between steps is read."""
+    make = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW,
+            "sgd": lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9)}[opt_name]
+    model, opt, compiled = run_both(MLP, lambda m: make(m.parameters(), lr=torch.tensor(1e-2)),
+                                    clipped_step, mlp_batches(3))
+    ref = copy.deepcopy(model)
+    ref_opt = make(ref.parameters(), lr=torch.tensor(1e-2))
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))   # (its tensors, not shared)
+    for o in (opt, ref_opt):
+        o.param_groups[0]["lr"].fill_(3e-3)
+    for batch in mlp_batches(2):
+        assert torch.equal(compiled(model, opt, batch), clipped_step(ref, ref_opt, batch))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))

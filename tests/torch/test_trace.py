@@ -288,6 +288,31 @@ def test_step_returning_a_python_number():
         diphoma_compile.trace(step, model, opt, mlp_batches(1)[0])
 
 
+def test_step_returning_none_or_a_none_among_its_results():
+    """``return None`` (or no return), and a None beside the loss (a metric computed on
+    some steps only), come back as None; the update matches eager's."""
+    for give in (lambda loss: None, lambda loss: (loss, None)):
+        def step(model, opt, batch):
+            loss = F.cross_entropy(model(batch["x"]), batch["y"])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return give(loss)  # noqa: B023 (called in this iteration)
+        torch.manual_seed(0)
+        model, ref = MLP(), MLP()
+        ref.load_state_dict(model.state_dict())
+        opt = OPTIMIZERS["sgd"](model.parameters(), True)
+        ref_opt = OPTIMIZERS["sgd"](ref.parameters(), True)
+        compiled = diphoma_compile.compile(step, model, opt, mlp_batches(1)[0])
+        for batch in mlp_batches(2):
+            got, want = compiled(model, opt, batch), step(ref, ref_opt, batch)
+            if want is None:
+                assert got is None
+            else:
+                assert got[1] is None and torch.equal(got[0], want[0])
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
 def test_wrong_shape_at_call_time():
     model = MLP()
     opt = OPTIMIZERS["sgd"](model.parameters(), True)
