@@ -54,8 +54,9 @@ def explain(exc: Exception) -> FrontendError:
     if data_dependent:
         return FrontendError(
             f"the step branches or reads a value that depends on tensor data{at} ({text})",
-            hint="Python control flow on tensor values cannot be traced: use torch.where, "
-                 "or move the decision out of the step")
+            hint=_torch_reader_hint(exc) or
+            "Python control flow on tensor values cannot be traced: use torch.where, "
+            "or move the decision out of the step")
     if "convert all Tensors to FakeTensors" in text:
         return FrontendError(
             f"the step uses a tensor that is neither an argument of the step nor a parameter, "
@@ -83,6 +84,33 @@ def explain(exc: Exception) -> FrontendError:
                  "its inputs as the message asks; the chained exception has the traceback")
     return FrontendError(f"tracing the step failed{at}: {name}: {text}",
                          hint="see the chained exception for the full traceback")
+
+
+# torch's own code that reads a tensor's value on the host, by file: what to do instead
+_READERS = {
+    "batchnorm.py": "a BatchNorm with momentum=None (a cumulative average) divides by "
+                    "num_batches_tracked read as a Python number: give it a momentum "
+                    "(0.1, the default)",
+    "clip_grad.py": "clip_grad_norm_(error_if_nonfinite=True) reads the norm on the host to "
+                    "raise: leave it out and check the norm it returns outside the step",
+}
+
+
+def _torch_reader_hint(exc: BaseException) -> str | None:
+    """What to do where torch's own code read a tensor's value: an optimizer whose step()
+    branches on its step count (RAdam's rectification, ASGD's averaging), a BatchNorm's
+    cumulative average, a clip that raises on a non-finite norm."""
+    for fs in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = fs.filename.replace(os.sep, "/")
+        if "/torch/optim/" in path and not path.endswith("/optimizer.py"):
+            name = os.path.basename(path)[:-3]
+            return (f"torch.optim's {name} step() branches on a value of its state (its "
+                    "step count) unless capturable: its update cannot be traced as one "
+                    "program; SGD, Adam, AdamW, Adadelta, Adagrad, Adamax, NAdam, RMSprop and "
+                    "Rprop can (once they have state)")
+        if "/torch/" in path and os.path.basename(path) in _READERS:
+            return _READERS[os.path.basename(path)]
+    return None
 
 
 def _failing_op(exc: BaseException) -> str | None:

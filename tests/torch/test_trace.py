@@ -313,6 +313,34 @@ def test_step_returning_none_or_a_none_among_its_results():
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 
 
+@pytest.mark.parametrize("case", ["radam", "batch norm momentum=None", "clip raising"])
+def test_torch_code_reading_a_tensor_value_says_what_to_do(case):
+    """torch's own code that reads a tensor's value on the host (RAdam's branch on its
+    step count, a BatchNorm's cumulative average, a clip that raises on a non-finite norm)
+    is refused naming that code and what to use instead, not with advice about the user's
+    own control flow."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16),
+                                torch.nn.BatchNorm1d(16, momentum=None), torch.nn.Linear(16, 3)) \
+        if case.startswith("batch") else MLP()
+    opt = torch.optim.RAdam(model.parameters()) if case == "radam" else \
+        torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(model, opt, batch):
+        loss = F.cross_entropy(model(batch["x"]), batch["y"])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0,
+                                       error_if_nonfinite=case == "clip raising")
+        opt.step()
+        opt.zero_grad()
+        return loss
+    want = {"radam": r"torch.optim's radam step\(\) branches on a value of its state",
+            "batch norm momentum=None": r"BatchNorm with momentum=None .* give it a momentum",
+            "clip raising": r"error_if_nonfinite=True\) reads the norm on the host"}[case]
+    with pytest.raises(FrontendError, match=want):
+        diphoma_compile.trace(step, model, opt, mlp_batches(1)[0])
+
+
 def test_wrong_shape_at_call_time():
     model = MLP()
     opt = OPTIMIZERS["sgd"](model.parameters(), True)
