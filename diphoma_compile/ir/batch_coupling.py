@@ -23,7 +23,7 @@ example (one example picked out, ``x[0]``, drops the rows' dimension and is foun
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .analysis import free_inputs
 from .core import Graph, InputKind, Op, OutputKind, Phase
@@ -61,6 +61,8 @@ class BatchSplit:
 
     couplings: tuple[Coupling, ...]
     combine: Mapping[str, str]
+    # the forward's values split by rows: name -> the dim holding the batch's rows
+    rows: Mapping[str, int] = field(default_factory=dict)
 
 
 def split_batch(graph: Graph) -> BatchSplit:
@@ -76,7 +78,9 @@ def split_batch(graph: Graph) -> BatchSplit:
     found = tuple(follow.run())
     combine = {o.name: s.op for o in graph.outputs
                if isinstance(s := follow.state(o.name), Partial) and s.op in ("sum", "avg")}
-    return BatchSplit(found, combine)
+    rows = {n: s.dim for n, s in follow.at.items()
+            if isinstance(s, Shard) and isinstance(s.dim, int)}
+    return BatchSplit(found, combine, rows)
 
 
 def batch_coupling(graph: Graph) -> list[Coupling]:

@@ -150,6 +150,11 @@ _add("as_partial", C.collective, R.same_as_input, S.collective, _COLL, local=Tru
 _add("as_varying", C.collective, R.same_as_input, S.collective, _COLL, local=True,
      doc="a replicated value as a per-device one (no communication: every device starts "
          "from the same value; a scan's carry that its body makes per device)")
+_add("take_piece", C.collective, R.take_piece, S.collective, {**_COLL, "dim": ("int", True)},
+     local=True,
+     doc="this device's piece along dim of a whole value, as its own per-device value of the "
+         "piece's shape (no communication): a random draw made at the global batch's shape, "
+         "of which each device keeps its rows")
 _add("as_shard", C.collective, R.as_shard, S.collective, {**_COLL, "dim": ("dim_or_flat", True)},
      local=True,
      doc="each device's varying value as its piece of a sharded value (the piece is its "

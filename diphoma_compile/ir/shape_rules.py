@@ -488,6 +488,19 @@ def hadamard(op: Op, ins, outs) -> None:
     _expect(outs, [(ins[0].shape, ins[0].dtype)])
 
 
+def take_piece(op: Op, ins, outs) -> None:
+    """A device's piece along ``dim`` of a whole value: its shape but for ``dim``, which
+    the piece's size divides."""
+    _arity(ins, 1)
+    t, x = _one_result(outs), ins[0]
+    d = int(op.attrs["dim"])
+    if t.rank != x.rank or t.dtype is not x.dtype or not 0 <= d < x.rank or \
+            t.shape[:d] + t.shape[d + 1:] != x.shape[:d] + x.shape[d + 1:] or \
+            t.shape[d] == 0 or x.shape[d] % t.shape[d]:
+        raise TypeRuleError(f"take_piece{{dim={d}}} of {_fmt(x)} cannot give {_fmt(t)}: the "
+                            "same shape but a divisor of dim's size")
+
+
 def as_shard(op: Op, ins, outs) -> None:
     """A device's 1-D value as its piece of a sharded value of the declared shape."""
     _arity(ins, 1)

@@ -208,6 +208,10 @@ def expected_collective(op: Op, src: Placement) -> tuple[Placement | None, str]:
             return None, f"as_shard takes a varying input, found {src}"
         dim = op.attrs["dim"]
         return (FLAT if dim == "flat" else Shard(dim)), ""
+    if name == "take_piece":
+        if not isinstance(src, Replicate):
+            return None, f"take_piece takes a replicated input, found {src}"
+        return VARYING, ""
     if name == "as_varying":
         if not isinstance(src, Replicate):
             return None, f"as_varying takes a replicated input, found {src}"

@@ -218,6 +218,10 @@ def _take_shard(low: PerDeviceLowering, op: Op, ins: list) -> list:
     return [_cut(ins[0], axis, low.sizes[axis], res.type.placement(axis))]
 
 
+def _take_piece(low: PerDeviceLowering, op: Op, ins: list) -> list:
+    return [_cut(ins[0], _axis(op), low.sizes[_axis(op)], Shard(int(op.attrs["dim"])))]
+
+
 def _broadcast(low: PerDeviceLowering, op: Op, ins: list) -> list:
     axis, root, x = _axis(op), int(op.attrs.get("root", 0)), ins[0]
     if jax.numpy.issubdtype(x.dtype, jax.numpy.number):
@@ -259,7 +263,7 @@ def _all_to_all(low: PerDeviceLowering, op: Op, ins: list) -> list:
 _COLLECTIVES = {"all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter,
                 "all_gather": _all_gather, "wait": _wait, "take_shard": _take_shard,
                 "broadcast": _broadcast, "all_to_all": _all_to_all, "as_partial": _as_partial,
-                "as_varying": _as_varying}
+                "as_varying": _as_varying, "take_piece": _take_piece}
 
 
 # ---------------------------------------------------------------- layouts over the mesh

@@ -111,6 +111,8 @@ class DataParallelRecord:
     batch_counted: tuple[str, ...] = ()
     # how the gradients combine: "avg", or "sum" where the loss is a sum over the batch
     gradients: str = "avg"
+    # draws from a JAX key made at the global batch's shape, each device keeping its rows
+    random_per_row: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's ``notes["data-parallel"]`` (docs/plan.md)."""
@@ -118,7 +120,8 @@ class DataParallelRecord:
                 "broadcast": list(self.broadcast), "combined": dict(self.combined),
                 "random_per_device": list(self.random_per_device),
                 "batch_coupled": list(self.batch_coupled),
-                "batch_counted": list(self.batch_counted), "gradients": self.gradients}
+                "batch_counted": list(self.batch_counted), "gradients": self.gradients,
+                "random_per_row": list(self.random_per_row)}
 
 
 @register_pass
@@ -174,6 +177,51 @@ class _Split:
         self.analysis = split_batch(graph)
         loss = next((o.name for o in graph.outputs if o.role.kind is OutputKind.loss), None)
         self.grads = "sum" if self.analysis.combine.get(loss) == "sum" else "avg"
+        self.n = dict(graph.mesh.axes)[axis]
+        self.draws_by_row = self.key_draws_per_row()
+        self.pieces: list[str] = []           # key draws each device takes its rows of
+
+    def key_draws_per_row(self) -> dict[int, int]:
+        """Draws from a JAX key at the shape of a value split by the batch's rows that
+        they meet (a dropout mask over activations), through ops on whole values: id of the
+        draw -> the dim holding the rows. Each device draws them at the global batch's
+        shape and keeps its own rows, the numbers the single-device step draws for them."""
+        types, rows = self.graph.value_types(), self.analysis.rows
+        src: dict[str, Op] = {}
+        found: dict[int, int] = {}
+        for op in self.graph.ops:
+            if op.regions:
+                continue
+            if random_draw(op) == "key" and op.name == "opaque" and "shape" in op.attrs \
+                    and len(op.results) == 1:
+                src[op.results[0].name] = op
+                continue
+            drawn = [n for n in op.inputs if n in src]
+            split = [n for n in op.inputs if n in rows]
+            if drawn and split:
+                shape = types[split[0]].shape
+                for n in drawn:
+                    draw = src[n]
+                    if types[n].shape == shape == draw.results[0].type.shape:
+                        found.setdefault(id(draw), rows[split[0]])
+            elif drawn:
+                src.update((v.name, src[drawn[0]]) for v in op.results)
+        return found
+
+    def draw_per_row(self, op: Op, dim: int) -> Op:
+        """The draw made at the global batch's shape (rows times the axis size), then this
+        device's piece of its rows as the value the step reads."""
+        (res,) = op.results
+        t = res.type
+        shape = tuple(k * self.n if d == dim else k for d, k in enumerate(t.shape))
+        whole = Value(self.names(f"{res.name}.all"), t.with_shape(shape))
+        self.ops.append(op.replace(attrs=Attrs({**op.attrs, "shape": list(shape)}),
+                                   results=(whole,)))
+        self.types[whole.name] = whole.type
+        self.pieces.append(op.loc or res.name)
+        return Op("take_piece", (whole.name,), (Value(res.name, t.with_placement(self.ax,
+                                                                                 VARYING)),),
+                  Attrs(axis=self.ax, dim=dim), phase=op.phase, loc=op.loc)
 
     # 1. every op before the update that reads a per-device value computes per device;
     #    the update reads averaged values instead (step 2)
@@ -181,6 +229,12 @@ class _Split:
         """Place one op of the step: per device, or reading synced values in the update."""
         ins = [self.types[n] for n in op.inputs]
         draws = random_draw(op)
+        if id(op) in self.draws_by_row:
+            op = self.draw_per_row(op, self.draws_by_row[id(op)])
+            self.made_in.update((v.name, Phase.forward) for v in op.results)
+            self.types.update((v.name, v.type) for v in op.results)
+            self.ops.append(op)
+            return
         op = self.phase_of(op, ins)
         varying = any(_varying(self.types[n], self.ax) for n in free_inputs(op))
         if op.phase is Phase.update and not (varying and self.after_update(op)):
@@ -464,4 +518,5 @@ class _Split:
             combined={n: how for n, how in need.items() if how in ("sum", "max", "min")
                       and n in returned},
             random_per_device=tuple(sorted(set(self.random_ops))),
-            batch_coupled=coupled, batch_counted=counted, gradients=self.grads)
+            batch_coupled=coupled, batch_counted=counted, gradients=self.grads,
+            random_per_row=tuple(sorted(set(self.pieces))))

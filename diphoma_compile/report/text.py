@@ -307,6 +307,10 @@ def _data_parallel_lines(dp: DataParallelRecord | None) -> list[str]:
         lines += ["", f"random draws per device ({', '.join(drawn)}): each process draws from "
                       "its own generator, as under DDP, so dropout matches the single-device "
                       "step in distribution, not bit for bit"]
+    if dp.random_per_row:
+        lines += ["", f"random draws from a key by row ({', '.join(dp.random_per_row)}): each "
+                      "device draws them at the global batch's shape and keeps its own rows, "
+                      "the numbers the single-device step draws"]
     return lines
 
 

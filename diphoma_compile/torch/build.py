@@ -583,6 +583,13 @@ def _take_shard(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
     return b.call(collectives.take_shard, [comm, x, op.attrs["dim"], b.local(op.result.type)])
 
 
+def _take_piece(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
+    """This rank's piece along dim of a whole value, as its own value."""
+    x = b.node(op.inputs[0])
+    return b.call(collectives.take_shard, [comm, x, int(op.attrs["dim"]),
+                                           list(op.result.type.shape)])
+
+
 def _broadcast(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
     """The root rank's value on every rank."""
     x = b.node(op.inputs[0])
@@ -603,7 +610,7 @@ def _as_varying(b: _Builder, op: Op, comm: fx.Node) -> fx.Node:
 _COLLECTIVES: dict[str, Callable[[_Builder, Op, fx.Node], fx.Node]] = {
     "all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter, "all_gather": _all_gather,
     "take_shard": _take_shard, "broadcast": _broadcast, "as_partial": _as_partial,
-    "as_varying": _as_varying,
+    "as_varying": _as_varying, "take_piece": _take_piece,
 }
 
 
@@ -798,8 +805,8 @@ _EMIT = _emitters()
 
 # the lowerings whose results may be views of (or aliases to) their inputs: permute,
 # reshape, expand, narrow, the gathered buffer's view, and opaque calls (by their schema)
-_VIEWS = {"transpose", "reshape", "broadcast_in_dim", "take_shard", "as_varying", "all_gather",
-          "opaque", "slice"}
+_VIEWS = {"transpose", "reshape", "broadcast_in_dim", "take_shard", "take_piece", "as_varying",
+          "all_gather", "opaque", "slice"}
 
 
 def _out_overload(fn: OpOverload) -> OpOverload | None:

@@ -28,6 +28,7 @@ from diphoma_compile.errors import (BackendError, DiphomaError, DiphomaWarning, 
                                     MeshError)
 from diphoma_compile.ir import parse, verify  # noqa: E402
 from diphoma_compile import parallelize  # noqa: E402
+from diphoma_compile.report.text import render  # noqa: E402
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8,
                                 reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -422,14 +423,56 @@ def test_a_returned_per_example_value_is_refused():
         pstep.trace(params, jax.jit(tx.init)(params), batch)
 
 
-def test_dropout_from_one_key_is_refused():
-    """Every device would draw its share's mask from the same key: the masks would repeat
-    across devices instead of being the global batch's. Refused, with what to do."""
+class _Dropping(nn.Module):
+    """flax's own dropout on activations and on attention weights."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dropout(0.3, deterministic=False)(nn.relu(nn.Dense(16)(x)))
+        # (no biases: a key's bias has no gradient, rounding noise that momentum keeps)
+        h = nn.SelfAttention(num_heads=2, dropout_rate=0.2, deterministic=False,
+                             use_bias=False)(h)
+        return nn.Dense(4)(h.mean(1))
+
+
+def test_dropout_from_one_key_draws_the_global_batchs_masks():
+    """A mask drawn from the step's key at the batch's shape (flax's Dropout, attention
+    dropout; before, refused: every device would have drawn its share's mask from the same
+    key, repeating one another's masks). Each device draws it at the global batch's shape
+    and keeps its rows: the single-device step's masks, so its parameters and losses over
+    steps with new keys."""
+    module, tx = _Dropping(), optax.sgd(0.05, momentum=0.9)
+
+    def step(params, opt_state, batch, key):
+        def loss_of(p):
+            out = module.apply({"params": p}, batch[0], rngs={"dropout": key})
+            return jnp.mean((out - batch[1]) ** 2)
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    batch = (jax.random.normal(k[1], (32, 3, 8)), jax.random.normal(k[2], (32, 4)))
+    params = module.init({"params": k[0], "dropout": k[0]}, batch[0])["params"]
+    pstep = parallelize(step, jax_mesh((8,)), axis="data")
+    a = b = (params, tx.init(params))
+    for i in range(3):
+        key = jax.random.PRNGKey(100 + i)
+        want, got = jax.jit(step)(*a, batch, key), pstep(*b, batch, key)
+        np.testing.assert_allclose(float(got[2]), float(want[2]), rtol=1e-5)
+        a, b = want[:2], got[:2]
+    assert max_rel_dev(a[0], b[0]) <= 1e-5
+    assert pstep.plan.notes["data-parallel"]["random_per_row"]
+    assert "keeps its own rows" in render(pstep.plan)
+
+
+def test_a_key_mask_broadcast_over_features_is_refused():
+    """A mask drawn at another shape than the activations it meets (one draw per example,
+    broadcast over the features): not drawn per row yet, so refused with what to do."""
     tx = optax.sgd(0.1)
 
     def step(params, opt_state, batch, key):
         def loss_of(p):
-            mask = jax.random.bernoulli(key, 0.5, batch.shape)
+            mask = jax.random.bernoulli(key, 0.5, (batch.shape[0], 1))
             return jnp.mean(jnp.where(mask, batch, 0.0) @ p["w"])
         loss, grads = jax.value_and_grad(loss_of)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -438,6 +481,11 @@ def test_dropout_from_one_key_is_refused():
     pstep = parallelize(step, jax_mesh((8,)), axis="data")
     with pytest.raises(DiphomaError, match="random numbers drawn from a JAX key meet per-device"):
         pstep.trace(params, tx.init(params), jnp.ones((16, 4)), jax.random.key(0))
+
+
+def test_noise_on_the_weights_from_one_key_is_the_same_on_every_device():
+    tx = optax.sgd(0.1)
+    params = {"w": jnp.ones((4,), jnp.float32)}
 
     def noisy_weights(params, opt_state, batch, key):
         """Noise drawn at the weight's shape is the same on every device, as on one; what
@@ -935,3 +983,30 @@ def test_a_table_after_the_batch_is_refused_with_what_to_do():
     with pytest.raises(DiphomaError, match=r"argument number\(s\) \[7\]"):
         parallelize(step, jax_mesh((8,)), axis="data", batch_argnums=(2, 7)).trace(
             params, opt_state, x, table)
+
+
+def test_golden_ir_of_a_key_mask_drawn_per_row(golden):
+    """The data-parallel IR of a dropout mask from the step's key on the batch (the golden
+    of ``random_bits`` at the global batch's shape and its ``take_piece``)."""
+    from diphoma_compile import Mesh
+    from diphoma_compile.ir import print_graph
+    from diphoma_compile.jax.trace import trace_jax
+    from diphoma_compile.passes import PassContext
+    from diphoma_compile.passes.pipeline import Pipeline
+    tx = optax.sgd(0.1)
+
+    def step(params, opt_state, x, key):
+        def loss_of(p):
+            keep = jax.random.bernoulli(key, 0.5, x.shape)
+            return jnp.mean(jnp.where(keep, x, 0.0) @ p["w"])
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    params = {"w": jnp.ones((4,), jnp.float32)}
+    g = trace_jax(step, params, tx.init(params), jnp.ones((2, 4)), jax.random.key(0),
+                  locations=False)
+    g = Pipeline.from_spec("dce,data-parallel{axis=dp}").run(g.replace(mesh=Mesh({"dp": 8})),
+                                                              PassContext())
+    text = print_graph(g)
+    assert "shape=[16, 4]" in text and "take_piece(" in text
+    golden("jax_dropout_sgd.dp8.ir", text)
