@@ -49,7 +49,24 @@ def trace(step_fn: Callable, *example_args: Any, **options: Any) -> Graph:
 
     PyTorch steps take their modules and optimizers as arguments (or in their closure);
     JAX steps follow ``step(params, opt_state, batch, *rest)``."""
-    return frameworks.of_args(example_args).trace(step_fn, example_args, **options)[0]
+    fw = frameworks.of_args(example_args)
+    adapter = fw.adapt_step(step_fn, example_args)
+    if adapter is not None:
+        step_fn, example_args = adapter, adapter.args(example_args)
+    return fw.trace(step_fn, example_args, **options)[0]
+
+
+class _Adapted:
+    """A compiled step of the traced convention, called with the user's own arguments."""
+
+    def __init__(self, adapter: Any, run: Callable) -> None:
+        self.adapter, self.run = adapter, run
+
+    def __call__(self, *args: Any) -> Any:
+        return self.adapter.result(self.run(*self.adapter.args(args)), args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.run, name)
 
 
 def compile(step_fn: Callable, *example_args: Any, passes: str = "",
@@ -62,11 +79,15 @@ def compile(step_fn: Callable, *example_args: Any, passes: str = "",
     rounding of eager's); None picks the default (docs/torch.md). JAX steps run under
     jax.jit."""
     fw = frameworks.of_args(example_args)
+    adapter = fw.adapt_step(step_fn, example_args)
+    if adapter is not None:
+        step_fn, example_args = adapter, adapter.args(example_args)
     # the runner keeps this step's own argument and output structure, whatever passes do
     graph, extra = fw.trace(step_fn, example_args, codegen=codegen or "auto")
     if passes:
         graph = Pipeline.from_spec(passes).run(graph, PassContext())
-    return fw.compile(graph, extra)
+    run = fw.compile(graph, extra)
+    return run if adapter is None else _Adapted(adapter, run)
 
 
 class ParallelStep:
@@ -112,14 +133,20 @@ class ParallelStep:
         self._plan: Plan | None = None
         self._extra: Any = None       # what the backend needs besides the graph
         self._runner: Any = None
+        self._adapter: Any = None     # the framework's adapter of the step's convention
 
     # ---------------------------------------------------------------- planning
     def trace(self, *example_args: Any, ctx: PassContext | None = None) -> ParallelStep:
         """Trace and plan for these arguments without running anything; returns self.
         ``ctx`` (a PassContext) asks for IR dumps and collects pass timings."""
         mb = self.pipeline.microbatches if self.pipeline is not None else 1
-        self._fw, graph, self._extra = trace_step(self.step_fn, example_args, self.mesh,
-                                                  self.axis, self.batch_argnums, mb,
+        step_fn, nums = self.step_fn, self.batch_argnums
+        self._adapter = frameworks.of_args(example_args).adapt_step(step_fn, example_args)
+        if self._adapter is not None:
+            step_fn, nums = self._adapter, self._adapter.batch_argnums(nums)
+            example_args = self._adapter.args(example_args)
+        self._fw, graph, self._extra = trace_step(step_fn, example_args, self.mesh,
+                                                  self.axis, nums, mb,
                                                   codegen=self.codegen or self._auto())
         self.framework = self._fw.name
         model = self.device_model
@@ -173,6 +200,8 @@ class ParallelStep:
                 self.trace(*args)
             self._runner = self._fw.parallel_runner(self._graph, self._extra, self.user_mesh,
                                                     self.mesh, self.axis, self.donate)
+        if self._adapter is not None:
+            return self._adapter.result(self._runner(*self._adapter.args(args)), args)
         return self._runner(*args)
 
     @property

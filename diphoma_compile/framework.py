@@ -90,6 +90,12 @@ class Framework(Protocol):
     def inspect_target(self) -> Any:
         """``diphoma inspect``: the module that builds a plannable step from a user's file."""
 
+    def adapt_step(self, step_fn: Callable, args: tuple) -> Any | None:
+        """Where the step's arguments follow another convention this framework runs (JAX: a
+        flax TrainState), an adapter: a step of the traced convention with ``args(args)``
+        and ``result(out, args)`` converting a call (and ``batch_argnums(nums)``); else
+        None."""
+
     def pipeline_actions(self, schedule: str, stages: int, microbatches: int,
                          ranks: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
         """Each rank's (kind, microbatch, stage) runs under a pipeline ``schedule``, as this

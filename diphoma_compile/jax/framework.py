@@ -137,6 +137,11 @@ class JaxFramework:
             pass
         return out
 
+    def adapt_step(self, step_fn: Callable, args: tuple) -> Any | None:
+        """A step over a flax TrainState as the traced convention (``train_state.py``)."""
+        from .train_state import adapt
+        return adapt(step_fn, args)
+
     def inspect_target(self) -> ModuleType:
         """The module building inspect's step from a flax model file or a step."""
         from . import inspect_target

@@ -129,6 +129,10 @@ class TorchFramework:
         """``torch-module``: subclasses of nn.Module."""
         return {"torch-module": (torch.nn.Module,)}
 
+    def adapt_step(self, step_fn: Callable, args: tuple) -> None:
+        """None: a torch step takes its modules and optimizers as they are."""
+        return None
+
     def inspect_target(self) -> ModuleType:
         """The module building inspect's step from a torch model file."""
         from . import inspect_target
