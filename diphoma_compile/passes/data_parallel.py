@@ -45,6 +45,14 @@ def require_axis(graph: Graph, axis: str, pass_name: str) -> int:
 
 
 # what a refusal of a key's draws meeting per-device values suggests
+def _one_key_draw(op: Op, types: Mapping[str, TensorType]) -> bool:
+    """Bits drawn from one key, or keys split from one key, at the shape the op names."""
+    return op.name == "opaque" and \
+        str(op.attrs.get("target")) in ("jax:random_bits", "jax:random_split") and \
+        len(op.inputs) == 1 and types[op.inputs[0]].rank == 0 and len(op.results) == 1 and \
+        tuple(op.attrs.get("shape", ())) == op.results[0].type.shape
+
+
 _KEY_DRAW_HINT = ("turn dropout off (rate 0, or deterministic=True) for data parallelism, or "
                   "draw the random numbers outside the step and pass them in with the batch")
 
@@ -182,28 +190,31 @@ class _Split:
         self.pieces: list[str] = []           # key draws each device takes its rows of
 
     def key_draws_per_row(self) -> dict[int, int]:
-        """Draws from a JAX key at the shape of a value split by the batch's rows that
-        they meet (a dropout mask over activations), through ops on whole values: id of the
-        draw -> the dim holding the rows. Each device draws them at the global batch's
-        shape and keeps its own rows, the numbers the single-device step draws for them."""
+        """Draws from a JAX key that meet a value split by the batch's rows, through ops on
+        whole values: id of the draw -> the dim holding the rows. Each device makes them at
+        the global batch's shape and keeps its own rows, the numbers the single-device step
+        draws for them. Two forms: bits drawn from one key at the value's own shape (a
+        dropout mask over activations: flax's Dropout), and one key per example split from
+        one key (``jax.random.split(key, n)``, then a draw per example under ``jax.vmap``:
+        equinox's Dropout), whose keys are the batch's rows."""
         types, rows = self.graph.value_types(), self.analysis.rows
         src: dict[str, Op] = {}
         found: dict[int, int] = {}
         for op in self.graph.ops:
             if op.regions:
                 continue
-            if random_draw(op) == "key" and op.name == "opaque" and "shape" in op.attrs \
-                    and len(op.results) == 1:
+            if _one_key_draw(op, types):
                 src[op.results[0].name] = op
                 continue
             drawn = [n for n in op.inputs if n in src]
             split = [n for n in op.inputs if n in rows]
             if drawn and split:
-                shape = types[split[0]].shape
+                shape, dim = types[split[0]].shape, rows[split[0]]
                 for n in drawn:
-                    draw = src[n]
-                    if types[n].shape == shape == draw.results[0].type.shape:
-                        found.setdefault(id(draw), rows[split[0]])
+                    made = src[n].results[0].type.shape
+                    if types[n].shape == shape and \
+                            (made == shape or dim == 0 and made == (shape[0],)):
+                        found.setdefault(id(src[n]), dim if made == shape else 0)
             elif drawn:
                 src.update((v.name, src[drawn[0]]) for v in op.results)
         return found
@@ -404,7 +415,9 @@ class _Split:
             # are per device, right in distribution but not the global batch's;
             # the plan says so
             self.random_ops.append(op.loc or op.name)
-        elif source == "key":
+        elif source == "key" and not (draws == "key" and all(
+                _varying(t, self.ax) for t in ins)):
+            # (a draw from each device's own keys, split per example: its own numbers)
             raise PassFailure(
                 "data-parallel: random numbers drawn from a JAX key meet per-device "
                 "values here (dropout, noise on activations): every device would "
@@ -453,6 +466,16 @@ class _Split:
             need[o.name] = self.analysis.combine.get(o.name, "root0")
         elif o.role.kind is OutputKind.replaces and o.name not in need and \
                 roles[o.role.target].kind in (InputKind.param, InputKind.opt_state):
+            if self.gradients_in_a_scan():
+                raise PassFailure(
+                    f"data-parallel: the gradients reaching %{o.role.target} are computed "
+                    "inside a lax.scan (gradient accumulation over microbatches?): the "
+                    "trace has no backward pass outside it, so they cannot be told from "
+                    "other values of the batch to average",
+                    hint="accumulate over the microbatches with a Python loop (each "
+                         "jax.value_and_grad traced), or across calls with "
+                         "optax.MultiSteps, or take one value_and_grad of the whole batch "
+                         "(data parallelism already splits it)")
             raise PassFailure(f"data-parallel: the new value of %{o.role.target} is "
                               "computed from the batch outside backward (the optimizer "
                               "reads a forward value or the batch itself)",
@@ -464,6 +487,13 @@ class _Split:
                                     self.grads)
         else:
             need.setdefault(o.name, self.grads)
+
+    def gradients_in_a_scan(self) -> bool:
+        """No backward op outside control flow, and a scan in the forward pass: autodiff
+        ran inside the scan's body (its ops take the scan's phase)."""
+        ops = self.graph.ops
+        return not any(op.phase is Phase.backward for op in ops) and \
+            any(op.name == "scan" and op.phase is Phase.forward for op in ops)
 
     # 3. the collectives, each right where its value is made
     def insert_syncs(self) -> Graph:

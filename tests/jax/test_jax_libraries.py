@@ -323,3 +323,72 @@ def test_equinox_batch_norm_is_warned_of_and_runs_through_a_two_stage_pipeline(s
         a, b = again(want), again(got)
     for p, q in zip(jax.tree.leaves((b[0], b[k_state])), jax.tree.leaves((a[0], a[k_state]))):
         np.testing.assert_allclose(np.asarray(p), np.asarray(q), rtol=1e-5, atol=1e-6)
+
+
+def _dropout_case(library: str):
+    """An MLP with dropout as each library writes it: equinox's ``eqx.nn.Dropout`` under
+    ``jax.vmap`` with one key per example (``jax.random.split(key, n)``), haiku's
+    ``hk.dropout`` with the transform's rng. SGD momentum; step(params, opt_state, batch,
+    key)."""
+    tx = optax.sgd(0.05, momentum=0.9)
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    x, y = jax.random.normal(k[1], (32, 8)), jax.random.normal(k[2], (32, 4))
+    if library == "equinox":
+        eqx = pytest.importorskip("equinox")
+
+        class Net(eqx.Module):
+            l1: eqx.nn.Linear
+            l2: eqx.nn.Linear
+            drop: eqx.nn.Dropout
+
+            def __init__(self, key):
+                a, b = jax.random.split(key)
+                self.l1, self.l2 = eqx.nn.Linear(8, 16, key=a), eqx.nn.Linear(16, 4, key=b)
+                self.drop = eqx.nn.Dropout(0.3)
+
+            def __call__(self, x, key):
+                return self.l2(self.drop(jax.nn.relu(self.l1(x)), key=key))
+        params, static = eqx.partition(Net(k[0]), eqx.is_array)
+
+        def forward(p, x, key):
+            keys = jax.random.split(key, x.shape[0])
+            return jax.vmap(eqx.combine(p, static))(x, keys)
+    else:
+        hk = pytest.importorskip("haiku")
+
+        def fwd(x):
+            h = hk.dropout(hk.next_rng_key(), 0.3, jax.nn.relu(hk.Linear(16)(x)))
+            return hk.Linear(4)(h)
+        net = hk.transform(fwd)
+        params = net.init(k[0], x)
+
+        def forward(p, x, key):
+            return net.apply(p, key, x)
+
+    def step(params, opt_state, batch, key):
+        loss, grads = jax.value_and_grad(
+            lambda p: jnp.mean((forward(p, batch[0], key) - batch[1]) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    return step, params, tx, (x, y)
+
+
+@pytest.mark.skipif(jax.device_count() < 8,
+                    reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+@pytest.mark.parametrize("library", ["equinox", "haiku"])
+def test_dropout_under_data_parallelism_matches_one_device(library):
+    """Each device draws the global batch's masks (equinox: the global batch's keys, one
+    per example) and keeps its rows: losses and parameters as on one device over three
+    steps with new keys (before, refused)."""
+    step, params, tx, batch = _dropout_case(library)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
+    pstep = diphoma_compile.parallelize(step, mesh, axis="data")
+    a = b = (params, tx.init(params))
+    for i in range(3):
+        key = jax.random.PRNGKey(5 + i)
+        want, got = jax.jit(step)(*a, batch, key), pstep(*b, batch, key)
+        np.testing.assert_allclose(float(got[2]), float(want[2]), rtol=1e-5)
+        a, b = want[:2], got[:2]
+    for x, y in zip(jax.tree.leaves(a[0]), jax.tree.leaves(b[0])):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6)
+    assert pstep.plan.notes["data-parallel"]["random_per_row"]

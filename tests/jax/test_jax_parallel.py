@@ -1010,3 +1010,56 @@ def test_golden_ir_of_a_key_mask_drawn_per_row(golden):
     text = print_graph(g)
     assert "shape=[16, 4]" in text and "take_piece(" in text
     golden("jax_dropout_sgd.dp8.ir", text)
+
+
+def _accumulating_step(how: str):
+    """Gradient accumulation over 4 microbatches of the batch: in a lax.scan, or in a
+    Python loop (each value_and_grad traced); Adam."""
+    tx = optax.adam(1e-2)
+
+    def loss_of(p, x, y):
+        return jnp.mean((jnp.tanh(x @ p["w"]) @ p["v"] - y) ** 2)
+
+    def step(params, opt_state, batch):
+        x, y = batch
+        if how == "scan":
+            def body(acc, mb):
+                loss, g = jax.value_and_grad(loss_of)(params, *mb)
+                return jax.tree.map(jnp.add, acc, g), loss
+            grads, losses = jax.lax.scan(
+                body, jax.tree.map(jnp.zeros_like, params),
+                (x.reshape(4, -1, x.shape[-1]), y.reshape(4, -1, y.shape[-1])))
+            grads, loss = jax.tree.map(lambda g: g / 4, grads), losses.mean()
+        else:
+            grads, loss = jax.tree.map(jnp.zeros_like, params), 0.0
+            for a, b in zip(jnp.split(x, 4), jnp.split(y, 4)):
+                part, g = jax.value_and_grad(loss_of)(params, a, b)
+                grads = jax.tree.map(lambda s, t: s + t / 4, grads, g)
+                loss = loss + part / 4
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    params = {"w": jax.random.normal(k[0], (8, 16)) * 0.3,
+              "v": jax.random.normal(k[1], (16, 4)) * 0.3}
+    batch = (jax.random.normal(k[2], (64, 8)), jax.random.normal(k[3], (64, 4)))
+    return step, params, tx.init(params), batch
+
+
+def test_gradient_accumulation_in_a_python_loop_matches_one_device():
+    step, params, opt_state, batch = _accumulating_step("loop")
+    pstep = parallelize(step, jax_mesh((8,)), axis="data")
+    a = b = (params, opt_state)
+    for _ in range(3):
+        want, got = jax.jit(step)(*a, batch), pstep(*b, batch)
+        np.testing.assert_allclose(float(got[2]), float(want[2]), rtol=1e-5)
+        a, b = want[:2], got[:2]
+    assert max_rel_dev(a[0], b[0]) <= 1e-5
+
+
+def test_gradient_accumulation_in_a_scan_is_refused_saying_what_to_do():
+    """Autodiff inside a lax.scan leaves no backward pass outside it: refused naming the
+    scan and the forms that run (before: 'computed from the batch outside backward')."""
+    step, params, opt_state, batch = _accumulating_step("scan")
+    pstep = parallelize(step, jax_mesh((8,)), axis="data")
+    with pytest.raises(DiphomaError, match=r"inside a lax.scan .*\n.*Python loop.*MultiSteps"):
+        pstep.trace(params, opt_state, batch)
