@@ -195,3 +195,18 @@ def assert_runs_like_one_device(step: Callable, params: Any, x: Any, placed: Any
     for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(ours)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=2e-5)
     return tuple(ours)
+
+
+def keyed_steps(step: Callable, parallel: Callable, state: tuple, batch: Any,
+                seeds: range) -> tuple[tuple, tuple]:
+    """``step(*state, batch, key)`` under jax.jit and ``parallel`` (the same step made
+    parallel), one call per seed's key, each from its own previous (params, opt_state);
+    the losses (result 2) checked within 1e-5 at every step. The final states (jit's,
+    the parallel one's)."""
+    a = b = state
+    for seed in seeds:
+        key = jax.random.PRNGKey(seed)
+        want, got = jax.jit(step)(*a, batch, key), parallel(*b, batch, key)
+        np.testing.assert_allclose(float(got[2]), float(want[2]), rtol=1e-5)
+        a, b = tuple(want[:2]), tuple(got[:2])
+    return a, b

@@ -15,6 +15,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import diphoma_compile  # noqa: E402
+from tests.jax_steps import keyed_steps  # noqa: E402
 
 VOCAB, D, SEQ, BATCH = 32, 16, 8, 8
 
@@ -383,12 +384,7 @@ def test_dropout_under_data_parallelism_matches_one_device(library):
     step, params, tx, batch = _dropout_case(library)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
     pstep = diphoma_compile.parallelize(step, mesh, axis="data")
-    a = b = (params, tx.init(params))
-    for i in range(3):
-        key = jax.random.PRNGKey(5 + i)
-        want, got = jax.jit(step)(*a, batch, key), pstep(*b, batch, key)
-        np.testing.assert_allclose(float(got[2]), float(want[2]), rtol=1e-5)
-        a, b = want[:2], got[:2]
+    a, b = keyed_steps(step, pstep, (params, tx.init(params)), batch, range(5, 8))
     for x, y in zip(jax.tree.leaves(a[0]), jax.tree.leaves(b[0])):
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6)
     assert pstep.plan.notes["data-parallel"]["random_per_row"]

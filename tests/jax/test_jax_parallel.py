@@ -29,6 +29,7 @@ from diphoma_compile.errors import (BackendError, DiphomaError, DiphomaWarning, 
 from diphoma_compile.ir import parse, verify  # noqa: E402
 from diphoma_compile import parallelize  # noqa: E402
 from diphoma_compile.report.text import render  # noqa: E402
+from tests.jax_steps import keyed_steps  # noqa: E402
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8,
                                 reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -454,12 +455,7 @@ def test_dropout_from_one_key_draws_the_global_batchs_masks():
     batch = (jax.random.normal(k[1], (32, 3, 8)), jax.random.normal(k[2], (32, 4)))
     params = module.init({"params": k[0], "dropout": k[0]}, batch[0])["params"]
     pstep = parallelize(step, jax_mesh((8,)), axis="data")
-    a = b = (params, tx.init(params))
-    for i in range(3):
-        key = jax.random.PRNGKey(100 + i)
-        want, got = jax.jit(step)(*a, batch, key), pstep(*b, batch, key)
-        np.testing.assert_allclose(float(got[2]), float(want[2]), rtol=1e-5)
-        a, b = want[:2], got[:2]
+    a, b = keyed_steps(step, pstep, (params, tx.init(params)), batch, range(100, 103))
     assert max_rel_dev(a[0], b[0]) <= 1e-5
     assert pstep.plan.notes["data-parallel"]["random_per_row"]
     assert "keeps its own rows" in render(pstep.plan)
