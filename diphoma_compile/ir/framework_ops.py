@@ -31,7 +31,10 @@ class FrameworkOpRule:
     the operand's rows split with the indices' is a pick per example (``batch_coupling``).
     ``row_window``: for a slice or split, the rows of its first operand's dim 0 that each
     result holds (a ``range``), or None where it cuts another dim; ``batch_coupling`` finds
-    rows taken by their position that no other window of the same value takes."""
+    rows taken by their position that no other window of the same value takes.
+    ``shape_attr``: for an op that makes random numbers (or keys) from one key at a shape
+    it names, the attribute holding that shape: data parallelism may draw at the global
+    batch's shape and keep each device's rows (``passes/data_parallel.py``)."""
 
     target: str
     flops: CostFn
@@ -44,6 +47,7 @@ class FrameworkOpRule:
                         tuple[dict[int, int], int | None]] | None = None
     row_window: Callable[[Op, Sequence[TensorType], Sequence[TensorType]],
                          list[range] | None] | None = None
+    shape_attr: str = ""
 
 
 FRAMEWORK_OPS: dict[str, FrameworkOpRule] = {}

@@ -422,6 +422,8 @@ _register("scatter-add scatter-sub", _scatter_flops, _scatter(linear=True), _sca
 _register("scatter scatter-mul scatter-min scatter-max", _scatter_flops, _scatter(linear=False),
           _scatter_bytes)
 # random numbers: drawn whole on every device (the planner must not split a draw)
-_register("random_bits threefry2x32", _per_result_element(_THREEFRY_PER_WORD))
-_register("random_fold_in random_split", _per_result_element(2 * _THREEFRY_PER_WORD))
+_register("random_bits", _per_result_element(_THREEFRY_PER_WORD), shape_attr="shape")
+_register("threefry2x32", _per_result_element(_THREEFRY_PER_WORD))
+_register("random_fold_in", _per_result_element(2 * _THREEFRY_PER_WORD))
+_register("random_split", _per_result_element(2 * _THREEFRY_PER_WORD), shape_attr="shape")
 _register("random_seed random_wrap random_unwrap", _none)

@@ -26,6 +26,7 @@ from ..ir.core import (Attrs, Graph, Input, InputKind, InputRole, Op, Output, Ou
                        Value)
 from ..ir.analysis import free_inputs
 from ..ir.batch_coupling import split_batch, split_notes
+from ..ir.framework_ops import framework_rule
 from ..ir.ops import draws_from_a_key, op_def, random_draw
 from ..ir.sharding_rules import propagate
 from ..ir.types import REPLICATE, VARYING, TensorType, Varying
@@ -46,11 +47,12 @@ def require_axis(graph: Graph, axis: str, pass_name: str) -> int:
 
 # what a refusal of a key's draws meeting per-device values suggests
 def _one_key_draw(op: Op, types: Mapping[str, TensorType]) -> bool:
-    """Bits drawn from one key, or keys split from one key, at the shape the op names."""
-    return op.name == "opaque" and \
-        str(op.attrs.get("target")) in ("jax:random_bits", "jax:random_split") and \
-        len(op.inputs) == 1 and types[op.inputs[0]].rank == 0 and len(op.results) == 1 and \
-        tuple(op.attrs.get("shape", ())) == op.results[0].type.shape
+    """Numbers (or keys) made from one key at the shape the op names (its framework
+    rule's ``shape_attr``: JAX's random_bits, random_split)."""
+    rule = framework_rule(op) if op.name == "opaque" else None
+    return rule is not None and bool(rule.shape_attr) and len(op.inputs) == 1 and \
+        types[op.inputs[0]].rank == 0 and len(op.results) == 1 and \
+        tuple(op.attrs.get(rule.shape_attr, ())) == op.results[0].type.shape
 
 
 _KEY_DRAW_HINT = ("turn dropout off (rate 0, or deterministic=True) for data parallelism, or "
@@ -226,7 +228,8 @@ class _Split:
         t = res.type
         shape = tuple(k * self.n if d == dim else k for d, k in enumerate(t.shape))
         whole = Value(self.names(f"{res.name}.all"), t.with_shape(shape))
-        self.ops.append(op.replace(attrs=Attrs({**op.attrs, "shape": list(shape)}),
+        attr = framework_rule(op).shape_attr
+        self.ops.append(op.replace(attrs=Attrs({**op.attrs, attr: list(shape)}),
                                    results=(whole,)))
         self.types[whole.name] = whole.type
         self.pieces.append(op.loc or res.name)
