@@ -45,7 +45,6 @@ def require_axis(graph: Graph, axis: str, pass_name: str) -> int:
     return sizes[axis]
 
 
-# what a refusal of a key's draws meeting per-device values suggests
 def _one_key_draw(op: Op, types: Mapping[str, TensorType]) -> bool:
     """Numbers (or keys) made from one key at the shape the op names (its framework
     rule's ``shape_attr``: JAX's random_bits, random_split)."""
@@ -55,6 +54,7 @@ def _one_key_draw(op: Op, types: Mapping[str, TensorType]) -> bool:
         tuple(op.attrs.get(rule.shape_attr, ())) == op.results[0].type.shape
 
 
+# what a refusal of a key's draws meeting per-device values suggests
 _KEY_DRAW_HINT = ("turn dropout off (rate 0, or deterministic=True) for data parallelism, or "
                   "draw the random numbers outside the step and pass them in with the batch")
 
