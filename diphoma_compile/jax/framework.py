@@ -138,9 +138,15 @@ class JaxFramework:
         return out
 
     def adapt_step(self, step_fn: Callable, args: tuple) -> Any | None:
-        """A step over a flax TrainState as the traced convention (``train_state.py``)."""
+        """A step over a flax TrainState (``train_state.py``) or over flax.nnx objects
+        (``nnx_step.py``) as the traced convention."""
         from .train_state import adapt
-        return adapt(step_fn, args)
+        adapter = adapt(step_fn, args)
+        if adapter is None and "flax" in sys.modules:
+            from .nnx_step import NnxStep, leading_objects
+            if leading_objects(args):
+                return NnxStep(step_fn, args)
+        return adapter
 
     def inspect_target(self) -> ModuleType:
         """The module building inspect's step from a flax model file or a step."""
