@@ -109,3 +109,32 @@ def test_an_nnx_step_without_its_optimizer_is_refused():
         return jnp.mean(model(x))
     with pytest.raises(FrontendError, match="no nnx.Optimizer"):
         diphoma_compile.compile(no_optimizer, model, *_data())
+
+
+class Deep(nnx.Module):
+    def __init__(self, rngs):
+        self.layers = nnx.List([nnx.Linear(8 if i == 0 else 16, 16, rngs=rngs)
+                                for i in range(8)])
+        self.head = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jnp.tanh(layer(x))
+        return self.head(x)
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+def test_an_nnx_step_through_a_pipeline():
+    """The same adapter under a dp=2 x pp=4 pipeline of 2 microbatches: losses within
+    1e-5 of nnx.jit's and parameters within 1e-6 over three steps."""
+    def make():
+        model = Deep(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+    (m1, o1), (m2, o2) = make(), make()
+    x, y = _data()
+    pstep = diphoma_compile.parallelize(train_step, {"dp": 2, "pp": 4}, microbatches=2)
+    ref = nnx.jit(train_step)
+    for _ in range(STEPS):
+        np.testing.assert_allclose(float(pstep(m1, o1, x, y)), float(ref(m2, o2, x, y)),
+                                   rtol=1e-5)
+    assert _max_dev(m1, m2) <= 1e-6
