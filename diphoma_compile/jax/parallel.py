@@ -26,7 +26,7 @@ from ..ir.core import Graph, InputKind, Op, OutputKind
 from ..ir.types import FlatShard, Placement, Replicate, Shard, TensorType, Varying
 from ..mesh import Mesh
 from ..report.memory import MemoryReport
-from . import quant
+from . import key_pieces, quant
 from .compile import JaxStep, Lowering, check_alive, donated, dtype_matches, graph_function
 from .layout import FlatLayout, flat_axis, flat_spec, returned_whole, stored_shape
 from .ops import emitter
@@ -40,8 +40,10 @@ _PSUM = {"sum": lax.psum, "avg": lax.pmean, "max": lax.pmax, "min": lax.pmin}
 class PerDeviceLowering(Lowering):
     """Ops on local shapes plus collectives over named mesh axes, inside jax.shard_map."""
 
-    def __init__(self, axis_sizes: dict[str, int]) -> None:
+    def __init__(self, axis_sizes: dict[str, int], graph: Graph | None = None) -> None:
         self.sizes = dict(axis_sizes)
+        # draws of which each device keeps only its rows: made piece by piece
+        self.deferred = key_pieces.deferred_draws(graph) if graph is not None else set()
 
     def local(self, t: TensorType) -> TensorType:
         """The type of one device's piece, with no placements left."""
@@ -53,6 +55,8 @@ class PerDeviceLowering(Lowering):
         if op.name in quant.QUANT_OPS:
             return quant.emit(self, op, ins)
         if op.name == "opaque":
+            if op.results and op.results[0].name in self.deferred:
+                return [key_pieces.defer(op, ins[0])]
             return super().emit(op, ins)
         outs = [self.local(v.type) for v in op.results]
         if op.name == "slice":
@@ -219,7 +223,10 @@ def _take_shard(low: PerDeviceLowering, op: Op, ins: list) -> list:
 
 
 def _take_piece(low: PerDeviceLowering, op: Op, ins: list) -> list:
-    return [_cut(ins[0], _axis(op), low.sizes[_axis(op)], Shard(int(op.attrs["dim"])))]
+    axis, dim = _axis(op), int(op.attrs["dim"])
+    if isinstance(ins[0], key_pieces.Deferred):
+        return [key_pieces.piece(ins[0], axis, low.sizes[axis], dim)]
+    return [_cut(ins[0], axis, low.sizes[axis], Shard(dim))]
 
 
 def _broadcast(low: PerDeviceLowering, op: Op, ins: list) -> list:
@@ -405,7 +412,7 @@ class JaxParallelStep(MeasuredRunner):
         self.in_shardings = tuple(NamedSharding(self.mesh, s) for s in self.in_specs)
         self.out_shardings = tuple(NamedSharding(self.mesh, s) for s in self.out_specs)
         self.global_shapes = [_global_shape(i.value.type, self.sizes) for i in graph.inputs]
-        self.fn = graph_function(graph, PerDeviceLowering(dict(graph.mesh.axes)))
+        self.fn = graph_function(graph, PerDeviceLowering(dict(graph.mesh.axes), graph))
         body = jax.shard_map(self.fn, mesh=self.mesh, in_specs=self.in_specs,
                              out_specs=self.out_specs, check_vma=False)
         body, self.out_shardings = returned_whole(       # a returned flat gradient

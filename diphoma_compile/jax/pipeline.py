@@ -160,7 +160,8 @@ class JaxPipelineStep(MeasuredRunner):
         stage = key[0]
         gone = set(self.donated.get(key, ()))
         donate = tuple(k for k, n in enumerate(prog.inputs) if n in gone)
-        fn = graph_function(prog.graph, PerDeviceLowering(dict(self.graph.mesh.axes)))
+        fn = graph_function(prog.graph, PerDeviceLowering(dict(self.graph.mesh.axes),
+                                                          prog.graph))
         ins = [self._sharding(stage, n) for n in prog.inputs]
         outs = [self._sharding(stage, n) for n in prog.outputs]
         body = jax.shard_map(fn, mesh=self.sub[self.rank_of[stage]],

@@ -1059,3 +1059,23 @@ def test_gradient_accumulation_in_a_scan_is_refused_saying_what_to_do():
     pstep = parallelize(step, jax_mesh((8,)), axis="data")
     with pytest.raises(DiphomaError, match=r"inside a lax.scan .*\n.*Python loop.*MultiSteps"):
         pstep.trace(params, opt_state, batch)
+
+
+@pytest.mark.parametrize("shape,dim,bits", [((16, 4), 0, 32), ((8, 3, 5), 0, 32),
+                                            ((4, 16), 1, 8), ((8, 2, 6), 2, 16)])
+def test_a_devices_piece_of_a_key_draw_is_the_slice_of_the_whole(shape, dim, bits):
+    """jax/key_pieces.py: each device computes only its piece of bits drawn at the global
+    shape (partitionable threefry: element i hashes the counter i), bit for bit the slice
+    of the whole draw, without drawing the rest."""
+    from diphoma_compile.jax import key_pieces
+    mesh = jax_mesh((8,)) if shape[dim] % 8 == 0 else None
+    n = 8 if mesh is not None else 2
+    mesh = mesh or jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+    key = jax.random.key(7)
+    d = key_pieces.Deferred(key, bits, shape)
+    assert key_pieces._partitionable(d)
+    spec = P(*[("data" if k == dim else None) for k in range(len(shape))])
+    got = jax.jit(jax.shard_map(lambda: key_pieces.piece(d, "data", n, dim), mesh=mesh,
+                                in_specs=(), out_specs=spec, check_vma=False))()
+    want = jax.random.bits(key, shape, np.dtype(f"uint{bits}"))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
