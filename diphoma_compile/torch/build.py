@@ -106,7 +106,8 @@ class _Builder:
 
     def build(self) -> fx.GraphModule:
         written = self.emit()
-        self.fx.output(tuple(self.env[written.get(o.name, o.name)] for o in self.g.outputs))
+        # (a returned scalar constant, torch.tensor(n), is a host number until read)
+        self.fx.output(tuple(self.node(written.get(o.name, o.name)) for o in self.g.outputs))
         self.fx.lint()
         root = torch.nn.Module()
         for axis, comm in self.comms.items():

@@ -341,6 +341,23 @@ def test_torch_code_reading_a_tensor_value_says_what_to_do(case):
         diphoma_compile.trace(step, model, opt, mlp_batches(1)[0])
 
 
+def test_a_returned_constant_tensor_comes_back():
+    """``torch.tensor(batch["x"].shape[0])`` returned beside the loss is a constant of the
+    trace (a host number until read); the program returns it (it failed to build with a
+    bare KeyError)."""
+    def step(model, opt, batch):
+        loss = F.cross_entropy(model(batch["x"]), batch["y"])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss, torch.tensor(batch["x"].shape[0])
+    model = MLP()
+    opt = OPTIMIZERS["sgd"](model.parameters(), True)
+    batch = mlp_batches(1)[0]
+    loss, n = diphoma_compile.compile(step, model, opt, batch)(model, opt, batch)
+    assert n.dtype == torch.int64 and int(n) == batch["x"].shape[0]
+
+
 def test_wrong_shape_at_call_time():
     model = MLP()
     opt = OPTIMIZERS["sgd"](model.parameters(), True)
