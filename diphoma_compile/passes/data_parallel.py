@@ -182,6 +182,7 @@ class _Split:
         self.drawn: dict[str, str] = {}       # values computed from random draws -> how drawn
         self.random_ops: list[str] = []       # per-process draws that meet per-device values
         self.updated: set[str] = set()        # what update ops make (new params, late metrics)
+        self.constant: set[str] = set()       # update values computed from no input
         # returned sums and means over the batch; a loss that is a sum over the batch
         # (reduction="sum") has gradients that add up across devices, not average
         self.analysis = split_batch(graph)
@@ -249,17 +250,34 @@ class _Split:
             self.types.update((v.name, v.type) for v in op.results)
             self.ops.append(op)
             return
+        was = op.phase
         op = self.phase_of(op, ins)
+        if was is Phase.update and op.phase is Phase.forward:
+            self.constants_to_forward(free_inputs(op))
         varying = any(_varying(self.types[n], self.ax) for n in free_inputs(op))
-        if op.phase is Phase.update and not (varying and self.after_update(op)):
+        # (the loss and metrics the step returns are read synced, as returned)
+        own = any(_varying(self.types[n], self.ax) and n not in self.returned
+                  for n in free_inputs(op))
+        if op.phase is Phase.update and not (own and self.after_update(op)):
             self.read_synced(op, ins)
-            self.updated.update(v.name for v in op.results)
+            if any(n not in self.constant for n in free_inputs(op)):
+                self.updated.update(v.name for v in op.results)
+            else:       # a constant the update uses (2.0 in loss * 2.0): not a new value
+                self.constant.update(v.name for v in op.results)
         elif varying:
             # (a region may read a per-device value it captures, not only its operands)
             op = self.per_device(op, ins, draws)
         self.follow_draws(op, ins, draws)
         self.types.update((v.name, v.type) for v in op.results)
         self.ops.append(op)
+
+    def constants_to_forward(self, names: list[str]) -> None:
+        """The update's constants a late metric reads (the 0 of ``(y != 0).sum()`` after
+        the optimizer step) run in forward with it: a forward op reads nothing later."""
+        wanted = {n for n in names if n in self.constant}
+        for k, o in enumerate(self.ops):
+            if wanted & {v.name for v in o.results}:
+                self.ops[k] = o.replace(phase=Phase.forward)
 
     def after_update(self, op: Op) -> bool:
         """An update op reading the batch's values and the new parameters: the model run

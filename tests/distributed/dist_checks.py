@@ -557,6 +557,50 @@ def run_sum_loss(rank: int, world: int) -> dict:
     return out
 
 
+class AvgLossMLP(OddMLP):
+    """OddMLP with a running average of the loss kept in a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("avg_loss", torch.zeros(()))
+
+
+def after_step_step(model, opt, batch):
+    """Metrics and a buffer computed after opt.step(): the loss scaled, a count read from the
+    batch alone (no model run), the loss's running average in a buffer."""
+    loss = F.cross_entropy(model(batch["x"]), batch["y"])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        model.avg_loss.mul_(0.9).add_(loss.detach(), alpha=0.1)
+    return loss, loss.detach() * 2.0, (batch["y"] != 0).sum()
+
+
+@check("after_step")
+def run_after_step(rank: int, world: int) -> dict:
+    """after_step_step under the default passes against the global batch: each returned
+    value and the buffer as on one device (they failed to verify, or were refused saying
+    the model ran again after the optimizer step)."""
+    import diphoma_compile
+    torch.manual_seed(0)
+    model = AvgLossMLP()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    step = diphoma_compile.parallelize(after_step_step, diphoma_compile.Mesh({"dp": world}))
+    got, want = [], []
+    for b in mlp_batches(world, seed=9)[:3]:
+        got.append([float(t) for t in step(model, opt, *local(b, rank, world))])
+        if rank == 0:
+            want.append([float(t) for t in after_step_step(ref, ref_opt, *b)])
+    out = {"got": got}
+    if rank == 0:
+        out.update(want=want, param=compare_params(model, ref),
+                   buffer=abs(float(model.avg_loss) - float(ref.avg_loss)))
+    return out
+
+
 STEM_STEPS, STEM_LOCAL = 3, 2
 
 

@@ -175,6 +175,18 @@ def test_a_loss_summed_over_the_batch_adds_up_across_ranks(runs):
         assert r["sum_loss"]["got"] == r0["got"]
 
 
+def test_metrics_and_buffers_computed_after_the_optimizer_step(runs):
+    """The loss scaled after opt.step(), a count from the batch alone, a running average of
+    the loss in a buffer: as on one device (they failed to verify or were refused)."""
+    r0 = runs[0]["after_step"]
+    for got, want in zip(r0["got"], r0["want"]):
+        for a, b in zip(got, want):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (got, want)
+    assert r0["param"]["rel"] <= 1e-5 and r0["buffer"] <= 1e-6, r0
+    for r in runs:
+        assert r["after_step"]["got"] == r0["got"]
+
+
 def test_uneven_batches_across_ranks_are_refused(runs):
     for r in runs:
         msg = r["summed"]["uneven"]
