@@ -297,7 +297,10 @@ class _Follow:
                 all(s == Shard(0) or not _split(s) for s in actual):
             # a mean over the rows that it counts by value (cross-entropy's ignored
             # targets): a mean over examples when it counts every row
-            self.report(op, rule.row_mean, certain=False)
+            weighted = rule.row_weighted is not None and rule.row_weighted(op, ins, outs)
+            self.report(op, rule.row_mean + (": weighted by class, the devices' means of "
+                                              "their shares are not the batch's"
+                                              if weighted else ""), certain=weighted)
             self.set(op, [Partial("avg")] * len(outs))
             return
         if not _has_strategies(op):

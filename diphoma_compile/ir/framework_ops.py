@@ -32,9 +32,12 @@ class FrameworkOpRule:
     ``row_window``: for a slice or split, the rows of its first operand's dim 0 that each
     result holds (a ``range``), or None where it cuts another dim; ``batch_coupling`` finds
     rows taken by their position that no other window of the same value takes.
-    ``shape_attr``: for an op that makes random numbers (or keys) from one key at a shape
-    it names, the attribute holding that shape: data parallelism may draw at the global
-    batch's shape and keep each device's rows (``passes/data_parallel.py``)."""
+    ``row_weighted``: for a ``row_mean`` op, whether this call weights its rows by values
+    (class weights): the shares' means then differ from the batch's for almost any data,
+    reported as such, not as a count. ``shape_attr``: for an op that makes random numbers
+    (or keys) from one key at a shape it names, the attribute holding that shape: data
+    parallelism may draw at the global batch's shape and keep each device's rows
+    (``passes/data_parallel.py``)."""
 
     target: str
     flops: CostFn
@@ -48,6 +51,7 @@ class FrameworkOpRule:
     row_window: Callable[[Op, Sequence[TensorType], Sequence[TensorType]],
                          list[range] | None] | None = None
     shape_attr: str = ""
+    row_weighted: Callable[[Op, Sequence[TensorType], Sequence[TensorType]], bool] | None = None
 
 
 FRAMEWORK_OPS: dict[str, FrameworkOpRule] = {}

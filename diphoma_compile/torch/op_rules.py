@@ -799,7 +799,8 @@ _register("nll_loss_forward.default", lambda c: max(_numel(c.t("target")), 1), _
           lambda c: (_nbytes(c.t("target")) + _numel(c.t("target")) * c.t("self").dtype.itemsize
                      + _nbytes(c.t("weight")) + _written(c)),
           row_mean="a mean over the targets it counts (those not equal to ignore_index, "
-                   "weighted by the class weights when given)")
+                   "weighted by the class weights when given)",
+          row_weighted=lambda c: c.t("weight") is not None)
 _register("nll_loss_backward.default", lambda c: max(_numel(c.t("target")), 1), _nll_backward,
           lambda c: (_nbytes(c.t("grad_output")) + _nbytes(c.t("target"))
                      + _nbytes(c.t("weight")) + _nbytes(c.t("total_weight")) + _written(c)))

@@ -134,14 +134,17 @@ def _register(targets: str, flops: Callable[[_Call], float],
               strategies: Callable[[_Call], list] | None = None,
               nbytes: Callable[[_Call], float] | None = None, regroup: bool = True,
               batch_stats: bool = False, row_mean: str = "",
-              row_window: Callable[[_Call], list[range] | None] | None = None) -> None:
+              row_window: Callable[[_Call], list[range] | None] | None = None,
+              row_weighted: Callable[[_Call], bool] | None = None) -> None:
     window = None if row_window is None else \
         (lambda op, ins, outs: row_window(_Call(op, ins, outs)))
+    weighted = None if row_weighted is None else \
+        (lambda op, ins, outs: row_weighted(_Call(op, ins, outs)))
     for t in targets.split():
         register_framework_op(FrameworkOpRule(
             f"aten.{t}", _cost(flops), None if strategies is None else _menu(strategies),
             None if nbytes is None else _cost(nbytes), regroup, batch_stats, row_mean,
-            row_window=window))
+            row_window=window, row_weighted=weighted))
 
 
 def _numel(t: TensorType | None) -> int:

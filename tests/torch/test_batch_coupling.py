@@ -146,6 +146,26 @@ def test_data_parallel_warns_of_rows_taken_by_position():
         step.trace(mlp, _sgd(mlp), torch.randn(8, 8), torch.randn(8, 4))
 
 
+def test_class_weighted_cross_entropy_is_warned_of():
+    """Class weights make cross-entropy's mean divide by the share's weight sum: the
+    devices' means average to the batch's for almost no data (ignored targets alone stay
+    listed: exact when every share counts alike)."""
+    torch.manual_seed(0)
+    mlp = MLP()
+    weights = torch.tensor([0.2, 1.0, 3.0, 0.5])
+
+    def step(model, opt, batch, w):
+        loss = F.cross_entropy(model(batch["x"]), batch["y"], weight=w)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    found = batch_coupling(diphoma_compile.trace(step, mlp, _sgd(mlp), mlp_batches(1)[0],
+                                                 weights))
+    assert [(c.op, c.certain) for c in found] == [("aten.nll_loss_forward.default", True)]
+    assert "weighted by class" in found[0].why
+
+
 @pytest.mark.parametrize("case", ["weight decay", "bf16 loss", "ones mask", "chunks",
                                   "instance norm", "drop path"])
 def test_per_example_losses_people_write_are_not_found(case):
