@@ -50,10 +50,15 @@ def trace(step_fn: Callable, *example_args: Any, **options: Any) -> Graph:
     PyTorch steps take their modules and optimizers as arguments (or in their closure);
     JAX steps follow ``step(params, opt_state, batch, *rest)``."""
     fw = frameworks.of_args(example_args)
-    adapter = fw.adapt_step(step_fn, example_args)
-    if adapter is not None:
-        step_fn, example_args = adapter, adapter.args(example_args)
+    _, step_fn, example_args = _adapt(fw, step_fn, example_args)
     return fw.trace(step_fn, example_args, **options)[0]
+
+
+def _adapt(fw: Framework, step_fn: Callable, args: tuple) -> tuple[Any, Callable, tuple]:
+    """(the framework's adapter of the step's convention or None, the step and arguments
+    to trace: the adapter's where there is one)."""
+    adapter = fw.adapt_step(step_fn, args)
+    return (None, step_fn, args) if adapter is None else (adapter, adapter, adapter.args(args))
 
 
 class _Adapted:
@@ -79,9 +84,7 @@ def compile(step_fn: Callable, *example_args: Any, passes: str = "",
     rounding of eager's); None picks the default (docs/torch.md). JAX steps run under
     jax.jit."""
     fw = frameworks.of_args(example_args)
-    adapter = fw.adapt_step(step_fn, example_args)
-    if adapter is not None:
-        step_fn, example_args = adapter, adapter.args(example_args)
+    adapter, step_fn, example_args = _adapt(fw, step_fn, example_args)
     # the runner keeps this step's own argument and output structure, whatever passes do
     graph, extra = fw.trace(step_fn, example_args, codegen=codegen or "auto")
     if passes:
@@ -140,11 +143,10 @@ class ParallelStep:
         """Trace and plan for these arguments without running anything; returns self.
         ``ctx`` (a PassContext) asks for IR dumps and collects pass timings."""
         mb = self.pipeline.microbatches if self.pipeline is not None else 1
-        step_fn, nums = self.step_fn, self.batch_argnums
-        self._adapter = frameworks.of_args(example_args).adapt_step(step_fn, example_args)
-        if self._adapter is not None:
-            step_fn, nums = self._adapter, self._adapter.batch_argnums(nums)
-            example_args = self._adapter.args(example_args)
+        self._adapter, step_fn, example_args = _adapt(frameworks.of_args(example_args),
+                                                      self.step_fn, example_args)
+        nums = self.batch_argnums if self._adapter is None else \
+            self._adapter.batch_argnums(self.batch_argnums)
         self._fw, graph, self._extra = trace_step(step_fn, example_args, self.mesh,
                                                   self.axis, nums, mb,
                                                   codegen=self.codegen or self._auto())

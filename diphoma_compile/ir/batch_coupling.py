@@ -548,13 +548,13 @@ def _first_fit(menu: Sequence[Strategy], actual: Sequence[object]) -> Strategy |
 
 
 _SWAP = {"max": "min", "min": "max"}
+_COUNT = "divides by a sum over the batch (a count of its examples or tokens)"
+_NONLINEAR = "reads a sum or mean over the batch in math that is not linear in it"
 
 
 def _span(rows: range) -> str:
     step = f":{rows.step}" if rows.step != 1 else ""
     return f"[{rows.start}:{rows.stop}{step}]"
-_COUNT = "divides by a sum over the batch (a count of its examples or tokens)"
-_NONLINEAR = "reads a sum or mean over the batch in math that is not linear in it"
 
 
 def _rows_kept(actual: Sequence[object], ins: Sequence[TensorType],

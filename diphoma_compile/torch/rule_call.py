@@ -130,16 +130,18 @@ def _cost(fn: Callable[[_Call], float]) -> Callable:
     return cost
 
 
+def _on_call(fn: Callable[[_Call], Any] | None) -> Callable | None:
+    """A framework rule's ``(op, ins, outs)`` function from one that reads the call."""
+    return None if fn is None else (lambda op, ins, outs: fn(_Call(op, ins, outs)))
+
+
 def _register(targets: str, flops: Callable[[_Call], float],
               strategies: Callable[[_Call], list] | None = None,
               nbytes: Callable[[_Call], float] | None = None, regroup: bool = True,
               batch_stats: bool = False, row_mean: str = "",
               row_window: Callable[[_Call], list[range] | None] | None = None,
               row_weighted: Callable[[_Call], bool] | None = None) -> None:
-    window = None if row_window is None else \
-        (lambda op, ins, outs: row_window(_Call(op, ins, outs)))
-    weighted = None if row_weighted is None else \
-        (lambda op, ins, outs: row_weighted(_Call(op, ins, outs)))
+    window, weighted = _on_call(row_window), _on_call(row_weighted)
     for t in targets.split():
         register_framework_op(FrameworkOpRule(
             f"aten.{t}", _cost(flops), None if strategies is None else _menu(strategies),

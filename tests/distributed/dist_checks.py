@@ -522,6 +522,19 @@ def run_summed(rank: int, world: int) -> dict:
     return out
 
 
+def side_by_side(step, step_fn, state: tuple, ref_state: tuple, batches: list, rank: int,
+                 world: int) -> tuple[list, list]:
+    """The parallel ``step`` on this rank's share of each global batch, and (rank 0) the
+    single-device ``step_fn`` on the whole of it: the returned values of each call, as
+    floats (the reference's list is empty on other ranks)."""
+    got, want = [], []
+    for b in batches:
+        got.append([float(t) for t in step(*state, *local(b, rank, world))])
+        if rank == 0:
+            want.append([float(t) for t in step_fn(*ref_state, *b)])
+    return got, want
+
+
 def sum_loss_step(model, opt, batch):
     """A loss summed over the batch (reduction="sum"), as the PyTorch VAE example writes
     its reconstruction loss, and a count of correct answers."""
@@ -545,11 +558,8 @@ def run_sum_loss(rank: int, world: int) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.002, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.002, momentum=0.9)
     step = diphoma_compile.parallelize(sum_loss_step, diphoma_compile.Mesh({"dp": world}))
-    got, want = [], []
-    for b in mlp_batches(world, seed=5)[:3]:
-        got.append([t.item() for t in step(model, opt, *local(b, rank, world))])
-        if rank == 0:
-            want.append([t.item() for t in sum_loss_step(ref, ref_opt, *b)])
+    got, want = side_by_side(step, sum_loss_step, (model, opt), (ref, ref_opt),
+                             mlp_batches(world, seed=5)[:3], rank, world)
     notes = step.plan.notes["data-parallel"]
     out = {"got": got, "combined": notes["combined"], "gradients": notes["gradients"]}
     if rank == 0:
@@ -589,11 +599,8 @@ def run_after_step(rank: int, world: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
     step = diphoma_compile.parallelize(after_step_step, diphoma_compile.Mesh({"dp": world}))
-    got, want = [], []
-    for b in mlp_batches(world, seed=9)[:3]:
-        got.append([float(t) for t in step(model, opt, *local(b, rank, world))])
-        if rank == 0:
-            want.append([float(t) for t in after_step_step(ref, ref_opt, *b)])
+    got, want = side_by_side(step, after_step_step, (model, opt), (ref, ref_opt),
+                             mlp_batches(world, seed=9)[:3], rank, world)
     out = {"got": got}
     if rank == 0:
         out.update(want=want, param=compare_params(model, ref),
