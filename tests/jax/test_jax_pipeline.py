@@ -112,8 +112,10 @@ def _exact(step, params, tx, batches):
 
 def test_clipped_adamw_gpipe_is_as_close_as_data_parallelism():
     """AdamW behind a global gradient-norm clip: each stage's norms go to one stage, the
-    factor comes back (the update in rounds). The pipelined parameters are as far from the
-    exact (float64) step as data parallelism's, within 2x. (Against the float32
+    factor comes back (the update in rounds). The pipelined parameters are no further from
+    the exact (float64) step than 4x data parallelism's distance (the issue's bound; 2.35x
+    on an AMD EPYC AVX2 CPU, 2.03e-5 against 8.7e-6, under 2x on an AVX-512 one) and 2x the
+    single-device float32 step's (0.86x on the EPYC). (Against the float32
     single-device step the distance is ruled by one element: a query weight whose Adam
     second moment is 3e-10 turns its gradient's rounding into an update 1.6e-5 off under
     the pipeline and 9e-7 off under dp=8 on an AVX2 CPU, within 4x of each other on an
@@ -129,7 +131,7 @@ def test_clipped_adamw_gpipe_is_as_close_as_data_parallelism():
     exact = _exact(step, params, tx, batches)
     one = _distance(ref_state[0], exact)
     ours, theirs = _distance(state[0], exact), _distance(dp.user_shapes(dp_state[0], 0), exact)
-    assert ours <= 2 * theirs and ours <= 2 * one, (ours, theirs, one)
+    assert ours <= 4 * theirs and ours <= 2 * one, (ours, theirs, one)
     assert _distance(state[0], params) > 1e-2          # it trained
     assert pp.runner.cut.nrounds >= 2           # norms in, then the factor back
 
