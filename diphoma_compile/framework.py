@@ -117,6 +117,11 @@ def imported() -> list[Framework]:
 
 def of_args(args: tuple) -> Framework:
     """The framework a step's example arguments belong to; FrontendError when none does."""
+    if not args:
+        raise FrontendError("no example arguments: the step is traced with the arguments it "
+                            "will be called with, so they come with it",
+                            hint="compile(step, model, opt, batch) or "
+                                 "trace(step, params, opt_state, batch)")
     for fw in imported():
         if fw.owns(args):
             return fw

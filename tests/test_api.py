@@ -44,3 +44,11 @@ def test_torch_step_through_public_api():
 def test_no_framework_values_is_an_error():
     with pytest.raises(DiphomaError):
         diphoma_compile.trace(lambda a, b: a, 1, 2)
+
+
+def test_compile_without_example_arguments_says_to_pass_them():
+    """``compile(step)`` alone, as ``torch.compile`` is called: the error says the example
+    arguments go with the step."""
+    with pytest.raises(DiphomaError, match="no example arguments") as got:
+        diphoma_compile.compile(lambda model, opt, x: None)
+    assert "compile(step, model, opt, batch)" in got.value.hint

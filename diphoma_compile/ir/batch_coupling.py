@@ -163,6 +163,9 @@ class _Follow:
         self.counts: set[int] = set()     # scalars of sums divided by: counts (ids of ops)
         # a value split by rows -> the windows of its rows that slices read, with their ops
         self.windows: dict[str, list[tuple[range, Op]]] = {}
+        # a window's result -> the value it was taken from and its rows
+        self.window_of: dict[str, tuple[str, range]] = {}
+        self.constant_made: dict[str, bool] = {}
         self.read = {n for op in graph.ops for n in free_inputs(op)} | \
             {o.name for o in graph.outputs}
 
@@ -194,7 +197,94 @@ class _Follow:
                 self.report(op, "makes the loss a maximum or minimum over the batch: each "
                                 "share's gradients are those of its own", certain=True)
         self.positional_rows()
+        self.shape_counts()
         return self.found
+
+    def shape_counts(self) -> None:
+        """A returned value, or a buffer's new value, that no batch value reaches but that
+        is made from the number of the share's rows (``seen += x.shape[0]``,
+        ``torch.tensor(x.shape[0])``, ``ones(x.shape[0]).sum()``): traced at a share, the
+        batch's size is the share's, so each device counts its own rows, not the batch's.
+        A number equal to the rows can be something else (8 heads beside a batch of 8):
+        the words say "if"."""
+        rows = {self.types[n].shape[0] for n, s in self.at.items()
+                if s == Shard(0) and self.types[n].rank and
+                any(i.name == n for i in self.graph.inputs)}
+        if len(rows) != 1:
+            return
+        (n,) = rows
+        kinds = {i.name: i.role.kind for i in self.graph.inputs}
+        made: set[int] = set()
+        for o in self.graph.outputs:
+            kind = o.role.kind
+            if not (kind in (OutputKind.loss, OutputKind.metric) or
+                    kind is OutputKind.replaces and kinds.get(o.role.target) is InputKind.buffer):
+                continue
+            state = self.state(o.name)
+            if state != REPLICATE and not isinstance(state, frozenset):
+                continue            # made from the batch: judged by what made it
+            op = self.counted_rows(o.name, n, set())
+            if op is None or id(op) in made:
+                continue
+            made.add(id(op))
+            made_by, where = self.producer.get(o.name), None
+            if not op.loc and not self.near(op):
+                # a constant without a source line: where it is used, or what it makes
+                if made_by is not None and made_by.loc:
+                    op = made_by
+                else:
+                    where = f"the step's result %{o.name}"
+            what = f"the new value of buffer %{o.role.target}" \
+                if kind is OutputKind.replaces else "a value the step returns"
+            self.report(op, f"makes {what} from the number {n}, the rows of the share of "
+                            "the batch it was traced with, and from nothing else of the "
+                            "batch: if that is the batch's size (x.shape[0], a tensor of "
+                            "ones at it), each device counts its own share's rows, not the "
+                            "batch's (count outside the step, where the batch's size is "
+                            "known, or from values of the batch, a mask's sum, which the "
+                            "devices add up)",
+                        certain=True, where=where)
+
+    def counted_rows(self, name: str, n: int, seen: set[str]) -> Op | None:
+        """The op making a constant part of ``name`` (built from no input) that holds the
+        number ``n`` (a ``full`` of it) or has ``n`` rows; None if there is none."""
+        if name in seen:
+            return None
+        seen.add(name)
+        op = self.producer.get(name)
+        if op is None or op.regions:
+            return None
+        if self.built(name):
+            return self.holds(name, n, set())
+        for x in op.inputs:
+            found = self.counted_rows(x, n, seen)
+            if found is not None:
+                return found
+        return None
+
+    def built(self, name: str) -> bool:
+        """Made by ops that read no input of the graph (constants and math on them)."""
+        got = self.constant_made.get(name)
+        if got is None:
+            op = self.producer.get(name)
+            got = op is not None and not op.regions and \
+                all(self.built(x) for x in op.inputs)
+            self.constant_made[name] = got
+        return got
+
+    def holds(self, name: str, n: int, seen: set[str]) -> Op | None:
+        if name in seen:
+            return None
+        seen.add(name)
+        op, t = self.producer[name], self.types[name]
+        if op.name == "full" and t.rank == 0 and op.attrs.get("value") == n or \
+                t.rank >= 1 and t.shape[0] == n:
+            return op
+        for x in op.inputs:
+            found = self.holds(x, n, seen)
+            if found is not None:
+                return found
+        return None
 
     def note_windows(self, op: Op, actual: Sequence[object], ins: Sequence[TensorType],
                      outs: Sequence[TensorType]) -> None:
@@ -215,6 +305,7 @@ class _Follow:
         for rows, v in zip(got, op.results):
             if v.name in self.read and len(rows) < ins[0].shape[0]:
                 self.windows.setdefault(op.inputs[0], []).append((rows, op))
+                self.window_of[v.name] = (op.inputs[0], rows)
 
     def positional_rows(self) -> None:
         """Slices of the batch's rows that, together, leave some rows out: ``x[:n // 2]``
@@ -224,6 +315,15 @@ class _Follow:
         for name, windows in self.windows.items():
             n = self.types[name].shape[0]
             taken = set().union(*(set(r) for r, _ in windows))
+            apart = {r: op for r, op in windows}        # one window taken twice: once
+            if sum(len(r) for r in apart) > len(taken):
+                (a, _), (b, op) = _overlapping(list(apart.items()))
+                a, b = sorted((a, b), key=lambda r: (r.start, r.stop))
+                self.report(op, f"takes rows {_span(a)} and {_span(b)} of {n}, which "
+                                "overlap: it pairs examples by their position (neighbouring "
+                                "rows), and a device's share pairs other examples",
+                            certain=True)
+                continue
             if len(taken) == n:
                 continue
             rows, op = windows[0]
@@ -232,6 +332,16 @@ class _Follow:
                             "(take the rows before the step, or pass only the rows to train "
                             "on)",
                         certain=True)
+
+    def reorders(self, op: Op) -> bool:
+        """A concatenation of windows of one value's rows in an order other than theirs
+        (``jnp.roll`` along the batch: its last rows, then its first)."""
+        got = [self.window_of.get(n) for n in op.inputs]
+        if any(g is None for g in got) or len({src for src, _ in got}) != 1:
+            return False
+        rows = [r for _, r in got]
+        return any(a.step != 1 or b.step != 1 or a.stop != b.start
+                   for a, b in zip(rows, rows[1:]))
 
     def made_by(self, name: str) -> Op:
         return self.producer[name]
@@ -306,7 +416,13 @@ class _Follow:
         if not _has_strategies(op):
             self.set(op, _unjudged(actual, ins, outs))
             return
-        if _rows_kept(actual, ins, outs):
+        if op.name == "concat" and int(op.attrs["dim"]) == 0 and self.reorders(op):
+            self.report(op, "joins windows of the batch's rows in another order (a roll of "
+                            "the rows): each device's share would pair other examples",
+                        certain=True)
+            self.set(op, [_UNKNOWN] * len(outs))
+            return
+        if _takes_or_joins(op, rule) and _rows_kept(actual, ins, outs):
             self.set(op, [Shard(0)] * len(outs))
             return
         if op.name != "div" and _scalar_math(actual, ins, outs):
@@ -383,20 +499,26 @@ class _Follow:
     def picked_per_row(self, op: Op, rule: FrameworkOpRule, actual: Sequence[object],
                        ins: Sequence[TensorType], outs: Sequence[TensorType]) -> int | None:
         """A gather of each row's own entry (``logp[arange(n), labels]``): the operand's
-        rows split, the indices' rows split (or a constant), and the index entry picking
-        the operand's rows holding each row's position. The result's split dim, or None."""
-        operand, idx = actual
+        rows split, every index operand's rows split (or a constant), and the index picking
+        the operand's rows holding each row's position (an entry of the index vector, or
+        each element). The result's split dim, or None."""
         picks, out_dim = rule.row_picks(op, ins, outs)
+        operand = actual[0]
         if not isinstance(operand, Shard) or operand.dim not in picks or out_dim is None or \
-                not (idx == Shard(0) or isinstance(idx, frozenset) and Shard(0) in idx) or \
-                ins[1].rank < 2 or ins[1].shape[0] != ins[0].shape[operand.dim]:
+                any(not (a == Shard(0) or isinstance(a, frozenset) and Shard(0) in a)
+                    for a in actual[1:]):
             return None
-        return out_dim if self.positions(op.inputs[1], picks[operand.dim]) else None
+        at, entry = picks[operand.dim]
+        if ins[at].rank < (1 if entry is None else 2) or \
+                ins[at].shape[0] != ins[0].shape[operand.dim]:
+            return None
+        return out_dim if self.positions(op.inputs[at], entry) else None
 
     def positions(self, name: str, entry: int | None) -> bool:
         """Whether each element of a value (``entry`` None), or entry ``entry`` of its last
         dim, is the position of its row along dim 0: an iota along dim 0 (built at the
-        share's rows, as the share's own positions), normalized for negative indices
+        share's rows, as the share's own positions; a framework op counting so, its
+        ``iota_dim``), normalized for negative indices
         (``select(i < 0, i + n, i)``), broadcast, reshaped or converted to one element
         per row, joined beside other entries (``concat`` on the last dim)."""
         op, t = self.producer.get(name), self.types[name]
@@ -404,6 +526,10 @@ class _Follow:
             return False
         if op.name == "iota":
             return int(op.attrs["dim"]) == 0
+        rule = framework_rule(op) if op.name == "opaque" else None
+        if rule is not None and rule.iota_dim is not None:     # torch.arange(n)
+            return rule.iota_dim(op, [self.types[n] for n in op.inputs],
+                                 [v.type for v in op.results]) == 0
         if op.name == "concat" and entry is not None and int(op.attrs["dim"]) == t.rank - 1:
             for x in op.inputs:
                 if entry < self.types[x].shape[-1]:
@@ -483,9 +609,10 @@ class _Follow:
             else:
                 self.at[v.name] = s
 
-    def report(self, op: Op, why: str, certain: bool) -> None:
+    def report(self, op: Op, why: str, certain: bool, where: str | None = None) -> None:
         name = str(op.attrs.get("target", "")) if op.name == "opaque" else op.name
-        self.found.append(Coupling(op.loc or self.near(op) or name, name, why, certain))
+        self.found.append(Coupling(where or op.loc or self.near(op) or name, name, why,
+                                   certain))
 
     def near(self, op: Op) -> str | None:
         """For an op the frontend gave no source line (inside a library's decomposed
@@ -552,9 +679,26 @@ _COUNT = "divides by a sum over the batch (a count of its examples or tokens)"
 _NONLINEAR = "reads a sum or mean over the batch in math that is not linear in it"
 
 
+def _overlapping(windows: list[tuple[range, Op]]
+                 ) -> tuple[tuple[range, Op], tuple[range, Op]]:
+    """Two of ``windows`` sharing a row, in program order."""
+    for i, (a, op_a) in enumerate(windows):
+        for b, op_b in windows[i + 1:]:
+            if set(a) & set(b):
+                return (a, op_a), (b, op_b)
+    raise AssertionError("no two windows overlap")
+
+
 def _span(rows: range) -> str:
     step = f":{rows.step}" if rows.step != 1 else ""
     return f"[{rows.start}:{rows.stop}{step}]"
+
+
+def _takes_or_joins(op: Op, rule: FrameworkOpRule | None) -> bool:
+    """A slice, split or concatenation: the ops whose results' rows are rows of their
+    operands (``_rows_kept``); a sort or top-k over the rows makes fewer rows too."""
+    return op.name in ("slice", "concat") or rule is not None and (
+        rule.row_window is not None or rule.joins_rows)
 
 
 def _rows_kept(actual: Sequence[object], ins: Sequence[TensorType],

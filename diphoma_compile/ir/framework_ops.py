@@ -26,8 +26,9 @@ class FrameworkOpRule:
     their values (cross-entropy's ignored targets and class weights); the words say so
     (``batch_coupling.py``: a share's mean is exact when every share counts alike).
     ``row_picks``: for a gather, the operand dims it picks one index at a time, each with
-    the entry of the index vector that picks it, and the result's dim holding the indices'
-    first dim; where that entry is each row's own position (``logp[arange(n), labels]``),
+    the input position of the index operand that picks it and the entry of its index vector
+    (None: each of its elements is an index), and the result's dim holding the indices'
+    first dim; where that index is each row's own position (``logp[arange(n), labels]``),
     the operand's rows split with the indices' is a pick per example (``batch_coupling``).
     ``row_window``: for a slice or split, the rows of its first operand's dim 0 that each
     result holds (a ``range``), or None where it cuts another dim; ``batch_coupling`` finds
@@ -37,7 +38,13 @@ class FrameworkOpRule:
     reported as such, not as a count. ``shape_attr``: for an op that makes random numbers
     (or keys) from one key at a shape it names, the attribute holding that shape: data
     parallelism may draw at the global batch's shape and keep each device's rows
-    (``passes/data_parallel.py``)."""
+    (``passes/data_parallel.py``). ``joins_rows``: a concatenation (or a slice at run-time
+    offsets) whose results' rows are its operands' rows: with the slices (``row_window``)
+    the only framework ops whose pieces of the batch's rows stay rows (``batch_coupling``);
+    any other op with strategies, none taking the rows split, combines examples (a sort
+    or top-k along the batch). ``iota_dim``: for an op that makes positions (``arange``),
+    the dim along which its result counts each element's own position (0, 1, ..., or -n,
+    ..., -1, which index the same rows), else None."""
 
     target: str
     flops: CostFn
@@ -47,11 +54,13 @@ class FrameworkOpRule:
     batch_stats: bool = False
     row_mean: str = ""
     row_picks: Callable[[Op, Sequence[TensorType], Sequence[TensorType]],
-                        tuple[dict[int, int], int | None]] | None = None
+                        tuple[dict[int, tuple[int, int | None]], int | None]] | None = None
     row_window: Callable[[Op, Sequence[TensorType], Sequence[TensorType]],
                          list[range] | None] | None = None
     shape_attr: str = ""
     row_weighted: Callable[[Op, Sequence[TensorType], Sequence[TensorType]], bool] | None = None
+    joins_rows: bool = False
+    iota_dim: Callable[[Op, Sequence[TensorType], Sequence[TensorType]], int | None] | None = None
 
 
 FRAMEWORK_OPS: dict[str, FrameworkOpRule] = {}

@@ -328,13 +328,14 @@ def _split_rows(op: Op, ins: Types, outs: Types) -> list[range] | None:
     return [range(a, b) for a, b in zip(ends, ends[1:])]
 
 
-def _gather_picks(op: Op, ins: Types, outs: Types) -> tuple[dict[int, int], int | None]:
+def _gather_picks(op: Op, ins: Types, outs: Types
+                  ) -> tuple[dict[int, tuple[int, int | None]], int | None]:
     """The operand dims a gather picks one index at a time (collapsed, indexed, not batching
-    dims), each with the entry of the index vector picking it; and the result's dim that
-    holds the indices' first dim."""
+    dims), each with its index operand (the indices, input 1) and the entry of the index
+    vector picking it; and the result's dim that holds the indices' first dim."""
     dn = _param(op, "dimension_numbers")
     start_map, collapsed = tuple(dn.start_index_map), set(dn.collapsed_slice_dims)
-    picks = {d: k for k, d in enumerate(start_map)
+    picks = {d: (1, k) for k, d in enumerate(start_map)
              if d in collapsed and d not in tuple(dn.operand_batching_dims)}
     return picks, next((d for d in range(outs[0].rank) if d not in tuple(dn.offset_dims)),
                        None)
@@ -410,7 +411,7 @@ _register("split", _none, _along_axis(_axis("axis")), row_window=_split_rows)
 _register("reshape", _none, _reshape, regroup=False)
 _register("rev", _none, _rev)
 _register("pad", _none, _pad)
-_register("dynamic_slice", _none, _dynamic_slice, _dynamic_slice_bytes)
+_register("dynamic_slice", _none, _dynamic_slice, _dynamic_slice_bytes, joins_rows=True)
 _register("dynamic_update_slice", _none, _dynamic_update_slice, _dynamic_update_bytes)
 _register("reduce_window_sum", _window_flops, _window("sum"))
 _register("reduce_window_max", _window_flops, _window("max"))

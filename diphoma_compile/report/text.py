@@ -356,10 +356,10 @@ def coupling_warning(dp: DataParallelRecord | None, pp: PipelineRecord | None) -
     more = f" (and {len(where) - 2} more: the plan lists them)" if len(where) > 2 else ""
     return (f"the step's forward combines examples of its batch: {'; '.join(where[:2])}"
             f"{more}. Under this plan {_shares(dp, pp, 'batch_coupled')} computes it alone "
-            "and the results are averaged, as DDP does, so losses and gradients differ from "
-            "the single-device step's. To match it, compute such terms from values that do "
-            "not mix examples (LayerNorm or GroupNorm for a batch norm), or run the step "
-            "without splitting its batch.")
+            "and the results are averaged, as DDP does, so what it feeds (the loss and "
+            "gradients, a metric, a buffer) differs from the single-device step's. To match "
+            "it, compute such terms from values that do not mix examples (LayerNorm or "
+            "GroupNorm for a batch norm), or run the step without splitting its batch.")
 
 
 def _quantized_lines(plan: Plan) -> list[str]:

@@ -28,9 +28,15 @@ Flop conventions (logical, whole tensors; one multiply-add is 2 flops, as
   max pooling 1 per window element of each result (backward: 1 per grad_out element);
   ``_foreach_norm`` 2 per element; embedding 0; embedding_dense_backward 1 per grad_out
   element (its adds).
-- 0 flops: views (slice, select, squeeze, unsqueeze, split, unbind), copies (clone, copy,
-  _to_copy), cat, stack, padding, gather, the scatters and slice/select backward, creation
-  (arange, zeros, ones, empty, full, *_like, new_*, scalar_tensor).
+- reductions over named dims and scans, per element of the input: var, std (and with their
+  mean), logsumexp 3; norms 2; max, min, median, kthvalue, mode, any, all, prod, nansum,
+  sort, topk, cumulative sums, products, maxima and logsumexp 1 (a sort counted as one
+  pass). cdist and pdist 3 per result element per feature; xlogy 2, other elementwise
+  ops kept opaque (add/sub of a number, isnan, rounding, sign) 1 per element.
+- 0 flops: views (slice, select, squeeze, unsqueeze, split, unbind, unfold), copies (clone,
+  copy, _to_copy), cat, stack, padding, roll, flip, gather, indexing, the scatters and
+  slice/select backward, creation (arange, zeros, ones, empty, full, *_like, new_*,
+  scalar_tensor).
 
 Bytes: every operand and result read or written once, except views (0: the result aliases
 its operand), creation ops (only what they write; ``empty*`` nothing), embedding (the indices,
@@ -304,6 +310,114 @@ def _masked_fill(c: _Call) -> list:
     menu = _elementwise()(c)
     if c["value"] == 0:
         menu.append(c.strategy({"self": _P}, _P, "partial"))
+    return menu
+
+
+# ------------------------------------------------------------------ reductions and scans
+
+def _dims_named(c: _Call, name: str = "dim") -> set[int]:
+    """The operand dims an argument names (None or empty: every dim)."""
+    rank = c.t("self").rank
+    dims = c[name]
+    if dims is None or (isinstance(dims, (list, tuple)) and not dims):
+        return set(range(rank))
+    dims = dims if isinstance(dims, (list, tuple)) else (dims,)
+    return {_dim(d, rank) for d in dims}
+
+
+def _reduce(sums: bool = False) -> Callable[[_Call], list]:
+    def fn(c: _Call) -> list:
+        """Dims not reduced split, every result alike (values and indices, a variance and
+        its mean); a sum (nansum) also makes a split of a reduced dim a partial sum (not
+        linear in partial sums: NaN in one piece is not NaN in their sum)."""
+        gone = _dims_named(c)
+        keep = bool(c.args.get("keepdim"))
+        menu = _keeps(c, lambda d: None if d in gone else
+                      (d if keep else d - sum(g < d for g in gone)), linear=False)
+        if sums:
+            menu += [c.strategy({"self": Shard(d)}, _P, "contract") for d in sorted(gone)]
+        return menu
+    return fn
+
+
+def _along_dims(name: str, linear: bool = False) -> Callable[[_Call], list]:
+    def fn(c: _Call) -> list:
+        """Dims other than those the op runs along (sorts, scans, rolls, flips) split;
+        a roll with no dims runs along the flattened tensor: nothing splits."""
+        if name == "dims" and not c[name]:
+            return []
+        along = _dims_named(c, name)
+        return _keeps(c, lambda d: None if d in along else d, linear=linear)
+    return fn
+
+
+def _cdist(c: _Call) -> list:
+    """Leading (batch) dims split both operands; x1's rows split the result's rows and
+    x2's its columns (the other operand whole)."""
+    x1, x2 = c.t("x1"), c.t("x2")
+    r = c.outs[0].rank
+    menu = [c.strategy({"x1": Shard(d), "x2": Shard(d)}, Shard(d), "split")
+            for d in range(r - 2) if x1.rank == x2.rank == r]
+    menu.append(c.strategy({"x1": Shard(x1.rank - 2)}, Shard(r - 2), "rows"))
+    menu.append(c.strategy({"x2": Shard(x2.rank - 2)}, Shard(r - 1), "columns"))
+    return menu
+
+
+def _counts(c: _Call) -> int | None:
+    """``arange(n)``, ``arange(0, n)`` or ``arange(-n, 0)``: each element its own position
+    along dim 0 (negative positions index the same rows)."""
+    n = c.outs[0].shape[0] if c.outs and c.outs[0].rank == 1 else None
+    start, end = c.args.get("start", 0), c["end"]
+    step = c.args.get("step", 1)
+    if n is None or step not in (1, None) or not isinstance(start, int) or \
+            not isinstance(end, int):
+        return None
+    return 0 if (start, end) in ((0, n), (-n, 0)) else None
+
+
+def _index_tensors(c: _Call) -> tuple[list[tuple[int, _T]], int] | None:
+    """The index tensors of ``x[...]`` with their operand dims, and the result's dim
+    holding their dims; None unless they are integer tensors of one shape on adjacent
+    dims."""
+    given = [(k, v) for k, v in enumerate(c["indices"]) if v is not None]
+    if not given or any(not isinstance(v, _T) or not c.ins[v.index].dtype.is_int
+                        for _, v in given) or \
+            len({c.ins[v.index].shape for _, v in given}) != 1:
+        return None
+    ks = [k for k, _ in given]
+    return (given, ks[0]) if ks == list(range(ks[0], ks[0] + len(ks))) else None
+
+
+def _index_picks(c: _Call) -> tuple[dict[int, tuple[int, None]], int | None]:
+    """Each indexed operand dim with the input position of the tensor indexing it (each
+    element an index), and the result's dim holding the indices' first dim."""
+    found = _index_tensors(c)
+    if found is None:
+        return {}, None
+    given, first = found
+    return {k: (v.index, None) for k, v in given}, first
+
+
+def _index(c: _Call) -> list:
+    """``x[i]``, ``x[:, i]``, ``x[i, j]`` with integer index tensors of one shape on
+    adjacent dims: the index's dims split the result's dims they become (x whole); x's dims
+    that are not indexed split where they land (the index whole). Rows of x split while an
+    index picks among them is not a split: each device's rows sit at other positions
+    (``batch_coupling`` accepts a pick of each row's own position)."""
+    x = c.t("self")
+    found = _index_tensors(c)
+    if found is None:
+        return []
+    given, first = found
+    n, ir = len(given), c.ins[given[0][1].index].rank
+    menu = [c.strategy({"indices": [Shard(j) if v is not None else _R
+                                    for v in c["indices"]]}, Shard(first + j), "index")
+            for j in range(ir)]
+    for d in range(x.rank):
+        if d < first:
+            menu.append(c.strategy({"self": Shard(d)}, Shard(d), "split"))
+        elif d >= first + n:
+            menu.append(c.strategy({"self": Shard(d)}, Shard(d - n + ir), "split"))
     return menu
 
 
@@ -736,9 +850,10 @@ def with_local_arguments(op: Op, args: Sequence[Any], kwargs: dict[str, Any],
 # ------------------------------------------------------------------ the rules
 
 # creation: nothing read, the result written (empty: not even that); run whole
-_register("arange.default arange.start arange.start_step ones.default zeros.default "
-          "full.default scalar_tensor.default new_zeros.default new_ones.default "
-          "new_full.default", _zero, nbytes=_written)
+_register("arange.default arange.start arange.start_step", _zero, nbytes=_written,
+          iota_dim=_counts)
+_register("ones.default zeros.default full.default scalar_tensor.default new_zeros.default "
+          "new_ones.default new_full.default", _zero, nbytes=_written)
 _register("empty.memory_format empty_strided.default new_empty.default", _zero, nbytes=_views)
 _register("ones_like.default full_like.default", _zero, _like(False), _written)
 _register("zeros_like.default", _zero, _like(True), _written)
@@ -759,7 +874,7 @@ _register("clone.default", _zero, _elementwise(("self",)))
 _register("_to_copy.default", _zero, _elementwise())
 _register("copy.default", _zero, _elementwise(),
           lambda c: _nbytes(c.t("src")) + _written(c))
-_register("cat.default", _zero, _cat)
+_register("cat.default", _zero, _cat, joins_rows=True)
 _register("stack.default", _zero, _stack)
 _register("constant_pad_nd.default", _zero, _pad)
 _register("slice_backward.default", _zero, _slice_backward)
@@ -807,6 +922,32 @@ _register("nll_loss_backward.default", lambda c: max(_numel(c.t("target")), 1), 
 _register("mse_loss.default", _per_in(3), _mse)
 _register("mse_loss_backward.default", lambda c: 3 * c.t("self").numel, _mse_backward)
 _register("argmax.default", _per_in(1), _argmax)
+# reductions over named dims (every dim when none is named), sorts and scans along one
+_register("var.correction std.correction var_mean.correction std_mean.correction",
+          _per_in(3), _reduce())
+_register("logsumexp.default", _per_in(3), _reduce())
+_register("norm.ScalarOpt_dim linalg_vector_norm.default", _per_in(2), _reduce())
+_register("max.dim min.dim median.dim nanmedian.dim kthvalue.default mode.default any.dim "
+          "all.dim any.dims all.dims prod.dim_int", _per_in(1), _reduce())
+_register("nansum.default", _per_in(1), _reduce(sums=True))
+_register("sort.default sort.stable topk.default cummax.default cummin.default "
+          "cumprod.default logcumsumexp.default", _per_in(1), _along_dims("dim"))
+_register("cumsum.default", _per_in(1), _along_dims("dim", linear=True))
+_register("roll.default", _zero, _along_dims("dims", linear=True))
+_register("flip.default", _zero, _along_dims("dims", linear=True))
+_register("unfold.default", _zero, _along_dims("dimension"), _views)
+_register("_cdist_forward.default",
+          lambda c: 3 * c.outs[0].numel * c.t("x1").shape[-1], _cdist)
+# every pair of rows: no split gives a slice of its result
+_register("_pdist_forward.default",
+          lambda c: 3 * c.outs[0].numel * c.t("self").shape[-1], lambda c: [])
+_register("index.Tensor", _zero, _index, lambda c: sum(_nbytes(t) for t in c.ins[1:])
+          + 2 * _written(c), row_picks=_index_picks)
+# elementwise ops the importer keeps opaque
+_register("add.Scalar sub.Scalar rsub.Scalar isnan.default logical_not.default "
+          "ceil.default floor.default round.default trunc.default sign.default",
+          _per_out(1), _elementwise())
+_register("xlogy.Tensor", _per_out(2), _elementwise())
 _register("_foreach_norm.Scalar", lambda c: 2 * sum(t.numel for t in c.ins))
 
 # matmul, convolution, embedding

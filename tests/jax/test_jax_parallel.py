@@ -862,6 +862,68 @@ def test_rows_taken_by_position_are_warned_of(take):
         pstep.trace(params, tx.init(params), batch)
 
 
+@pytest.mark.parametrize("take", ["roll", "diff", "shift pairs"])
+def test_rows_paired_by_position_are_warned_of(take):
+    """``jnp.roll`` along the batch (its last rows joined before its first) and
+    ``jnp.diff`` (two overlapping windows of the rows) pair each example with its
+    neighbour: a device's share pairs other examples (before: silently averaged). The
+    same windows joined in order stay exact."""
+    tx = optax.sgd(0.1)
+
+    def step(params, opt_state, batch):
+        x, y = batch
+
+        def loss_of(p):
+            h = x @ p["w"]
+            if take == "roll":
+                return jnp.mean((h - jnp.roll(y, 1, axis=0)) ** 2)
+            if take == "diff":
+                return jnp.mean(jnp.diff(h, axis=0) ** 2)
+            n = y.shape[0]
+            return jnp.mean((h - jnp.concatenate([y[: n // 2], y[n // 2:]])) ** 2)
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = {"w": jax.random.normal(k[0], (8, 4))}
+    batch = (jax.random.normal(k[1], (32, 8)), jax.random.normal(k[2], (32, 4)))
+    pstep = parallelize(step, jax_mesh((8,)), axis="data")
+    if take == "shift pairs":
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DiphomaWarning)
+            got = pstep(params, tx.init(params), batch)
+        want = jax.jit(step)(params, tx.init(params), batch)
+        assert max_rel_dev(want[0], got[0]) <= 1e-5
+        return
+    match = {"roll": r"\(concat\): joins windows of the batch's rows in another order",
+             "diff": r"\(slice\): takes rows \[0:3\] and \[1:4\] of 4, which overlap"}[take]
+    with pytest.warns(DiphomaWarning, match=match):
+        pstep.trace(params, tx.init(params), batch)
+
+
+@pytest.mark.parametrize("count", ["shape", "ones", "ones_like"])
+def test_counts_from_the_batchs_shape_are_warned_of(count):
+    """The step is traced at a device's share: ``x.shape[0]`` and arrays of ones at it (JAX's
+    ``ones_like`` reads only its operand's shape) count the share's rows, 1/8 of the
+    batch here, and no value of the batch reaches them (silent before)."""
+    tx = optax.sgd(0.1)
+
+    def step(params, opt_state, batch):
+        x, y = batch
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean((x @ p["w"] - y) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        n = {"shape": lambda: jnp.asarray(x.shape[0], jnp.float32),
+             "ones": lambda: jnp.ones(x.shape[0]).sum(),
+             "ones_like": lambda: jnp.ones_like(x[:, 0]).sum()}[count]()
+        return optax.apply_updates(params, updates), opt_state, loss, n
+    params = {"w": jnp.ones((8, 4))}
+    pstep = parallelize(step, jax_mesh((8,)), axis="data")
+    where = r"the step's result %metric/1" if count == "shape" else r"test_jax_parallel.py:\d+"
+    with pytest.warns(DiphomaWarning, match=rf"{where} \(\w+\): makes a value the step "
+                                            r"returns from the number 4, the rows"):
+        pstep.trace(params, tx.init(params), (jnp.ones((32, 8)), jnp.ones((32, 4))))
+
+
 # ------------------------------------------------------------------ several batch arguments
 
 class Small(nn.Module):

@@ -131,6 +131,129 @@ def test_rows_taken_by_position_are_found(take):
     assert all(f"takes rows {want} by their position" in c.why for c in found)
 
 
+ACROSS_ROWS = {
+    # statistics, sorts and scans over the batch's rows
+    "std": (lambda h, y: F.mse_loss(h, y) + h.std(0).mean(), "aten.std.correction"),
+    "var": (lambda h, y: F.mse_loss(h, y) + h.var(0).mean(), "aten.var.correction"),
+    "max": (lambda h, y: h.max(0).values.mean(), "aten.max.dim"),
+    "median": (lambda h, y: h.median(0).values.mean(), "aten.median.dim"),
+    "logsumexp": (lambda h, y: h.logsumexp(0).mean(), "aten.logsumexp.default"),
+    "sort": (lambda h, y: F.mse_loss(h.sort(0).values, y), "aten.sort.default"),
+    "topk": (lambda h, y: h.topk(2, 0).values.mean(), "aten.topk.default"),
+    "cumsum": (lambda h, y: F.mse_loss(h.cumsum(0), y), "aten.cumsum.default"),
+    "quantile": (lambda h, y: torch.quantile(h, 0.5, dim=0).mean(), "aten.sort.default"),
+    # rows paired with other rows
+    "roll": (lambda h, y: F.mse_loss(h, y.roll(1, 0)), "aten.roll.default"),
+    "flip": (lambda h, y: F.mse_loss(h, y.flip(0)), "aten.flip.default"),
+    "permute": (lambda h, y: F.mse_loss(h[torch.tensor([1, 0, 3, 2, 5, 4, 7, 6])], y),
+                "aten.index.Tensor"),
+    "diff": (lambda h, y: torch.diff(h, dim=0).pow(2).mean(), "aten.slice.Tensor"),
+    "cdist": (lambda h, y: torch.cdist(h, y).mean(), "aten._cdist_forward.default"),
+    "pdist": (lambda h, y: F.pdist(h).mean(), "aten._pdist_forward.default"),
+    "unfold": (lambda h, y: h.unfold(0, 2, 2).pow(2).mean(), "aten.unfold.default"),
+    "triplet": (lambda h, y: F.triplet_margin_loss(h, y, y.roll(1, 0)), "aten.roll.default"),
+}
+
+
+@pytest.mark.parametrize("case", list(ACROSS_ROWS))
+def test_ops_across_the_rows_are_found(case):
+    """Statistics, sorts, scans, rolls and distances across the batch's rows (silent
+    before: these aten ops had no rules, so a loss read through them was averaged as if
+    it were a mean over examples)."""
+    torch.manual_seed(0)
+    loss_of, op = ACROSS_ROWS[case]
+    mlp = MLP(8, 16, 4)
+
+    def step(model, opt, x, y):
+        loss = loss_of(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    found = batch_coupling(diphoma_compile.trace(step, mlp, _sgd(mlp), torch.randn(8, 8),
+                                                 torch.randn(8, 4)))
+    assert [(c.op, c.certain) for c in found][:1] == [(op, True)], found
+    if case == "diff":
+        assert "takes rows [0:7] and [1:8] of 8, which overlap" in found[0].why
+
+
+@pytest.mark.parametrize("case", ["own row", "own row, negative", "columns", "lookup",
+                                  "gather", "across features"])
+def test_ops_within_each_row_are_not_found(case):
+    """The same ops within each example: a pick of each row's own target
+    (``logp[arange(n), y]``, also counted from -n), columns picked by index, rows of a
+    weight looked up by the batch, and a standard deviation over features."""
+    torch.manual_seed(0)
+    mlp = MLP(8, 16, 4)
+
+    def loss_of(h, y):
+        n, label = h.shape[0], y.argmax(-1)
+        if case == "own row":
+            return -F.log_softmax(h, -1)[torch.arange(n), label].mean()
+        if case == "own row, negative":
+            return -F.log_softmax(h, -1)[torch.arange(-n, 0), label].mean()
+        if case == "columns":
+            return h[:, torch.tensor([0, 2])].pow(2).mean()
+        if case == "lookup":
+            return (mlp.fc2.weight[label].sum(-1, keepdim=True) * h).pow(2).mean()
+        if case == "gather":
+            return -F.log_softmax(h, -1).gather(1, label[:, None]).mean()
+        return F.mse_loss(h, y) + h.std(1).mean()
+
+    def step(model, opt, x, y):
+        loss = loss_of(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    assert batch_coupling(diphoma_compile.trace(step, mlp, _sgd(mlp), torch.randn(8, 8),
+                                                torch.randn(8, 4))) == []
+
+
+class Counting(nn.Module):
+    """An MLP counting the examples it has seen in a buffer, from the batch's shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = MLP(8, 16, 4)
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        self.seen += x.shape[0]
+        return self.mlp(x)
+
+
+@pytest.mark.parametrize("count", ["buffer", "returned", "ones", "from a tensor"])
+def test_counts_from_the_batchs_shape_are_warned_of(count):
+    """Traced at a device's share, ``x.shape[0]`` is the share's size: a buffer counting
+    examples, or a returned count, counts 1/N of the batch on each device (silent before).
+    A count summed from a tensor of the batch is a sum the devices add up: exact."""
+    torch.manual_seed(0)
+    model = Counting() if count == "buffer" else MLP(8, 16, 4)
+
+    def step(model, opt, x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if count == "returned":
+            return loss, torch.tensor(x.shape[0])
+        if count == "ones":
+            return loss, torch.ones(x.shape[0]).sum()
+        return loss, torch.ones_like(x[:, 0]).sum()
+    pstep = diphoma_compile.parallelize(step, diphoma_compile.Mesh({"dp": 2}))
+    args = (model, _sgd(model), torch.randn(8, 8), torch.randn(8, 4))
+    if count == "from a tensor":
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DiphomaWarning)
+            pstep.trace(*args)
+        assert list(pstep.plan.notes["data-parallel"]["combined"].values()) == ["sum"]
+        return
+    what = "the new value of buffer %seen" if count == "buffer" else "a value the step returns"
+    with pytest.warns(DiphomaWarning, match=f"makes {what} from the number 8, the rows"):
+        pstep.trace(*args)
+
+
 def test_data_parallel_warns_of_rows_taken_by_position():
     torch.manual_seed(0)
     mlp = MLP(8, 16, 4)

@@ -530,6 +530,52 @@ SAMPLES: dict[str, list] = {
     "mse_loss.default": [_one((2, 4), (2, 4), extra=[red]) for red in (0, 1, 2)],
     "mse_loss_backward.default": [_mse_backward(red) for red in (0, 1, 2)],
     "argmax.default": [_one((2, 4, 6), extra=[1]), _one((2, 4, 6), extra=[2, True])],
+    # reductions over named dims, sorts and scans along them (the batch analysis's
+    # couplings: tests/torch/test_batch_coupling.py)
+    **{t: [_one((2, 4, 6), extra=[[0, 2]]),
+           lambda r: ([r(2, 4, 6), 1], {"correction": 0, "keepdim": True}),
+           _one((2, 4, 6))]
+       for t in ("var.correction", "std.correction", "var_mean.correction",
+                 "std_mean.correction")},
+    "logsumexp.default": [_one((2, 4, 6), extra=[[1]]), _one((2, 4, 6), extra=[[0, 2], True])],
+    "norm.ScalarOpt_dim": [_one((2, 4, 6), extra=[2.0, [1]]),
+                           _one((2, 4, 6), extra=[1.0, [0, 2], True])],
+    "linalg_vector_norm.default": [_one((2, 4, 6), extra=[2.0, [2]]), _one((2, 4, 6))],
+    **{t: [_one((2, 4, 6), extra=[1]), _one((2, 4, 6), extra=[-1, True])]
+       for t in ("max.dim", "min.dim", "median.dim", "nanmedian.dim", "mode.default",
+                 "prod.dim_int")},
+    "kthvalue.default": [_one((2, 4, 6), extra=[2, 1]), _one((2, 4, 6), extra=[3, -1, True])],
+    **{t: [lambda r: ([r.bools(2, 4, 6), 1], {}),
+           lambda r: ([r.bools(2, 4, 6), 2, True], {})]
+       for t in ("any.dim", "all.dim")},
+    **{t: [lambda r: ([r.bools(2, 4, 6), [0, 2]], {}),
+           lambda r: ([r.bools(2, 4, 6)], {})]
+       for t in ("any.dims", "all.dims")},
+    "nansum.default": [lambda r: ([r(2, 4, 6).masked_fill(r.bools(2, 4, 6), float("nan")),
+                                   [1]], {}),
+                       _one((2, 4, 6), extra=[[0, 2], True])],
+    "sort.default": [_one((2, 4, 6), extra=[1]), _one((2, 4, 6))],
+    **{t: [_one((2, 4, 6), extra=[1]), _one((2, 4, 6), extra=[-1])]
+       for t in ("cummax.default", "cummin.default", "cumprod.default",
+                 "logcumsumexp.default", "cumsum.default")},
+    "sort.stable": [lambda r: ([r(2, 4, 6)], {"stable": True, "dim": 1})],
+    "topk.default": [_one((2, 4, 6), extra=[2, 1]), _one((2, 4, 6), extra=[3])],
+    "roll.default": [_one((2, 4, 6), extra=[[1], [1]]), _one((2, 4, 6), extra=[[1, 2], [0, 2]]),
+                     _one((2, 4, 6), extra=[[3]])],
+    "flip.default": [_one((2, 4, 6), extra=[[1]]), _one((2, 4, 6), extra=[[0, 2]])],
+    "unfold.default": [_one((2, 4, 6), extra=[2, 2, 2])],
+    "_cdist_forward.default": [_one((4, 6), (2, 6), extra=[2.0, None]),
+                               _one((2, 4, 6), (2, 2, 6), extra=[1.0, None])],
+    "_pdist_forward.default": [_one((4, 6))],
+    "index.Tensor": [lambda r: ([r(4, 6), [r.ints(4, 2, 4)]], {}),
+                     lambda r: ([r(2, 4, 6), [None, r.ints(4, 4, 2)]], {}),
+                     lambda r: ([r(4, 6, 2), [r.ints(4, 4), r.ints(6, 4)]], {})],
+    **{f"{t}.default": [_one((2, 4))]
+       for t in ("isnan", "logical_not", "ceil", "floor", "round", "trunc", "sign")},
+    "add.Scalar": [_one((2, 4), extra=[3.0])],
+    "sub.Scalar": [_one((2, 4), extra=[3.0])],
+    "rsub.Scalar": [_one((2, 4), extra=[3.0])],
+    "xlogy.Tensor": [lambda r: ([r(2, 4).abs(), r(4).abs()], {})],
     "addmm.default": [_one((6,), (4, 8), (8, 6)),
                       lambda r: ([r(4, 6), r(4, 8), r(8, 6)], {"beta": 0.5, "alpha": 2.0})],
     "convolution.default": [_conv(), _conv(bias=False), _conv(transposed=True),
@@ -581,12 +627,16 @@ def _sample(target: str, i: int):
     return make_op(target, args, kwargs)
 
 
+# judged, never split: every result of a pairwise distance reads two rows
+WHOLE = {"aten._pdist_forward.default"}
+
+
 def test_every_target_with_strategies_has_a_sample_that_splits():
     with_menu = {t for t, rule in FRAMEWORK_OPS.items()
                  if t.startswith("aten.") and rule.strategies is not None}
     assert with_menu - set(SAMPLES) == set(), "no sample"
     assert set(SAMPLES) - with_menu == set(), "a sample of an op without strategies"
-    for target in SAMPLES:
+    for target in set(SAMPLES) - WHOLE:
         splits = set()
         for i in range(len(SAMPLES[target])):
             op, tensors, whole = _sample(target, i)
