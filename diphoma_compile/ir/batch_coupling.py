@@ -215,13 +215,15 @@ class _Follow:
         (n,) = rows
         kinds = {i.name: i.role.kind for i in self.graph.inputs}
         made: set[int] = set()
+        batch: dict[str, bool] = {}
         for o in self.graph.outputs:
             kind = o.role.kind
             if not (kind in (OutputKind.loss, OutputKind.metric) or
                     kind is OutputKind.replaces and kinds.get(o.role.target) is InputKind.buffer):
                 continue
             state = self.state(o.name)
-            if state != REPLICATE and not isinstance(state, frozenset):
+            if state != REPLICATE and not isinstance(state, frozenset) or \
+                    self.reads_batch(o.name, kinds, batch):
                 continue            # made from the batch: judged by what made it
             op = self.counted_rows(o.name, n, set())
             if op is None or id(op) in made:
@@ -244,6 +246,16 @@ class _Follow:
                             "known, or from values of the batch, a mask's sum, which the "
                             "devices add up)",
                         certain=True, where=where)
+
+    def reads_batch(self, name: str, kinds: dict[str, InputKind],
+                    memo: dict[str, bool]) -> bool:
+        """Whether a batch input reaches ``name`` (a gradient does, through backward)."""
+        if name not in memo:
+            memo[name] = False          # (no cycles; a guard while it is worked out)
+            op = self.producer.get(name)
+            memo[name] = kinds.get(name) is InputKind.batch if op is None else any(
+                self.reads_batch(x, kinds, memo) for x in free_inputs(op))
+        return memo[name]
 
     def counted_rows(self, name: str, n: int, seen: set[str]) -> Op | None:
         """The op making a constant part of ``name`` (built from no input) that holds the

@@ -31,6 +31,10 @@ class InputKind(enum.Enum):
     # a parameter whose full copy holds the receivers' reconstruction); like optimizer
     # state it names its parameter, and a checkpoint holds it
     comm_state = "comm_state"
+    # the index of the microbatch a pipeline stage's program runs (0 .. M - 1), which the
+    # pipeline runtime passes: what a key draw made for every microbatch keeps its rows by
+    # (passes/pipeline_draws.py)
+    microbatch = "microbatch"
     other = "other"
 
 

@@ -197,9 +197,11 @@ class JaxStep:
             ls, td = jax.tree.flatten(a)
             treedefs.append(td)
             leaves.extend(ls)
-        if len(leaves) != len(self.graph.inputs):
+        # (a pipeline's microbatch index is an input its runtime passes, not the user)
+        given = sum(1 for i in self.graph.inputs if i.role.kind is not InputKind.microbatch)
+        if len(leaves) != given:
             raise BackendError(f"the step was called with {len(leaves)} array leaves; the "
-                               f"graph takes {len(self.graph.inputs)} inputs",
+                               f"graph takes {given} inputs",
                                hint="pass the same pytrees the step was traced with")
         return leaves, treedefs
 

@@ -120,6 +120,11 @@ class JaxPipelineStep(MeasuredRunner):
         self.reads = {s: {n for (st, _), p in self.cut.programs.items() if st == s
                           for n in p.inputs} for s in range(self.nstages)}
         self.batch = {i.name for i in graph.inputs if i.role.kind is InputKind.batch}
+        # the microbatch's index, which key draws made for every microbatch read
+        # (passes/pipeline_draws.py): the runtime passes it, not the user
+        self.index = next((i.name for i in graph.inputs
+                           if i.role.kind is InputKind.microbatch), None)
+        self._indices: dict[tuple[int, int], Any] = {}
         self._state_inputs = {i.name for i in graph.inputs
                               if i.role.kind in (InputKind.param, InputKind.opt_state)}
         self.device_count = self.mesh.size
@@ -218,7 +223,8 @@ class JaxPipelineStep(MeasuredRunner):
         placed: dict[tuple[int, str], Any] = {}
         for s in range(self.nstages):
             for i in g.inputs:
-                if i.name in self.reads[s] and i.name not in self.batch:
+                if i.name in self.reads[s] and i.name not in self.batch and \
+                        i.name != self.index:
                     x, sharding = given[i.name], self._sharding(s, i.name)
                     if (s, i.name) in self.consumed and \
                             getattr(x, "sharding", None) != sharding:
@@ -240,6 +246,7 @@ class JaxPipelineStep(MeasuredRunner):
             for name, _, tag in prog.recvs:
                 env[name] = jax.device_put(mail.pop((tag, mb)), self._sharding(s, name))
             args = [env[n] if n in env else chunks[n][mb] if n in chunks
+                    else self._index(s, mb) if n == self.index
                     else placed[(s, n)] for n in prog.inputs]
             env.update(zip(prog.outputs, self.fns[key](*args)))
             for name, _, tag in prog.sends:
@@ -286,6 +293,14 @@ class JaxPipelineStep(MeasuredRunner):
                                    hint="this is a bug in the pipeline programs")
         self._last = tuple(out)
         return out
+
+    def _index(self, stage: int, mb: int) -> Any:
+        """Microbatch ``mb``'s index on ``stage``'s devices (made once)."""
+        key = (stage, mb)
+        if key not in self._indices:
+            self._indices[key] = jax.device_put(np.int32(mb),
+                                                self._sharding(stage, self.index))
+        return self._indices[key]
 
     def flatten(self, args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         """(input leaves, the treedef of each argument); shapes are checked as the leaves

@@ -45,7 +45,7 @@ def require_axis(graph: Graph, axis: str, pass_name: str) -> int:
     return sizes[axis]
 
 
-def _one_key_draw(op: Op, types: Mapping[str, TensorType]) -> bool:
+def one_key_draw(op: Op, types: Mapping[str, TensorType]) -> bool:
     """Numbers (or keys) made from one key at the shape the op names (its framework
     rule's ``shape_attr``: JAX's random_bits, random_split)."""
     rule = framework_rule(op) if op.name == "opaque" else None
@@ -206,7 +206,7 @@ class _Split:
         for op in self.graph.ops:
             if op.regions:
                 continue
-            if _one_key_draw(op, types):
+            if one_key_draw(op, types):
                 src[op.results[0].name] = op
                 continue
             drawn = [n for n in op.inputs if n in src]

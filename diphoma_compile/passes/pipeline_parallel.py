@@ -50,6 +50,7 @@ from ..ir.rewrite import rename_region
 from .base import Pass, PassContext, PassFailure, register_pass
 from .data_parallel import require_axis
 from .pipeline_balance import balanced_cuts, cheapest_near, forward_costs, op_seconds
+from .pipeline_draws import microbatch_draws
 from .pipeline_orders import rank_orders
 from .pipeline_pack import pack_update_scalars
 from .pipeline_refine import pull_up_backward
@@ -212,14 +213,18 @@ class PipelineParallel(Pass):
                 "single-device one",
                 hint="microbatches=1 (schedule=gpipe), a norm without batch statistics "
                      "(LayerNorm, GroupNorm), or those layers in eval mode")
-        keyed = _keyed_draws_on_the_batch(graph)
+        traced = graph      # the step as traced: what its batch analysis judges
+        graph, kept = microbatch_draws(graph, self.microbatches)
+        keyed = _keyed_draws_on_the_batch(graph, kept)
         if self.microbatches > 1 and keyed:
             raise PassFailure(
                 f"pipeline: random numbers drawn from a key the step holds meet the batch "
-                f"here ({', '.join(keyed[:3])}: dropout, noise on activations); the step "
-                f"is traced at one microbatch, so each of the {self.microbatches} "
-                "microbatches would draw the same numbers from the same key (one mask "
-                "repeated) instead of the whole batch's",
+                f"here ({', '.join(keyed[:3])}: dropout inside a lax.scan, or a draw not "
+                f"made at the shape of the batch's rows); the step is traced at one "
+                f"microbatch, so each of the {self.microbatches} microbatches would draw "
+                "the same numbers from the same key (one mask repeated) instead of the "
+                "whole batch's (a draw at the shape of the batch's rows, flax's or "
+                "equinox's dropout outside a scan, is made for every microbatch)",
                 hint="microbatches=1, dropout off (rate 0, or deterministic=True) for the "
                      "pipeline, or draw the random numbers outside the step and pass them "
                      "in with the batch")
@@ -244,8 +249,8 @@ class PipelineParallel(Pass):
                               "diphoma_compile.ir.device_model.MODELS") from None
         notes: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         if self.microbatches > 1:
-            split = split_batch(graph)
-            _refuse_summed(graph, split.combine, self.microbatches)
+            split = split_batch(traced)
+            _refuse_summed(traced, split.combine, self.microbatches)
             notes = split_notes(split.couplings)
         cut = _Cut(graph, s, self.axis, n, self.schedule, self.microbatches, self.balance,
                    model)
@@ -300,20 +305,22 @@ def _batch_statistics(graph: Graph) -> list[str]:
     return out
 
 
-def _keyed_draws_on_the_batch(graph: Graph) -> list[str]:
+def _keyed_draws_on_the_batch(graph: Graph, kept: set[str] = frozenset()) -> list[str]:
     """Where numbers drawn from a key the step holds (JAX's keys; ``random_draw`` "key")
     meet values computed from the batch in forward or backward, by source line: a draw
     that reads batch values itself, or an op reading both a batch value and a drawn value
     of its result's shape (a mask). Not listed: draws from the process's own generator
     (torch's dropout draws anew on each call), noise on a weight (a weight plus a draw is
     a weight, the same on every microbatch as on one device), and the update's draws (it
-    runs once a step: optax's noisy_sgd draws once, as on one device)."""
+    runs once a step: optax's noisy_sgd draws once, as on one device), nor draws made for
+    every microbatch, whose rows the values ``kept`` hold (``pipeline_draws.py``)."""
     types = graph.value_types()
     kind = {i.name: i.role.kind for i in graph.inputs}
     batch = {n for n, k in kind.items() if k is InputKind.batch}
     weights = {n for n, k in kind.items()
                if k in (InputKind.param, InputKind.opt_state, InputKind.buffer)}
     drawn: set[str] = set()
+    kept = set(kept)
     out: list[str] = []
     for op in graph.ops:
         if op.phase is Phase.update:
@@ -321,7 +328,10 @@ def _keyed_draws_on_the_batch(graph: Graph) -> list[str]:
         ins = free_inputs(op)
         keyed = draws_from_a_key(op)
         shape = op.results[0].type.shape if op.results else None
-        if any(n in batch for n in ins):
+        if ins and all(n in kept for n in ins):
+            # made from the microbatch's own keys (one per example) or draws alone
+            kept.update(v.name for v in op.results)
+        elif any(n in batch for n in ins):
             if keyed or any(n in drawn and types[n].numel > 1 and types[n].shape == shape
                             for n in ins):
                 out.append(op.loc or op.name)
@@ -329,7 +339,7 @@ def _keyed_draws_on_the_batch(graph: Graph) -> list[str]:
         elif any(n in weights for n in ins):
             weights.update(v.name for v in op.results)
         elif keyed or any(n in drawn for n in ins):
-            drawn.update(v.name for v in op.results)
+            drawn.update(v.name for v in op.results if v.name not in kept)
     return list(dict.fromkeys(out))
 
 

@@ -388,3 +388,18 @@ def test_dropout_under_data_parallelism_matches_one_device(library):
     for x, y in zip(jax.tree.leaves(a[0]), jax.tree.leaves(b[0])):
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6)
     assert pstep.plan.notes["data-parallel"]["random_per_row"]
+
+
+@pytest.mark.skipif(jax.device_count() < 8,
+                    reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+@pytest.mark.parametrize("library", ["equinox", "haiku"])
+def test_dropout_through_a_pipeline_matches_one_device(library):
+    """The same steps over dp=4 x pp=2 with 2 microbatches: each microbatch keeps its rows
+    of its share's draw for the whole batch (equinox: of the whole batch's keys, one per
+    example), as on one device over three steps with new keys (before, refused)."""
+    step, params, tx, batch = _dropout_case(library)
+    pstep = diphoma_compile.parallelize(step, {"dp": 4, "pp": 2}, microbatches=2,
+                                        batch_argnums=2)
+    a, b = keyed_steps(step, pstep, (params, tx.init(params)), batch, range(5, 8))
+    for x, y in zip(jax.tree.leaves(a[0]), jax.tree.leaves(b[0])):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6)

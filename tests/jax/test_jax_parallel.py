@@ -1048,8 +1048,10 @@ def test_golden_ir_of_a_key_mask_drawn_per_row(golden):
     of ``random_bits`` at the global batch's shape and its ``take_piece``)."""
     from diphoma_compile import Mesh
     from diphoma_compile.ir import print_graph
+    from diphoma_compile.framework import get
     from diphoma_compile.jax.trace import trace_jax
     from diphoma_compile.passes import PassContext
+    get("jax")          # its op rules registered, as parallelize does
     from diphoma_compile.passes.pipeline import Pipeline
     tx = optax.sgd(0.1)
 
