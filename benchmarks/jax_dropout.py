@@ -4,10 +4,13 @@ jax/key_pieces.py) and ``parallelize`` with the masks drawn whole on every devic
 sliced (the key_pieces path turned off), each with dropout 0.1 and with none, interleaved
 in one process; the cost is the median step with dropout minus the one without. Model: a
 2-block residual MLP of width ``--width`` over a batch x seq x 128 input, dropout on four
-activations, AdamW.
+activations, AdamW. With ``--pp P`` the parallel step is a pipeline over dp = devices / P
+x pp = P with ``--microbatches`` M (each microbatch's rows of its share's draw made alone,
+passes/pipeline_draws.py; drawn whole: each microbatch's program draws its share's M
+microbatches and keeps one).
 
     python benchmarks/jax_dropout.py [--devices 8] [--batch 64 --seq 32 --width 512]
-        [--steps 12]
+        [--steps 12] [--pp 2 --microbatches 4]
 
 No asserts: read the costs and their ratios.
 """
@@ -25,6 +28,8 @@ ap.add_argument("--steps", type=int, default=12)
 ap.add_argument("--batch", type=int, default=64)
 ap.add_argument("--seq", type=int, default=32)
 ap.add_argument("--width", type=int, default=512)
+ap.add_argument("--pp", type=int, default=1)
+ap.add_argument("--microbatches", type=int, default=4)
 args = ap.parse_args()
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            f" --xla_force_host_platform_device_count={args.devices}")
@@ -80,7 +85,10 @@ for rate in (0.0, 0.1):
             fn = jax.jit(step)
             jax.block_until_ready(fn(*state, batch, k[0]))
         else:
-            fn = diphoma_compile.parallelize(step, mesh, axis="data", donate=False)
+            fn = diphoma_compile.parallelize(step, mesh, axis="data", donate=False) \
+                if args.pp == 1 else diphoma_compile.parallelize(
+                    step, {"dp": args.devices // args.pp, "pp": args.pp}, donate=False,
+                    microbatches=args.microbatches, batch_argnums=2)
             keep = key_pieces.deferred_draws
             if name.endswith("whole"):      # the program is built on the first call
                 key_pieces.deferred_draws = lambda graph: set()
@@ -97,8 +105,10 @@ for rep in range(args.steps):
         jax.block_until_ready(fn(*state, batch, jax.random.PRNGKey(rep)))
         times[key].append(time.perf_counter() - t)
 med = {key: statistics.median(v) * 1e3 for key, v in times.items()}
-print(f"{args.devices} devices, batch {args.batch} x {args.seq} x 128, width {args.width}, "
-      f"medians of {args.steps} interleaved steps (ms)")
+where = "" if args.pp == 1 else \
+    f" (parallel: dp={args.devices // args.pp} x pp={args.pp}, M={args.microbatches})"
+print(f"{args.devices} devices{where}, batch {args.batch} x {args.seq} x 128, width "
+      f"{args.width}, medians of {args.steps} interleaved steps (ms)")
 for name in ("jit", "parallel", "parallel, drawn whole"):
     cost = med[(name, 0.1)] - med[(name, 0.0)]
     print(f"  {name:22s} no dropout {med[(name, 0.0)]:7.1f}  dropout 0.1 "

@@ -58,6 +58,8 @@ class PerDeviceLowering(Lowering):
             if op.results and op.results[0].name in self.deferred:
                 return [key_pieces.defer(op, ins[0])]
             return super().emit(op, ins)
+        if ins and isinstance(ins[0], key_pieces.Deferred):
+            return [self._narrow(op, ins)]
         outs = [self.local(v.type) for v in op.results]
         if op.name == "slice":
             op = self._local_slice(op)
@@ -69,6 +71,20 @@ class PerDeviceLowering(Lowering):
         elif op.name in ("literal", "iota") and any(v.type.placements for v in op.results):
             return self._sharded_constant(op)
         return emitter(op)(op, ins, outs)
+
+    def _narrow(self, op: Op, ins: list) -> Any:
+        """A deferred draw's window viewed as pieces (a reshape splitting its dim), or
+        one piece picked and made (``index_select`` by a pipeline's microbatch index)."""
+        d = ins[0]
+        if op.name == "reshape":
+            a, b = d.shape if d.size is None else None, op.results[0].type.shape
+            dim = d.dim if d.dim is not None else next(
+                k for k in range(len(a)) if a[k] != b[k])
+            return key_pieces.as_pieces(d, dim, b[dim])
+        if op.name == "index_select" and d.pieces > 1:
+            return key_pieces.pick(d, ins[1])
+        raise BackendError(f"{op.name} cannot read a deferred random draw",
+                           hint="this is a bug in jax/key_pieces.deferred_draws")
 
     def _local_slice(self, op: Op) -> Op:
         # The sharding rule keeps a split only through whole dims: their limit is the global
@@ -225,7 +241,8 @@ def _take_shard(low: PerDeviceLowering, op: Op, ins: list) -> list:
 def _take_piece(low: PerDeviceLowering, op: Op, ins: list) -> list:
     axis, dim = _axis(op), int(op.attrs["dim"])
     if isinstance(ins[0], key_pieces.Deferred):
-        return [key_pieces.piece(ins[0], axis, low.sizes[axis], dim)]
+        mine = key_pieces.device_piece(ins[0], axis, low.sizes[axis], dim)
+        return [mine if op.results[0].name in low.deferred else key_pieces.bits(mine)]
     return [_cut(ins[0], axis, low.sizes[axis], Shard(dim))]
 
 

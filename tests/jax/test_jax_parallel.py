@@ -1143,3 +1143,32 @@ def test_a_devices_piece_of_a_key_draw_is_the_slice_of_the_whole(shape, dim, bit
                                 in_specs=(), out_specs=spec, check_vma=False))()
     want = jax.random.bits(key, shape, np.dtype(f"uint{bits}"))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("partitionable", [True, False])
+def test_a_microbatchs_piece_of_a_devices_piece_of_a_key_draw_is_its_slice(partitionable,
+                                                                            monkeypatch):
+    """A pipeline's microbatch keeps rows [m b, (m + 1) b) of its data-parallel share's
+    piece of a draw (passes/pipeline_draws.py): made from those rows' counters alone
+    (jax/key_pieces.py windows), bit for bit the slice of the whole draw; where the
+    generator is not partitionable (taken as not here), the whole draw sliced."""
+    from diphoma_compile.jax import key_pieces
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+    key = jax.random.key(3)
+    shape, m = (16, 3), 4
+    d = key_pieces.Deferred(key, 32, shape)
+    assert key_pieces._partitionable(d)
+    if not partitionable:
+        monkeypatch.setattr(key_pieces, "_partitionable", lambda d: False)
+
+    def mine(index):
+        share = key_pieces.device_piece(d, "data", 2, 0)
+        return key_pieces.pick(key_pieces.as_pieces(share, 0, m), index)
+    run = jax.jit(jax.shard_map(mine, mesh=mesh, in_specs=P(), out_specs=P("data"),
+                                check_vma=False))
+    whole = np.asarray(jax.random.bits(key, shape, np.uint32))
+    for index in range(m):
+        got = np.asarray(run(jnp.int32(index)))       # both devices' pieces, stacked
+        want = np.concatenate([whole[dev * 8 + index * 2: dev * 8 + index * 2 + 2]
+                               for dev in range(2)])
+        np.testing.assert_array_equal(got, want)

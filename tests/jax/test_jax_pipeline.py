@@ -302,6 +302,10 @@ def test_dropout_from_a_key_over_several_microbatches_draws_the_batchs_masks(mes
     assert _distance(got[0], ref[0]) <= 1e-5 * largest
     kinds = [i.role.kind.value for i in pp.graph.inputs]
     assert kinds.count("microbatch") == 1
+    # each microbatch makes its own rows of the draw alone (jax/key_pieces.py windows)
+    from diphoma_compile.jax.key_pieces import deferred_draws
+    forward = pp.runner.cut.programs[(0, "F")].graph
+    assert {"random_bits.mbs", "random_bits.pieces"} <= deferred_draws(forward)
     # one mask repeated on every microbatch (what ran before the refusal) is another loss
     model, b, key = DropoutMLP(), batches[0], jax.random.PRNGKey(10)
     rows = 16 // (m * mesh.get("dp", 1))
