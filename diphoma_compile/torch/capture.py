@@ -323,6 +323,9 @@ class Step:
         self.n_user = 0
         self.grads_left: list[int] = []    # params whose .grad the step leaves set
         self.cleared_first = False         # zero_grad came before the first backward
+        # parameters whose .grad a zero_grad(set_to_none=False) zeroed after the last
+        # backward (their leftover .grad is zeros, which backward adds nothing to)
+        self.zeroed_last: set[int] = set()
         self.backward_seen = False
         self.tensor_hyper = False          # hyperparameters as tensors (tensor_hyper())
 
@@ -455,6 +458,8 @@ class Step:
                      for k, *_ in keys]
         # gradients the step leaves in .grad (zero_grad before backward) are outputs too
         self.grads_left = [pi for pi, p in enumerate(ps) if p.grad is not None]
+        self.grads_zeroed = bool(self.grads_left) and \
+            all(id(ps[pi]) in self.zeroed_last for pi in self.grads_left)
         return (*[t.detach() for t in out_leaves], *ps,
                 *new_buffers, *new_state, *[ps[pi].grad.detach() for pi in self.grads_left])
 
@@ -519,18 +524,27 @@ class Step:
         if not, eager would add to whatever .grad holds when it is called."""
         self.cleared_first = False
         self.backward_seen = False
+        self.zeroed_last = set()
         zero_opt, zero_mod = torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad
         backward, grad = torch.autograd.backward, torch.autograd.grad
 
         def clearing(orig):
             def inner(*a, **k):
                 self.cleared_first |= not self.backward_seen
+                to_none = k.get("set_to_none", a[1] if len(a) > 1 else True)
+                if not to_none:
+                    owner = a[0]
+                    params = [p for g in owner.param_groups for p in g["params"]] \
+                        if isinstance(owner, torch.optim.Optimizer) else \
+                        list(owner.parameters())
+                    self.zeroed_last.update(id(p) for p in params)
                 return orig(*a, **k)
             return inner
 
         def differentiating(orig):
             def inner(*a, **k):
                 self.backward_seen = True
+                self.zeroed_last = set()
                 return orig(*a, **k)
             return inner
         with mock.patch.object(torch.optim.Optimizer, "zero_grad", clearing(zero_opt)), \
@@ -828,14 +842,12 @@ def capture(step_fn: Callable, *args: Any, codegen: str | None = "fx") -> Captur
         gm = _trace(step, inputs, rec)
     effects = watch.effects()
     watch.rng.replay(gm)     # draws activation checkpointing repeats read the first ones
-    if step.grads_left and not step.cleared_first:
+    if step.grads_left and not step.cleared_first and not step.grads_zeroed:
         raise FrontendError(
-            "the step leaves tensors in .grad when it ends and does not clear them before "
-            "backward(), so each call's gradients would be added to what the last call left "
-            "(zero_grad(set_to_none=False) leaves zero tensors, which this check cannot "
-            "tell from gradients)",
-            hint="call opt.zero_grad() (set_to_none=True, the default) after opt.step(), "
-                 "or before backward()")
+            "the step leaves gradients in .grad when it ends and does not clear them before "
+            "backward(), so each call's gradients would be added to what the last call left",
+            hint="call opt.zero_grad() after opt.step() (zero_grad(set_to_none=False) too: "
+                 "it leaves zeros), or before backward()")
     outputs: list[Slot | None] = [None] * step.n_user
     outputs += step.param_slots + step.buffer_slots + step.state_slots()
     outputs += [Slot("grad", 0, (pi,), f"{step.param_slots[pi].name}.grad")
@@ -847,5 +859,6 @@ def capture(step_fn: Callable, *args: Any, codegen: str | None = "fx") -> Captur
     return Captured(gm, slots, outputs, step.user_spec, modules, opts, step.params,
                     step.state_keys, rec.phase, rec.loc, getattr(step_fn, "__name__", "step"),
                     settings_of(modules, opts, live), step.cleared_first, effects,
-                    step.hyper_signs, device, codegen, user_nones=step.user_nones)
+                    step.hyper_signs, device, codegen, user_nones=step.user_nones,
+                    grads_zeroed=step.grads_zeroed)
 

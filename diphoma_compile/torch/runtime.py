@@ -35,6 +35,8 @@ class TorchStep:
         self._n_user = captured.outputs.count(None)   # the step's own results come first
         self._with_grad = {s.key[0] for s in captured.outputs
                            if s is not None and s.kind == "grad"}
+        # id(param) -> (id, version) of the zeros this runtime left in its .grad
+        self._zeros_left: dict[int, tuple[int, int]] = {}
         read = {n for op in graph.walk() for n in op.inputs}
         # parameters whose optimizer state the step reads before writing it: a fresh
         # optimizer's starting values matter for these
@@ -98,7 +100,8 @@ class TorchStep:
                 raise DiphomaError(f"the step was traced for an argument of shape {shape} "
                                    f"and dtype {dtype}, called with {tuple(t.shape)} and "
                                    f"{t.dtype}", hint="trace again for the new argument")
-        if not cap.clears_grads and any(p.grad is not None for p in cap.params):
+        if not cap.clears_grads and any(p.grad is not None and not self._zeros(p)
+                                        for p in cap.params):
             raise DiphomaError("a parameter holds a .grad, and the traced step adds to it "
                                "(it does not call zero_grad before backward)",
                                hint="clear gradients before calling, or call "
@@ -111,6 +114,15 @@ class TorchStep:
                                "between calls, e.g. by a scheduler; momentum terms too where "
                                "a OneCycleLR or CyclicLR scheduler was made before tracing)")
         return tensors
+
+    def _zeros(self, p: torch.Tensor) -> bool:
+        """Whether ``p.grad`` is zeros a step ending with zero_grad(set_to_none=False)
+        left: the tensor this runtime wrote, unchanged since (its version), or checked."""
+        if not self.captured.grads_zeroed:
+            return False
+        g = p.grad
+        left = self._zeros_left.get(id(p))
+        return left is not None and left == (id(g), g._version) or not bool(g.any())
 
     def _gather(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """The program's inputs, read from the live state and the argument tensors."""
@@ -197,7 +209,10 @@ class TorchStep:
             pi, key = slot.key
             cap.optimizers[slot.owner].state[cap.params[pi]][key].copy_(new)
         elif slot.kind == "grad":
-            cap.params[slot.key[0]].grad = new
+            p = cap.params[slot.key[0]]
+            p.grad = new
+            if cap.grads_zeroed:
+                self._zeros_left[id(p)] = (id(p.grad), p.grad._version)
 
 
 def _is_input(out: torch.Tensor, given: torch.Tensor | None) -> bool:

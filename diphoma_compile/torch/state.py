@@ -62,6 +62,9 @@ class Captured:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     codegen: str = "fx"    # the code generator the graph was traced for (codegen.py)
     user_nones: tuple[int, ...] = ()   # leaves of what the step returns that are None
+    # the step ends with zero_grad(set_to_none=False): it leaves zeros in .grad, and the
+    # next call's backward adds to them (eager: 0 + g; the program: g)
+    grads_zeroed: bool = False
 
 
 _LIVE_KEYS = {"params", "lr", "initial_lr"}   # read per call, or not used by step()

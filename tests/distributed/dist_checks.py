@@ -608,6 +608,35 @@ def run_after_step(rank: int, world: int) -> dict:
     return out
 
 
+def zero_last_step(model, opt, batch):
+    """Gradients set to zeros, not None, after the step (``set_to_none=False``)."""
+    loss = F.cross_entropy(model(batch["x"]), batch["y"])
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    return (loss,)
+
+
+@check("zero_last")
+def run_zero_last(rank: int, world: int) -> dict:
+    """zero_last_step under the default passes against the global batch (refused before:
+    the zeros it leaves were taken for gradients each call would add to)."""
+    import diphoma_compile
+    torch.manual_seed(0)
+    model = OddMLP()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
+    step = diphoma_compile.parallelize(zero_last_step, diphoma_compile.Mesh({"dp": world}))
+    got, want = side_by_side(step, zero_last_step, (model, opt), (ref, ref_opt),
+                             mlp_batches(world, seed=11)[:3], rank, world)
+    out = {"got": got, "zeros": all(p.grad is not None and not p.grad.any()
+                                    for p in model.parameters())}
+    if rank == 0:
+        out.update(want=want, param=compare_params(model, ref))
+    return out
+
+
 STEM_STEPS, STEM_LOCAL = 3, 2
 
 

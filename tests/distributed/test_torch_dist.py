@@ -187,6 +187,14 @@ def test_metrics_and_buffers_computed_after_the_optimizer_step(runs):
         assert r["after_step"]["got"] == r0["got"]
 
 
+def test_zero_grad_to_zeros_after_the_step_matches_the_single_device_step(runs):
+    r0 = runs[0]["zero_last"]
+    for got, want in zip(r0["got"], r0["want"]):
+        assert abs(got[0] - want[0]) <= 1e-5 * max(1.0, abs(want[0])), (got, want)
+    assert r0["param"]["rel"] <= 1e-5, r0
+    assert all(r["zero_last"]["zeros"] and r["zero_last"]["got"] == r0["got"] for r in runs)
+
+
 def test_uneven_batches_across_ranks_are_refused(runs):
     for r in runs:
         msg = r["summed"]["uneven"]

@@ -189,6 +189,48 @@ def test_accumulating_step_is_refused():
         diphoma_compile.trace(step, model, opt, mlp_batches(1)[0])
 
 
+def zero_last_step(model, opt, batch):
+    loss = F.cross_entropy(model(batch["x"]), batch["y"])
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    return loss
+
+
+def test_zero_grad_to_zeros_after_the_step_runs_as_eager():
+    """``opt.zero_grad(set_to_none=False)`` after the step leaves zeros in .grad, which the
+    next call's backward adds to (refused before, as if they were gradients): bit for bit
+    as eager over three steps (SGD momentum), zeros left in .grad. Gradients changed
+    between calls are refused; zeros put back are not."""
+    model, opt, compiled = run_both(MLP, lambda m: OPTIMIZERS["sgd"](m.parameters(), True),
+                                    zero_last_step, mlp_batches(3))
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    data = mlp_batches(1)
+    model.fc1.weight.grad.add_(1.0)          # a gradient the next call would add to
+    with pytest.raises(DiphomaError, match="holds a .grad"):
+        compiled(model, opt, data[0])
+    model.fc1.weight.grad = torch.zeros_like(model.fc1.weight)
+    compiled(model, opt, data[0])
+
+
+def test_zero_grad_to_zeros_of_one_optimizer_leaving_anothers_grads_is_refused():
+    """Two optimizers, one zeroing its gradients to zeros, the other's left as they are:
+    the other's would be added to."""
+    model = MLP()
+    first = torch.optim.SGD(model.fc1.parameters(), lr=0.1)
+    second = torch.optim.SGD(model.fc2.parameters(), lr=0.1)
+
+    def step(model, first, second, batch):
+        loss = F.cross_entropy(model(batch["x"]), batch["y"])
+        loss.backward()
+        first.step()
+        second.step()
+        first.zero_grad(set_to_none=False)
+        return loss
+    with pytest.raises(DiphomaError, match="each call's gradients would be added to what the last"):
+        diphoma_compile.trace(step, model, first, second, mlp_batches(1)[0])
+
+
 def test_leftover_grad_with_a_step_that_clears_late_is_refused():
     model = MLP()
     opt = OPTIMIZERS["sgd"](model.parameters(), True)
