@@ -45,13 +45,54 @@ def require_axis(graph: Graph, axis: str, pass_name: str) -> int:
     return sizes[axis]
 
 
-def one_key_draw(op: Op, types: Mapping[str, TensorType]) -> bool:
+def _one_key_draw(op: Op, types: Mapping[str, TensorType]) -> bool:
     """Numbers (or keys) made from one key at the shape the op names (its framework
     rule's ``shape_attr``: JAX's random_bits, random_split)."""
     rule = framework_rule(op) if op.name == "opaque" else None
     return rule is not None and bool(rule.shape_attr) and len(op.inputs) == 1 and \
         types[op.inputs[0]].rank == 0 and len(op.results) == 1 and \
         tuple(op.attrs.get(rule.shape_attr, ())) == op.results[0].type.shape
+
+
+def key_draws_per_row(graph: Graph, rows: Mapping[str, int]
+                      ) -> dict[int, tuple[int, str]]:
+    """Draws from a JAX key that meet a value split by the batch's rows (``rows``: value ->
+    its rows' dim, ``split_batch``), through ops on whole values: id of the draw -> (the
+    dim holding the rows, the value whose rows are the batch's: the draw's result, or a
+    device's ``take_piece`` of it, which a pipeline keeps each microbatch's rows of). Two
+    forms: bits drawn from one key at the value's own shape (a dropout mask over
+    activations: flax's Dropout), and one key per example split from one key
+    (``jax.random.split(key, n)``, then a draw per example under ``jax.vmap``: equinox's
+    Dropout), whose keys are the batch's rows."""
+    types = graph.value_types()
+    src: dict[str, Op] = {}
+    last: dict[int, str] = {}
+    found: dict[int, tuple[int, str]] = {}
+    for op in graph.ops:
+        if op.regions:
+            continue
+        if _one_key_draw(op, types):
+            src[op.results[0].name] = op
+            last[id(op)] = op.results[0].name
+            continue
+        if op.name == "take_piece" and op.inputs[0] in src and \
+                last[id(src[op.inputs[0]])] == op.inputs[0]:
+            src[op.results[0].name] = src[op.inputs[0]]
+            last[id(src[op.inputs[0]])] = op.results[0].name
+            continue
+        drawn = [n for n in op.inputs if n in src]
+        split = [n for n in op.inputs if n in rows]
+        if drawn and split:
+            shape, dim = types[split[0]].shape, rows[split[0]]
+            for n in drawn:
+                draw = src[n]
+                made = types[last[id(draw)]].shape
+                if types[n].shape == shape and \
+                        (made == shape or dim == 0 and made == (shape[0],)):
+                    found.setdefault(id(draw), (dim if made == shape else 0, last[id(draw)]))
+        elif drawn:
+            src.update((v.name, src[drawn[0]]) for v in op.results)
+    return found
 
 
 # what a refusal of a key's draws meeting per-device values suggests
@@ -193,34 +234,12 @@ class _Split:
         self.pieces: list[str] = []           # key draws each device takes its rows of
 
     def key_draws_per_row(self) -> dict[int, int]:
-        """Draws from a JAX key that meet a value split by the batch's rows, through ops on
-        whole values: id of the draw -> the dim holding the rows. Each device makes them at
-        the global batch's shape and keeps its own rows, the numbers the single-device step
-        draws for them. Two forms: bits drawn from one key at the value's own shape (a
-        dropout mask over activations: flax's Dropout), and one key per example split from
-        one key (``jax.random.split(key, n)``, then a draw per example under ``jax.vmap``:
-        equinox's Dropout), whose keys are the batch's rows."""
-        types, rows = self.graph.value_types(), self.analysis.rows
-        src: dict[str, Op] = {}
-        found: dict[int, int] = {}
-        for op in self.graph.ops:
-            if op.regions:
-                continue
-            if one_key_draw(op, types):
-                src[op.results[0].name] = op
-                continue
-            drawn = [n for n in op.inputs if n in src]
-            split = [n for n in op.inputs if n in rows]
-            if drawn and split:
-                shape, dim = types[split[0]].shape, rows[split[0]]
-                for n in drawn:
-                    made = src[n].results[0].type.shape
-                    if types[n].shape == shape and \
-                            (made == shape or dim == 0 and made == (shape[0],)):
-                        found.setdefault(id(src[n]), dim if made == shape else 0)
-            elif drawn:
-                src.update((v.name, src[drawn[0]]) for v in op.results)
-        return found
+        """Draws from a JAX key that meet a value split by the batch's rows (the module's
+        ``key_draws_per_row``): id of the draw -> the dim holding the rows. Each device
+        makes them at the global batch's shape and keeps its own rows, the numbers the
+        single-device step draws for them."""
+        return {k: dim for k, (dim, _) in
+                key_draws_per_row(self.graph, self.analysis.rows).items()}
 
     def draw_per_row(self, op: Op, dim: int) -> Op:
         """The draw made at the global batch's shape (rows times the axis size), then this

@@ -23,7 +23,7 @@ from ..ir.batch_coupling import split_batch
 from ..ir.core import Attrs, Graph, Input, InputKind, InputRole, Op, Value
 from ..ir.framework_ops import framework_rule
 from ..ir.types import DType, TensorType
-from .data_parallel import one_key_draw
+from .data_parallel import key_draws_per_row
 
 MICROBATCH = "microbatch"       # the name of the microbatch-index input
 
@@ -33,7 +33,7 @@ def microbatch_draws(graph: Graph, microbatches: int) -> tuple[Graph, set[str]]:
     and each microbatch's rows kept, and the names of the values now holding a
     microbatch's rows (what the draws made before); the graph unchanged and an empty set
     when there is none."""
-    found = _draws_per_row(graph)
+    found = key_draws_per_row(graph, split_batch(graph).rows)
     if not found or microbatches == 1:
         return graph, set()
     ops: list[Op] = []
@@ -83,39 +83,3 @@ def _pick(name: str, t: TensorType, res: Value, dim: int, m: int, index: str,
     return [Op("reshape", (name,), (pieces,), phase=at.phase, loc=at.loc),
             Op("index_select", (pieces.name, index), (res,), Attrs(axis=dim),
                phase=at.phase, loc=at.loc)]
-
-
-def _draws_per_row(graph: Graph) -> dict[int, tuple[int, str]]:
-    """Draws from one key that meet a value split by the batch's rows through ops on whole
-    values: id of the draw -> (the dim holding the rows, the value the rows are kept of:
-    the draw's result, or its data-parallel ``take_piece``). The forms data parallelism
-    draws per row (``DataParallel.key_draws_per_row``)."""
-    types, rows = graph.value_types(), split_batch(graph).rows
-    src: dict[str, Op] = {}
-    last: dict[int, str] = {}
-    found: dict[int, tuple[int, str]] = {}
-    for op in graph.ops:
-        if op.regions:
-            continue
-        if one_key_draw(op, types):
-            src[op.results[0].name] = op
-            last[id(op)] = op.results[0].name
-            continue
-        if op.name == "take_piece" and op.inputs[0] in src and \
-                last[id(src[op.inputs[0]])] == op.inputs[0]:
-            src[op.results[0].name] = src[op.inputs[0]]
-            last[id(src[op.inputs[0]])] = op.results[0].name
-            continue
-        drawn = [n for n in op.inputs if n in src]
-        split = [n for n in op.inputs if n in rows]
-        if drawn and split:
-            shape, dim = types[split[0]].shape, rows[split[0]]
-            for n in drawn:
-                draw = src[n]
-                made = types[last[id(draw)]].shape
-                if types[n].shape == shape and \
-                        (made == shape or dim == 0 and made == (shape[0],)):
-                    found.setdefault(id(draw), (dim if made == shape else 0, last[id(draw)]))
-        elif drawn:
-            src.update((v.name, src[drawn[0]]) for v in op.results)
-    return found

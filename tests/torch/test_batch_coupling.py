@@ -162,16 +162,7 @@ def test_ops_across_the_rows_are_found(case):
     it were a mean over examples)."""
     torch.manual_seed(0)
     loss_of, op = ACROSS_ROWS[case]
-    mlp = MLP(8, 16, 4)
-
-    def step(model, opt, x, y):
-        loss = loss_of(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-    found = batch_coupling(diphoma_compile.trace(step, mlp, _sgd(mlp), torch.randn(8, 8),
-                                                 torch.randn(8, 4)))
+    found = _found_in(loss_of, MLP(8, 16, 4))
     assert [(c.op, c.certain) for c in found][:1] == [(op, True)], found
     if case == "diff":
         assert "takes rows [0:7] and [1:8] of 8, which overlap" in found[0].why
@@ -199,15 +190,19 @@ def test_ops_within_each_row_are_not_found(case):
         if case == "gather":
             return -F.log_softmax(h, -1).gather(1, label[:, None]).mean()
         return F.mse_loss(h, y) + h.std(1).mean()
+    assert _found_in(loss_of, mlp) == []
 
+
+def _found_in(loss_of, model) -> list:
+    """The couplings of an SGD step whose loss is ``loss_of(model(x), y)``, x 8 x 8."""
     def step(model, opt, x, y):
         loss = loss_of(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
         return loss
-    assert batch_coupling(diphoma_compile.trace(step, mlp, _sgd(mlp), torch.randn(8, 8),
-                                                torch.randn(8, 4))) == []
+    return batch_coupling(diphoma_compile.trace(step, model, _sgd(model), torch.randn(8, 8),
+                                                torch.randn(8, 4)))
 
 
 class Counting(nn.Module):
