@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import FrontendError
+from .roles import infer_batch_argnums
 
 
 def is_train_state(x: Any) -> bool:
@@ -35,8 +36,9 @@ class TrainStateStep:
     """``step_fn(state, *rest)`` as ``step(params, (opt_state, counters), *rest, ...)``;
     ``args`` and ``result`` convert a call's arguments and the program's results."""
 
-    def __init__(self, step_fn: Callable, state: Any) -> None:
+    def __init__(self, step_fn: Callable, state: Any, rest: tuple = ()) -> None:
         self.step_fn, self.template = step_fn, state
+        self.rest = rest            # the call's other arguments (the batch, a key)
         nodes = [f.name for f in dataclasses.fields(state)
                  if f.metadata.get("pytree_node", True)
                  and f.name not in ("params", "opt_state")]
@@ -88,9 +90,11 @@ class TrainStateStep:
 
     def batch_argnums(self, nums: tuple[int, ...] | None) -> tuple[int, ...] | None:
         """The traced step's argument numbers of the user's batch arguments (the state,
-        argument 0, becomes arguments 0 and 1)."""
+        argument 0, becomes arguments 0 and 1). Not given: inferred among the user's own
+        arguments, the model state the TrainState holds (``batch_stats``, passed last) left
+        out: its rows are a layer's features, even where they number the batch's rows."""
         if nums is None:
-            return None
+            return infer_batch_argnums((None, None, *self.rest)) if self.held else None
         if 0 in nums:
             raise FrontendError("batch_argnums names argument 0, the TrainState",
                                 hint="name the batch's own argument numbers (1, ...)")
@@ -99,4 +103,5 @@ class TrainStateStep:
 
 def adapt(step_fn: Callable, args: tuple) -> TrainStateStep | None:
     """A ``TrainStateStep`` when the step's first argument is a TrainState, else None."""
-    return TrainStateStep(step_fn, args[0]) if args and is_train_state(args[0]) else None
+    return TrainStateStep(step_fn, args[0], tuple(args[1:])) \
+        if args and is_train_state(args[0]) else None

@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 from flax.training import train_state  # noqa: E402
 
 import diphoma_compile  # noqa: E402
-from diphoma_compile.errors import FrontendError  # noqa: E402
+from diphoma_compile.errors import DiphomaWarning, FrontendError  # noqa: E402
 
 STEPS = 3
 
@@ -127,6 +127,26 @@ def test_a_train_state_holding_batch_norm_statistics():
         ref, want = jax.jit(bn_step)(ref, batch)
         assert float(loss) == float(want)
     assert _leaves_equal((ours.params, ours.batch_stats), (ref.params, ref.batch_stats))
+
+
+def test_batch_norm_statistics_as_wide_as_the_batch_are_not_taken_for_batch():
+    """A BatchNorm over 16 features with a global batch of 16 rows: the TrainState's
+    ``batch_stats`` have the batch's rows by coincidence. They are model state, never batch
+    (before: refused, naming "step argument 3", an argument the user never wrote); the
+    step runs over 8 devices with the batch norm warned of (each device normalizes its
+    share, as under DDP)."""
+    k, batch = _data()
+    batch = (batch[0][:16], batch[1][:16])
+    net = BNNet()
+    v = net.init(k, batch[0], train=False)
+    state = BNState.create(apply_fn=net.apply, params=v["params"], tx=optax.sgd(0.1, 0.9),
+                           batch_stats=v["batch_stats"])
+    assert jax.tree.leaves(state.batch_stats)[0].shape == (16,)
+    pstep = diphoma_compile.parallelize(bn_step, jax.make_mesh((8,), ("data",)), axis="data")
+    with pytest.warns(DiphomaWarning, match="combines examples of its batch"):
+        new, loss = pstep(state, batch)
+    assert new.step == 1 and jnp.isfinite(loss)
+    assert jax.tree.leaves(new.batch_stats)[0].shape == (16,)
 
 
 def test_a_train_state_step_returning_something_else_is_refused():
