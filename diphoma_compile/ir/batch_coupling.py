@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from .analysis import free_inputs
 from .core import Graph, InputKind, Op, OutputKind, Phase
 from .framework_ops import FrameworkOpRule, framework_rule
-from .opdef import op_def, random_draw
+from .opdef import is_view, op_def, random_draw
 from .strategies import (Strategy, group_counts, no_strategies, replicate_only,
                          strategies_of)
 from .types import REPLICATE, Partial, Placement, Replicate, Shard, TensorType
@@ -56,8 +56,9 @@ class BatchSplit:
     examples, and how each returned value made from the batch (the loss, a metric, a
     buffer's new value) that is a sum or a mean over it combines across the shares:
     ``sum`` (the shares' values add up to the batch's: ``reduction="sum"``, a sum divided
-    by the global batch's size, a count of correct answers) or ``avg`` (they average to
-    it: a mean, an exponential average of a batch mean)."""
+    by the global batch's size, a count of correct answers), ``avg`` (they average to
+    it: a mean, an exponential average of a batch mean), or ``max`` / ``min`` (a maximum
+    or minimum over the batch: the largest of the shares' is the batch's)."""
 
     couplings: tuple[Coupling, ...]
     combine: Mapping[str, str]
@@ -77,7 +78,8 @@ def split_batch(graph: Graph) -> BatchSplit:
     follow = _Follow(graph)
     found = tuple(follow.run())
     combine = {o.name: s.op for o in graph.outputs
-               if isinstance(s := follow.state(o.name), Partial) and s.op in ("sum", "avg")}
+               if isinstance(s := follow.state(o.name), Partial)
+               and s.op in ("sum", "avg", "max", "min")}
     rows = {n: s.dim for n, s in follow.at.items()
             if isinstance(s, Shard) and isinstance(s.dim, int)}
     return BatchSplit(found, combine, rows)
@@ -166,6 +168,8 @@ class _Follow:
         # a window's result -> the value it was taken from and its rows
         self.window_of: dict[str, tuple[str, range]] = {}
         self.constant_made: dict[str, bool] = {}
+        # a value of rows computed from windows of a value's rows -> those windows
+        self.tags: dict[str, frozenset[tuple[str, range]]] = {}
         self.read = {n for op in graph.ops for n in free_inputs(op)} | \
             {o.name for o in graph.outputs}
 
@@ -175,6 +179,7 @@ class _Follow:
         for op in self.graph.ops:
             if (op.phase or Phase.forward) is Phase.forward:
                 self.place(op)
+                self.pair_windows(op)
             elif op.phase is Phase.update and any(
                     n in late or isinstance(self.state(n), Shard) for n in free_inputs(op)):
                 # a metric of the batch's rows computed after the optimizer step
@@ -225,7 +230,7 @@ class _Follow:
             if state != REPLICATE and not isinstance(state, frozenset) or \
                     self.reads_batch(o.name, kinds, batch):
                 continue            # made from the batch: judged by what made it
-            op = self.counted_rows(o.name, n, set())
+            op = self.counted_rows(o.name, n, set(), self.types[o.name].numel == 1)
             if op is None or id(op) in made:
                 continue
             made.add(id(op))
@@ -257,7 +262,7 @@ class _Follow:
                 self.reads_batch(x, kinds, memo) for x in free_inputs(op))
         return memo[name]
 
-    def counted_rows(self, name: str, n: int, seen: set[str]) -> Op | None:
+    def counted_rows(self, name: str, n: int, seen: set[str], scalar: bool) -> Op | None:
         """The op making a constant part of ``name`` (built from no input) that holds the
         number ``n`` (a ``full`` of it) or has ``n`` rows; None if there is none."""
         if name in seen:
@@ -267,9 +272,9 @@ class _Follow:
         if op is None or op.regions:
             return None
         if self.built(name):
-            return self.holds(name, n, set())
+            return self.holds(name, n, set(), scalar)
         for x in op.inputs:
-            found = self.counted_rows(x, n, seen)
+            found = self.counted_rows(x, n, seen, scalar)
             if found is not None:
                 return found
         return None
@@ -284,16 +289,19 @@ class _Follow:
             self.constant_made[name] = got
         return got
 
-    def holds(self, name: str, n: int, seen: set[str]) -> Op | None:
+    def holds(self, name: str, n: int, seen: set[str], scalar: bool) -> Op | None:
+        """In the constant part ``name``: a ``full`` of the number ``n``, or, where what
+        it makes is a scalar (a count: ``ones(n).sum()``), a value of ``n`` rows (a
+        causal mask of n x n positions rebuilt into a buffer is not a count)."""
         if name in seen:
             return None
         seen.add(name)
         op, t = self.producer[name], self.types[name]
         if op.name == "full" and t.rank == 0 and op.attrs.get("value") == n or \
-                t.rank >= 1 and t.shape[0] == n:
+                scalar and t.rank >= 1 and t.shape[0] == n:
             return op
         for x in op.inputs:
-            found = self.holds(x, n, seen)
+            found = self.holds(x, n, seen, scalar)
             if found is not None:
                 return found
         return None
@@ -344,6 +352,41 @@ class _Follow:
                             "(take the rows before the step, or pass only the rows to train "
                             "on)",
                         certain=True)
+
+    def pair_windows(self, op: Op) -> None:
+        """Row values made from two windows of one value's rows meeting in one op (``z1,
+        z2 = z.chunk(2); z1 - z2``, ``model(x[:4]) - model(x[4:])``): row i of one window
+        is paired with row i of the other, which a device's share pairs differently.
+        (Windows that overlap are found by ``positional_rows``; the pieces of gradient
+        accumulation meet only as sums over their rows.) Joined again, in order, the
+        windows are the rows themselves."""
+        if op.regions:
+            return
+        rule = framework_rule(op) if op.name == "opaque" else None
+        tags: set[tuple[str, range]] = set()
+        for n in op.inputs:
+            if self.state(n) == Shard(0):
+                tags |= self.tags.get(n, frozenset())
+                if n in self.window_of:
+                    tags.add(self.window_of[n])
+        if not tags or _takes_or_joins(op, rule):
+            return
+        by_source: dict[str, set[range]] = {}
+        for src, rows in tags:
+            by_source.setdefault(src, set()).add(rows)
+        for src, windows in by_source.items():
+            apart = sorted(windows, key=lambda r: (r.start, r.stop))
+            if len(apart) > 1 and not any(set(a) & set(b) for a in apart for b in apart
+                                          if a is not b):
+                n = self.types[src].shape[0]
+                self.report(op, f"pairs rows {_span(apart[0])} and {_span(apart[1])} of "
+                                f"{n} by their position (row i of one with row i of the "
+                                "other): a device's share of the batch pairs other examples",
+                            certain=True)
+                return
+        for v in op.results:
+            if self.state(v.name) == Shard(0):
+                self.tags[v.name] = frozenset(tags)
 
     def reorders(self, op: Op) -> bool:
         """A concatenation of windows of one value's rows in an order other than theirs
@@ -425,7 +468,7 @@ class _Follow:
                                               if weighted else ""), certain=weighted)
             self.set(op, [Partial("avg")] * len(outs))
             return
-        if not _has_strategies(op):
+        if not _has_strategies(op, ins, outs):
             self.set(op, _unjudged(actual, ins, outs))
             return
         if op.name == "concat" and int(op.attrs["dim"]) == 0 and self.reorders(op):
@@ -516,10 +559,17 @@ class _Follow:
         each element). The result's split dim, or None."""
         picks, out_dim = rule.row_picks(op, ins, outs)
         operand = actual[0]
-        if not isinstance(operand, Shard) or operand.dim not in picks or out_dim is None or \
-                any(not (a == Shard(0) or isinstance(a, frozenset) and Shard(0) in a)
-                    for a in actual[1:]):
+        if not isinstance(operand, Shard) or operand.dim not in picks or out_dim is None:
             return None
+        # the indices broadcast together: each split with the rows, or whole and broadcast
+        # along them (an index of the columns, arange(S)[None, :])
+        rank = max(t.rank for t in ins[1:])
+        for a, t in zip(actual[1:], ins[1:]):
+            row = t.rank - rank
+            by_row = a == Shard(0) or isinstance(a, frozenset) and Shard(0) in a
+            along = not _split(a) and (row < 0 or t.shape[row] == 1)
+            if not (by_row or along):
+                return None
         at, entry = picks[operand.dim]
         if ins[at].rank < (1 if entry is None else 2) or \
                 ins[at].shape[0] != ins[0].shape[operand.dim]:
@@ -538,6 +588,15 @@ class _Follow:
             return False
         if op.name == "iota":
             return int(op.attrs["dim"]) == 0
+        if op.name == "literal" and t.rank == 1:        # x[range(n), y]
+            data = op.attrs["data"]
+            data = tuple(data) if isinstance(data, (tuple, list)) else (data,)
+            return data in (tuple(range(t.shape[0])), tuple(range(-t.shape[0], 0)))
+        if is_view(op) and len(op.inputs) == 1:
+            # a view of one element per row as one element per row (arange(n)[:, None])
+            src = self.types[op.inputs[0]]
+            return src.rank >= 1 and src.numel == src.shape[0] == t.shape[0] == t.numel \
+                and self.positions(op.inputs[0], None)
         rule = framework_rule(op) if op.name == "opaque" else None
         if rule is not None and rule.iota_dim is not None:     # torch.arange(n)
             return rule.iota_dim(op, [self.types[n] for n in op.inputs],
@@ -641,12 +700,16 @@ class _Follow:
         return None
 
 
-def _has_strategies(op: Op) -> bool:
+def _has_strategies(op: Op, ins: Sequence[TensorType] | None = None,
+                    outs: Sequence[TensorType] | None = None) -> bool:
     """Whether the op's menu says how it splits (not: runs whole only, for want of a rule
-    or because it draws random numbers or runs control flow)."""
+    or because it draws random numbers or runs control flow; nor, given the call's types,
+    where its rule has no opinion on the call's form)."""
     if op.name == "opaque":
         rule = framework_rule(op)
-        return rule is not None and rule.strategies is not None
+        if rule is None or rule.strategies is None:
+            return False
+        return ins is None or rule.strategies(op, ins, outs) is not None
     return op_def(op.name).strategies not in (None, replicate_only, no_strategies)
 
 
@@ -737,10 +800,10 @@ def _scalar_math(actual: Sequence[object], ins: Sequence[TensorType],
 
 
 def _why(op: Op, actual: Sequence[object]) -> str:
-    if op.name == "div" and len(actual) == 2 and isinstance(actual[1], Partial):
-        return _COUNT
     if any(isinstance(a, Partial) and a.op in _SWAP for a in actual):
         return "reads a maximum or minimum over the batch in math that is not combined so"
+    if op.name == "div" and len(actual) == 2 and isinstance(actual[1], Partial):
+        return _COUNT
     if any(isinstance(a, Partial) for a in actual):
         return _NONLINEAR
     return "combines different examples of the batch (a product or comparison across them)"

@@ -17,9 +17,11 @@ CostFn = Callable[[Op, Sequence[TensorType], Sequence[TensorType]], int]
 class FrameworkOpRule:
     """One framework op's rule: its flops, its bytes (default: every operand and result
     read or written once) and its strategies (``strategies.StrategyFn``; default: run whole
-    on every device). ``regroup``: its splits stay exact when the split dimension is
-    permuted alike in every operand (``strategies.regrouped``); False where the op ties
-    contiguous runs of a dimension together (grouped convolution, group norm).
+    on every device; a function returning None for a call has no opinion on that call's
+    form: it runs whole, and the batch analysis does not judge it). ``regroup``: its
+    splits stay exact when the split dimension is permuted alike in every operand
+    (``strategies.regrouped``); False where the op ties contiguous runs of a dimension
+    together (grouped convolution, group norm).
     ``batch_stats``: it normalizes with statistics over the batch's rows (a batch norm in
     training mode), so a microbatch's result is not a slice of the batch's. ``row_mean``:
     where its strategies take no split rows, it is a mean over the rows that it counts by

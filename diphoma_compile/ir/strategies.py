@@ -76,6 +76,8 @@ def strategies_of(op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType],
         if rule is None or rule.strategies is None:
             return [replicated(ins, outs)]
         menu, regroup = rule.strategies(op, ins, outs), rule.regroup
+        if menu is None:        # no opinion on this call's form: it runs whole
+            return [replicated(ins, outs)]
     else:
         fn = op_def(op.name).strategies
         menu = [replicated(ins, outs)] if fn is None else fn(op, ins, outs)

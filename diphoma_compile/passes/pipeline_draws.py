@@ -28,14 +28,15 @@ from .data_parallel import key_draws_per_row
 MICROBATCH = "microbatch"       # the name of the microbatch-index input
 
 
-def microbatch_draws(graph: Graph, microbatches: int) -> tuple[Graph, set[str]]:
+def microbatch_draws(graph: Graph, microbatches: int
+                     ) -> tuple[Graph, set[str], tuple[str, ...]]:
     """The graph with each key draw meeting the batch's rows made for all ``microbatches``
-    and each microbatch's rows kept, and the names of the values now holding a
-    microbatch's rows (what the draws made before); the graph unchanged and an empty set
-    when there is none."""
+    and each microbatch's rows kept, the names of the values now holding a microbatch's
+    rows (what the draws made before), and the draws' source lines (or names); the graph
+    unchanged and nothing else when there is none."""
     found = key_draws_per_row(graph, split_batch(graph).rows)
     if not found or microbatches == 1:
-        return graph, set()
+        return graph, set(), ()
     ops: list[Op] = []
     kept: set[str] = set()
     taken = {last: (dim, draw) for draw, (dim, last) in found.items()}
@@ -67,7 +68,9 @@ def microbatch_draws(graph: Graph, microbatches: int) -> tuple[Graph, set[str]]:
             continue
         ops.append(op)
     inputs = graph.inputs + (Input(mb, InputRole(InputKind.microbatch)),)
-    return graph.replace(inputs=inputs, ops=tuple(ops)), kept
+    drawn = tuple(sorted({op.loc or op.results[0].name for op in graph.ops
+                          if id(op) in found}))
+    return graph.replace(inputs=inputs, ops=tuple(ops)), kept, drawn
 
 
 def _times(t: TensorType, dim: int, k: int) -> TensorType:

@@ -144,6 +144,9 @@ class PipelineRecord:
     # microbatch (DataParallelRecord's two lists, ir/batch_coupling.py)
     batch_coupled: tuple[str, ...] = ()
     batch_counted: tuple[str, ...] = ()
+    # draws from the step's key made for every microbatch, each keeping its rows
+    # (passes/pipeline_draws.py), by source line
+    random_per_microbatch: tuple[str, ...] = ()
 
     def rank_of(self, stage: int) -> int:
         """The rank (index on the axis) that runs ``stage``."""
@@ -159,7 +162,8 @@ class PipelineRecord:
                 "ranks": self.ranks or len(self.stages), "balance": self.balance,
                 "device_model": self.device_model,
                 "batch_coupled": list(self.batch_coupled),
-                "batch_counted": list(self.batch_counted)}
+                "batch_counted": list(self.batch_counted),
+                "random_per_microbatch": list(self.random_per_microbatch)}
 
 
 @register_pass
@@ -214,7 +218,7 @@ class PipelineParallel(Pass):
                 hint="microbatches=1 (schedule=gpipe), a norm without batch statistics "
                      "(LayerNorm, GroupNorm), or those layers in eval mode")
         traced = graph      # the step as traced: what its batch analysis judges
-        graph, kept = microbatch_draws(graph, self.microbatches)
+        graph, kept, drawn = microbatch_draws(graph, self.microbatches)
         keyed = _keyed_draws_on_the_batch(graph, kept)
         if self.microbatches > 1 and keyed:
             raise PassFailure(
@@ -256,7 +260,8 @@ class PipelineParallel(Pass):
                    model)
         out = cut.rewrite()
         ctx.decisions[self.name] = replace(cut.record(self.schedule, self.microbatches),
-                                           batch_coupled=notes[0], batch_counted=notes[1])
+                                           batch_coupled=notes[0], batch_counted=notes[1],
+                                           random_per_microbatch=drawn)
         return out
 
 

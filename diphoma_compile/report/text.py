@@ -215,6 +215,11 @@ def pipeline_lines(pp: PipelineRecord | None, mesh: dict[str, int]) -> list[str]
     for p, stages in pp.tied.items():
         lines.append(f"  tied: {p} held on stages {', '.join(map(str, stages))} (gradients "
                      f"summed on stage {stages[0]}, which updates it and sends the new value)")
+    if pp.random_per_microbatch:
+        lines.append(f"  random draws from a key by microbatch "
+                     f"({', '.join(pp.random_per_microbatch)}): made for the whole batch, "
+                     "each microbatch keeping its rows, the numbers the single-device step "
+                     "draws")
     # ranks row-major over the mesh's axes, as init_device_mesh lays them out
     axes = list(mesh.items())
     size = 1

@@ -340,6 +340,15 @@ def _reduce(sums: bool = False) -> Callable[[_Call], list]:
     return fn
 
 
+def _extreme(kind: str) -> Callable[[_Call], list]:
+    def fn(c: _Call) -> list:
+        """A maximum or minimum of every element: any split dim leaves partial maxima
+        (minima) the devices' values combine by."""
+        return [c.strategy({"self": Shard(d)}, Partial(kind), "reduce")
+                for d in range(c.t("self").rank)]
+    return fn
+
+
 def _along_dims(name: str, linear: bool = False) -> Callable[[_Call], list]:
     def fn(c: _Call) -> list:
         """Dims other than those the op runs along (sorts, scans, rolls, flips) split;
@@ -375,44 +384,70 @@ def _counts(c: _Call) -> int | None:
     return 0 if (start, end) in ((0, n), (-n, 0)) else None
 
 
-def _index_tensors(c: _Call) -> tuple[list[tuple[int, _T]], int] | None:
-    """The index tensors of ``x[...]`` with their operand dims, and the result's dim
-    holding their dims; None unless they are integer tensors of one shape on adjacent
-    dims."""
+def _index_tensors(c: _Call) -> tuple[list[tuple[int, _T]], int, tuple[int, ...]] | None:
+    """The index tensors of ``x[...]`` with their operand dims, the result's first dim
+    holding their (broadcast) dims, and that broadcast shape; None unless they are integer
+    tensors on adjacent dims whose shapes broadcast together (HF's padding mask is read as
+    ``mask[arange(B)[:, None], arange(S)[None, :]]``)."""
     given = [(k, v) for k, v in enumerate(c["indices"]) if v is not None]
     if not given or any(not isinstance(v, _T) or not c.ins[v.index].dtype.is_int
-                        for _, v in given) or \
-            len({c.ins[v.index].shape for _, v in given}) != 1:
+                        for _, v in given):
         return None
     ks = [k for k, _ in given]
-    return (given, ks[0]) if ks == list(range(ks[0], ks[0] + len(ks))) else None
+    if ks != list(range(ks[0], ks[0] + len(ks))):
+        return None
+    shapes = [c.ins[v.index].shape for _, v in given]
+    rank = max(len(sh) for sh in shapes)
+    padded = [(1,) * (rank - len(sh)) + tuple(sh) for sh in shapes]
+    shape = []
+    for sizes in zip(*padded):
+        big = {n for n in sizes if n != 1}
+        if len(big) > 1:
+            return None
+        shape.append(big.pop() if big else 1)
+    return given, ks[0], tuple(shape)
 
 
 def _index_picks(c: _Call) -> tuple[dict[int, tuple[int, None]], int | None]:
     """Each indexed operand dim with the input position of the tensor indexing it (each
-    element an index), and the result's dim holding the indices' first dim."""
+    element an index), and the result's dim holding the indices' first dim (where an
+    index tensor has the broadcast rank)."""
     found = _index_tensors(c)
     if found is None:
         return {}, None
-    given, first = found
-    return {k: (v.index, None) for k, v in given}, first
+    given, first, shape = found
+    return {k: (v.index, None) for k, v in given
+            if c.ins[v.index].rank == len(shape)}, first
 
 
-def _index(c: _Call) -> list:
-    """``x[i]``, ``x[:, i]``, ``x[i, j]`` with integer index tensors of one shape on
-    adjacent dims: the index's dims split the result's dims they become (x whole); x's dims
-    that are not indexed split where they land (the index whole). Rows of x split while an
-    index picks among them is not a split: each device's rows sit at other positions
-    (``batch_coupling`` accepts a pick of each row's own position)."""
+def _index(c: _Call) -> list | None:
+    """``x[i]``, ``x[:, i]``, ``x[i, j]`` with integer index tensors broadcasting together
+    on adjacent dims: the indices' broadcast dims split the result's dims they become,
+    each index tensor split where it has that dim's size and whole where it broadcasts (x
+    whole); x's dims that are not indexed split where they land (the indices whole). Rows
+    of x split while an index picks among them is not a split: each device's rows sit at
+    other positions (``batch_coupling`` accepts a pick of each row's own position). Other
+    forms (a boolean mask, indices on dims apart): no opinion (None: not judged)."""
     x = c.t("self")
     found = _index_tensors(c)
     if found is None:
-        return []
-    given, first = found
-    n, ir = len(given), c.ins[given[0][1].index].rank
-    menu = [c.strategy({"indices": [Shard(j) if v is not None else _R
-                                    for v in c["indices"]]}, Shard(first + j), "index")
-            for j in range(ir)]
+        return None
+    given, first, shape = found
+    n, ir = len(given), len(shape)
+    indexed = {v.index: c.ins[v.index] for _, v in given}
+
+    def along(j: int) -> list:
+        out = []
+        for v in c["indices"]:
+            if not isinstance(v, _T):
+                out.append(_R)
+                continue
+            t = indexed[v.index]
+            a = j - (ir - t.rank)
+            out.append(Shard(a) if a >= 0 and t.shape[a] == shape[j] else _R)
+        return out
+    menu = [c.strategy({"indices": along(j)}, Shard(first + j), "index")
+            for j in range(ir) if shape[j] > 1]
     for d in range(x.rank):
         if d < first:
             menu.append(c.strategy({"self": Shard(d)}, Shard(d), "split"))
@@ -930,6 +965,10 @@ _register("norm.ScalarOpt_dim linalg_vector_norm.default", _per_in(2), _reduce()
 _register("max.dim min.dim median.dim nanmedian.dim kthvalue.default mode.default any.dim "
           "all.dim any.dims all.dims prod.dim_int", _per_in(1), _reduce())
 _register("nansum.default", _per_in(1), _reduce(sums=True))
+_register("max.default", _per_in(1), _extreme("max"))
+_register("min.default", _per_in(1), _extreme("min"))
+# the median of every element: no split gives a piece of it
+_register("median.default nanmedian.default", _per_in(1), lambda c: [])
 _register("sort.default sort.stable topk.default cummax.default cummin.default "
           "cumprod.default logcumsumexp.default", _per_in(1), _along_dims("dim"))
 _register("cumsum.default", _per_in(1), _along_dims("dim", linear=True))

@@ -112,11 +112,15 @@ def _along(t: TensorType | None, out: TensorType, d: int) -> Placement:
 
 def _menu(fn: Callable[[_Call], list]) -> Callable:
     """A strategy function (``ir.strategies.StrategyFn``) from one that lists strategies of
-    a call: the all-replicated one first, invalid and repeated ones left out."""
+    a call: the all-replicated one first, invalid and repeated ones left out; None where
+    the rule has no opinion on the call's form (it runs whole, and is not judged)."""
     def strategies(op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType]):
         c = _Call(op, ins, outs)
+        got = fn(c)
+        if got is None:         # a form of the call the rule has no opinion on
+            return None
         menu = [replicated(ins, outs)]
-        for s in fn(c):
+        for s in got:
             if s is not None and s not in menu:
                 menu.append(s)
         return menu

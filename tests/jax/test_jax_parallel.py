@@ -862,7 +862,7 @@ def test_rows_taken_by_position_are_warned_of(take):
         pstep.trace(params, tx.init(params), batch)
 
 
-@pytest.mark.parametrize("take", ["roll", "diff", "shift pairs"])
+@pytest.mark.parametrize("take", ["roll", "diff", "halves", "shift pairs"])
 def test_rows_paired_by_position_are_warned_of(take):
     """``jnp.roll`` along the batch (its last rows joined before its first) and
     ``jnp.diff`` (two overlapping windows of the rows) pair each example with its
@@ -880,6 +880,8 @@ def test_rows_paired_by_position_are_warned_of(take):
             if take == "diff":
                 return jnp.mean(jnp.diff(h, axis=0) ** 2)
             n = y.shape[0]
+            if take == "halves":            # row i with row i + n/2
+                return jnp.mean((h[: n // 2] - h[n // 2:]) ** 2)
             return jnp.mean((h - jnp.concatenate([y[: n // 2], y[n // 2:]])) ** 2)
         loss, grads = jax.value_and_grad(loss_of)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -896,7 +898,8 @@ def test_rows_paired_by_position_are_warned_of(take):
         assert max_rel_dev(want[0], got[0]) <= 1e-5
         return
     match = {"roll": r"\(concat\): joins windows of the batch's rows in another order",
-             "diff": r"\(slice\): takes rows \[0:3\] and \[1:4\] of 4, which overlap"}[take]
+             "diff": r"\(slice\): takes rows \[0:3\] and \[1:4\] of 4, which overlap",
+             "halves": r"\(sub\): pairs rows \[0:2\] and \[2:4\] of 4 by their position"}[take]
     with pytest.warns(DiphomaWarning, match=match):
         pstep.trace(params, tx.init(params), batch)
 

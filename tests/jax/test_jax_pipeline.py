@@ -302,6 +302,8 @@ def test_dropout_from_a_key_over_several_microbatches_draws_the_batchs_masks(mes
     assert _distance(got[0], ref[0]) <= 1e-5 * largest
     kinds = [i.role.kind.value for i in pp.graph.inputs]
     assert kinds.count("microbatch") == 1
+    drawn = pp.plan.notes["pipeline"]["random_per_microbatch"]
+    assert len(drawn) == 1 and "random draws from a key by microbatch" in pp.plan.to_text()
     # each microbatch makes its own rows of the draw alone (jax/key_pieces.py windows)
     from diphoma_compile.jax.key_pieces import deferred_draws
     forward = pp.runner.cut.programs[(0, "F")].graph
@@ -322,6 +324,7 @@ def test_dropout_at_one_microbatch_plans_as_before():
     plan = one.trace(params, tx.init(params), batches[0], jax.random.PRNGKey(2)).plan
     assert len(plan.notes["pipeline"]["stages"]) == 8
     assert "microbatch" not in [i.role.kind.value for i in one.graph.inputs]
+    assert plan.notes["pipeline"]["random_per_microbatch"] == []
 
 
 def _plan_eight_stages(loss_fn, tx, rows: int) -> diphoma_compile.ParallelStep:

@@ -152,6 +152,10 @@ ACROSS_ROWS = {
     "pdist": (lambda h, y: F.pdist(h).mean(), "aten._pdist_forward.default"),
     "unfold": (lambda h, y: h.unfold(0, 2, 2).pow(2).mean(), "aten.unfold.default"),
     "triplet": (lambda h, y: F.triplet_margin_loss(h, y, y.roll(1, 0)), "aten.roll.default"),
+    # whole-tensor statistics, two halves of the batch paired
+    "peak": (lambda h, y: F.mse_loss(h / h.abs().max(), y), "div"),
+    "median loss": (lambda h, y: (h - y).abs().median(), "aten.median.default"),
+    "halves": (lambda h, y: (h.chunk(2)[0] - h.chunk(2)[1]).pow(2).mean(), "sub"),
 }
 
 
@@ -168,12 +172,16 @@ def test_ops_across_the_rows_are_found(case):
         assert "takes rows [0:7] and [1:8] of 8, which overlap" in found[0].why
 
 
-@pytest.mark.parametrize("case", ["own row", "own row, negative", "columns", "lookup",
+@pytest.mark.parametrize("case", ["own row", "own row, negative", "own row, range",
+                                  "mask by broadcast positions", "columns", "lookup",
                                   "gather", "across features"])
 def test_ops_within_each_row_are_not_found(case):
     """The same ops within each example: a pick of each row's own target
-    (``logp[arange(n), y]``, also counted from -n), columns picked by index, rows of a
-    weight looked up by the batch, and a standard deviation over features."""
+    (``logp[arange(n), y]``, also counted from -n or written ``range(n)``), a mask read at
+    broadcast positions (Hugging Face's ``padding_mask[arange(B)[:, None],
+    arange(S)[None, :]]``: found as combining examples while a reviewer's probe ran),
+    columns picked by index, rows of a weight looked up by the batch, and a standard
+    deviation over features."""
     torch.manual_seed(0)
     mlp = MLP(8, 16, 4)
 
@@ -183,6 +191,12 @@ def test_ops_within_each_row_are_not_found(case):
             return -F.log_softmax(h, -1)[torch.arange(n), label].mean()
         if case == "own row, negative":
             return -F.log_softmax(h, -1)[torch.arange(-n, 0), label].mean()
+        if case == "own row, range":
+            return -F.log_softmax(h, -1)[range(n), label].mean()
+        if case == "mask by broadcast positions":
+            mask = (y > 0).float()
+            kept = mask[torch.arange(n)[:, None], torch.arange(4)[None, :]]
+            return (F.mse_loss(h, y, reduction="none") * kept).mean()
         if case == "columns":
             return h[:, torch.tensor([0, 2])].pow(2).mean()
         if case == "lookup":
@@ -430,3 +444,33 @@ def test_hugging_face_clip_is_warned_of_and_distilbert_mlm_listed():
         pstep.trace(bert, _sgd(bert), ids, labels)
     counted = pstep.plan.notes["data-parallel"]["batch_counted"]
     assert len(counted) == 1 and "ignore_index" in counted[0]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_hugging_face_models_with_an_attention_mask_are_not_found(name):
+    """Hugging Face builds its attention masks by indexing the padding mask at broadcast
+    positions (``masking_utils``): a per-row read, not a coupling. Only cross-entropy's
+    count is listed (found as combining examples, warned, while a reviewer's probe ran)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (4, 8))
+    mask = torch.ones(4, 8, dtype=torch.long)
+    mask[1, 6:] = 0
+    if name == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16))
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    else:
+        model = transformers.BertForSequenceClassification(transformers.BertConfig(
+            num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+            vocab_size=64, num_labels=3))
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 1, 2, 0])}
+
+    def step(model, opt, batch):
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    found = batch_coupling(diphoma_compile.trace(step, model, _sgd(model), batch))
+    assert [c for c in found if c.certain] == [], found

@@ -243,6 +243,8 @@ def run_strategy(target, op, tensors, whole, s, g):
         if isinstance(p, Shard):
             per_device = [x.chunk(p.groups, p.dim) for x in pieces]
             got = torch.cat([d[g] for g in range(p.groups) for d in per_device], p.dim)
+        elif isinstance(p, Partial) and p.op in ("max", "min"):
+            got = getattr(torch.stack(pieces), f"a{p.op}")(0)
         elif isinstance(p, Partial):
             got = sum(pieces) / (N if p.op == "avg" else 1)
         else:
@@ -544,6 +546,10 @@ SAMPLES: dict[str, list] = {
     **{t: [_one((2, 4, 6), extra=[1]), _one((2, 4, 6), extra=[-1, True])]
        for t in ("max.dim", "min.dim", "median.dim", "nanmedian.dim", "mode.default",
                  "prod.dim_int")},
+    "max.default": [_one((2, 4, 6))],
+    "min.default": [_one((2, 4, 6))],
+    "median.default": [_one((2, 4, 6))],
+    "nanmedian.default": [_one((2, 4, 6))],
     "kthvalue.default": [_one((2, 4, 6), extra=[2, 1]), _one((2, 4, 6), extra=[3, -1, True])],
     **{t: [lambda r: ([r.bools(2, 4, 6), 1], {}),
            lambda r: ([r.bools(2, 4, 6), 2, True], {})]
@@ -628,7 +634,7 @@ def _sample(target: str, i: int):
 
 
 # judged, never split: every result of a pairwise distance reads two rows
-WHOLE = {"aten._pdist_forward.default"}
+WHOLE = {"aten._pdist_forward.default", "aten.median.default", "aten.nanmedian.default"}
 
 
 def test_every_target_with_strategies_has_a_sample_that_splits():
