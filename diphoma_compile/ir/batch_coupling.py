@@ -212,9 +212,8 @@ class _Follow:
         batch's size is the share's, so each device counts its own rows, not the batch's.
         A number equal to the rows can be something else (8 heads beside a batch of 8):
         the words say "if"."""
-        rows = {self.types[n].shape[0] for n, s in self.at.items()
-                if s == Shard(0) and self.types[n].rank and
-                any(i.name == n for i in self.graph.inputs)}
+        rows = {i.value.type.shape[0] for i in self.graph.inputs
+                if self.state(i.name) == Shard(0) and i.value.type.rank}
         if len(rows) != 1:
             return
         (n,) = rows

@@ -126,8 +126,7 @@ def pick(d: Deferred, index: Any) -> Any:
     """Piece ``index`` of a window viewed as pieces (``as_pieces``), made."""
     each = d.size // d.pieces
     start = lax.convert_element_type(index, np.int32) * np.int32(each)
-    return bits(narrow(Deferred(d.key, d.bit_width, d.shape, d.dim, d.start, d.size),
-                       d.dim, start, each))
+    return bits(narrow(d, d.dim, start, each))
 
 
 def _partitionable(d: Deferred) -> bool:

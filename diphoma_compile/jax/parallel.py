@@ -77,9 +77,9 @@ class PerDeviceLowering(Lowering):
         one piece picked and made (``index_select`` by a pipeline's microbatch index)."""
         d = ins[0]
         if op.name == "reshape":
-            a, b = d.shape if d.size is None else None, op.results[0].type.shape
+            b = op.results[0].type.shape      # (a whole draw's window has no dim yet)
             dim = d.dim if d.dim is not None else next(
-                k for k in range(len(a)) if a[k] != b[k])
+                k for k in range(len(d.shape)) if d.shape[k] != b[k])
             return key_pieces.as_pieces(d, dim, b[dim])
         if op.name == "index_select" and d.pieces > 1:
             return key_pieces.pick(d, ins[1])
