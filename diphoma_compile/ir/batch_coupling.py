@@ -22,6 +22,7 @@ example (one example picked out, ``x[0]``, drops the rows' dimension and is foun
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -440,6 +441,9 @@ class _Follow:
         if fit is not None:
             self.set(op, [self.mean_or_sum(op, p, states, actual, ins) for p in fit.outputs])
             return
+        if op.name == "reshape" and (moved := _reshaped_rows(actual, ins, outs)) is not None:
+            self.set(op, [moved])
+            return
         if rule is not None and rule.row_picks is not None and \
                 (dim := self.picked_per_row(op, rule, actual, ins, outs)) is not None:
             self.set(op, [Shard(dim)])
@@ -766,6 +770,37 @@ def _overlapping(windows: list[tuple[range, Op]]
 def _span(rows: range) -> str:
     step = f":{rows.step}" if rows.step != 1 else ""
     return f"[{rows.start}:{rows.stop}{step}]"
+
+
+def _reshaped_rows(actual: Sequence[object], ins: Sequence[TensorType],
+                   outs: Sequence[TensorType]) -> Shard | None:
+    """Where a reshape puts a split the strategies do not carry: a dim merged inside
+    another (``nn.MultiheadAttention(batch_first=True)`` views its (S, B, H, d) heads as
+    (S B, E): the batch's rows become a split of S groups of the merged dim, each device
+    holding its piece of every group) and back. A split of g groups of dim d is a split
+    of the flat tensor's runs (as many as the elements before dim d, times g), each device
+    holding the same piece of every run; it is a split of h groups of result dim j when
+    the result has as many runs of as many elements there, and the elements after dim j
+    divide those after dim d (so each device's piece of a run is whole rows of dim j)."""
+    if len(actual) != 1 or not isinstance(actual[0], Shard) or \
+            not isinstance(actual[0].dim, int):
+        return None
+    p, src, dst = actual[0], ins[0].shape, outs[0].shape
+    d, g = p.dim, p.groups
+    if src[d] % g:
+        return None
+    groups = math.prod(src[:d]) * g
+    run = src[d] // g * math.prod(src[d + 1:])
+    for j in range(len(dst)):
+        before = math.prod(dst[:j])
+        if groups % before or dst[j] % (groups // before):
+            continue
+        h = groups // before
+        after = math.prod(dst[j + 1:])
+        if dst[j] // h > 1 and dst[j] // h * after == run and \
+                math.prod(src[d + 1:]) % after == 0:
+            return Shard(j, h) if h > 1 else Shard(j)
+    return None
 
 
 def _takes_or_joins(op: Op, rule: FrameworkOpRule | None) -> bool:

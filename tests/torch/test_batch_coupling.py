@@ -474,3 +474,33 @@ def test_hugging_face_models_with_an_attention_mask_are_not_found(name):
         return loss
     found = batch_coupling(diphoma_compile.trace(step, model, _sgd(model), batch))
     assert [c for c in found if c.certain] == [], found
+
+
+@pytest.mark.parametrize("layer", ["attention", "encoder"])
+def test_batch_first_attention_is_not_found(layer):
+    """``nn.MultiheadAttention(batch_first=True)`` (and a ``TransformerEncoder`` made of
+    it) transposes the batch to dim 1 and views its heads (S, B, H, d) as (S B, E): the
+    rows become a split of S groups of the merged dim and back (warned of as combining
+    examples while a reviewer's probe ran). Given the sequence first, dim 0 (the split
+    one) is the sequence, which attention does combine: found."""
+    torch.manual_seed(0)
+    if layer == "attention":
+        model = nn.MultiheadAttention(16, 2, batch_first=True)
+        seq_first = nn.MultiheadAttention(16, 2)
+    else:
+        model = nn.TransformerEncoder(nn.TransformerEncoderLayer(
+            16, 2, 32, dropout=0.0, batch_first=True), 2, enable_nested_tensor=False)
+        seq_first = nn.TransformerEncoder(nn.TransformerEncoderLayer(
+            16, 2, 32, dropout=0.0), 2, enable_nested_tensor=False)
+
+    def step(model, opt, x, y):
+        out = model(x, x, x, need_weights=False)[0] if layer == "attention" else model(x)
+        loss = F.mse_loss(out, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    x, y = torch.randn(6, 5, 16), torch.randn(6, 5, 16)
+    assert batch_coupling(diphoma_compile.trace(step, model, _sgd(model), x, y)) == []
+    found = batch_coupling(diphoma_compile.trace(step, seq_first, _sgd(seq_first), x, y))
+    assert found and found[0].certain and "combines different examples" in found[0].why
