@@ -327,7 +327,10 @@ class Step:
         # backward (their leftover .grad is zeros, which backward adds nothing to)
         self.zeroed_last: set[int] = set()
         self.backward_seen = False
-        self.tensor_hyper = False          # hyperparameters as tensors (tensor_hyper())
+        self.tensor_hyper = False          # every optimizer's math on tensors (Inductor)
+        # the optimizers traced in their tensor (capturable) math alone: those whose eager
+        # step() branches on its step count (counts_on_host)
+        self.tensor_opts: frozenset[int] = frozenset()
 
     def _add_module_tensors(self, names: dict[int, str]) -> dict[int, int]:
         """Slots for the modules' parameters and buffers (each tensor once, named after the
@@ -421,9 +424,12 @@ class Step:
         args = pytree.tree_unflatten(leaves, self.arg_spec)
         state: dict = defaultdict(dict)
         it = iter(ss)
+        wide = self.wide_counts()
         for pi, keys in enumerate(self.state_keys):
             for k, *_ in keys:
                 state[ps[pi]][k] = next(it)
+                if (pi, k) in wide:
+                    state[ps[pi]][k] = state[ps[pi]][k].to(torch.float64)
         with contextlib.ExitStack() as stack:
             for mi, m in enumerate(self.modules):
                 tensors = {s.key[0]: t for s, t in zip(self.param_slots, ps) if s.owner == mi}
@@ -431,8 +437,8 @@ class Step:
                                 if s.owner == mi})
                 stack.enter_context(_reparametrize_module(m, tensors, tie_weights=True))
             stack.enter_context(self._watch_grad_clearing())
-            if self.tensor_hyper:
-                stack.enter_context(_tensor_optimizer_math(self.opts))
+            if self.tensor_hyper or self.tensor_opts:
+                stack.enter_context(self.tensor_math())
             values = self._hyper_values(hyper)
             bound = []
             for oi, opt in enumerate(self.opts):
@@ -454,8 +460,8 @@ class Step:
                                     "returns tensors (the loss, metrics), None or nothing",
                                     hint="return loss, not loss.item()")
         self.n_user = len(out_leaves)
-        new_state = [state[ps[pi]][k] for pi, keys in enumerate(self.state_keys)
-                     for k, *_ in keys]
+        new_state = [state[ps[pi]][k].to(dt) if (pi, k) in wide else state[ps[pi]][k]
+                     for pi, keys in enumerate(self.state_keys) for k, _, dt, _ in keys]
         # gradients the step leaves in .grad (zero_grad before backward) are outputs too
         self.grads_left = [pi for pi, p in enumerate(ps) if p.grad is not None]
         self.grads_zeroed = bool(self.grads_left) and \
@@ -490,6 +496,23 @@ class Step:
                 "parameters, buffers and optimizer state of the modules and optimizers it "
                 "uses", hint=hint)
 
+    def tensor_math(self) -> contextlib.AbstractContextManager:
+        """Every optimizer's math on tensors (for Inductor), or only that of those whose
+        step() branches on its step count, within their step()."""
+        if self.tensor_hyper:
+            return _tensor_optimizer_math(self.opts)
+        return _tensor_optimizer_math([self.opts[i] for i in sorted(self.tensor_opts)],
+                                      scoped=True)
+
+    def wide_counts(self) -> set[tuple[int, str]]:
+        """(parameter, state key) of the step counts that the optimizers branching on them
+        (``counts_on_host``) count in float64 while traced, so that their math on the count
+        (RAdam's rho_t, a difference of two numbers near 2 / (1 - beta2)) keeps the
+        precision of eager's Python floats; the new count is stored in its own dtype."""
+        return {(pi, k) for oi in self.tensor_opts for g in self.groups[oi] for pi in g
+                for k, shape, dt, _ in self.state_keys[pi]
+                if k == "step" and shape == () and dt.is_floating_point}
+
     def _hyper_values(self, hyper: list[torch.Tensor]) -> list[list[dict[str, Any]]]:
         """Per optimizer and group, the traced values to bind. ``.item()`` of a fake tensor
         is a symbolic float: the optimizer does its usual Python-double arithmetic on it,
@@ -499,7 +522,7 @@ class Step:
         for slot, t in zip(self.hyper_slots, hyper):
             gi, key, idx = slot.key
             # for a code generator: the value stays a 0-d tensor, so no .item() cuts the graph
-            v = t if self.tensor_hyper else t.item()
+            v = t if self.tensor_hyper or slot.owner in self.tensor_opts else t.item()
             given = self.opts[slot.owner].param_groups[gi][key]
             given = given if idx is None else given[idx]
             if isinstance(given, torch.Tensor):
@@ -569,13 +592,14 @@ def _discover_state(step: Step) -> list[list[StateKey]]:
     only the optimizers on parameters with zero gradients: meta tensors first (no memory,
     and no dispatch through Python), fake tensors when the optimizer cannot run on meta
     tensors (it reads a value, or mixes them with CPU tensors it makes)."""
-    try:
-        return _run_optimizers(step, lambda p: torch.empty_strided(
-            p.shape, p.stride(), dtype=p.dtype, device="meta"), contextlib.nullcontext())
-    except Exception:
-        fake = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
-        with _unchecked_symbolic_floats():
-            return _run_optimizers(step, lambda p: _fake_of(fake, p), fake)
+    with step.tensor_math() if step.tensor_opts else contextlib.nullcontext():
+        try:
+            return _run_optimizers(step, lambda p: torch.empty_strided(
+                p.shape, p.stride(), dtype=p.dtype, device="meta"), contextlib.nullcontext())
+        except Exception:
+            fake = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
+            with _unchecked_symbolic_floats():
+                return _run_optimizers(step, lambda p: _fake_of(fake, p), fake)
 
 
 def _run_optimizers(step: Step, make: Callable[[torch.Tensor], torch.Tensor],
@@ -773,25 +797,56 @@ def _symbolic_extremum(builtin: Any, symbolic: Any) -> Any:
     return extremum
 
 
+def counts_on_host(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt``'s eager step() branches on its step count read on the host (RAdam's
+    rectification from its sixth step, ASGD's averaging from step t0), which no one trace
+    can hold: such an optimizer is traced in its capturable form, which branches with
+    ``torch.where`` and keeps the count a tensor."""
+    return isinstance(opt, (torch.optim.RAdam, torch.optim.ASGD))
+
+
 @contextlib.contextmanager
-def _tensor_optimizer_math(opts: list[torch.optim.Optimizer]) -> Iterator[None]:
+def _tensor_optimizer_math(opts: list[torch.optim.Optimizer],
+                           scoped: bool = False) -> Iterator[None]:
     """The optimizers' code as torch.compile traces it: learning rates and step counts stay
     tensors (``capturable`` Adam-style math, ``torch.compiler.is_compiling()`` true), so
     the graph reads no value on the host and a code generator compiles it once, whatever
-    the learning rate and step count are later."""
+    the learning rate and step count are later. ``scoped``: ``is_compiling()`` is true only
+    within these optimizers' step() (the rest of the step, other optimizers and the model,
+    traced as eager runs it)."""
     saved = [[g.get("capturable") for g in o.param_groups] for o in opts]
+    inside = [0]
+    own_steps = [o.__dict__.get("step") for o in opts]   # a scheduler's wrapper, if any
+
+    def counted(run: Callable) -> Callable:
+        def step(*args: Any, **kwargs: Any) -> Any:
+            inside[0] += 1
+            try:
+                return run(*args, **kwargs)
+            finally:
+                inside[0] -= 1
+        return step
+    compiling = torch.compiler.is_compiling
     try:
         for o in opts:
             for g in o.param_groups:
                 if "capturable" in g:
                     g["capturable"] = True
-        with mock.patch("torch.compiler.is_compiling", lambda: True):
+            if scoped:
+                o.step = counted(o.step)
+        with mock.patch("torch.compiler.is_compiling",
+                        (lambda: inside[0] > 0 or compiling()) if scoped else lambda: True):
             yield
     finally:
-        for o, gs in zip(opts, saved):
+        for o, gs, own in zip(opts, saved, own_steps):
             for g, c in zip(o.param_groups, gs):
                 if c is not None:
                     g["capturable"] = c
+            if scoped:
+                if own is None:
+                    o.__dict__.pop("step", None)
+                else:
+                    o.step = own
 
 
 @contextlib.contextmanager
@@ -833,6 +888,7 @@ def capture(step_fn: Callable, *args: Any, codegen: str | None = "fx") -> Captur
     device = compute_device(step.params + step.buffers)
     codegen = "inductor" if check_codegen(codegen) == "inductor" else "fx"
     step.tensor_hyper = codegen == "inductor"
+    step.tensor_opts = frozenset(i for i, o in enumerate(opts) if counts_on_host(o))
     live = step.live_state_keys()
     step.state_keys = live if live is not None else _discover_state(step)
     rec = _Recorder(step_fn)

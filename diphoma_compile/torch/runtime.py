@@ -232,7 +232,8 @@ def _get_attr(mod: torch.nn.Module, qualname: str) -> torch.Tensor:
 # Optimizers whose first step() starts from zero state and then does what every later step
 # does, so that a fresh one can run the traced (later-step) program from zeros: the
 # moments, buffers and step counts of these are zeros before their first update.
-_ZERO_START = {"Adam", "AdamW", "Adamax", "RMSprop", "Adadelta", "Adagrad", "Adafactor"}
+_ZERO_START = {"Adam", "AdamW", "Adamax", "RMSprop", "Adadelta", "Adagrad", "Adafactor",
+               "RAdam"}
 
 
 def _not_zero_start(opt: torch.optim.Optimizer) -> str | None:

@@ -98,16 +98,17 @@ _READERS = {
 
 def _torch_reader_hint(exc: BaseException) -> str | None:
     """What to do where torch's own code read a tensor's value: an optimizer whose step()
-    branches on its step count (RAdam's rectification, ASGD's averaging), a BatchNorm's
-    cumulative average, a clip that raises on a non-finite norm."""
+    branches on a value of its state (RAdam and ASGD, which branch on their step count,
+    are traced in their capturable form instead: ``capture.counts_on_host``), a
+    BatchNorm's cumulative average, a clip that raises on a non-finite norm."""
     for fs in reversed(traceback.extract_tb(exc.__traceback__)):
         path = fs.filename.replace(os.sep, "/")
         if "/torch/optim/" in path and not path.endswith("/optimizer.py"):
             name = os.path.basename(path)[:-3]
             return (f"torch.optim's {name} step() branches on a value of its state (its "
                     "step count) unless capturable: its update cannot be traced as one "
-                    "program; SGD, Adam, AdamW, Adadelta, Adagrad, Adamax, NAdam, RMSprop and "
-                    "Rprop can (once they have state)")
+                    "program; SGD, Adam, AdamW, Adadelta, Adagrad, Adamax, NAdam, RAdam, "
+                    "ASGD, RMSprop and Rprop can (once they have state)")
         if "/torch/" in path and os.path.basename(path) in _READERS:
             return _READERS[os.path.basename(path)]
     return None

@@ -1643,6 +1643,44 @@ def run_adafactor(rank: int, world: int) -> dict:
     return out
 
 
+@check("step_count_optimizers")
+def run_step_count_optimizers(rank: int, world: int) -> dict:
+    """torch.optim.RAdam and ASGD, whose eager step() branches on the step count (traced in
+    their capturable form, the count in float64), under the default plan against the
+    single-device step on the global batch: 8 steps, past RAdam's sixth (where its
+    rectification starts) and ASGD's t0 (where it starts averaging). A fresh ASGD starts
+    from eta = lr and mu = 1, not zeros: both take one eager step first."""
+    import diphoma_compile
+    makers = {"radam": lambda ps: torch.optim.RAdam(ps, lr=1e-2, weight_decay=0.01,
+                                                    decoupled_weight_decay=True),
+              "asgd": lambda ps: torch.optim.ASGD(ps, lr=0.05, t0=3)}
+    out: dict = {}
+    for name, make in makers.items():
+        torch.manual_seed(0)
+        model = OddMLP()
+        ref = copy.deepcopy(model)
+        opt, ref_opt = make(model.parameters()), make(ref.parameters())
+        batches = mlp_batches(world)[:9]
+        if name == "asgd":
+            for m, o in ((model, opt), (ref, ref_opt)):
+                mlp_step(m, o, *batches[0])
+        step = diphoma_compile.parallelize(mlp_step, diphoma_compile.Mesh({"dp": world}))
+        got: dict = {"losses": [], "ref_losses": []}
+        for b in batches[1:]:
+            got["losses"].append(step(model, opt, *local(b, rank, world)).item())
+            got["ref_losses"].append(mlp_step(ref, ref_opt, *b).item())
+        state = step.runner.gather_optimizer_state()
+        got["param_abs"] = max(max_abs(p, q) for p, q in zip(model.parameters(),
+                                                               ref.parameters()))
+        names = dict(zip(map(id, ref.parameters()), (n for n, _ in ref.named_parameters())))
+        got["state_abs"] = {f"{names[id(q)]}.{k}": max_abs(state[names[id(q)]][k], v)
+                            for q, st in ref_opt.state.items() for k, v in st.items()}
+        got["sharded"] = sum(t["placement"].startswith("dp: ") for t in
+                             step.plan.to_dict()["tensors"] if t["role"] == "opt_state")
+        out[name] = got
+    return out
+
+
 @check("measured_model")
 def run_measured_model(rank: int, world: int) -> dict:
     """parallelize(device_model="measured"): every rank measures its CPU at once (and ranks

@@ -781,6 +781,22 @@ def test_adafactor_matches_one_device(runs):
         assert r["adafactor"]["losses"] == r0["losses"]
 
 
+@pytest.mark.parametrize("name", ["radam", "asgd"])
+def test_step_count_optimizers_match_one_device(runs, name):
+    """RAdam and ASGD (refused until 2026-12-05: their eager step() branches on the step
+    count) under the default plan on 4 ranks, past the step where that branch turns:
+    equal to the single-device step to rounding, their moments sharded."""
+    r0 = runs[0]["step_count_optimizers"][name]
+    for a, b in zip(r0["losses"], r0["ref_losses"]):
+        assert abs(a - b) <= 1e-6 * abs(b), (r0["losses"], r0["ref_losses"])
+    assert r0["param_abs"] <= 1e-6, r0["param_abs"]
+    assert max(r0["state_abs"].values()) <= 1e-6, r0["state_abs"]
+    assert r0["state_abs"]["fc1.weight.step"] == 0.0
+    assert r0["sharded"] == {"radam": 12, "asgd": 6}[name], r0    # moments / ax of 6 tensors
+    for r in runs[1:]:
+        assert r["step_count_optimizers"][name]["losses"] == r0["losses"]
+
+
 def test_a_measured_device_model_is_the_same_on_every_rank(runs):
     """Each rank measured its own CPU at the same time as the others; all plan on the
     slowest rank's rates and rank 0's link (a plan that differed between ranks could cut a
