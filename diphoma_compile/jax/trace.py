@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +42,55 @@ def trace_jax(step_fn: Callable, *example_args: Any, **options: Any) -> Graph:
     return trace_jax_with_tree(step_fn, *example_args, **options)[0]
 
 
+# what make_jaxpr raises where the step needs an array's value while it is traced
+_DATA_DEPENDENT = (jax.errors.ConcretizationTypeError, jax.errors.NonConcreteBooleanIndexError,
+                   jax.errors.TracerArrayConversionError,
+                   jax.errors.TracerIntegerConversionError)
+
+
+def _data_dependent(e: Exception) -> FrontendError:
+    """A FrontendError for a step that needs an array's value while traced: a boolean mask
+    index (its result's size is the data's), Python control flow on an array, an array read
+    into a Python number or NumPy array; naming the user's line."""
+    at = _user_line(e)
+    at = f" at {at}" if at else ""
+    if isinstance(e, jax.errors.NonConcreteBooleanIndexError):
+        return FrontendError(
+            f"the size of a value the step computes depends on array data{at}: a boolean "
+            "mask index (x[mask]) keeps as many elements as the data says, and a traced step "
+            "has static shapes",
+            hint="keep every element and weight by the mask instead "
+                 "(jnp.sum(per_example * keep) / jnp.sum(keep)), or jnp.where(mask, x, 0) for "
+                 "a selection; jnp.nonzero and jnp.unique take size= for a static size")
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return FrontendError(
+        f"the step branches on, or reads into Python, a value that depends on array data"
+        f"{at} ({type(e).__name__}: {first})",
+        hint="use jnp.where, jax.lax.cond or jax.lax.select for a decision on array values, "
+             "keep arrays as arrays (no float(x), int(x), np.asarray(x)), or move the "
+             "decision out of the step")
+
+
+def _user_line(e: BaseException) -> str | None:
+    """``file:line: code`` of the innermost frame of the user's code: outside JAX and this
+    package, and in an installed library (flax, optax) only when no frame of the user's own
+    files is there."""
+    import jaxlib
+    skip = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                 for m in (jax, jaxlib)) + (
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep, "<")
+    own = lib = None
+    for fs in traceback.extract_tb(e.__traceback__):
+        if os.path.abspath(fs.filename).startswith(skip) or fs.filename.startswith("<"):
+            continue
+        text = f"{os.path.basename(fs.filename)}:{fs.lineno}: {(fs.line or '').strip()}"
+        if "site-packages" in fs.filename or "dist-packages" in fs.filename:
+            lib = text
+        else:
+            own = text
+    return own or lib
+
+
 def _unplaced(x: Any) -> Any:
     """An array laid out over several devices as its shape and dtype alone: traced as it
     is, its sharding (a mesh's, from an earlier parallelized step) becomes a parameter of the
@@ -68,6 +119,8 @@ def trace_jax_with_tree(step_fn: Callable, *example_args: Any, params_argnum: in
     try:
         closed, out_shape = jax.make_jaxpr(step_fn, return_shape=True)(
             *jax.tree.map(_unplaced, example_args))
+    except _DATA_DEPENDENT as e:
+        raise _data_dependent(e) from e
     except TypeError as e:
         if "JAX type" not in str(e):
             raise

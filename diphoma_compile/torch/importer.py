@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..errors import UnsupportedOpError
+from ..errors import FrontendError, UnsupportedOpError
 from ..ir.core import (Attrs, Graph, Input, InputKind, InputRole, NameSupply, Op, Output,
                        OutputKind, OutputRole, Value)
 from ..ir.types import TensorType
@@ -266,7 +266,31 @@ def _concrete(v: Any) -> Any:
 
 def import_captured(cap: Captured) -> Graph:
     """The IR graph of a captured step."""
+    _check_static_shapes(cap)
     return _Importer(cap).run()
+
+
+def _check_static_shapes(cap: Captured) -> None:
+    """FrontendError naming the first op whose result's size depends on tensor data (a
+    boolean mask index ``x[mask]``, ``nonzero``, ``unique``, ``masked_select``): make_fx
+    traces it with a size it cannot know (an unbacked symbol), and the IR, whose shapes
+    are static, could not hold it."""
+    for node in cap.gm.graph.nodes:
+        val = node.meta.get("val")
+        vals = val if isinstance(val, (list, tuple)) else [val]
+        if node.op != "call_function" or not any(
+                isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape)
+                for v in vals):
+            continue
+        at = f" at {cap.loc[node.name]}" if node.name in cap.loc else ""
+        raise FrontendError(
+            f"the size of {target_name(node.target)}'s result depends on tensor data{at}: "
+            "a boolean mask index (x[mask]), nonzero, unique or masked_select keeps as many "
+            "elements as the data says, and a traced step has static shapes",
+            hint="keep every element and weight by the mask instead, e.g. "
+                 "(F.cross_entropy(out, y.clamp(min=0), reduction='none') * keep).sum() / "
+                 "keep.sum(), or cross_entropy's ignore_index for labels to skip; "
+                 "torch.where(mask, x, 0) for a selection")
 
 
 def _number(value: Any) -> Any:

@@ -67,8 +67,11 @@ def explain(exc: Exception) -> FrontendError:
                  "copy.deepcopy(model)), whose tensors are traced state")
     if "DynamicOutputShape" in name:
         return FrontendError(f"an op's output shape depends on tensor data{at} ({text})",
-                             hint="ops such as nonzero/unique/masked_select cannot be traced "
-                                  "with static shapes")
+                             hint="an op whose result's size follows its inputs' values "
+                                  "(nonzero, unique, masked_select; ctc_loss sizes its work "
+                                  "by the largest target length) cannot be traced with "
+                                  "static shapes: compute it outside the step, or with ops "
+                                  "whose sizes follow their inputs' shapes")
     if "UnsupportedOperator" in name or "no fake impl" in text.lower():
         return FrontendError(f"op {text} has no mapping: it cannot run on fake tensors{at}",
                              hint="register a fake (meta) implementation for custom ops "

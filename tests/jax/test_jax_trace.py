@@ -186,6 +186,39 @@ def test_bad_arguments_fail_clearly(args, words):
         assert w in str(e.value)
 
 
+def _branching(p, s, b):
+    loss = jnp.sum(p["w"] * b)
+    if loss > 0:                          # Python control flow on a traced value
+        loss = loss * 2
+    return p, s, loss
+
+
+def _masked(p, s, b):
+    return p, s, jnp.mean(p["w"][b > 0])   # a boolean mask index
+
+
+def _read(p, s, b):
+    return p, s, jnp.sum(p["w"]) * float(b[0])
+
+
+@pytest.mark.parametrize("step, words", [
+    (_branching, ["branches on, or reads into Python", "if loss > 0:",
+                  "TracerBoolConversionError", "jax.lax.cond"]),
+    (_masked, ["the size of a value the step computes depends on array data",
+               'jnp.mean(p["w"][b > 0])', "jnp.sum(per_example * keep) / jnp.sum(keep)"]),
+    (_read, ["reads into Python", "float(b[0])", "ConcretizationTypeError"]),
+], ids=["branch", "mask", "float"])
+def test_steps_that_need_an_arrays_value_name_the_line(step, words):
+    """Python control flow on an array, a boolean mask index, an array read into Python:
+    a FrontendError naming the user's line and the traceable form, not JAX's own error
+    raised through the frontend (as until 2026-12-05)."""
+    with pytest.raises(FrontendError) as e:
+        trace_jax(step, P, S, B)
+    assert "test_jax_trace.py:" in str(e.value)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
 def test_repeated_argnums_fail():
     with pytest.raises(FrontendError, match="repeat an argument"):
         trace_jax(lambda *a: (a[0], a[1]), P, S, B, batch_argnums=(0,))

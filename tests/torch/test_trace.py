@@ -224,6 +224,35 @@ def test_data_dependent_control_flow_is_named():
     assert "torch.where" in msg
 
 
+@pytest.mark.parametrize("case", ["mask", "nonzero", "unique"])
+def test_sizes_that_depend_on_tensor_data_are_named(case):
+    """A boolean mask index, nonzero or unique traces (make_fx gives its size an unbacked
+    symbol) and then failed importing with torch's GuardOnDataDependentSymNode, no line
+    and no way out; now a FrontendError names the op, the user's line and the masked-mean
+    form that keeps shapes static."""
+    def step(model, opt, batch):
+        out, y = model(batch["x"]), batch["y"]
+        keep = y > 0
+        if case == "mask":
+            loss = F.cross_entropy(out[keep], y[keep])
+        elif case == "nonzero":
+            loss = F.cross_entropy(out[keep.nonzero()[:, 0]], y[keep.nonzero()[:, 0]])
+        else:
+            loss = F.cross_entropy(out, y) / torch.unique(y).numel()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    model = MLP()
+    opt = OPTIMIZERS["sgd"](model.parameters(), True)
+    with pytest.raises(FrontendError) as e:
+        diphoma_compile.trace(step, model, opt, mlp_batches(1)[0])
+    msg = str(e.value)
+    op = {"mask": "aten.index.Tensor", "nonzero": "aten.nonzero", "unique": "aten._unique2"}
+    assert f"the size of {op[case]}" in msg and "depends on tensor data" in msg, msg
+    assert "test_trace.py:" in msg and "reduction='none') * keep).sum()" in msg
+
+
 def _refusal_through(op) -> str:
     """The FrontendError's message for an MLP step whose logits pass through ``op``."""
     def step(model, opt, batch):
