@@ -5,7 +5,7 @@ LM head untied: torch's PipelineStage cannot hold a weight on two stages) with A
 gloo ranks on the CPU.
 
     python benchmarks/pipeline.py [--steps 6] [--warmup 2] [--nproc 4] [--micro 4]
-        [--schedule 1f1b|gpipe|interleaved|interleaved-zb|zbv|looped-bfs] [--layers N]
+        [--schedule 1f1b|gpipe|interleaved|interleaved-zb|zbv|looped-bfs|dualpipev] [--layers N]
         [--embd 128 --vocab 1024 --seq 64 --batch 16] [--no-torch]
         [--frozen K] [--balance time|forward-flops|both] [--pin]
         [--device-model cpu-gloo|measured-cpu-gloo]
@@ -344,7 +344,7 @@ def main() -> None:
     p.add_argument("--micro", type=int, default=4)
     p.add_argument("--schedule", default="1f1b",
                    choices=("1f1b", "gpipe", "interleaved", "interleaved-zb", "zbv",
-                            "looped-bfs"))
+                            "looped-bfs", "dualpipev"))
     p.add_argument("--layers", type=int, default=None,
                    help="layers of the GPT (default: one per stage)")
     p.add_argument("--dump", metavar="FILE",

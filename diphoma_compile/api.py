@@ -322,7 +322,8 @@ def pipeline_settings(mesh: Mesh, passes: str | None, microbatches: int | None,
                       schedule: str) -> PipelineParallel | None:
     """The pipeline pass a plan will run: the one ``passes`` names, or, by default, one
     over the mesh's pipeline axis (named pp, pipe or pipeline) when it has several devices,
-    with ``microbatches`` (default: the axis size) and ``schedule``; None without one."""
+    with ``microbatches`` (default: the axis size; for dualpipev twice that, the stages,
+    the fewest it takes) and ``schedule``; None without one."""
     if passes is not None:
         found = [p for p in parse_spec(passes) if isinstance(p, PipelineParallel)]
         return found[-1] if found else None
@@ -334,7 +335,8 @@ def pipeline_settings(mesh: Mesh, passes: str | None, microbatches: int | None,
                                hint="add a pp axis to the mesh (Mesh({'dp': 2, 'pp': 2})), "
                                     "or leave microbatches unset")
         return None
-    m = mesh.axis_size(pp) if microbatches is None else microbatches
+    m = microbatches if microbatches is not None else \
+        mesh.axis_size(pp) * (2 if schedule == "dualpipev" else 1)
     return PipelineParallel(axis=pp, microbatches=m, schedule=schedule)
 
 
@@ -471,8 +473,8 @@ def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
     (``pipeline{axis=pp, microbatches=M, schedule=...}``, docs/pipeline.md): each rank
     passes its whole local batch, which runs as ``microbatches`` M microbatches (default:
     the axis size) on ``schedule``: ``1f1b`` or ``gpipe`` (a stage per rank),
-    ``interleaved``, ``looped-bfs``, or the zero-bubble ``interleaved-zb`` and ``zbv`` (two
-    stages per rank).
+    ``interleaved``, ``looped-bfs``, the zero-bubble ``interleaved-zb`` and ``zbv``, or
+    ``dualpipev`` (two stages per rank; dualpipev takes M >= 2P).
 
     ``compression="sdp4bit"`` (opt-in) quantizes the data axis's collectives as
     SDP4Bit does: gradients reduce-scattered as Hadamard-transformed 4-bit all-to-alls,

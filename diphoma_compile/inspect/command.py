@@ -67,10 +67,10 @@ def add_parser(sub: Any) -> None:
                         "machine's first GPU, else its CPU, measured now")
     p.add_argument("--schedule", default="1f1b",
                    choices=("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv",
-                            "looped-bfs"),
+                            "looped-bfs", "dualpipev"),
                    help="the pipeline schedule with a pp axis (default 1f1b; interleaved, "
-                        "looped-bfs and the zero-bubble ones interleaved-zb and zbv, with "
-                        "split backward, run two stages per rank)")
+                        "looped-bfs, the zero-bubble ones interleaved-zb and zbv, with "
+                        "split backward, and dualpipev (M >= 2P) run two stages per rank)")
     p.add_argument("--plot", metavar="FILE",
                    help="with a pp axis: draw the schedule (ranks x time, forward and "
                         "backward blocks, from the schedule's action lists and the stages' "

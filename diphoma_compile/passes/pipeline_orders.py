@@ -29,6 +29,18 @@ one stage per rank, rank r runs stage r; the zero-bubble schedules split a backw
   I, W; then r pairs of input gradients, P - r of (first stage's I, W), and the weight
   gradients left, second stage first. Planned for max(M, 2P - 1) microbatches, the ones
   past M dropped.
+- DualPipeV (torch's ``ScheduleDualPipeV``; DeepSeek's DualPipe folded onto P ranks, the
+  stages in zbv's V): rank r runs 2 (P - 1 - r) forwards of its first stage, r + 1 pairs
+  (first, second); P - 1 - r rounds of its second stage's I, W and F; then pairs of
+  (first stage's F, second stage's backward) and (second stage's F, first stage's
+  backward) while forwards are left, each pair of a forward and a backward run together
+  on a GPU (torch's ``OVERLAP_F_B``; here one after the other, forward first); then
+  P - 1 - r rounds of (second's backward, second's F, first's backward); r + 1 pairs of
+  backwards (second, first), whose later half (from the pair (r + 1) // 2, at its first
+  backward on odd ranks, its second on even ones) runs only the input gradients, deferring
+  the weight gradients; then P - 1 - r rounds of (a deferred W, the first stage's
+  backward) and the deferred Ws left. A whole backward is written as its I then its W.
+  Needs M >= 2P.
 - Looped BFS (torch's ``ScheduleLoopedBFS``; breadth-first, as in Lamy-Poirier's
   "Breadth-First Pipeline Parallelism"): rank r holds stages r, r + P, ... (as interleaved)
   and runs every microbatch's forward of its first stage, then of its next, ...; then the
@@ -40,7 +52,8 @@ from __future__ import annotations
 
 Action = tuple[str, int, int]          # kind, microbatch, stage
 
-ORDERED = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "looped-bfs")
+ORDERED = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "looped-bfs",
+           "dualpipev")
 
 
 def rank_orders(schedule: str, ranks: int, microbatches: int, stages: int | None = None
@@ -48,7 +61,7 @@ def rank_orders(schedule: str, ranks: int, microbatches: int, stages: int | None
     """Each rank's actions under ``schedule`` (one of ``ORDERED``) over ``stages`` stages
     (``ranks`` of them, one per rank, for GPipe and 1F1B; twice that by default for the
     interleaved schedules and looped BFS, stage s on rank s mod ``ranks``; 2 ``ranks`` for
-    zbv, in a V)
+    zbv and dualpipev, in a V)
     and ``microbatches`` microbatches."""
     if schedule not in ORDERED:
         raise ValueError(f"no written-out order for schedule {schedule!r}; "
@@ -58,11 +71,16 @@ def rank_orders(schedule: str, ranks: int, microbatches: int, stages: int | None
                             split=schedule == "interleaved-zb")
     if schedule == "looped-bfs":
         return _looped_bfs(ranks, 2 * ranks if stages is None else stages, microbatches)
-    if schedule == "zbv":
+    if schedule in ("zbv", "dualpipev"):
         if stages not in (None, 2 * ranks):
-            raise ValueError(f"zbv runs two stages per rank, not {stages} stages on "
+            raise ValueError(f"{schedule} runs two stages per rank, not {stages} stages on "
                              f"{ranks} ranks")
-        return tuple(_zbv(ranks, r, microbatches) for r in range(ranks))
+        if schedule == "zbv":
+            return tuple(_zbv(ranks, r, microbatches) for r in range(ranks))
+        if microbatches < 2 * ranks:
+            raise ValueError(f"dualpipev needs at least as many microbatches as stages "
+                             f"({2 * ranks}), not {microbatches}")
+        return tuple(_dualpipev(ranks, r, microbatches) for r in range(ranks))
     out = []
     for r in range(ranks):
         if schedule == "gpipe":
@@ -165,6 +183,63 @@ def _zbv(ranks: int, r: int, microbatches: int) -> tuple[Action, ...]:
         while count[("W", s)] < count[("I", s)]:
             run(("W", s))
     return tuple(a for a in order if a[1] < microbatches)
+
+
+def _dualpipev(ranks: int, r: int, microbatches: int) -> tuple[Action, ...]:
+    first, second = r, 2 * ranks - 1 - r
+    ahead = ranks - 1 - r                   # how far rank r is from the V's turn
+    done = {(k, s): 0 for k in "FB" for s in (first, second)}
+    deferred: list[tuple[int, int]] = []    # (microbatch, stage) whose W waits
+    order: list[Action] = []
+
+    def forward(s: int) -> None:
+        order.append(("F", done[("F", s)], s))
+        done[("F", s)] += 1
+
+    def backward(s: int, defer_w: bool = False) -> None:
+        m = done[("B", s)]
+        done[("B", s)] += 1
+        order.append(("I", m, s))
+        if defer_w:
+            deferred.append((m, s))
+        else:
+            order.append(("W", m, s))
+
+    def deferred_w() -> None:
+        if deferred:
+            m, s = deferred.pop(0)
+            order.append(("W", m, s))
+
+    for _ in range(2 * ahead):
+        forward(first)
+    for _ in range(r + 1):
+        forward(first)
+        forward(second)
+    for _ in range(ahead):
+        backward(second, defer_w=True)
+        deferred_w()
+        forward(second)
+    for _ in range(microbatches - 2 * ranks + r + 1):
+        forward(first)
+        backward(second)
+        forward(second)
+        backward(first)
+    for _ in range(ahead):
+        backward(second)
+        forward(second)
+        backward(first)
+    split = False
+    for i in range(r + 1):
+        split |= i == (r + 1) // 2 and r % 2 == 1
+        backward(second, defer_w=split)
+        split |= i == (r + 1) // 2 and r % 2 == 0
+        backward(first, defer_w=split)
+    for _ in range(ahead):
+        deferred_w()
+        backward(first, defer_w=split)
+    for _ in range(r + 1):
+        deferred_w()
+    return tuple(order)
 
 
 __all__ = ["Action", "ORDERED", "rank_orders"]

@@ -29,8 +29,9 @@ them for the update or the step's results (gradients, the loss) is averaged over
 microbatches, as data-parallel averages over devices (the loss is a mean over the batch).
 The graph keeps one copy of the per-microbatch ops; the schedule (GPipe, 1F1B, interleaved
 1F1B, the zero-bubble ones) orders their runs on each stage, and is the runtime's. With
-several stages per rank, stage s runs on rank s mod P (zbv: in a V, rank r holds r and
-2P - 1 - r); a send's ``peer`` is the other end's rank, its ``stage`` field its stage."""
+several stages per rank, stage s runs on rank s mod P (zbv and dualpipev: in a V, rank r
+holds r and 2P - 1 - r); a send's ``peer`` is the other end's rank, its ``stage`` field
+its stage."""
 
 from __future__ import annotations
 
@@ -57,12 +58,15 @@ from .pipeline_refine import pull_up_backward
 from .pipeline_timeline import bubble, timeline
 from .spec import parse_spec
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "looped-bfs")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "looped-bfs",
+             "dualpipev")
 # schedules that run several stages per rank: stage s on rank s mod the axis size, or for
-# the V-shaped zbv rank r holds stages r and 2P - 1 - r
-LOOPED = ("interleaved", "interleaved-zb", "zbv", "looped-bfs")
+# the V-shaped zbv and dualpipev rank r holds stages r and 2P - 1 - r
+LOOPED = ("interleaved", "interleaved-zb", "zbv", "looped-bfs", "dualpipev")
+V_SHAPED = ("zbv", "dualpipev")
 # schedules that split each backward into input-gradient (I) and weight-gradient (W) runs
-SPLIT_BACKWARD = ("interleaved-zb", "zbv")
+# (dualpipev some of them: its whole backwards run as I then W)
+SPLIT_BACKWARD = ("interleaved-zb", "zbv", "dualpipev")
 # what the stages are balanced on: each op's seconds on the device model with its backward
 # and update, or (as before) the forward ops' flops alone
 BALANCE = ("time", "forward-flops")
@@ -70,7 +74,7 @@ BALANCE = ("time", "forward-flops")
 
 def stage_rank(schedule: str, stage: int, stages: int, ranks: int) -> int:
     """The rank (index on the pipeline axis) that runs ``stage``."""
-    if schedule == "zbv":
+    if schedule in V_SHAPED:
         return stage if stage < ranks else 2 * ranks - 1 - stage
     return stage % ranks
 # inputs every rank has: each passes its batch, the optimizer's hyperparameters are scalars
@@ -232,17 +236,20 @@ class PipelineParallel(Pass):
                 hint="microbatches=1, dropout off (rate 0, or deterministic=True) for the "
                      "pipeline, or draw the random numbers outside the step and pass them "
                      "in with the batch")
-        if self.schedule == "zbv" and s != 2 * n:
-            raise PassFailure(f"pipeline: schedule zbv runs two stages per device in a V, not "
-                              f"{s} stages on {n} devices", hint=f"stages=auto ({2 * n})")
+        if self.schedule in V_SHAPED and s != 2 * n:
+            raise PassFailure(f"pipeline: schedule {self.schedule} runs two stages per device "
+                              f"in a V, not {s} stages on {n} devices",
+                              hint=f"stages=auto ({2 * n})")
         try:
             rank_orders(self.schedule, n, self.microbatches, s)
         except ValueError as e:         # interleaved rounds: torch's generators refuse it too
-            fit = n * max(1, self.microbatches // n)
+            fit = (f"microbatches={s} or more (at least the {s} stages)"
+                   if self.schedule == "dualpipev" else
+                   f"microbatches={n * max(1, self.microbatches // n)} (a multiple of the "
+                   f"{n} devices)")
             raise PassFailure(f"pipeline: schedule {self.schedule} cannot run "
                               f"{self.microbatches} microbatches on {n} devices: {e}",
-                              hint=f"microbatches={fit} (a multiple of the {n} devices)"
-                              ) from None
+                              hint=fit) from None
         if self.balance not in BALANCE:
             raise PassFailure(f"pipeline: unknown balance {self.balance!r}",
                               hint=f"one of {', '.join(BALANCE)}")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from ..passes.comm_fusion import CommFusionRecord
 from ..passes.data_parallel import DataParallelRecord
-from ..passes.pipeline_parallel import SPLIT_BACKWARD, PipelineRecord
+from ..passes.pipeline_parallel import SPLIT_BACKWARD, V_SHAPED, PipelineRecord
 from ..passes.quantize_grads import QuantizeGradsRecord
 from ..passes.quantize_weight_diff import QuantizeWeightDiffRecord
 from ..passes.schedule_comm import ScheduleCommRecord
@@ -243,7 +243,7 @@ def _placement(pp: PipelineRecord, ranks: int, stages: int, looped: bool) -> str
     """Which stage runs where on the pipeline axis, as the rank grid's heading says it."""
     if not looped:
         return f" (stages 0..{stages - 1})"
-    if pp.schedule == "zbv":
+    if pp.schedule in V_SHAPED:
         return f" (stages r and {2 * ranks - 1} - r on {pp.axis} r, a V)"
     return f" (stage s on {pp.axis} s mod {ranks})"
 

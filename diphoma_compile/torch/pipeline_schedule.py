@@ -18,7 +18,7 @@ from ..errors import BackendError
 Action = tuple[str, int, int]      # ("F" | "B" | "I" | "W", microbatch, stage)
 # torch's names of the generators, by our schedule name, for several stages per rank
 _LOOPED = {"interleaved": "Interleaved1F1B", "interleaved-zb": "InterleavedZeroBubble",
-           "zbv": "ZBVZeroBubble", "looped-bfs": "LoopedBFS"}
+           "zbv": "ZBVZeroBubble", "looped-bfs": "LoopedBFS", "dualpipev": "DualPipeV"}
 _KINDS = {"F": "F", "FORWARD": "F", "B": "B", "FULL_BACKWARD": "B", "I": "I",
           "BACKWARD_INPUT": "I", "W": "W", "BACKWARD_WEIGHT": "W"}
 
@@ -28,7 +28,11 @@ def schedule_actions(schedule: str, stages: int, microbatches: int, ranks: int |
                      ) -> tuple[tuple[Action, ...], ...]:
     """For each rank, its forward and backward runs in order: one stage per rank for GPipe
     and 1F1B; ``stages`` / ``ranks`` per rank (stage s on rank s mod ranks) for the
-    interleaved schedules and looped BFS; in a V for zbv."""
+    interleaved schedules and looped BFS; in a V for zbv and dualpipev. DualPipeV's
+    overlapped pairs (``OVERLAP_F_B``: a forward and a backward run together, on a GPU)
+    run one after the other, forward first; its whole backwards (``FULL_BACKWARD``, beside
+    split ones on the same stage) run as the input-gradient program then the
+    weight-gradient one, the two programs a split backward has."""
     ranks = stages if ranks is None else ranks
     try:
         from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
@@ -44,10 +48,12 @@ def schedule_actions(schedule: str, stages: int, microbatches: int, ranks: int |
             got = get_schedule_ops(_LOOPED[schedule], ranks, microbatches,
                                    num_stages_per_rank=stages // ranks)
         except (ValueError, AssertionError) as e:      # its own rules on M
+            fit = (f"microbatches={stages} or more (at least the {stages} stages)"
+                   if schedule == "dualpipev" else
+                   f"microbatches={ranks * max(1, microbatches // ranks)} (a multiple of "
+                   f"the {ranks} ranks)")
             raise BackendError(f"torch's {_LOOPED[schedule]} schedule refuses {microbatches} "
-                               f"microbatches on {ranks} ranks: {e}",
-                               hint=f"microbatches={ranks * max(1, microbatches // ranks)} "
-                                    f"(a multiple of the {ranks} ranks)") from None
+                               f"microbatches on {ranks} ranks: {e}", hint=fit) from None
         order = [list(r) for r in got]
     elif stages != ranks:
         raise BackendError(f"schedule {schedule} runs one stage per rank, not {stages} "
@@ -71,20 +77,32 @@ def schedule_actions(schedule: str, stages: int, microbatches: int, ranks: int |
                          for k in ("F", "B")]
     else:
         raise BackendError(f"the torch runtime has no pipeline schedule {schedule!r}",
-                           hint="schedule=gpipe, 1f1b, interleaved, interleaved-zb, zbv or "
-                                "looped-bfs")
+                           hint="schedule=gpipe, 1f1b, interleaved, interleaved-zb, zbv, "
+                                "looped-bfs or dualpipev")
     out = []
     for rank, acts in enumerate(order):
         mine: list[Action] = []
-        for a in acts:
-            if a is None:
-                continue
+        for a in _expanded(acts):
             kind = _KINDS.get(_kind(a))
-            if kind is not None:
+            if kind == "B" and schedule == "dualpipev":
+                mine += [("I", a.microbatch_index, a.stage_index),
+                         ("W", a.microbatch_index, a.stage_index)]
+            elif kind is not None:
                 mine.append((kind, a.microbatch_index, a.stage_index))
         _check(mine, rank, microbatches, sorted({s for _, _, s in mine}))
         out.append(tuple(mine))
     return tuple(out)
+
+
+def _expanded(acts: list) -> list:
+    """The actions, each overlapped pair (``OVERLAP_F_B``) as its sub-actions in order."""
+    out = []
+    for a in acts:
+        if a is None:
+            continue
+        subs = getattr(a, "sub_actions", None)
+        out += _expanded(list(subs)) if subs else [a]
+    return out
 
 
 class _Written:

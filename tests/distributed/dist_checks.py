@@ -1324,6 +1324,9 @@ PP_CASES = {"pp4-sgdm-1f1b": ({"pp": 4}, "sgdm", "1f1b", 4),
             "pp4-sgdm-interleaved": ({"pp": 4}, "sgdm", "interleaved", 8),
             "pp4-sgdm-zbv": ({"pp": 4}, "sgdm", "zbv", 8),
             "dp2-pp2-adamw-interleaved-zb": ({"dp": 2, "pp": 2}, "adamw", "interleaved-zb", 4),
+            # DualPipeV (zbv's V, 4 stages; M = 4 is the fewest it takes): whole backwards
+            # beside split ones, overlapped pairs one after the other
+            "dp2-pp2-sgdm-dualpipev": ({"dp": 2, "pp": 2}, "sgdm", "dualpipev", 4),
             "pp4-sgdm-1f1b-clip": ({"pp": 4}, "sgdm", "1f1b", 4, True),
             "dp2-pp2-adamw-interleaved-clip": ({"dp": 2, "pp": 2}, "adamw", "interleaved", 4,
                                                True),

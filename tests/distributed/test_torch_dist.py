@@ -660,6 +660,22 @@ def test_pipeline_zero_bubble_splits_each_backward(runs):
                    "3I2 3W2 4I3 4W3 3I3 3W3"), got
 
 
+def test_pipeline_dualpipev_runs_torchs_order(runs):
+    """DualPipeV over dp=2 x pp=2 (4 stages in a V: ranks 0 and 2 run stages 0 and 3):
+    each rank runs torch's ScheduleDualPipeV order, its overlapped (F; B) pairs forward
+    first and its whole backwards as the stage's I then W programs; parity is
+    test_pipeline_matches_single_device's."""
+    if not runs[0]["pp"]:
+        pytest.skip("transformers is not installed")
+    res = [r["pp"]["dp2-pp2-sgdm-dualpipev"] for r in runs]
+    assert [r["stages"] for r in res] == [[0, 3], [1, 2], [0, 3], [1, 2]]
+    got = " ".join(f"{s}{k}{m}" for k, m, s in res[0]["actions"])
+    assert got == ("0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3I1 3W1 3F2 0I0 0W0 3I2 3W2 3F3 0I1 0W1 "
+                   "3I3 3W3 0I2 0W2 0I3 0W3"), got
+    for r in res:
+        assert all(n_i > 0 and n_w > 0 for n_i, n_w in r["split"].values()), r["split"]
+
+
 def test_pipeline_global_gradient_clip_runs_in_rounds(runs):
     """clip_grad_norm_ under a pipeline (pp=4 1F1B, dp=2 x pp=2 interleaved): the update runs
     in rounds (norms to the stage that totals them, the factor back, then the updates), and

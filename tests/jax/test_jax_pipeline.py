@@ -212,15 +212,20 @@ ZERO_BUBBLE_RANK0 = {
                       "2W2 2I3 2W3 0I2 0W2 0I3 0W3",
     "zbv": "0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2 3I2 3W2 0I1 0W1 3F3 3I3 3W3 "
            "0I2 0W2 0I3 0W3",
+    # torch's (0F3;3B1) (3F2;0B0) (3F3;0B1) overlapped pairs, forward first; whole
+    # backwards as I then W
+    "dualpipev": "0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3I1 3W1 3F2 0I0 0W0 3I2 3W2 3F3 0I1 0W1 "
+                 "3I3 3W3 0I2 0W2 0I3 0W3",
 }
 
 
 @pytest.mark.parametrize("schedule, rank_of", [("interleaved-zb", [0, 1, 0, 1]),
-                                               ("zbv", [0, 1, 1, 0])])
+                                               ("zbv", [0, 1, 1, 0]),
+                                               ("dualpipev", [0, 1, 1, 0])])
 def test_zero_bubble_schedules_split_the_backward_and_match(sgdm, schedule, rank_of):
-    """The zero-bubble schedules over dp=4 x pp=2: 4 stages, each backward run as its
-    input-gradient program I and its weight-gradient program W, in the written-out orders
-    (torch's, checked in tests/torch/test_pipeline.py); SGD momentum matches the
+    """The zero-bubble schedules and DualPipeV over dp=4 x pp=2: 4 stages, each backward run
+    as its input-gradient program I and its weight-gradient program W, in the written-out
+    orders (torch's, checked in tests/torch/test_pipeline.py); SGD momentum matches the
     single-device step."""
     runner, _ = _two_columns_match(sgdm, schedule)
     assert runner.rank_of == rank_of and runner.cut.kinds == "FIWU"

@@ -245,6 +245,13 @@ GOLDEN_INTERLEAVED = {
         "0W2 0I3 0W3",
         "1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1F3 1I1 1W1 2F3 2I2 2W2 1I2 2I3 1I3 "
         "1W2 2W3 1W3"],
+    # DualPipeV: zbv's V; torch's overlapped (F; B) pairs run forward first, its whole
+    # backwards as I then W (rank 0: (0F3;3B1) (3F2;0B0) (3F3;0B1) in torch's notation)
+    ("dualpipev", 4, 4, 2): [
+        "0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3I1 3W1 3F2 0I0 0W0 3I2 3W2 3F3 0I1 0W1 3I3 3W3 0I2 "
+        "0W2 0I3 0W3",
+        "1F0 2F0 1F1 2F1 1F2 2I0 2W0 2F2 1I0 1W0 1F3 2I1 2W1 2F3 1I1 1W1 2I2 2W2 1I2 1W2 2I3 "
+        "1I3 2W3 1W3"],
 }
 
 
@@ -308,6 +315,22 @@ def test_written_out_zbv_orders_are_torchs(ranks):
         ours = rank_orders("zbv", ranks, m)
         torchs = schedule_actions("zbv", 2 * ranks, m, ranks)
         assert [list(r) for r in ours] == [[tuple(a) for a in r] for r in torchs], m
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4, 5])
+def test_written_out_dualpipev_orders_are_torchs(ranks):
+    """The DualPipeV orders written out for JAX are torch's ScheduleDualPipeV's (its
+    overlapped pairs forward first, its whole backwards as I then W), action for action,
+    from M = 2P (the fewest it takes) to past 4P; fewer are refused, as torch refuses."""
+    from diphoma_compile.passes.pipeline_orders import rank_orders
+    for m in range(2 * ranks, 4 * ranks + 2):
+        ours = rank_orders("dualpipev", ranks, m)
+        torchs = schedule_actions("dualpipev", 2 * ranks, m, ranks)
+        assert [list(r) for r in ours] == [[tuple(a) for a in r] for r in torchs], m
+    with pytest.raises(ValueError, match="at least as many microbatches as stages"):
+        rank_orders("dualpipev", ranks, 2 * ranks - 1)
+    with pytest.raises(BackendError, match="microbatches=.* or more"):
+        schedule_actions("dualpipev", 2 * ranks, 2 * ranks - 1, ranks)
 
 
 @pytest.mark.parametrize("key", list(GOLDEN_INTERLEAVED))
@@ -394,21 +417,25 @@ def test_pipeline_options_that_do_not_fit_the_axis_are_refused(spec, words):
                                  ("interleaved", 8, 4, 4), ("interleaved", 8, 8, 4),
                                  ("interleaved", 4, 8, 2), ("interleaved-zb", 8, 8, 4),
                                  ("zbv", 8, 8, 4), ("zbv", 4, 8, 2),
-                                 ("looped-bfs", 8, 4, 4), ("looped-bfs", 6, 8, 2)])
+                                 ("looped-bfs", 8, 4, 4), ("looped-bfs", 6, 8, 2),
+                                 ("dualpipev", 4, 4, 2), ("dualpipev", 8, 8, 4),
+                                 ("dualpipev", 8, 16, 4)])
 def test_schedules_laid_out_in_time_have_the_textbook_bubble(key):
     """report/schedule.timeline places torch's action lists in time (each action when its
     rank is free and its input is done): with equal stages, backward twice the forward, the
     idle share is the record's bubble, (P - 1) / (v M + P - 1), and for the zero-bubble
     schedules (input and weight gradients each as long as the forward) (P - 1) /
-    (3 v M + P - 1)."""
+    (3 v M + P - 1); DualPipeV's too, its overlapped pairs run one after the other (the
+    overlap hides communication on a GPU, which equal stages do not model)."""
     from diphoma_compile.passes.pipeline_parallel import bubble_fraction
     from diphoma_compile.passes.pipeline_timeline import bubble, timeline
     schedule, stages, micro, ranks = key
     blocks = timeline(schedule_actions(*key), [1.0] * stages, [2.0] * stages)
-    assert len(blocks) == (3 if "zb" in schedule else 2) * stages * micro
+    split = "zb" in schedule or schedule == "dualpipev"
+    assert len(blocks) == (3 if split else 2) * stages * micro
     assert bubble(blocks) == pytest.approx(bubble_fraction(schedule, stages, micro, ranks))
     v = stages // ranks
-    textbook = (ranks - 1) / ((3 if "zb" in schedule else 1) * v * micro + ranks - 1)
+    textbook = (ranks - 1) / ((3 if split else 1) * v * micro + ranks - 1)
     assert bubble(blocks) == pytest.approx(textbook)
 
 
@@ -788,3 +815,14 @@ def test_a_send_and_its_receive_of_different_cadence_are_refused():
     _check_cadence([cut("B", sends=[("g", 0, 5)]), cut("B", recvs=[("g.s0", 1, 5)])])
     with pytest.raises(DiphomaError, match="one of them run per microbatch"):
         _check_cadence([cut("B", sends=[("g", 0, 5)]), cut("U0", recvs=[("g.s0", 1, 5)])])
+
+
+def test_dualpipev_defaults_to_as_many_microbatches_as_stages():
+    """Other schedules default to M = P; DualPipeV takes M >= 2P (its stages), so its
+    default is 2P (with M = P every plan of it was refused)."""
+    from diphoma_compile.api import pipeline_settings
+    from diphoma_compile.mesh import Mesh
+    mesh = Mesh({"dp": 2, "pp": 4})
+    assert pipeline_settings(mesh, None, None, "dualpipev").microbatches == 8
+    assert pipeline_settings(mesh, None, None, "zbv").microbatches == 4
+    assert pipeline_settings(mesh, None, 12, "dualpipev").microbatches == 12
