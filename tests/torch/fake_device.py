@@ -45,6 +45,8 @@ OPTIMIZERS = {
     "adam_single": lambda ps: torch.optim.Adam(ps, lr=0.1, foreach=False),
     "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=0.1, foreach=True),
     "adamw_single": lambda ps: torch.optim.AdamW(ps, lr=0.1, foreach=False),
+    # traced in its capturable form, the step count widened to float64
+    "radam": lambda ps: torch.optim.RAdam(ps, lr=0.1),
 }
 
 

@@ -17,7 +17,8 @@ torch = pytest.importorskip("torch")
 import diphoma_compile  # noqa: E402
 
 HERE = Path(__file__).parent
-CASES = ["sgd_momentum", "adam_foreach", "adam_single", "adamw_foreach", "adamw_single"]
+CASES = ["sgd_momentum", "adam_foreach", "adam_single", "adamw_foreach", "adamw_single",
+         "radam"]
 
 
 @pytest.fixture(scope="module")
