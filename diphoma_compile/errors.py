@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import traceback
+
 
 class DiphomaError(Exception):
     """Base class of every error diphoma_compile raises on purpose."""
@@ -10,6 +13,24 @@ class DiphomaError(Exception):
         self.message = message
         self.hint = hint
         super().__init__(message if hint is None else f"{message}\n  hint: {hint}")
+
+
+def user_line(exc: BaseException, internal: tuple[str, ...]) -> str | None:
+    """``file:line: code`` of the innermost frame of the user's code in ``exc``'s
+    traceback, for a frontend's error: frames under ``internal`` (the framework, this
+    package) are skipped, and installed packages (site-packages) count as the user's code
+    only when no frame of the user's own files is there (a model from a library, called
+    from the user's step)."""
+    own = lib = None
+    for fs in traceback.extract_tb(exc.__traceback__):
+        if fs.filename.startswith(internal) or fs.filename.startswith("<"):
+            continue
+        text = f"{os.path.basename(fs.filename)}:{fs.lineno}: {(fs.line or '').strip()}"
+        if "site-packages" in fs.filename or "dist-packages" in fs.filename:
+            lib = text
+        else:
+            own = text
+    return own or lib
 
 
 class DiphomaWarning(UserWarning):

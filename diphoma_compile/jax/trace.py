@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import re
-import traceback
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from ..errors import FrontendError
+from ..errors import FrontendError, user_line
 from ..ir.core import (Graph, Input, InputKind, InputRole, NameSupply, Op, Output, OutputKind,
                        Value)
 from ..ir.rewrite import rename_uses
@@ -72,23 +72,10 @@ def _data_dependent(e: Exception) -> FrontendError:
 
 
 def _user_line(e: BaseException) -> str | None:
-    """``file:line: code`` of the innermost frame of the user's code: outside JAX and this
-    package, and in an installed library (flax, optax) only when no frame of the user's own
-    files is there."""
+    """``file:line: code`` of the user's innermost frame: outside JAX and this package."""
     import jaxlib
-    skip = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-                 for m in (jax, jaxlib)) + (
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep, "<")
-    own = lib = None
-    for fs in traceback.extract_tb(e.__traceback__):
-        if os.path.abspath(fs.filename).startswith(skip) or fs.filename.startswith("<"):
-            continue
-        text = f"{os.path.basename(fs.filename)}:{fs.lineno}: {(fs.line or '').strip()}"
-        if "site-packages" in fs.filename or "dist-packages" in fs.filename:
-            lib = text
-        else:
-            own = text
-    return own or lib
+    return user_line(e, tuple(os.path.dirname(m.__file__) + os.sep
+                              for m in (jax, jaxlib, sys.modules["diphoma_compile"])))
 
 
 def _unplaced(x: Any) -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..errors import DiphomaError, FrontendError
+from ..errors import DiphomaError, FrontendError, user_line
 from ..ir.analysis import graph_cost
 from ..ir.core import Graph
 from ..ir.verify import verify
@@ -26,26 +26,9 @@ from .state import Captured
 log = logging.getLogger("diphoma_compile")
 
 
-def _user_frame(exc: BaseException) -> str | None:
-    """``file:line: code`` of the innermost frame of the user's code in a traceback.
-
-    Installed packages (site-packages) count as the user's code only when no frame of the
-    user's own files is there: a model from a library, called from the user's step."""
-    own = lib = None
-    for fs in traceback.extract_tb(exc.__traceback__):
-        if fs.filename.startswith(INTERNAL_PATHS) or fs.filename.startswith("<"):
-            continue
-        text = f"{os.path.basename(fs.filename)}:{fs.lineno}: {(fs.line or '').strip()}"
-        if "site-packages" in fs.filename or "dist-packages" in fs.filename:
-            lib = text
-        else:
-            own = text
-    return own or lib
-
-
 def explain(exc: Exception) -> FrontendError:
     """A FrontendError for an exception raised while tracing, naming the user's line."""
-    where = _user_frame(exc)
+    where = user_line(exc, INTERNAL_PATHS)
     at = f" at {where}" if where else ""
     name = type(exc).__name__
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else name
