@@ -428,8 +428,6 @@ class Step:
         for pi, keys in enumerate(self.state_keys):
             for k, *_ in keys:
                 state[ps[pi]][k] = next(it)
-                if (pi, k) in wide:
-                    state[ps[pi]][k] = state[ps[pi]][k].to(torch.float64)
         with contextlib.ExitStack() as stack:
             for mi, m in enumerate(self.modules):
                 tensors = {s.key[0]: t for s, t in zip(self.param_slots, ps) if s.owner == mi}
@@ -445,6 +443,10 @@ class Step:
                 groups = [[ps[i] for i in g] for g in self.groups[oi]]
                 bound.append(stack.enter_context(_bind_optimizer(opt, groups, state,
                                                                  values[oi])))
+            if wide:
+                stack.enter_context(_counts_widened(self.opts, {
+                    oi: [(ps[pi], k) for pi, k in sorted(wide) if pi in set().union(*g)]
+                    for oi, g in enumerate(self.groups) if oi in self.tensor_opts}))
             out = self.fn(*args)
             _check_group_edits(self.opts, bound)
             self._check_arguments(args, leaves)
@@ -508,7 +510,8 @@ class Step:
         """(parameter, state key) of the step counts that the optimizers branching on them
         (``counts_on_host``) count in float64 while traced, so that their math on the count
         (RAdam's rho_t, a difference of two numbers near 2 / (1 - beta2)) keeps the
-        precision of eager's Python floats; the new count is stored in its own dtype."""
+        precision of eager's Python floats (``_counts_widened``); the new count is stored in
+        its own dtype."""
         return {(pi, k) for oi in self.tensor_opts for g in self.groups[oi] for pi in g
                 for k, shape, dt, _ in self.state_keys[pi]
                 if k == "step" and shape == () and dt.is_floating_point}
@@ -795,6 +798,37 @@ def _symbolic_extremum(builtin: Any, symbolic: Any) -> Any:
             return symbolic(*args)
         return builtin(*args, **kwargs)
     return extremum
+
+
+@contextlib.contextmanager
+def _counts_widened(opts: list[torch.optim.Optimizer],
+                    wide: dict[int, list[tuple[torch.Tensor, str]]]) -> Iterator[None]:
+    """Each optimizer ``wide`` names (by index) reads those (traced parameter, state key)
+    counts as float64: widened as its step() begins, so that the conversion is part of the
+    update (widened when bound, it was a forward op, and a pipeline ran it per microbatch
+    and averaged it into the update: RAdam over pp=2 drifted 6e-4 from the single-device
+    step in its third step)."""
+    own_steps = {oi: opts[oi].__dict__.get("step") for oi in wide}
+
+    def widening(opt: torch.optim.Optimizer, pairs: list[tuple[torch.Tensor, str]],
+                 run: Callable) -> Callable:
+        def step(*args: Any, **kwargs: Any) -> Any:
+            for p, k in pairs:
+                t = opt.state[p][k]
+                if t.dtype != torch.float64:
+                    opt.state[p][k] = t.to(torch.float64)
+            return run(*args, **kwargs)
+        return step
+    try:
+        for oi, pairs in wide.items():
+            opts[oi].step = widening(opts[oi], pairs, opts[oi].step)
+        yield
+    finally:
+        for oi, own in own_steps.items():
+            if own is None:
+                opts[oi].__dict__.pop("step", None)
+            else:
+                opts[oi].step = own
 
 
 def counts_on_host(opt: torch.optim.Optimizer) -> bool:

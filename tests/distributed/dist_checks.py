@@ -143,6 +143,7 @@ MODELS = {
 OPTS = {
     "sgdm": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    "radam": lambda ps: torch.optim.RAdam(ps, lr=1e-2),
 }
 
 
@@ -1327,6 +1328,9 @@ PP_CASES = {"pp4-sgdm-1f1b": ({"pp": 4}, "sgdm", "1f1b", 4),
             # DualPipeV (zbv's V, 4 stages; M = 4 is the fewest it takes): whole backwards
             # beside split ones, overlapped pairs one after the other
             "dp2-pp2-sgdm-dualpipev": ({"dp": 2, "pp": 2}, "sgdm", "dualpipev", 4),
+            # RAdam: its step count widened to float64 in the update (widened with the
+            # forward, the pipeline averaged it per microbatch: 2.7e-3 off in 3 steps)
+            "dp2-pp2-radam-1f1b": ({"dp": 2, "pp": 2}, "radam", "1f1b", 4),
             "pp4-sgdm-1f1b-clip": ({"pp": 4}, "sgdm", "1f1b", 4, True),
             "dp2-pp2-adamw-interleaved-clip": ({"dp": 2, "pp": 2}, "adamw", "interleaved", 4,
                                                True),
