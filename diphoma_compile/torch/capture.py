@@ -309,13 +309,13 @@ class Step:
             for key, idx in [("lr", None)] + cycled_keys(opts[oi])]
         self.hyper_signs = {s.name: sign(hyper_value(opts[s.owner], s))
                             for s in self.hyper_slots if s.key[1] != "lr"}
-        leaves, self.arg_spec = pytree.tree_flatten_with_path(args, is_leaf=is_state)
-        self.arg_leaves = [leaf for _, leaf in leaves]
+        self.arg_paths, self.arg_spec = pytree.tree_flatten_with_path(args, is_leaf=is_state)
+        self.arg_leaves = [leaf for _, leaf in self.arg_paths]
         by_pos = dict(enumerate(params))
         self.arg_names = [_arg_path_name(path, by_pos) or f"arg{i}"
-                          for i, (path, _) in enumerate(leaves)]
+                          for i, (path, _) in enumerate(self.arg_paths)]
         self.arg_slots = [Slot("arg", 0, (i,), _arg_path_name(path, by_pos) or f"arg{i}")
-                          for i, (path, leaf) in enumerate(leaves)
+                          for i, (path, leaf) in enumerate(self.arg_paths)
                           if isinstance(leaf, torch.Tensor)]
         self.state_keys: list[list[StateKey]] = []
         self.user_spec: pytree.TreeSpec | None = None
@@ -950,5 +950,8 @@ def capture(step_fn: Callable, *args: Any, codegen: str | None = "fx") -> Captur
                     step.state_keys, rec.phase, rec.loc, getattr(step_fn, "__name__", "step"),
                     settings_of(modules, opts, live), step.cleared_first, effects,
                     step.hyper_signs, device, codegen, user_nones=step.user_nones,
-                    grads_zeroed=step.grads_zeroed)
+                    grads_zeroed=step.grads_zeroed, arg_spec=step.arg_spec,
+                    arg_fixed=tuple((i, leaf, "args" + pytree.keystr(path))
+                                    for i, (path, leaf) in enumerate(step.arg_paths)
+                                    if not isinstance(leaf, torch.Tensor)))
 

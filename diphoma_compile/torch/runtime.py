@@ -89,7 +89,8 @@ class TorchStep:
         """The tensors among ``args``, after checking that the trace still holds for them
         and for the live modules and optimizers."""
         cap = self.captured
-        leaves, _ = pytree.tree_flatten(args, is_leaf=is_state)
+        leaves, spec = pytree.tree_flatten(args, is_leaf=is_state)
+        _check_structure(cap, spec, leaves)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         if len(tensors) != len(self._arg_types):
             raise DiphomaError(f"the step was traced with {len(self._arg_types)} tensor "
@@ -108,11 +109,12 @@ class TorchStep:
                                     "opt.zero_grad() in the step")
         if settings_of(cap.modules, cap.optimizers, self._live) != cap.settings:
             raise DiphomaError(
-                "the optimizer's hyperparameters (other than lr), its parameter groups, or a "
-                "module's train/eval mode changed since the step was traced; the trace baked "
-                "them in", hint="trace the step again (only the learning rate may change "
-                               "between calls, e.g. by a scheduler; momentum terms too where "
-                               "a OneCycleLR or CyclicLR scheduler was made before tracing)")
+                "the optimizer's hyperparameters (other than lr), its parameter groups, a "
+                "module's train/eval mode, or which parameters are trained (requires_grad) "
+                "changed since the step was traced; the trace baked them in",
+                hint="trace the step again (only the learning rate may change between "
+                     "calls, e.g. by a scheduler; momentum terms too where a OneCycleLR or "
+                     "CyclicLR scheduler was made before tracing)")
         return tensors
 
     def _zeros(self, p: torch.Tensor) -> bool:
@@ -253,3 +255,54 @@ def _not_zero_start(opt: torch.optim.Optimizer) -> str | None:
     return (f"its first step may initialize its state to values other than zero "
             f"(only {', '.join(sorted(_ZERO_START | {'SGD'}))} are known to start from "
             "zeros)")
+
+
+def _check_structure(cap: Captured, spec: pytree.TreeSpec, leaves: list) -> None:
+    """DiphomaError unless the call's arguments have the traced structure (the same
+    nesting, dict keys in the same order: a dict's leaves are bound by position) and the
+    traced modules, optimizers and constants where the trace had them: the program trains
+    the modules and optimizers it was traced with, and bakes constants in."""
+    if cap.arg_spec is None:
+        return
+    if spec != cap.arg_spec:
+        raise DiphomaError(
+            f"the step is called with arguments of another structure than it was traced "
+            f"with (traced: {_short(cap.arg_spec)}; called: {_short(spec)}); their leaves "
+            "are bound by position, so a dict with its keys in another order would swap them",
+            hint="call it with arguments built as the example was (the same keys in the same "
+                 "order), or trace again")
+    for i, want, where in cap.arg_fixed:
+        got = leaves[i]
+        if is_state(want) or is_state(got):
+            if got is not want:
+                raise DiphomaError(
+                    f"{where} is another {type(got).__name__} than the "
+                    f"{type(want).__name__} the step was traced with; the compiled step "
+                    "reads and updates the modules and optimizers it was traced with",
+                    hint="compile the step again for these (diphoma_compile.compile(step, "
+                         "model, opt, ...)), or call it with the traced ones")
+        elif not _same_constant(got, want):
+            raise DiphomaError(
+                f"{where} was {want!r:.60} when the step was traced and is {got!r:.60} "
+                "now; arguments that are not tensors are constants of the trace",
+                hint="pass a value that changes between calls as a tensor "
+                     "(torch.tensor(0.5)), or trace again")
+
+
+def _same_constant(a: object, b: object) -> bool:
+    """The same constant: the same object, or equal by ``==`` where that gives a bool."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    try:
+        eq = a == b
+    except Exception:
+        return False
+    return eq if isinstance(eq, bool) else False
+
+
+def _short(spec: pytree.TreeSpec) -> str:
+    text = " ".join(str(spec).split())
+    return text if len(text) <= 160 else text[:157] + "..."
+

@@ -65,6 +65,10 @@ class Captured:
     # the step ends with zero_grad(set_to_none=False): it leaves zeros in .grad, and the
     # next call's backward adds to them (eager: 0 + g; the program: g)
     grads_zeroed: bool = False
+    # the structure of the step's arguments, and each leaf that is not a tensor (modules,
+    # optimizers, constants): (position among the leaves, the leaf, its path "args[0]")
+    arg_spec: pytree.TreeSpec | None = None
+    arg_fixed: tuple[tuple[int, Any, str], ...] = ()
 
 
 _LIVE_KEYS = {"params", "lr", "initial_lr"}   # read per call, or not used by step()
@@ -74,7 +78,8 @@ def settings_of(modules: list[torch.nn.Module], opts: list[torch.optim.Optimizer
                 live: frozenset = frozenset()) -> tuple:
     """Everything a trace bakes in that a user may change between calls: the optimizers'
     hyperparameters other than those read per call (the learning rate, and ``live``:
-    ``(optimizer index, key, tuple index or None)``), their group count, train/eval modes."""
+    ``(optimizer index, key, tuple index or None)``), their group count, train/eval modes,
+    which parameters are trained (``requires_grad``)."""
     def value(oi: int, k: str, v: Any) -> str:
         if isinstance(v, tuple) and any((oi, k, i) in live for i in range(len(v))):
             v = tuple("<input>" if (oi, k, i) in live else x for i, x in enumerate(v))
@@ -83,7 +88,8 @@ def settings_of(modules: list[torch.nn.Module], opts: list[torch.optim.Optimizer
                                 if k not in _LIVE_KEYS and (oi, k, None) not in live))
                    for oi, opt in enumerate(opts) for g in opt.param_groups)
     modes = tuple(sub.training for m in modules for sub in m.modules())
-    return tuple(len(o.param_groups) for o in opts), groups, modes
+    trained = tuple(p.requires_grad for m in modules for p in m.parameters())
+    return tuple(len(o.param_groups) for o in opts), groups, modes, trained
 
 
 def hyper_value(opt: torch.optim.Optimizer, slot: Slot) -> Any:

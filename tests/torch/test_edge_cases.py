@@ -135,6 +135,51 @@ def test_changed_hyperparameters_or_mode_are_refused():
     compiled(model, opt, data[1])
 
 
+@pytest.mark.parametrize("change", ["other model", "other optimizer", "dict key order",
+                                    "constant", "frozen", "unfrozen"])
+def test_calls_the_trace_does_not_hold_are_refused(change):
+    """Each of these ran silently wrong until a reviewer's probe (2026-12-05): the program
+    trained the traced model and optimizer whatever was passed; a dict batch's leaves were
+    bound by position, so keys in another order swapped inputs and labels; a constant
+    argument kept its traced value; a parameter frozen (or unfrozen) between calls kept
+    (or missed) its update. Each is a DiphomaError now, and the traced call still runs."""
+    torch.manual_seed(0)
+    model, other = MLP(), MLP()
+    model.fc1.weight.requires_grad_(change != "unfrozen")
+    opt = OPTIMIZERS["sgd"](model.parameters(), True)
+
+    def step(model, opt, batch, scale):
+        loss = F.cross_entropy(model(batch["x"]), batch["y"]) * scale
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    b = mlp_batches(1)[0]
+    compiled = diphoma_compile.compile(step, model, opt, b, 1.0)
+    args = [model, opt, b, 1.0]
+    if change == "other model":
+        args[0] = other
+        words = r"args\[0\] is another MLP than the MLP the step was traced with"
+    elif change == "other optimizer":
+        args[1] = OPTIMIZERS["sgd"](model.parameters(), True)
+        words = r"args\[1\] is another SGD"
+    elif change == "dict key order":
+        args[2] = {"y": b["y"], "x": b["x"]}
+        words = "another structure than it was traced with .* a dict with its keys"
+    elif change == "constant":
+        args[3] = 0.5
+        words = "args.3. was 1.0 when the step was traced and is 0.5 now"
+    else:
+        model.fc1.weight.requires_grad_(change == "unfrozen")
+        words = r"which parameters are trained \(requires_grad\)"
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(DiphomaError, match=words):
+        compiled(*args)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    model.fc1.weight.requires_grad_(change != "unfrozen")
+    compiled(model, opt, b, 1.0)
+
+
 def test_wrong_dtype_at_call_time():
     model = MLP()
     opt = OPTIMIZERS["sgd"](model.parameters(), True)
