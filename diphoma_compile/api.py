@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import framework as frameworks
-from .errors import DiphomaError, DiphomaWarning
+from .errors import DiphomaError, DiphomaWarning, MeshError
 from .framework import Framework
 from .ir.analysis import runs_on_one_device
 from .ir.device_model import (MODELS, DeviceModel, check, device_model, model_for_device,
@@ -168,6 +168,17 @@ class ParallelStep:
                                              shard_params=self.shard_params,
                                              pipeline=pipeline,
                                              compression=self.compression, local=self.local)
+        if self._plan.idle_axes and self.framework == "torch":
+            # (one JAX controller passes the global batch: an idle axis repeats the same
+            # work on the same data; torch's ranks each pass their own)
+            axes = ", ".join(f"{a}={n}" for a, n in self._plan.idle_axes.items())
+            raise MeshError(
+                f"mesh axis {axes} is used by no pass: every rank along it would repeat "
+                "the same step, and ranks along it given other data (each rank passes its "
+                "own) would drift apart without a word (inspect lists such axes)",
+                hint="name each axis for what it does (dp, data or batch: data parallelism; "
+                     "pp, pipe or pipeline: pipeline stages; tp, tensor or model: tensor "
+                     "parallelism), drop it from the mesh, or pass passes= that use it")
         return self
 
     def _auto(self) -> str | None:

@@ -211,3 +211,26 @@ def test_compression_preset_plans_quantized_collectives():
     assert qg["hops"] == 2 and qg["local"] == 2 and qg["intra_bits"] == 8
     with pytest.raises(DiphomaError, match="must come just before the data axis"):
         parallelize(step, {"dp": 2, "node": 2}, compression="sdp4bit")
+
+
+def test_torch_refuses_a_mesh_axis_no_pass_uses():
+    """{"dp": 2, "foo": 2} on 4 ranks ran with foo idle: the ranks along it, each passing
+    its own data, drifted apart without a word (a reviewer's probe, 2026-12-05). Planning
+    refuses it now, naming the axis and the names each pass takes; JAX, whose one
+    controller passes the global batch, only repeats the work (inspect lists it)."""
+    import torch
+    from diphoma_compile.errors import MeshError
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(model, opt, x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    args = (model, opt, torch.randn(4, 8), torch.randn(4, 4))
+    with pytest.raises(MeshError, match="mesh axis foo=2 is used by no pass") as e:
+        parallelize(step, {"dp": 2, "foo": 2}).trace(*args)
+    assert "dp, data or batch" in e.value.hint
+    assert parallelize(step, {"dp": 2, "foo": 1}).trace(*args).plan.idle_axes == {}
