@@ -189,15 +189,26 @@ class _Recorder:
             del tracer.create_node
 
     @contextlib.contextmanager
-    def watching(self) -> Iterator[None]:
-        """Follow the step into and out of backward."""
+    def watching(self, opts: list[torch.optim.Optimizer] = ()) -> Iterator[None]:
+        """Follow the step into and out of backward; FrontendError for a backward after an
+        optimizer in ``opts`` stepped (the IR's step has one update, after its backward)."""
         orig_backward, orig_grad = torch.autograd.backward, torch.autograd.grad
 
         since = [None]      # how many nodes were noted when the last backward ended
         depth = [0]         # backwards running (a reentrant checkpoint's inside another)
+        stepped: list[str] = []     # where an optimizer stepped: "Adam.step() at file:line"
 
         def wrap(orig):
             def inner(*a, **k):
+                if stepped and depth[0] == 0:
+                    raise FrontendError(
+                        f"the step runs backward() again after {stepped[0]}: one traced "
+                        "step holds one update, after its last backward (a GAN's "
+                        "alternating updates, or an optimizer step per micro-batch, are "
+                        "several)",
+                        hint="compile one step per update (a discriminator step and a "
+                             "generator step, each with its own backward() and opt.step()), "
+                             "or accumulate the micro-batches' gradients and step once")
                 if since[0] is not None and depth[0] == 0:
                     # another backward (gradient accumulation over micro-batches): what ran
                     # since the last one was the next micro-batch's forward, not the update
@@ -214,9 +225,27 @@ class _Recorder:
                         self.current = Phase.update
                         since[0] = len(self.phase)
             return inner
-        with mock.patch("torch.autograd.backward", wrap(orig_backward)), \
-                mock.patch("torch.autograd.grad", wrap(orig_grad)):
-            yield
+        def noting(opt: torch.optim.Optimizer, run: Callable) -> Callable:
+            def step(*a: Any, **k: Any) -> Any:
+                if not stepped:
+                    where = self.user_line()
+                    stepped.append(f"{type(opt).__name__}.step()"
+                                   + (f" at {where}" if where else ""))
+                return run(*a, **k)
+            return step
+        own = [o.__dict__.get("step") for o in opts]
+        try:
+            for o in opts:
+                o.step = noting(o, o.step)
+            with mock.patch("torch.autograd.backward", wrap(orig_backward)), \
+                    mock.patch("torch.autograd.grad", wrap(orig_grad)):
+                yield
+        finally:
+            for o, mine in zip(opts, own):
+                if mine is None:
+                    o.__dict__.pop("step", None)
+                else:
+                    o.step = mine
 
 
 # ------------------------------------------------------------------ tracing
@@ -714,7 +743,7 @@ def _trace(step: Step, inputs: list[torch.Tensor], rec: _Recorder) -> fx.GraphMo
         with rec.recording(get_proxy_mode().tracer):
             return fn(*flat)
     rec.stop_at(traced)
-    with rec.watching(), _unchecked_symbolic_floats(), _lazy_graph_module(), \
+    with rec.watching(step.opts), _unchecked_symbolic_floats(), _lazy_graph_module(), \
             tracing_known_to_libraries():
         return make_fx(traced, tracing_mode="fake", **_MAKE_FX_OPTIONS)(*inputs)
 

@@ -182,9 +182,10 @@ def plateau(model, opt, sched, batch):
 
 
 @pytest.mark.parametrize("fn, make, words", [
-    # the second opt.step() reads an lr the scheduler changes on the host, after the program
-    (two_updates, lambda o: sched_lib.StepLR(o, 1, 0.5), "reads the optimizer's 'lr' at "
-     "test_host_effects.py:161 after StepLR.step() at test_host_effects.py:164"),
+    # the second opt.step() would read an lr the scheduler changes on the host, after the
+    # program; a second update in one step is refused first (since 2026-12-05)
+    (two_updates, lambda o: sched_lib.StepLR(o, 1, 0.5), "the step runs backward() again "
+     "after SGD.step() at test_host_effects.py:161"),
     (lr_after_scheduler, lambda o: sched_lib.StepLR(o, 1, 0.5), "reads the optimizer's 'lr'"),
     (last_lr, lambda o: sched_lib.StepLR(o, 1, 0.5), "StepLR.get_last_lr() is called inside"),
     (plateau, lambda o: sched_lib.ReduceLROnPlateau(o), "ReduceLROnPlateau.step(metric)"),

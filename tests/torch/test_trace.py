@@ -253,6 +253,34 @@ def test_sizes_that_depend_on_tensor_data_are_named(case):
     assert "test_trace.py:" in msg and "reduction='none') * keep).sum()" in msg
 
 
+def test_a_second_update_in_one_step_is_refused_by_name():
+    """A GAN's step (the discriminator's update, then the generator's backward and update)
+    failed with the IR verifier's internal error (an update op relabelled forward); now a
+    FrontendError names the first optimizer step and what to do."""
+    torch.manual_seed(0)
+    g, d = torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)
+    opt_g = torch.optim.Adam(g.parameters(), lr=1e-3)
+    opt_d = torch.optim.Adam(d.parameters(), lr=1e-3)
+
+    def gan_step(g, d, opt_g, opt_d, real, z):
+        fake = g(z)
+        loss_d = F.softplus(-d(real)).mean() + F.softplus(d(fake.detach())).mean()
+        opt_d.zero_grad()
+        loss_d.backward()
+        opt_d.step()
+        loss_g = F.softplus(-d(fake)).mean()
+        opt_g.zero_grad()
+        loss_g.backward()
+        opt_g.step()
+        return loss_d, loss_g
+    with pytest.raises(FrontendError, match=r"runs backward\(\) again after Adam.step\(\) "
+                                            r"at test_trace.py:\d+: one traced step holds "
+                                            "one update") as e:
+        diphoma_compile.trace(gan_step, g, d, opt_g, opt_d, torch.randn(8, 8),
+                              torch.randn(8, 4))
+    assert "compile one step per update" in e.value.hint
+
+
 def _refusal_through(op) -> str:
     """The FrontendError's message for an MLP step whose logits pass through ``op``."""
     def step(model, opt, batch):
