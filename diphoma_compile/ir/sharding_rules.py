@@ -116,9 +116,20 @@ def collective(op: Op, ins, outs, axis: str):
         return tuple(REPLICATE for _ in outs)
     if any(isinstance(t.placement(axis), Partial) for t in ins) and not linear_collective(op):
         return None     # a max of partial sums is not a partial sum of the max
+    if op.name == "take_shard" and ins and _splits_dim(ins[0].placement(axis),
+                                                       op.attrs.get("dim")):
+        # a piece of a piece of the same dim: which axis is the major one would be a
+        # layout for the backends to guess (they guessed differently: a gradient-norm
+        # clip under dp x tp came back with its pieces out of order); whole here first
+        return None
     if len(ins) == len(outs):
         return tuple(t.placement(axis) for t in ins)
     return tuple(ins[0].placement(axis) for _ in outs)
+
+
+def _splits_dim(p: Placement, dim: object) -> bool:
+    """Whether ``p`` splits dimension ``dim`` (a flat piece splits every one)."""
+    return isinstance(p, FlatShard) or (isinstance(p, Shard) and p.dim == dim)
 
 
 def same_placements(op: Op, ins, outs, axis: str):
