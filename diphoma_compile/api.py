@@ -335,6 +335,12 @@ def pipeline_settings(mesh: Mesh, passes: str | None, microbatches: int | None,
     over the mesh's pipeline axis (named pp, pipe or pipeline) when it has several devices,
     with ``microbatches`` (default: the axis size; for dualpipev twice that, the stages,
     the fewest it takes) and ``schedule``; None without one."""
+    if microbatches is not None and (isinstance(microbatches, bool) or
+                                     not isinstance(microbatches, int) or microbatches < 1):
+        raise DiphomaError(f"microbatches={microbatches!r}: the number of microbatches is a "
+                           "whole number of at least 1",
+                           hint="microbatches=M with M >= 1 (M >= the pipeline's stages keeps "
+                                "its bubble small), or leave it unset")
     if passes is not None:
         found = [p for p in parse_spec(passes) if isinstance(p, PipelineParallel)]
         return found[-1] if found else None

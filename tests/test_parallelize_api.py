@@ -234,3 +234,10 @@ def test_torch_refuses_a_mesh_axis_no_pass_uses():
         parallelize(step, {"dp": 2, "foo": 2}).trace(*args)
     assert "dp, data or batch" in e.value.hint
     assert parallelize(step, {"dp": 2, "foo": 1}).trace(*args).plan.idle_axes == {}
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.5, True])
+def test_microbatches_that_are_not_a_count_are_refused(bad):
+    """microbatches=0 crashed with a ZeroDivisionError deep in the JAX batch check."""
+    with pytest.raises(DiphomaError, match="whole number of at least 1"):
+        parallelize(lambda *a: a, {"dp": 2, "pp": 2}, microbatches=bad)

@@ -318,17 +318,31 @@ def step_outputs(out: Any, args: Sequence[Any], sig: StepSignature,
         for target in by_arg[argnum]:
             result.append((f"new/{target}", OutputRole(OutputKind.replaces, target)))
     state = returned_state(out, args, sig)
-    have_loss = False
+    loss = _loss_leaf(out, state)
     for m, metric in enumerate(out[2:]):
         if m in state:
             for target in by_arg[state[m]]:
                 result.append((f"new/{target}", OutputRole(OutputKind.replaces, target)))
             continue
-        for path, leaf in tree_flatten_with_path(metric)[0]:
-            floating = jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating)
-            if not have_loss and leaf.shape == () and floating:
-                have_loss = True
+        for j, (path, _) in enumerate(tree_flatten_with_path(metric)[0]):
+            if (m, j) == loss:
                 result.append(("loss", OutputRole(OutputKind.loss)))
             else:
                 result.append((path_name(f"metric/{m}", path), OutputRole(OutputKind.metric)))
     return result
+
+
+def _loss_leaf(out: Any, state: dict[int, int]) -> tuple[int, int] | None:
+    """(metric, leaf) of the loss among the step's metrics: a scalar float named loss (a
+    dict key or attribute with "loss" in it: ``{"grad_norm": ..., "loss": ...}`` flattens
+    the norm first), else the first scalar float."""
+    scalars = []
+    for m, metric in enumerate(out[2:]):
+        if m in state:
+            continue
+        for j, (path, leaf) in enumerate(tree_flatten_with_path(metric)[0]):
+            if leaf.shape == () and jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating):
+                scalars.append(((m, j), path))
+    named = [key for key, path in scalars if path and "loss" in
+             str(getattr(path[-1], "key", getattr(path[-1], "name", ""))).lower()]
+    return named[0] if named else scalars[0][0] if scalars else None

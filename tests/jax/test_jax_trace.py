@@ -235,3 +235,21 @@ def test_unsupported_primitive_names_itself():
     assert isinstance(e.value, DiphomaError)
     assert "primitive 'pure_callback'" in str(e.value)
     assert "parameter 'callback'" in str(e.value)
+
+
+def test_a_metric_named_loss_is_the_loss_whatever_sorts_first():
+    """{"grad_norm": ..., "loss": ...} flattens the norm first; the first scalar was taken
+    as the loss, and data parallelism then refused the step blaming the optimizer (a
+    reviewer's probe, 2026-12-05). A scalar named loss is the loss; unnamed, the first."""
+    def step(p, s, b):
+        def f(w):
+            return jnp.sum((w * b) ** 2)
+        loss, g = jax.value_and_grad(f)(p["w"])
+        return {"w": p["w"] - 0.1 * g}, s, {"grad_norm": jnp.sqrt(jnp.sum(g ** 2)),
+                                            "loss": loss}
+    g = trace_jax(step, P, S, B)
+    roles = {o.name: o.role.kind for o in g.outputs}
+    assert roles["loss"] is OutputKind.loss
+    assert [n for n, k in roles.items() if k is OutputKind.metric] == ["metric/0/grad_norm"]
+    plain = trace_jax(lambda p, s, b: (p, s, jnp.sum(p["w"]), jnp.sum(b)), P, S, B)
+    assert [o.role.kind for o in plain.outputs][-2:] == [OutputKind.loss, OutputKind.metric]
