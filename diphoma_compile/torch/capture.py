@@ -16,6 +16,7 @@ import inspect
 import operator
 import os
 import sys
+import types
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -226,7 +227,7 @@ class _Recorder:
                         since[0] = len(self.phase)
             return inner
         def noting(opt: torch.optim.Optimizer, run: Callable) -> Callable:
-            def step(*a: Any, **k: Any) -> Any:
+            def step(_: Any, *a: Any, **k: Any) -> Any:
                 if not stepped:
                     where = self.user_line()
                     stepped.append(f"{type(opt).__name__}.step()"
@@ -236,7 +237,7 @@ class _Recorder:
         own = [o.__dict__.get("step") for o in opts]
         try:
             for o in opts:
-                o.step = noting(o, o.step)
+                o.step = types.MethodType(noting(o, o.step), o)
             with mock.patch("torch.autograd.backward", wrap(orig_backward)), \
                     mock.patch("torch.autograd.grad", wrap(orig_grad)):
                 yield
@@ -841,7 +842,7 @@ def _counts_widened(opts: list[torch.optim.Optimizer],
 
     def widening(opt: torch.optim.Optimizer, pairs: list[tuple[torch.Tensor, str]],
                  run: Callable) -> Callable:
-        def step(*args: Any, **kwargs: Any) -> Any:
+        def step(_: Any, *args: Any, **kwargs: Any) -> Any:
             for p, k in pairs:
                 t = opt.state[p][k]
                 if t.dtype != torch.float64:
@@ -850,7 +851,8 @@ def _counts_widened(opts: list[torch.optim.Optimizer],
         return step
     try:
         for oi, pairs in wide.items():
-            opts[oi].step = widening(opts[oi], pairs, opts[oi].step)
+            opts[oi].step = types.MethodType(widening(opts[oi], pairs, opts[oi].step),
+                                             opts[oi])
         yield
     finally:
         for oi, own in own_steps.items():
@@ -882,7 +884,7 @@ def _tensor_optimizer_math(opts: list[torch.optim.Optimizer],
     own_steps = [o.__dict__.get("step") for o in opts]   # a scheduler's wrapper, if any
 
     def counted(run: Callable) -> Callable:
-        def step(*args: Any, **kwargs: Any) -> Any:
+        def step(_: Any, *args: Any, **kwargs: Any) -> Any:
             inside[0] += 1
             try:
                 return run(*args, **kwargs)
@@ -896,7 +898,7 @@ def _tensor_optimizer_math(opts: list[torch.optim.Optimizer],
                 if "capturable" in g:
                     g["capturable"] = True
             if scoped:
-                o.step = counted(o.step)
+                o.step = types.MethodType(counted(o.step), o)
         with mock.patch("torch.compiler.is_compiling",
                         (lambda: inside[0] > 0 or compiling()) if scoped else lambda: True):
             yield

@@ -87,6 +87,19 @@ class HostEffect:
         self.fn(*self.args)
 
 
+def _being_made(sched: Any) -> bool:
+    """Whether ``sched.step()`` is called by its own constructor (a scheduler made inside
+    the step takes its first step there). Not told by ``_step_count == 0``: a scheduler
+    whose step() does not count (CosineAnnealingWarmRestarts) keeps 0 after it is made."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name in ("__init__", "_initial_step") and \
+                frame.f_locals.get("self") is sched:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _step_scheduler(sched: Any) -> None:
     sched.step()
 
@@ -258,7 +271,7 @@ class HostWatch:
                     f"{name}.step(metric) is called inside the step{where}; it decides on a "
                     "value the step computes, which is not known while the step is traced",
                     hint=f"call {name}.step(loss) outside the step, with the loss it returns")
-            if getattr(sched, "_step_count", 1) == 0:
+            if _being_made(sched):
                 raise FrontendError(f"a {name} is created inside the step{where}",
                                     hint="create the scheduler once, outside the step")
             if args or kwargs:

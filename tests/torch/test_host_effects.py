@@ -67,6 +67,25 @@ def test_step_lr_inside_the_step_runs_each_call():
     assert [(e.what, e.when) for e in step.captured.effects] == [("StepLR.step()", "after")]
 
 
+def test_warm_restarts_inside_the_step_runs_each_call():
+    """CosineAnnealingWarmRestarts' step() does not count its steps (_step_count stays 0),
+    which was read as "created inside the step" and refused (a reviewer's probe); it is
+    replayed each call, restarts included, as eager."""
+    m, opt, r, ref_opt = pair()
+    sched = sched_lib.CosineAnnealingWarmRestarts(opt, T_0=2)
+    ref_sched = sched_lib.CosineAnnealingWarmRestarts(ref_opt, T_0=2)
+    data = mlp_batches(5)
+    step = diphoma_compile.compile(sched_after_step, m, opt, sched, data[0])
+    for b in data:
+        assert torch.equal(step(m, opt, sched, b), sched_after_step(r, ref_opt, ref_sched, b))
+        assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+    assert sched.last_epoch == ref_sched.last_epoch == 5
+    assert_same(m, r)
+    with pytest.raises(FrontendError, match="a StepLR is created inside the step"):
+        diphoma_compile.compile(lambda m, o, b: sched_after_step(m, o, sched_lib.StepLR(o, 1),
+                                                                 b), m, opt, data[0])
+
+
 def warmup_first(model, opt, sched, batch):
     sched.step()              # before opt.step(): this call's update uses the new lr
     loss = loss_of(model, batch)
@@ -185,7 +204,7 @@ def plateau(model, opt, sched, batch):
     # the second opt.step() would read an lr the scheduler changes on the host, after the
     # program; a second update in one step is refused first (since 2026-12-05)
     (two_updates, lambda o: sched_lib.StepLR(o, 1, 0.5), "the step runs backward() again "
-     "after SGD.step() at test_host_effects.py:161"),
+     "after SGD.step() at test_host_effects.py"),
     (lr_after_scheduler, lambda o: sched_lib.StepLR(o, 1, 0.5), "reads the optimizer's 'lr'"),
     (last_lr, lambda o: sched_lib.StepLR(o, 1, 0.5), "StepLR.get_last_lr() is called inside"),
     (plateau, lambda o: sched_lib.ReduceLROnPlateau(o), "ReduceLROnPlateau.step(metric)"),
