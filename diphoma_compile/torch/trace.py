@@ -79,6 +79,12 @@ _READERS = {
                     "(0.1, the default)",
     "clip_grad.py": "clip_grad_norm_(error_if_nonfinite=True) reads the norm on the host to "
                     "raise: leave it out and check the norm it returns outside the step",
+    "swa_utils.py": "torch.optim.swa_utils.AveragedModel.update_parameters() branches on its "
+                    "n_averaged count (its first call copies the weights): keep the average "
+                    "in a copy.deepcopy(model) passed to the step and update it there, "
+                    "with torch.no_grad(): for e, p in zip(ema.parameters(), "
+                    "model.parameters()): e.lerp_(p, 1 - decay); or call update_parameters "
+                    "outside the step",
 }
 
 
@@ -89,14 +95,14 @@ def _torch_reader_hint(exc: BaseException) -> str | None:
     BatchNorm's cumulative average, a clip that raises on a non-finite norm."""
     for fs in reversed(traceback.extract_tb(exc.__traceback__)):
         path = fs.filename.replace(os.sep, "/")
+        if "/torch/" in path and os.path.basename(path) in _READERS:
+            return _READERS[os.path.basename(path)]
         if "/torch/optim/" in path and not path.endswith("/optimizer.py"):
             name = os.path.basename(path)[:-3]
             return (f"torch.optim's {name} step() branches on a value of its state (its "
                     "step count) unless capturable: its update cannot be traced as one "
                     "program; SGD, Adam, AdamW, Adadelta, Adagrad, Adamax, NAdam, RAdam, "
                     "ASGD, RMSprop and Rprop can (once they have state)")
-        if "/torch/" in path and os.path.basename(path) in _READERS:
-            return _READERS[os.path.basename(path)]
     return None
 
 

@@ -370,7 +370,8 @@ def test_step_returning_none_or_a_none_among_its_results():
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 
 
-@pytest.mark.parametrize("case", ["radam", "batch norm momentum=None", "clip raising"])
+@pytest.mark.parametrize("case", ["radam", "batch norm momentum=None", "clip raising",
+                                  "averaged model"])
 def test_torch_code_reading_a_tensor_value_says_what_to_do(case, monkeypatch):
     """torch's own code that reads a tensor's value on the host (an optimizer branching on
     its state, a BatchNorm's cumulative average, a clip that raises on a non-finite norm)
@@ -386,6 +387,8 @@ def test_torch_code_reading_a_tensor_value_says_what_to_do(case, monkeypatch):
     opt = torch.optim.RAdam(model.parameters()) if case == "radam" else \
         torch.optim.SGD(model.parameters(), lr=0.1)
 
+    ema = torch.optim.swa_utils.AveragedModel(model)
+
     def step(model, opt, batch):
         loss = F.cross_entropy(model(batch["x"]), batch["y"])
         loss.backward()
@@ -393,8 +396,12 @@ def test_torch_code_reading_a_tensor_value_says_what_to_do(case, monkeypatch):
                                        error_if_nonfinite=case == "clip raising")
         opt.step()
         opt.zero_grad()
+        if case == "averaged model":
+            ema.update_parameters(model)
         return loss
     want = {"radam": r"torch.optim's radam step\(\) branches on a value of its state",
+            "averaged model": r"AveragedModel.update_parameters\(\) branches on its "
+                              r"n_averaged count .* copy.deepcopy\(model\)",
             "batch norm momentum=None": r"BatchNorm with momentum=None .* give it a momentum",
             "clip raising": r"error_if_nonfinite=True\) reads the norm on the host"}[case]
     with pytest.raises(FrontendError, match=want):
