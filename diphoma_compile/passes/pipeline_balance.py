@@ -72,7 +72,13 @@ def forward_costs(graph: Graph, fwd: list[Op], rest: list[Op], types: dict[str, 
     made = {v.name: id(op) for op in rest for v in op.results}
     for op in rest:                   # the rest: where its inputs were made
         if id(op) not in anchor:
-            got = [anchor[made[n]] for n in free_inputs(op) if made.get(n) in anchor]
+            # a tensor's, not a scalar's: a clip's factor times each gradient runs where
+            # that gradient is (the factor, made from every stage's norms, is anchored at
+            # the last: with it, every gradient's scaling weighed on the last stage, and a
+            # clipped step's cut points were sought near the end alone)
+            made_here = [n for n in free_inputs(op) if made.get(n) in anchor]
+            wide = [n for n in made_here if types[n].numel > 1]
+            got = [anchor[made[n]] for n in (wide or made_here)]
             anchor[id(op)] = max(got) if got else (
                 len(fwd) - 1 if op.phase is Phase.backward else 0)
         cost[anchor[id(op)]] += seconds(op)

@@ -303,6 +303,21 @@ def updated_buffers(graph: Graph) -> dict[str, str]:
     return {b: new for b, new in new_values(graph).items() if b in buffers}
 
 
+def _forward_after_backward(graph: Graph) -> str | None:
+    """The first forward op reading a parameter after a backward op, in program order (a
+    second forward through the model: gradient accumulation inside the step), if any.
+    Forward ops reading no parameter may come late (optax.MultiSteps' step counting)."""
+    params = {i.name for i in graph.inputs if i.role.kind is InputKind.param}
+    backward = False
+    for op in graph.ops:
+        if op.phase is Phase.backward:
+            backward = True
+        elif backward and op.phase is Phase.forward and params & set(free_inputs(op)):
+            what = op.attrs.get("target", op.name)
+            return what + (f" at {op.loc}" if op.loc else "")
+    return None
+
+
 def _batch_statistics(graph: Graph) -> list[str]:
     """What in the step's forward depends on the whole batch at once: the buffers it writes
     a new value of (running statistics), and batch norms in training mode (by source line)
@@ -464,17 +479,38 @@ class _Cut:
         pre = [0]
         for c in cost:
             pre.append(pre[-1] + c)
-        # the narrowest crossing away from the ends (after the loss only a scalar crosses)
-        lo, hi = pre[-1] / (2 * self.n), pre[-1] * (1 - 1 / (2 * self.n))
-        inner = [crossing[k] for k in range(1, len(fwd)) if lo <= pre[k] <= hi] or \
-            [crossing[k] for k in range(1, len(fwd))]
-        low = min(inner) if inner else 0
-        # the layer boundaries: where no more than the residual stream (and a little) lives
-        points = [k for k in range(1, len(fwd)) if crossing[k] <= low * 1.5 + 64]
         # every stage holds a parameter: a forward op of its own that reads one
         holds = [any(self.kind.get(n) is InputKind.param for n in free_inputs(op))
                  for op in fwd]
-        cuts = balanced_cuts(cost, points, self.n, holds)
+        # the narrowest crossing away from the ends (after the loss only a scalar crosses),
+        # the ends told by cost; failing that, by the ops' positions (an update weighed at
+        # the end, as optax.MultiSteps' cond over every gradient, leaves no cost between
+        # the ends but the last layer's)
+        # Cuts after the last op reading a parameter would leave the last stage none (the
+        # ops there, as optax.MultiSteps' step counting, read no activations: a narrow
+        # crossing that hid the layers' boundaries)
+        m = 1 + max((k for k, h in enumerate(holds) if h), default=len(fwd) - 1)
+        lo, hi = pre[-1] / (2 * self.n), pre[-1] * (1 - 1 / (2 * self.n))
+        for inside in (lambda k: lo <= pre[k] <= hi,
+                       lambda k: m / (2 * self.n) <= k <= m * (1 - 1 / (2 * self.n))):
+            inner = [crossing[k] for k in range(1, m) if inside(k)] or \
+                [crossing[k] for k in range(1, m)]
+            low = min(inner) if inner else 0
+            # the layer boundaries: where no more than the residual stream (and a little)
+            # lives
+            points = [k for k in range(1, m) if crossing[k] <= low * 1.5 + 64]
+            cuts = balanced_cuts(cost, points, self.n, holds)
+            if cuts is not None:
+                break
+        if cuts is None and (again := _forward_after_backward(self.g)) is not None:
+            raise PassFailure(
+                f"pipeline: the step runs its forward again after a backward ({again} reads "
+                "a parameter after the first backward: gradient accumulation over chunks of "
+                "the batch, or a second call of the model), and no cut gives each stage "
+                "its layers; a pipeline cuts one forward and one backward into stages, and "
+                "accumulates the microbatches itself",
+                hint="write the step for the whole local batch, one forward and one "
+                     "backward, and pass microbatches=M to parallelize")
         if cuts is None:
             scanned = any(op.regions and h for op, h in zip(fwd, holds))
             raise PassFailure(

@@ -414,3 +414,16 @@ def test_golden_ir_of_a_key_mask_drawn_per_microbatch(golden):
     text = print_graph(g)
     assert "shape=[8, 4]" in text and "%microbatch: i32[] microbatch" in text
     golden("jax_dropout_sgd.dp2_pp2_m2.ir", text)
+
+
+def test_multisteps_is_cut_at_its_layers_over_four_stages():
+    """optax.MultiSteps counts its mini-steps in ops that read no activation and came last
+    among the forward ops: their narrow crossing hid the layers' boundaries, and eight
+    layers over pp=4 were refused as having too few places to cut (a reviewer's probe).
+    Cuts come before the last op reading a parameter now."""
+    def loss_fn(p, x, key):
+        for k in range(8):
+            x = jnp.tanh(x @ p[k])
+        return jnp.mean(x ** 2)
+    ps = _plan_eight_stages(loss_fn, optax.MultiSteps(optax.adam(1e-2), 2), rows=8)
+    assert len(ps.plan.notes["pipeline"]["stages"]) == 8

@@ -826,3 +826,70 @@ def test_dualpipev_defaults_to_as_many_microbatches_as_stages():
     assert pipeline_settings(mesh, None, None, "dualpipev").microbatches == 8
     assert pipeline_settings(mesh, None, None, "zbv").microbatches == 4
     assert pipeline_settings(mesh, None, 12, "dualpipev").microbatches == 12
+
+
+def test_a_clipped_step_is_cut_where_the_unclipped_one_is():
+    """clip_grad_norm_'s factor is made from every stage's norms (weighed on the last
+    stage), and each gradient's scaling by it was weighed there too: the balance then
+    sought its cuts near the end alone, and a 6-layer residual MLP (or a 4-layer BERT) at
+    pp=2 or pp=4 was refused as having too few places to cut (a reviewer's probe). The
+    scaling is weighed where its gradient is now: the same stages as without the clip."""
+    torch = pytest.importorskip("torch")
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Linear(8, 16)
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(4)])
+            self.out = torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            x = self.emb(x)
+            for layer in self.layers:
+                x = x + torch.tanh(layer(x))
+            return self.out(x)
+
+    def step(model, opt, x, y, clip):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+        return loss
+    for pp in (2, 4):
+        stages = []
+        for clip in (False, True):
+            torch.manual_seed(0)
+            m = Net()
+            o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+            ps = diphoma_compile.parallelize(step, {"pp": pp}, microbatches=2)
+            ps.trace(m, o, torch.randn(8, 8), torch.randint(0, 4, (8,)), clip)
+            stages.append([s.layers for s in ps.plan.decision(PipelineRecord).stages])
+        assert stages[0] == stages[1] and len(stages[0]) == pp, stages
+
+
+def test_gradient_accumulation_inside_the_step_that_cannot_be_cut_says_why():
+    """Two backward() calls in one step (accumulating over chunks) under pp=4 on a tiny
+    Hugging Face GPT-2: the two forwards leave no cut giving each stage its layers, and the
+    refusal said the model had too few places to cut; it names the second forward now, and
+    microbatches= as the way. (Where the cuts are found, as an MLP's at pp=2, the step runs
+    and its parameters match the single-device step.)"""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+
+    def accum(model, opt, ids):
+        for part in ids.chunk(2):
+            loss = model(input_ids=part, labels=part).loss / 2
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=4, n_head=2))
+    opt = torch.optim.AdamW(model.parameters())
+    ps = diphoma_compile.parallelize(accum, {"pp": 4}, microbatches=2)
+    with pytest.raises(PassError, match="runs its forward again after a backward") as e:
+        ps.trace(model, opt, torch.randint(0, 64, (8, 16)))
+    assert "microbatches=M" in str(e.value)
