@@ -61,7 +61,10 @@ def _data_dependent(e: Exception) -> FrontendError:
             "has static shapes",
             hint="keep every element and weight by the mask instead "
                  "(jnp.sum(per_example * keep) / jnp.sum(keep)), or jnp.where(mask, x, 0) for "
-                 "a selection; jnp.nonzero and jnp.unique take size= for a static size")
+                 "a selection; jnp.nonzero and jnp.unique take size= for a static size. "
+                 "Under data parallelism such a mean is each device's over its own kept "
+                 "rows, averaged (as under DDP; the plan lists it): divide by the rows "
+                 "(keep.size) instead for the batch's exact value")
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return FrontendError(
         f"the step branches on, or reads into Python, a value that depends on array data"

@@ -290,7 +290,10 @@ def _check_static_shapes(cap: Captured) -> None:
             hint="keep every element and weight by the mask instead, e.g. "
                  "(F.cross_entropy(out, y.clamp(min=0), reduction='none') * keep).sum() / "
                  "keep.sum(), or cross_entropy's ignore_index for labels to skip; "
-                 "torch.where(mask, x, 0) for a selection")
+                 "torch.where(mask, x, 0) for a selection. Under data parallelism such a "
+                 "mean is each device's over its own kept rows, averaged (as under DDP; the "
+                 "plan lists it): divide by the rows (keep.numel()) instead for the batch's "
+                 "exact value")
 
 
 def _number(value: Any) -> Any:
