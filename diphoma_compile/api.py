@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import framework as frameworks
-from .errors import DiphomaError, DiphomaWarning, MeshError
+from .errors import DiphomaError, DiphomaWarning, MeshError, no_keywords
 from .framework import Framework
 from .ir.analysis import runs_on_one_device
 from .ir.device_model import (MODELS, DeviceModel, check, device_model, model_for_device,
@@ -67,7 +67,8 @@ class _Adapted:
     def __init__(self, adapter: Any, run: Callable) -> None:
         self.adapter, self.run = adapter, run
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        no_keywords(kwargs)
         return self.adapter.result(self.run(*self.adapter.args(args)), args)
 
     def __getattr__(self, name: str) -> Any:
@@ -207,7 +208,8 @@ class ParallelStep:
                                     "without running")
 
     # ---------------------------------------------------------------- running
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        no_keywords(kwargs)
         if self._runner is None:
             if self._graph is None:
                 self.trace(*args)

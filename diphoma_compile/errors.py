@@ -33,6 +33,17 @@ def user_line(exc: BaseException, internal: tuple[str, ...]) -> str | None:
     return own or lib
 
 
+def no_keywords(kwargs: dict) -> None:
+    """DiphomaError for a compiled step called with keyword arguments: its arguments are
+    bound by position, as the example's were."""
+    if kwargs:
+        raise DiphomaError(f"the compiled step is called with keyword arguments "
+                           f"({', '.join(kwargs)}); it takes its arguments by position, as "
+                           "the example arguments were given",
+                           hint="call it as step(model, opt, batch), in the order of the "
+                                "example arguments")
+
+
 class DiphomaWarning(UserWarning):
     """A plan that runs but differs from the single-device step in a way the user should
     know of (a forward that combines examples of the batch, split over devices)."""

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax import lax
 
-from ..errors import BackendError
+from ..errors import BackendError, no_keywords
 from ..ir.core import Graph, InputKind, Op, OutputKind, Region
 from ..ir.types import DType, TensorType
 from .dtypes import numpy_dtype
@@ -221,7 +221,8 @@ class JaxStep:
         """What the step returns (a runner that reports memory keeps it)."""
         return result
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        no_keywords(kwargs)
         if self._tree_jit is not None:
             return self._kept(self._tree_jit(*args))
         leaves, treedefs = self.flatten(args)

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from ..errors import BackendError, MeshError
+from ..errors import BackendError, MeshError, no_keywords
 from ..ir.core import Graph, InputKind, OutputKind
 from ..ir.types import Varying
 from ..passes.pipeline_orders import ORDERED, rank_orders
@@ -311,7 +311,8 @@ class JaxPipelineStep(MeasuredRunner):
                 self._check(i.name, leaf)
         return leaves, treedefs
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        no_keywords(kwargs)
         leaves, treedefs = self.flatten(args)
         outs = self.run(leaves)
         if self.out_tree is not None:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import BackendError, MeshError
+from ..errors import BackendError, MeshError, no_keywords
 from ..ir.analysis import runs_on_one_device
 from ..ir.core import Graph, InputKind, OutputKind
 from ..ir.ops import OPS, Category
@@ -323,7 +323,8 @@ class TorchDistStep(TorchStep):
         super()._write(slot, new)
 
     # ------------------------------------------------------------------ running
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        no_keywords(kwargs)
         if not self.alone and not dist.is_initialized():
             raise BackendError("torch.distributed is no longer initialized",
                                hint="call the step before destroy_process_group()")

@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..errors import DiphomaError
+from ..errors import DiphomaError, no_keywords
 from ..ir.core import Graph
 from .codegen import program
 from .live_memory import MeasuredPeak, measure_peak
@@ -149,7 +149,8 @@ class TorchStep:
             return torch.as_tensor(v, dtype=LR_DTYPE)
         return next(args_it)
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        no_keywords(kwargs)
         cap = self.captured
         tensors = self._check_args(args)
         for effect in cap.effects:

@@ -367,3 +367,14 @@ def test_a_tensor_learning_rate_is_bit_exact(opt_name):
     for batch in mlp_batches(2):
         assert torch.equal(compiled(model, opt, batch), clipped_step(ref, ref_opt, batch))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def test_keyword_arguments_at_call_time_are_refused_by_name():
+    """step(model=..., opt=..., batch=...) was a bare TypeError from the runtime's
+    signature."""
+    model = MLP()
+    opt = OPTIMIZERS["sgd"](model.parameters(), True)
+    b = mlp_batches(1)[0]
+    compiled = diphoma_compile.compile(clipped_step, model, opt, b)
+    with pytest.raises(DiphomaError, match=r"keyword arguments \(model, opt, batch\)"):
+        compiled(model=model, opt=opt, batch=b)
