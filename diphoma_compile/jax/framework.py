@@ -183,8 +183,9 @@ def local_args(args: tuple, n: int, axis: str, batch_argnums: Sequence[int] = (2
         if shape is None or len(shape) == 0:
             raise MeshError(f"batch leaf {name} is a scalar; the batch is split along its "
                             f"first dimension over axis {axis!r}",
-                            hint="pass batch_argnums= to parallelize to name the batch "
-                                 "arguments")
+                            hint="move it out of the batch into an argument of its own "
+                                 "(a scalar argument is whole on every device), or, if the "
+                                 "batch is another argument, name it with batch_argnums=")
         if shape[0] % n:
             raise MeshError(f"batch leaf {name} has {shape[0]} examples, which do not divide "
                             f"among {among}",

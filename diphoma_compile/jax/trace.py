@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from ..errors import FrontendError, user_line
+from ..errors import DiphomaError, FrontendError, user_line
 from ..ir.core import (Graph, Input, InputKind, InputRole, NameSupply, Op, Output, OutputKind,
                        Value)
 from ..ir.rewrite import rename_uses
@@ -74,6 +74,17 @@ def _data_dependent(e: Exception) -> FrontendError:
              "decision out of the step")
 
 
+def _failed(e: Exception) -> FrontendError:
+    """A FrontendError for any other failure while the step is traced (an attribute the
+    model's output lacks, a gradient of a non-scalar), naming the user's line; the
+    exception is chained."""
+    at = _user_line(e)
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return FrontendError(f"tracing the step failed{f' at {at}' if at else ''}: "
+                         f"{type(e).__name__}: {first}",
+                         hint="the chained exception has the traceback")
+
+
 def _user_line(e: BaseException) -> str | None:
     """``file:line: code`` of the user's innermost frame: outside JAX and this package."""
     import jaxlib
@@ -113,10 +124,14 @@ def trace_jax_with_tree(step_fn: Callable, *example_args: Any, params_argnum: in
         raise _data_dependent(e) from e
     except TypeError as e:
         if "JAX type" not in str(e):
-            raise
+            raise _failed(e) from e
         raise FrontendError(f"the step returned a value that is not a pytree of arrays: {e}",
                             hint="return (params, opt_state, *metrics) with array leaves") \
             from None
+    except DiphomaError:
+        raise
+    except Exception as e:      # JAX and the user's code raise many types: name the line
+        raise _failed(e) from e
     roles = step_outputs(out_shape, example_args, sig, inputs)
     # an argument the step returns updated is model state (``roles.returned_state``)
     replaced = {r.target for _, r in roles if r.kind is OutputKind.replaces}

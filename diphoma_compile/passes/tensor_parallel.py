@@ -74,8 +74,11 @@ class TensorParallel(Pass):
                 f"{self.name}: no column/row layer pair to split over {self.axis}={n}"
                 + (f" ({sizes})" if sizes else ""),
                 hint="tensor parallelism splits matmul pairs (an MLP, attention's "
-                     "projections) on dimensions the axis divides: make the heads and hidden "
-                     "sizes multiples of it, use a smaller axis, or drop it")
+                     "projections) on dimensions the axis divides, with nothing between the "
+                     "two but elementwise math (a dropout between them keeps the pair whole: "
+                     "a random draw runs whole only): make the heads and hidden sizes "
+                     "multiples of it, move the dropout after the pair, use a smaller axis, "
+                     "or drop it")
         params = [i.name for i in graph.inputs
                   if i.role.kind is InputKind.param and i.name not in seeds]
         model = device_model(self.device_model)

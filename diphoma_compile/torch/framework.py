@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..errors import FrontendError
+from ..errors import FrontendError, MeshError
 from ..ir.core import Graph
 from ..ir.device_model import DeviceModel
 from ..mesh import Mesh
@@ -77,6 +77,14 @@ class TorchFramework:
                 "arguments are all its batch (each rank passes its own local batch, as under "
                 "DDP) and nothing is split", hint="drop batch_argnums=; keep a tensor that is "
                                                   "not batch in the step's closure or module")
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized() and \
+                mesh.size > dist.get_world_size():
+            # before the batch is cut: a mesh larger than the world is the first thing wrong
+            raise MeshError(f"the mesh {mesh} has {mesh.size} devices but the process group "
+                            f"has {dist.get_world_size()} processes",
+                            hint=f"run under torchrun --nproc_per_node={mesh.size}, or plan "
+                                 f"for a mesh of {dist.get_world_size()} devices")
         if microbatches > 1:
             from .trace import microbatch_args
             args = microbatch_args(args, microbatches)

@@ -727,6 +727,10 @@ def run_errors(rank: int, world: int) -> dict:
         KEPT["mlp"] = build(mlp_step, model, opt, local(mlp_batches(world)[0], rank, world),
                             world)[:3]
     raw, graph, cap = KEPT["mlp"]
+    torch.manual_seed(0)
+    model = OddMLP()
+    KEPT["mlp_args"] = (model, OPTS["sgdm"](model.parameters()),
+                        *local(mlp_batches(world)[0], rank, world))
     half = Pipeline.from_spec(SPEC).run(raw.replace(mesh=Mesh({"dp": world // 2})),
                                         PassContext())
     cases = {
@@ -734,6 +738,11 @@ def run_errors(rank: int, world: int) -> dict:
         "mesh_without_axis": lambda: TorchDistStep(graph, cap, mesh=Mesh({"tp": world})),
         "other_axis": lambda: TorchDistStep(graph, cap, axis="tp"),
         "not_transformed": lambda: TorchDistStep(raw, cap, mesh=Mesh({"dp": world})),
+        # a mesh larger than the world, with microbatches that do not cut the batch: the
+        # world is named first (the batch's cut was, in a reviewer's probe)
+        "pipeline_world": lambda: __import__("diphoma_compile").parallelize(
+            mlp_step, {"dp": 2, "pp": 3}, microbatches=3).trace(
+                *KEPT["mlp_args"]),
     }
     out = {}
     for name, make in cases.items():

@@ -283,6 +283,8 @@ ERRORS = {
     "other_axis": ("MeshError", ["no axis 'tp'"]),
     "not_transformed": ("MeshError", ["not distributed over mesh axis 'dp'",
                                       "data-parallel{axis=dp}"]),
+    "pipeline_world": ("MeshError", ["has 6 devices but the process group has 4",
+                                     "torchrun --nproc_per_node=6"]),
 }
 
 

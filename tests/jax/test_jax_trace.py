@@ -253,3 +253,16 @@ def test_a_metric_named_loss_is_the_loss_whatever_sorts_first():
     assert [n for n, k in roles.items() if k is OutputKind.metric] == ["metric/0/grad_norm"]
     plain = trace_jax(lambda p, s, b: (p, s, jnp.sum(p["w"]), jnp.sum(b)), P, S, B)
     assert [o.role.kind for o in plain.outputs][-2:] == [OutputKind.loss, OutputKind.metric]
+
+
+def test_other_failures_while_tracing_name_the_line():
+    """Any other exception while the step is traced (a gradient of a non-scalar, an
+    attribute the output lacks) is a FrontendError naming the user's line, its cause
+    chained; it came through raw (the CLI printed JAX's traceback, exit 1)."""
+    def step(p, s, b):
+        g = jax.grad(lambda w: w * b)(p["w"])      # not a scalar
+        return p, s, jnp.sum(g)
+    with pytest.raises(FrontendError, match=r"at test_jax_trace.py:\d+: .*TypeError: "
+                                            "Gradient only defined for scalar") as e:
+        trace_jax(step, P, S, B)
+    assert isinstance(e.value.__cause__, TypeError)
