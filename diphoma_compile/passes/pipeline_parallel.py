@@ -482,26 +482,19 @@ class _Cut:
         # every stage holds a parameter: a forward op of its own that reads one
         holds = [any(self.kind.get(n) is InputKind.param for n in free_inputs(op))
                  for op in fwd]
-        # the narrowest crossing away from the ends (after the loss only a scalar crosses),
-        # the ends told by cost; failing that, by the ops' positions (an update weighed at
-        # the end, as optax.MultiSteps' cond over every gradient, leaves no cost between
-        # the ends but the last layer's)
-        # Cuts after the last op reading a parameter would leave the last stage none (the
-        # ops there, as optax.MultiSteps' step counting, read no activations: a narrow
-        # crossing that hid the layers' boundaries)
+        # the narrowest crossing away from the ends (after the loss only a scalar
+        # crosses), among the points before the last op reading a parameter: a cut after
+        # it would leave the last stage none (the ops there, as optax.MultiSteps' step
+        # counting, read no activations, and their narrow crossing hid the layers'
+        # boundaries)
         m = 1 + max((k for k, h in enumerate(holds) if h), default=len(fwd) - 1)
         lo, hi = pre[-1] / (2 * self.n), pre[-1] * (1 - 1 / (2 * self.n))
-        for inside in (lambda k: lo <= pre[k] <= hi,
-                       lambda k: m / (2 * self.n) <= k <= m * (1 - 1 / (2 * self.n))):
-            inner = [crossing[k] for k in range(1, m) if inside(k)] or \
-                [crossing[k] for k in range(1, m)]
-            low = min(inner) if inner else 0
-            # the layer boundaries: where no more than the residual stream (and a little)
-            # lives
-            points = [k for k in range(1, m) if crossing[k] <= low * 1.5 + 64]
-            cuts = balanced_cuts(cost, points, self.n, holds)
-            if cuts is not None:
-                break
+        inner = [crossing[k] for k in range(1, m) if lo <= pre[k] <= hi] or \
+            [crossing[k] for k in range(1, m)]
+        low = min(inner) if inner else 0
+        # the layer boundaries: where no more than the residual stream (and a little) lives
+        points = [k for k in range(1, m) if crossing[k] <= low * 1.5 + 64]
+        cuts = balanced_cuts(cost, points, self.n, holds)
         if cuts is None and (again := _forward_after_backward(self.g)) is not None:
             raise PassFailure(
                 f"pipeline: the step runs its forward again after a backward ({again} reads "
