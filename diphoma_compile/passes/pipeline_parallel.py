@@ -488,13 +488,26 @@ class _Cut:
         # counting, read no activations, and their narrow crossing hid the layers'
         # boundaries)
         m = 1 + max((k for k, h in enumerate(holds) if h), default=len(fwd) - 1)
-        lo, hi = pre[-1] / (2 * self.n), pre[-1] * (1 - 1 / (2 * self.n))
-        inner = [crossing[k] for k in range(1, m) if lo <= pre[k] <= hi] or \
-            [crossing[k] for k in range(1, m)]
-        low = min(inner) if inner else 0
-        # the layer boundaries: where no more than the residual stream (and a little) lives
-        points = [k for k in range(1, m) if crossing[k] <= low * 1.5 + 64]
-        cuts = balanced_cuts(cost, points, self.n, holds)
+        lo, hi = pre[m] / (2 * self.n), pre[m] * (1 - 1 / (2 * self.n))
+        # away from the ends by cost; failing that, by position, each stage then holding a
+        # weight matrix (an update weighed on the last layer, as optax.MultiSteps' cond,
+        # moved the cost window onto the narrow head; a stage of a bias add alone is not a
+        # layer)
+        matrices = [any(self.kind.get(n) is InputKind.param and self.types[n].rank >= 2
+                        for n in free_inputs(op)) for op in fwd]
+        for inside, need in ((lambda k: lo <= pre[k] <= hi, holds),
+                             (lambda k: m / (2 * self.n) <= k <= m * (1 - 1 / (2 * self.n)),
+                              matrices)):
+            inner = [crossing[k] for k in range(1, m) if inside(k)] or \
+                [crossing[k] for k in range(1, m)]
+            low = min(inner) if inner else 0
+            # the layer boundaries: where no more than the residual stream (and a little)
+            # lives
+            points = [k for k in range(1, m) if crossing[k] <= low * 1.5 + 64]
+            cuts = balanced_cuts(cost, points, self.n, need)
+            if cuts is not None:
+                holds = need
+                break
         if cuts is None and (again := _forward_after_backward(self.g)) is not None:
             raise PassFailure(
                 f"pipeline: the step runs its forward again after a backward ({again} reads "

@@ -417,13 +417,36 @@ def test_golden_ir_of_a_key_mask_drawn_per_microbatch(golden):
 
 
 def test_multisteps_is_cut_at_its_layers_over_four_stages():
-    """optax.MultiSteps counts its mini-steps in ops that read no activation and came last
-    among the forward ops: their narrow crossing hid the layers' boundaries, and eight
-    layers over pp=4 were refused as having too few places to cut (a reviewer's probe).
-    Cuts come before the last op reading a parameter now."""
-    def loss_fn(p, x, key):
-        for k in range(8):
-            x = jnp.tanh(x @ p[k])
-        return jnp.mean(x ** 2)
-    ps = _plan_eight_stages(loss_fn, optax.MultiSteps(optax.adam(1e-2), 2), rows=8)
-    assert len(ps.plan.notes["pipeline"]["stages"]) == 8
+    """optax.MultiSteps over dp=2 x pp=4 on six Dense layers with a narrow head: its
+    update (a cond over every gradient) is weighed on the last layer, which moved the
+    window the cuts are sought in onto the head, and the step was refused as having too
+    few places to cut (a reviewer's probe; plain Adam planned). The cuts are sought by
+    position then, each stage holding a weight matrix; two steps match jax.jit."""
+    class Six(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(5):
+                x = nn.relu(nn.Dense(32)(x))
+            return nn.Dense(4)(x)
+    model = Six()
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    y = jax.random.randint(jax.random.key(2), (16,), 0, 4)
+    params = model.init(jax.random.key(0), x)["params"]
+    tx = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
+
+    def step(params, opt_state, x, y):
+        def lf(p):
+            return optax.softmax_cross_entropy_with_integer_labels(
+                model.apply({"params": p}, x), y).mean()
+        loss, g = jax.value_and_grad(lf)(params)
+        up, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, up), opt_state, loss
+    ps = diphoma_compile.parallelize(step, {"dp": 2, "pp": 4}, microbatches=2)
+    ref = ours = (params, tx.init(params))
+    for _ in range(2):
+        *ref, ref_loss = jax.jit(step)(*ref, x, y)
+        *ours, loss = ps(*ours, x, y)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    assert len(ps.plan.notes["pipeline"]["stages"]) == 4
+    for a, b in zip(jax.tree.leaves(ref[0]), jax.tree.leaves(ours[0])):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5)
