@@ -252,6 +252,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         graph, plan, records = plan_target(target, mesh, axis, args.passes, dump, stream,
                                            clock, args.verify_passes, args.device_model,
                                            args.schedule)
+    if dump != "all":
+        ran = {name.split("{", 1)[0].strip() for name in plan.passes} | {"trace"}
+        unknown = sorted(dump - ran)
+        if unknown:
+            raise InspectError(f"--dump-ir-after {','.join(unknown)}: no pass of that name "
+                               f"ran (these did: {', '.join(sorted(ran - {'trace'}))})",
+                               hint="name passes that ran, 'trace' for the IR before any "
+                                    "pass, or all")
     plan = replace(plan, context=dict(target.context))
     if args.plot:
         plot_schedule(plan, target.framework, args.plot)

@@ -40,7 +40,10 @@ def plot(blocks: list[Block], path: str | Path, title: str = "") -> Path:
     ax.invert_yaxis()
     ax.set_xlim(0, span)
     ax.set_xlabel("time (stage costs; F light, B / I / W darker)")
-    ax.set_title(title or f"bubble {bubble(blocks):.1%}", fontsize=8)
+    # wrapped: a long title (the schedule, its stages and both bubbles) ran past a narrow
+    # figure's edge
+    ax.set_title(title or f"bubble {bubble(blocks):.1%}", fontsize=8, wrap=True)
+    ax.ticklabel_format(axis="x", style="plain", useOffset=False)
     fig.tight_layout()
     path = Path(path)
     try:

@@ -174,6 +174,16 @@ def test_passes_dump_and_out(capsys, tmp_path):
     assert "reduce_scatter" not in report        # no weight-update sharding asked for
 
 
+def test_dumping_after_a_pass_that_did_not_run_says_so(capsys):
+    """--dump-ir-after with a name no pass has printed nothing and said nothing (a
+    reviewer's probe); it is an error listing the passes that ran."""
+    rc, out, err = inspect(capsys, str(MODELS / "several.py:Small"), "--input", "f32[8,16]",
+                           "--mesh", "dp=2", "--dump-ir-after", "nope")
+    assert rc == 2
+    assert "--dump-ir-after nope: no pass of that name ran (these did: " in err
+    assert "data-parallel" in err
+
+
 def test_by_default_only_the_final_graph_is_checked(capsys, monkeypatch):
     argv = ["inspect", str(MODELS / "several.py:Small"), "--input", "f32[8,16]",
             "--mesh", "dp=2", "--timings"]
