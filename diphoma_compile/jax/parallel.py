@@ -316,6 +316,16 @@ def _spec(t: TensorType, mesh_axes: Sequence[str], what: str) -> PartitionSpec:
                    if isinstance(p, Varying) else
                    "flat (padded) shards are kept inside the program only"
                    if isinstance(p, FlatShard) else "a partial value must be reduced first")
+            if isinstance(p, Varying):      # a value only a device's own share made
+                raise BackendError(
+                    f"{what} is each device's own scalar on axis {axis!r} (made from its "
+                    "share of the batch alone, e.g. a mask's sum dividing a masked mean "
+                    "between two pipeline programs), and a scalar has no global array to "
+                    "be a piece of",
+                    hint="divide by the rows (keep.size) instead of the mask's sum: a mean "
+                         "over examples, the same on every share; or run without the "
+                         "pipeline axis, where such a mean is each device's, averaged (as "
+                         "under DDP)")
             raise BackendError(f"{what} is placed {p} on axis {axis!r}: {why}",
                                hint="the distribution passes give graph inputs and outputs "
                                     "R, S(d) or (batch) V placements")

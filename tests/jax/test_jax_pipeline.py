@@ -450,3 +450,39 @@ def test_multisteps_is_cut_at_its_layers_over_four_stages():
     assert len(ps.plan.notes["pipeline"]["stages"]) == 4
     for a, b in zip(jax.tree.leaves(ref[0]), jax.tree.leaves(ours[0])):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5)
+
+
+def test_a_masked_mean_between_pipeline_programs_says_what_to_do():
+    """A masked mean (divided by the mask's sum, each share's own count) over dp=4 x pp=2
+    failed with a placement message for the passes' authors; it now says what the value is
+    and that dividing by the rows runs (it does: parity below)."""
+    class Two(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4)(nn.relu(nn.Dense(32)(x)))
+    model = Two()
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    y = jax.random.randint(jax.random.key(2), (16,), 0, 4)
+    keep = (jnp.arange(16) % 3 != 0).astype(jnp.float32)
+    params = model.init(jax.random.key(0), x)["params"]
+    tx = optax.sgd(0.1)
+
+    def make(by_rows):
+        def step(params, opt_state, x, y, keep):
+            def lf(p):
+                per = optax.softmax_cross_entropy_with_integer_labels(
+                    model.apply({"params": p}, x), y)
+                return jnp.sum(per * keep) / (keep.size if by_rows else jnp.sum(keep))
+            loss, g = jax.value_and_grad(lf)(params)
+            up, opt_state = tx.update(g, opt_state, params)
+            return optax.apply_updates(params, up), opt_state, loss
+        return step
+    with pytest.raises(BackendError, match="each device's own scalar") as e:
+        diphoma_compile.parallelize(make(False), {"dp": 4, "pp": 2}, microbatches=2)(
+            params, tx.init(params), x, y, keep)
+    assert "divide by the rows" in str(e.value)
+    step = make(True)
+    want = jax.jit(step)(params, tx.init(params), x, y, keep)
+    got = diphoma_compile.parallelize(step, {"dp": 4, "pp": 2}, microbatches=2)(
+        params, tx.init(params), x, y, keep)
+    np.testing.assert_allclose(float(got[2]), float(want[2]), rtol=1e-6)
