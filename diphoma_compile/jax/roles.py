@@ -292,8 +292,10 @@ def returned_state(out: Any, args: Sequence[Any], sig: StepSignature) -> dict[in
 
 
 def step_outputs(out: Any, args: Sequence[Any], sig: StepSignature,
-                 inputs: list[Input]) -> list[tuple[str, OutputRole]]:
-    """(preferred value name, role) of every output leaf, checking the convention."""
+                 inputs: list[Input], loss_at: int | None = None
+                 ) -> list[tuple[str, OutputRole]]:
+    """(preferred value name, role) of every output leaf, checking the convention.
+    ``loss_at``: the flat output index of the loss, where the caller knows it better."""
     if not isinstance(out, (tuple, list)) or len(out) < 2:
         if isinstance(out, jax.ShapeDtypeStruct):
             what = f"a single array ({out.dtype}{list(out.shape)})"
@@ -318,14 +320,14 @@ def step_outputs(out: Any, args: Sequence[Any], sig: StepSignature,
         for target in by_arg[argnum]:
             result.append((f"new/{target}", OutputRole(OutputKind.replaces, target)))
     state = returned_state(out, args, sig)
-    loss = _loss_leaf(out, state)
+    loss = _loss_leaf(out, state) if loss_at is None else None
     for m, metric in enumerate(out[2:]):
         if m in state:
             for target in by_arg[state[m]]:
                 result.append((f"new/{target}", OutputRole(OutputKind.replaces, target)))
             continue
         for j, (path, _) in enumerate(tree_flatten_with_path(metric)[0]):
-            if (m, j) == loss:
+            if (m, j) == loss or len(result) == loss_at:
                 result.append(("loss", OutputRole(OutputKind.loss)))
             else:
                 result.append((path_name(f"metric/{m}", path), OutputRole(OutputKind.metric)))

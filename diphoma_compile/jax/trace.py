@@ -13,6 +13,7 @@ import jax
 from ..errors import DiphomaError, FrontendError, user_line
 from ..ir.core import (Graph, Input, InputKind, InputRole, NameSupply, Op, Output, OutputKind,
                        Value)
+from ..ir.analysis import free_inputs
 from ..ir.rewrite import rename_uses
 from ..ir.verify import verify
 from .convert import JaxprConverter
@@ -72,6 +73,30 @@ def _data_dependent(e: Exception) -> FrontendError:
         hint="use jnp.where, jax.lax.cond or jax.lax.select for a decision on array values, "
              "keep arrays as arrays (no float(x), int(x), np.asarray(x)), or move the "
              "decision out of the step")
+
+
+def _forward_scalar(ops: list[Op], outs: list[str], roles: list, leaves: list,
+                    transposed: set[str]) -> int | None:
+    """Where the loss taken (the first scalar float metric, or one named loss) is made
+    from the backward pass (a gradient norm returned before the loss, ``(gnorm, loss)``),
+    the flat index of the one scalar float metric made by the forward alone; else None
+    (with several, as ``(gnorm, accuracy, loss)``, which is the loss cannot be told: name
+    it loss in a dict). The backward is what autodiff transposed."""
+    at = next((k for k, (_, r) in enumerate(roles) if r.kind is OutputKind.loss), None)
+    if at is None or not transposed:
+        return None
+    tainted: set[str] = set()
+    for op in ops:
+        if any(v.name in transposed for v in op.results) or \
+                any(n in tainted for n in free_inputs(op)):
+            tainted.update(v.name for v in op.results)
+    if outs[at] not in tainted:
+        return None
+    forward = [k for k, (_, r) in enumerate(roles)
+               if r.kind is OutputKind.metric and outs[k] not in tainted
+               and leaves[k].shape == ()
+               and jax.numpy.issubdtype(leaves[k].dtype, jax.numpy.floating)]
+    return forward[0] if len(forward) == 1 else None
 
 
 def _failed(e: Exception) -> FrontendError:
@@ -145,6 +170,10 @@ def trace_jax_with_tree(step_fn: Callable, *example_args: Any, params_argnum: in
     if len(outs) != len(roles):
         raise FrontendError(f"the jaxpr has {len(outs)} outputs but the step's result has "
                             f"{len(roles)} leaves")
+    better = _forward_scalar(ops, outs, roles, jax.tree.leaves(out_shape),
+                             set(converter.transposed))
+    if better is not None:
+        roles = step_outputs(out_shape, example_args, sig, inputs, loss_at=better)
     # Name each output value after its place in the result (new/params/..., loss), unless
     # it is an input passed through or already named for an earlier output.
     input_names = {i.name for i in inputs}

@@ -266,3 +266,14 @@ def test_other_failures_while_tracing_name_the_line():
                                             "Gradient only defined for scalar") as e:
         trace_jax(step, P, S, B)
     assert isinstance(e.value.__cause__, TypeError)
+
+
+def test_a_gradient_norm_returned_before_the_loss_is_not_the_loss():
+    """(gnorm, loss) unnamed: the first scalar was taken as the loss, though it is made from
+    the backward pass; the one scalar the forward alone makes is the loss now."""
+    def step(p, s, b):
+        loss, g = jax.value_and_grad(lambda w: jnp.sum((w * b) ** 2))(p["w"])
+        return {"w": p["w"] - 0.1 * g}, s, jnp.sqrt(jnp.sum(g ** 2)), loss
+    g = trace_jax(step, P, S, B)
+    kinds = [o.role.kind for o in g.outputs][-2:]
+    assert kinds == [OutputKind.metric, OutputKind.loss]
