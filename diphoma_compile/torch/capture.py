@@ -226,27 +226,15 @@ class _Recorder:
                         self.current = Phase.update
                         since[0] = len(self.phase)
             return inner
-        def noting(opt: torch.optim.Optimizer, run: Callable) -> Callable:
-            def step(_: Any, *a: Any, **k: Any) -> Any:
-                if not stepped:
-                    where = self.user_line()
-                    stepped.append(f"{type(opt).__name__}.step()"
-                                   + (f" at {where}" if where else ""))
-                return run(*a, **k)
-            return step
-        own = [o.__dict__.get("step") for o in opts]
-        try:
-            for o in opts:
-                o.step = types.MethodType(noting(o, o.step), o)
-            with mock.patch("torch.autograd.backward", wrap(orig_backward)), \
-                    mock.patch("torch.autograd.grad", wrap(orig_grad)):
-                yield
-        finally:
-            for o, mine in zip(opts, own):
-                if mine is None:
-                    o.__dict__.pop("step", None)
-                else:
-                    o.step = mine
+        def noting(opt: torch.optim.Optimizer) -> None:
+            if not stepped:
+                where = self.user_line()
+                stepped.append(f"{type(opt).__name__}.step()"
+                               + (f" at {where}" if where else ""))
+        with _around_steps(opts, noting), \
+                mock.patch("torch.autograd.backward", wrap(orig_backward)), \
+                mock.patch("torch.autograd.grad", wrap(orig_grad)):
+            yield
 
 
 # ------------------------------------------------------------------ tracing
@@ -838,28 +826,47 @@ def _counts_widened(opts: list[torch.optim.Optimizer],
     update (widened when bound, it was a forward op, and a pipeline ran it per microbatch
     and averaged it into the update: RAdam over pp=2 drifted 6e-4 from the single-device
     step in its third step)."""
-    own_steps = {oi: opts[oi].__dict__.get("step") for oi in wide}
+    pairs = {id(opts[oi]): got for oi, got in wide.items()}
 
-    def widening(opt: torch.optim.Optimizer, pairs: list[tuple[torch.Tensor, str]],
-                 run: Callable) -> Callable:
+    def widening(opt: torch.optim.Optimizer) -> None:
+        for p, k in pairs[id(opt)]:
+            t = opt.state[p][k]
+            if t.dtype != torch.float64:
+                opt.state[p][k] = t.to(torch.float64)
+    with _around_steps([opts[oi] for oi in wide], widening):
+        yield
+
+
+@contextlib.contextmanager
+def _around_steps(opts: list[torch.optim.Optimizer],
+                  before: Callable[[torch.optim.Optimizer], None],
+                  after: Callable[[torch.optim.Optimizer], None] | None = None
+                  ) -> Iterator[None]:
+    """Each of ``opts``' step() calls ``before(opt)`` first (and ``after(opt)`` when it
+    ends, however it ends) while the context is open: a bound method on the instance,
+    over whatever step() was there (a scheduler's wrapper, which reads
+    ``step.__func__``), put back afterwards."""
+    own = [o.__dict__.get("step") for o in opts]
+
+    def around(opt: torch.optim.Optimizer, run: Callable) -> Callable:
         def step(_: Any, *args: Any, **kwargs: Any) -> Any:
-            for p, k in pairs:
-                t = opt.state[p][k]
-                if t.dtype != torch.float64:
-                    opt.state[p][k] = t.to(torch.float64)
-            return run(*args, **kwargs)
+            before(opt)
+            try:
+                return run(*args, **kwargs)
+            finally:
+                if after is not None:
+                    after(opt)
         return step
     try:
-        for oi, pairs in wide.items():
-            opts[oi].step = types.MethodType(widening(opts[oi], pairs, opts[oi].step),
-                                             opts[oi])
+        for o in opts:
+            o.step = types.MethodType(around(o, o.step), o)
         yield
     finally:
-        for oi, own in own_steps.items():
-            if own is None:
-                opts[oi].__dict__.pop("step", None)
+        for o, mine in zip(opts, own):
+            if mine is None:
+                o.__dict__.pop("step", None)
             else:
-                opts[oi].step = own
+                o.step = mine
 
 
 def counts_on_host(opt: torch.optim.Optimizer) -> bool:
@@ -881,37 +888,27 @@ def _tensor_optimizer_math(opts: list[torch.optim.Optimizer],
     traced as eager runs it)."""
     saved = [[g.get("capturable") for g in o.param_groups] for o in opts]
     inside = [0]
-    own_steps = [o.__dict__.get("step") for o in opts]   # a scheduler's wrapper, if any
 
-    def counted(run: Callable) -> Callable:
-        def step(_: Any, *args: Any, **kwargs: Any) -> Any:
-            inside[0] += 1
-            try:
-                return run(*args, **kwargs)
-            finally:
-                inside[0] -= 1
-        return step
+    def enter(_: torch.optim.Optimizer) -> None:
+        inside[0] += 1
+
+    def leave(_: torch.optim.Optimizer) -> None:
+        inside[0] -= 1
     compiling = torch.compiler.is_compiling
     try:
         for o in opts:
             for g in o.param_groups:
                 if "capturable" in g:
                     g["capturable"] = True
-            if scoped:
-                o.step = types.MethodType(counted(o.step), o)
-        with mock.patch("torch.compiler.is_compiling",
-                        (lambda: inside[0] > 0 or compiling()) if scoped else lambda: True):
+        with _around_steps(opts if scoped else [], enter, leave), \
+                mock.patch("torch.compiler.is_compiling",
+                           (lambda: inside[0] > 0 or compiling()) if scoped else lambda: True):
             yield
     finally:
-        for o, gs, own in zip(opts, saved, own_steps):
+        for o, gs in zip(opts, saved):
             for g, c in zip(o.param_groups, gs):
                 if c is not None:
                     g["capturable"] = c
-            if scoped:
-                if own is None:
-                    o.__dict__.pop("step", None)
-                else:
-                    o.step = own
 
 
 @contextlib.contextmanager
