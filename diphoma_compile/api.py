@@ -419,8 +419,10 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
         if pipeline is not None:
             # per-microbatch collectives over dp, no buckets: a bucket would mix stages
             if data and mesh.axis_size(axis) > 1:
+                # (each microbatch divides by its own count: summing counts over dp
+                # alone would not make a mean over a count the batch's)
                 parts.append(default_passes(axis, layout=fw.pipeline_update_layout,
-                                            shard_params=shard_params))
+                                            shard_params=shard_params, counts="local"))
             else:
                 parts.append("dce")
             parts.append(pipeline.spec())

@@ -4,7 +4,8 @@ Data and pipeline parallelism run the forward on a share of the batch (a device'
 microbatch's) and average what comes out, as DDP does. That equals the single-device step
 when the loss is a mean over examples of per-example terms. It does not when the forward
 ties examples together: a batch norm's statistics, a contrastive loss's product of every
-image with every text, a mean over tokens divided by a count of the batch's mask.
+image with every text, a mean over tokens divided by a count of the batch's mask (which
+data parallelism makes exact by summing the count over the devices: ``CountedMean``).
 
 ``batch_coupling`` finds those ops. It splits the batch inputs along dimension 0 (the
 dimension both passes split) and follows the split through the forward ops with the ops'
@@ -52,6 +53,31 @@ class Coupling:
 
 
 @dataclass(frozen=True)
+class CountedMean:
+    """A mean over a count that the batch's values sum to: a masked mean
+    (``sum(l * mask) / sum(mask)``, the count clamped or not), cross-entropy's mean over
+    the targets it does not ignore. Each share divides by its own count; dividing by the
+    count summed over the shares makes it the batch's (``passes/global_counts.py``).
+
+    ``made`` is the share's mean: the division's result, or the framework op's mean
+    result, which ``summing`` (that op summing its rows instead, from its rule's
+    ``row_sum``) makes a sum. ``count`` is what it divides by: the divisor, or the op's
+    count result (its backward reads it again). ``sums`` are the sums over the rows the
+    count is made from, each with how the shares' values combine into the batch's ("sum",
+    "avg"); ``math`` the values the count's scalar math makes from them, in program order
+    (a clamp to at least 1), the count last when there is any. ``numerator`` says how
+    the shares' numerators combine ("sum": a sum over rows; "avg": a mean)."""
+
+    made: str
+    count: str
+    sums: tuple[tuple[str, str], ...]
+    math: tuple[str, ...]
+    numerator: str
+    coupling: Coupling
+    summing: Op | None = None
+
+
+@dataclass(frozen=True)
 class BatchSplit:
     """What splitting the batch by rows does to a step: the forward ops that combine
     examples, and how each returned value made from the batch (the loss, a metric, a
@@ -65,6 +91,8 @@ class BatchSplit:
     combine: Mapping[str, str]
     # the forward's values split by rows: name -> the dim holding the batch's rows
     rows: Mapping[str, int] = field(default_factory=dict)
+    # the couplings that are means over counts the shares' values sum to
+    counted: tuple[CountedMean, ...] = ()
 
 
 def split_batch(graph: Graph) -> BatchSplit:
@@ -83,7 +111,7 @@ def split_batch(graph: Graph) -> BatchSplit:
                and s.op in ("sum", "avg", "max", "min")}
     rows = {n: s.dim for n, s in follow.at.items()
             if isinstance(s, Shard) and isinstance(s.dim, int)}
-    return BatchSplit(found, combine, rows)
+    return BatchSplit(found, combine, rows, tuple(follow.counted))
 
 
 def batch_coupling(graph: Graph) -> list[Coupling]:
@@ -173,6 +201,9 @@ class _Follow:
         self.tags: dict[str, frozenset[tuple[str, range]]] = {}
         self.read = {n for op in graph.ops for n in free_inputs(op)} | \
             {o.name for o in graph.outputs}
+        self.counted: list[CountedMean] = []
+        self.position = {v.name: k for k, op in enumerate(graph.ops) for v in op.results}
+        self.kinds = {i.name: i.role.kind for i in graph.inputs}
 
     def run(self) -> list[Coupling]:
         later: list[str] = []
@@ -470,6 +501,11 @@ class _Follow:
                                               "their shares are not the batch's"
                                               if weighted else ""), certain=weighted)
             self.set(op, [Partial("avg")] * len(outs))
+            summing = rule.row_sum(op, ins, outs) if rule.row_sum is not None else None
+            if summing is not None:
+                made, count = (op.results[k].name for k in summing[1:])
+                self.counted.append(CountedMean(made, count, ((count, "sum"),), (), "sum",
+                                                self.found[-1], summing[0]))
             return
         if not _has_strategies(op, ins, outs):
             self.set(op, _unjudged(actual, ins, outs))
@@ -489,6 +525,8 @@ class _Follow:
         why = _why(op, actual)
         certain = why is not _COUNT      # a division by a sum: exact when shares sum alike
         self.report(op, why, certain=certain)
+        if not certain:
+            self.note_count(op)
         # a mean over a count stays followed (a weight decay term may be added to it)
         self.set(op, [_UNKNOWN if certain else Partial("avg")] * len(outs))
 
@@ -634,6 +672,7 @@ class _Follow:
                 and not isinstance(actual[0], _Summed):
             self.counts.add(id(actual[1].made_by))   # backward reads it too: that is fine
             self.report(op, _COUNT, certain=False)
+            self.note_count(op)
             self.set(op, [Partial("avg")] * len(outs))
         elif _scalar_math(actual, ins, outs):
             made = next(a for a in actual if isinstance(a, _Summed)).made_by
@@ -643,6 +682,51 @@ class _Follow:
             for m in made.values():
                 self.report(m, _NONLINEAR, certain=True)
             self.set(op, [_UNKNOWN] * len(outs))
+
+    def note_count(self, op: Op) -> None:
+        """Note the division ``op``, just reported, as a ``CountedMean`` where its count
+        can be summed over the shares: a float made from sums over the rows (by scalar
+        math on them and on whole values) that reads no parameter, so that no gradient
+        flows through it, and a numerator that is a sum or a mean over the rows."""
+        numerator, count = op.inputs
+        how = self.state(numerator)
+        if not isinstance(how, Partial) or how.op not in ("sum", "avg") or \
+                not self.types[count].dtype.is_float or self.reads_param(count, {}):
+            return
+        sums: dict[str, str] = {}
+        math: set[str] = set()
+        if self.count_parts(count, sums, math):
+            self.counted.append(CountedMean(
+                op.results[0].name, count, tuple(sums.items()),
+                tuple(sorted(math, key=self.position.__getitem__)), how.op, self.found[-1]))
+
+    def count_parts(self, name: str, sums: dict[str, str], math: set[str]) -> bool:
+        """Collect the sums over the rows a count is made from (``sums``) and the values
+        its scalar math makes from them (``math``); False where it reads anything else of
+        the batch (its rows, a value not followed)."""
+        if name in sums or name in math:
+            return True
+        state = self.state(name)
+        if isinstance(state, Partial) and state.op in ("sum", "avg"):
+            sums[name] = state.op
+            return True
+        if not _split(state) and state is not _UNKNOWN:
+            return True                 # a whole value or a constant: read as it is
+        op = self.producer.get(name)
+        if not isinstance(state, _Summed) or op is None or op.regions or \
+                len(op.results) != 1:
+            return False
+        math.add(name)
+        return all(self.count_parts(x, sums, math) for x in op.inputs)
+
+    def reads_param(self, name: str, memo: dict[str, bool]) -> bool:
+        """Whether a parameter (or optimizer state) reaches ``name``."""
+        if name not in memo:
+            memo[name] = False
+            op = self.producer.get(name)
+            memo[name] = self.kinds.get(name) in (InputKind.param, InputKind.opt_state) \
+                if op is None else any(self.reads_param(x, memo) for x in free_inputs(op))
+        return memo[name]
 
     def place_whole(self, op: Op, states: list[object], ins: Sequence[TensorType],
                     outs: Sequence[TensorType]) -> None:

@@ -46,7 +46,12 @@ class FrameworkOpRule:
     any other op with strategies, none taking the rows split, combines examples (a sort
     or top-k along the batch). ``iota_dim``: for an op that makes positions (``arange``),
     the dim along which its result counts each element's own position (0, 1, ..., or -n,
-    ..., -1, which index the same rows), else None."""
+    ..., -1, which index the same rows), else None. ``row_sum``: for a ``row_mean`` op, the
+    same call summing its rows instead of dividing by its count (cross-entropy with
+    reduction ``sum``), with the positions among its results of that sum and of the count
+    (which its backward reads again), or None where this call has no such form (the count
+    dropped): data parallelism then divides the sum by the count summed over the devices
+    (``passes/global_counts.py``)."""
 
     target: str
     flops: CostFn
@@ -63,6 +68,8 @@ class FrameworkOpRule:
     row_weighted: Callable[[Op, Sequence[TensorType], Sequence[TensorType]], bool] | None = None
     joins_rows: bool = False
     iota_dim: Callable[[Op, Sequence[TensorType], Sequence[TensorType]], int | None] | None = None
+    row_sum: Callable[[Op, Sequence[TensorType], Sequence[TensorType]],
+                      tuple[Op, int, int] | None] | None = None
 
 
 FRAMEWORK_OPS: dict[str, FrameworkOpRule] = {}

@@ -12,14 +12,16 @@ and itself added up instead (``op=sum``), and so has any returned sum over the b
 Buffers that the forward pass updates from the batch take the average (or sum) of the
 devices' values where they are linear in means (or sums) over the batch (a moving average
 of a batch mean), else device 0's new value, as DDP does (a BatchNorm's variance).
-Where the forward combines examples of the batch (a batch norm's statistics, a contrastive
-loss, a mean over a mask's count), each device's share computes it alone, as under DDP: the
-record lists those places (``ir/batch_coupling.py``) and ``parallelize`` warns of them."""
+A mean over a count the batch sums to (a masked mean, cross-entropy's targets not ignored)
+divides by the count summed over the devices (``global_counts.py``; ``counts=local``: each
+device's own, as DDP). Where the forward combines examples of the batch otherwise (a batch
+norm's statistics, a contrastive loss), each device's share computes it alone, as under DDP:
+the record lists those places (``ir/batch_coupling.py``) and ``parallelize`` warns of them."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..ir.core import (Attrs, Graph, Input, InputKind, InputRole, Op, Output, OutputKind, Phase,
@@ -32,6 +34,7 @@ from ..ir.sharding_rules import propagate
 from ..ir.types import REPLICATE, VARYING, TensorType, Varying
 from .base import Pass, PassContext, PassFailure, register_pass
 from .dce import dce_graph
+from .global_counts import count_globally
 
 
 def require_axis(graph: Graph, axis: str, pass_name: str) -> int:
@@ -164,6 +167,8 @@ class DataParallelRecord:
     gradients: str = "avg"
     # draws from a JAX key made at the global batch's shape, each device keeping its rows
     random_per_row: tuple[str, ...] = ()
+    # means over counts the batch sums to, divided by the count summed over the devices
+    counted_globally: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's ``notes["data-parallel"]`` (docs/plan.md)."""
@@ -172,7 +177,8 @@ class DataParallelRecord:
                 "random_per_device": list(self.random_per_device),
                 "batch_coupled": list(self.batch_coupled),
                 "batch_counted": list(self.batch_counted), "gradients": self.gradients,
-                "random_per_row": list(self.random_per_row)}
+                "random_per_row": list(self.random_per_row),
+                "counted_globally": list(self.counted_globally)}
 
 
 @register_pass
@@ -182,16 +188,31 @@ class DataParallel(Pass):
 
     name = "data-parallel"
     axis: str = "dp"
+    # "global": a mean over a count the batch sums to (a masked mean, cross-entropy's
+    # targets not ignored) divides by the count summed over the devices, the batch's
+    # (passes/global_counts.py); "local": by each device's own, as DDP does
+    counts: str = "global"
 
     def __call__(self, graph: Graph, ctx: PassContext) -> Graph:
         require_axis(graph, self.axis, self.name)
+        if self.counts not in ("global", "local"):
+            raise PassFailure(f"data-parallel: counts={self.counts!r}",
+                              hint="counts=global (the batch's count) or counts=local "
+                                   "(each device's, as DDP)")
         # dead reads must not sync anything (traced views leave dead update ops behind)
         split = _Split(dce_graph(graph), self.axis)
         for op in split.graph.ops:
             split.place(op)
         split.combine_outputs()
         out = split.insert_syncs()
-        ctx.decisions[self.name] = split.record(*split_notes(split.analysis.couplings))
+        counted = list(split.analysis.counted) \
+            if self.counts == "global" and split.grads == "avg" else []
+        out = count_globally(out, counted, self.axis, split.n)
+        exact = {id(c.coupling) for c in counted}
+        ctx.decisions[self.name] = replace(
+            split.record(*split_notes([c for c in split.analysis.couplings
+                                       if id(c) not in exact])),
+            counted_globally=tuple(dict.fromkeys(str(c.coupling) for c in counted)))
         return out
 
 

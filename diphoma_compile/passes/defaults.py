@@ -13,7 +13,7 @@ COMPRESSION = {
 
 def default_passes(axis: str, grad_bytes: int | None = None, *, layout: str = "flat",
                    shard_params: bool = False, compression: str | None = None,
-                   local: int = 0) -> str:
+                   local: int = 0, counts: str = "global") -> str:
     """Data parallelism plus weight-update sharding over ``axis`` (``layout`` is what the
     backend runs: flat shards, or whole dimensions where shardings need even splits and flat
     shards for tensors with none), with
@@ -22,8 +22,10 @@ def default_passes(axis: str, grad_bytes: int | None = None, *, layout: str = "f
     them (so the first can overlap the rest of backward), between 1 and 25 MB.
     ``compression`` names a preset of ``COMPRESSION`` (SDP4Bit's quantized gradients and
     weight differences), run after weight-update sharding; ``local`` devices per node (a
-    mesh with a node axis) gives its gradients two hops."""
-    spec = (f"dce,data-parallel{{axis={axis}}},"
+    mesh with a node axis) gives its gradients two hops. ``counts``: data-parallel's
+    (``local`` under a pipeline, whose microbatches each divide by their own count)."""
+    dp = f"axis={axis}" + ("" if counts == "global" else f", counts={counts}")
+    spec = (f"dce,data-parallel{{{dp}}},"
             f"weight-update-sharding{{axis={axis}, layout={layout}}},dce")
     if compression is not None:
         preset = COMPRESSION[compression].format(axis=axis)

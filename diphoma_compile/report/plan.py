@@ -366,7 +366,7 @@ def _serves(op: Op, grads: dict[str, str], loss: set[str], metrics: set[str],
     if out in metrics:
         return "metric"
     if op.name == "all_reduce" and op.attrs.get("op") == "sum" and op.results[0].type.numel == 1:
-        return "partial sum (e.g. a gradient norm)"
+        return "scalar sum (a gradient norm, a count of the batch)"
     if op.name == "take_shard":
         return "local piece, no communication"
     if op.name == "all_gather" and op.inputs and op.inputs[0] in params:

@@ -147,7 +147,8 @@ def render(plan: Plan, max_rows: int = 60) -> str:
                   "to be summed, as a row layer's bias: no traffic)"]
     if local.get("as_varying"):
         lines += [f"  and {local['as_varying']} as_varying (a whole value as each device's own, "
-                  "as a scan's carry that becomes per device: no traffic)"]
+                  "as a scan's carry or a summed count that backward reads per device: "
+                  "no traffic)"]
     lines += _tensor_parallel_lines(plan.decision(TensorParallelRecord))
     lines += _update_lines(plan.decision(WeightUpdateShardingRecord))
     lines += _shard_params_lines(plan.decision(ShardParamsRecord))
@@ -312,6 +313,11 @@ def _data_parallel_lines(dp: DataParallelRecord | None) -> list[str]:
         lines += ["", f"random draws per device ({', '.join(drawn)}): each process draws from "
                       "its own generator, as under DDP, so dropout matches the single-device "
                       "step in distribution, not bit for bit"]
+    if dp.counted_globally:
+        lines += ["", "means over counts of the batch (a masked mean, the targets not "
+                      "ignored): each device divides its sum by the count summed over the "
+                      "devices, the single-device step's (one scalar all-reduce each):"]
+        lines += [f"  {w}" for w in dp.counted_globally]
     if dp.random_per_row:
         lines += ["", f"random draws from a key by row ({', '.join(dp.random_per_row)}): each "
                       "device draws them at the global batch's shape and keeps its own rows, "

@@ -492,6 +492,23 @@ def _nll_forward(c: _Call) -> list:
     return []
 
 
+def _nll_summed(op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType]
+                ) -> tuple[Op, int, int] | None:
+    """A mean reduction as the same call with reduction ``sum``, its loss at result 0 and
+    its total weight (the count of targets not ignored, weighted) at result 1; None where
+    the call drops either."""
+    c = _Call(op, ins, outs)
+    if c["reduction"] != _MEAN or 0 not in c.positions or 1 not in c.positions:
+        return None
+    args = list(op.attrs.get("args", ()))
+    if len(args) > 3:
+        args[3] = _SUM
+        attrs = op.attrs.set(args=tuple(args))
+    else:
+        attrs = op.attrs.set(kw_reduction=_SUM)
+    return op.replace(attrs=attrs), c.positions.index(0), c.positions.index(1)
+
+
 def _nll_backward(c: _Call) -> list:
     """Rows split under any reduction (the total weight is an input, whole); linear in
     grad_output."""
@@ -950,7 +967,7 @@ _register("nll_loss_forward.default", lambda c: max(_numel(c.t("target")), 1), _
                      + _nbytes(c.t("weight")) + _written(c)),
           row_mean="a mean over the targets it counts (those not equal to ignore_index, "
                    "weighted by the class weights when given)",
-          row_weighted=lambda c: c.t("weight") is not None)
+          row_weighted=lambda c: c.t("weight") is not None, row_sum=_nll_summed)
 _register("nll_loss_backward.default", lambda c: max(_numel(c.t("target")), 1), _nll_backward,
           lambda c: (_nbytes(c.t("grad_output")) + _nbytes(c.t("target"))
                      + _nbytes(c.t("weight")) + _nbytes(c.t("total_weight")) + _written(c)))

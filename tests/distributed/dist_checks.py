@@ -271,7 +271,8 @@ def comm_bytes(step: TorchDistStep, graph) -> dict:
     for op in graph.ops:
         d = op_def(op.name)
         if d.category is Category.collective:
-            kinds[op.name] += 1
+            if op.name != "as_varying":     # a view of the same tensor: nothing runs
+                kinds[op.name] += 1
             by_table += d.comm_bytes(op, [types[n] for n in op.inputs],
                                      [v.type for v in op.results], sizes[op.attrs["axis"]], sizes)
     return {"counted": step.comm_bytes, "calls": step.calls,
@@ -1320,6 +1321,106 @@ def run_tensor_parallel_gpt2(rank: int, world: int) -> dict:
                 res["param_abs"] = {k: max_abs(full[k], v) for k, v in ref_sd.items()}
                 res["param_scale"] = max(v.abs().max().item() for v in ref_sd.values())
             out[f"{m}-{opt_name}"] = res
+    return out
+
+
+def hf_padded_lm_step(model, opt, ids, labels):
+    """A Hugging Face causal LM's own loss with padding labelled -100 (its cross-entropy
+    is a mean over the labels not ignored)."""
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return out.loss
+
+
+def counted_mlp_step(model, opt, x, y, mask):
+    """Cross-entropy weighted by class over the targets not ignored, plus a masked mean of
+    the outputs' squares (its count clamped to at least 1)."""
+    out = model(x)
+    ce = F.cross_entropy(out, y, weight=torch.tensor([1.0, 2.0, 0.5]), ignore_index=-100)
+    reg = ((out ** 2).sum(-1) * mask).sum() / mask.sum().clamp(min=1)
+    loss = ce + 0.1 * reg
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _padded_batches(world: int) -> list[tuple]:
+    """Global batches of two sequences per rank, padded (labels -100) to lengths that
+    differ by rank: 16 and 14, 12 and 10, 6 and 2, 3 and 1 of 16 tokens kept. (With one
+    sequence per rank nothing is judged: ir/batch_coupling.py.)"""
+    g = torch.Generator().manual_seed(3)
+    keep = torch.tensor([16, 14, 12, 10, 6, 2, 3, 1] * (world // 4 + 1))[:2 * world]
+    out = []
+    for _ in range(TP_STEPS):
+        ids = torch.randint(0, 64, (2 * world, 16), generator=g)
+        pad = torch.arange(16)[None, :] >= keep[:, None]
+        out.append((ids, ids.masked_fill(pad, -100)))
+    return out
+
+
+def _counted_mlp_batches(world: int) -> list[tuple]:
+    """MLP batches whose ignored targets and mask fall unevenly on the ranks' shares (the
+    first rank's targets all ignored, its mask all zero, in the first batch)."""
+    g = torch.Generator().manual_seed(4)
+    n = MLP_LOCAL * world
+    out = []
+    for k in range(TP_STEPS):
+        y = torch.randint(0, 3, (n,), generator=g)
+        drop = torch.rand(n, generator=g) < 0.4
+        if k == 0:
+            drop[:MLP_LOCAL] = True
+        mask = (torch.rand(n, generator=g) < 0.5).float()
+        mask[:MLP_LOCAL] = 0.0 if k == 0 else mask[:MLP_LOCAL]
+        out.append((torch.randn(n, 8, generator=g), y.masked_fill(drop, -100), mask))
+    return out
+
+
+@check("counted_means")
+def run_counted_means(rank: int, world: int) -> dict:
+    """Means over counts that differ by rank (Hugging Face GPT-2 with padding labelled
+    -100; an MLP's class-weighted cross-entropy over targets not ignored plus a clamped
+    masked mean) under parallelize with AdamW (GPT-2 also SGD with momentum), against the
+    single-device step on the global batch: each rank divides by the count summed over the
+    ranks, so they match it, where DDP's average of per-rank means does not (also
+    measured)."""
+    import diphoma_compile
+    from torch.nn.parallel import DistributedDataParallel
+    out: dict = {}
+    cases = [("mlp-adamw", lambda: OddMLP(), counted_mlp_step, _counted_mlp_batches(world))]
+    try:
+        import transformers  # noqa: F401
+        cases += [(f"gpt2-{o}", _gpt2, hf_padded_lm_step, _padded_batches(world))
+                  for o in ("sgdm", "adamw")]
+    except ImportError:          # the dev extra is not installed
+        pass
+    for name, make, step_fn, batches in cases:
+        torch.manual_seed(0)
+        model, ref, ddp_model = make(), make(), make()
+        ref.load_state_dict(model.state_dict())
+        ddp_model.load_state_dict(model.state_dict())
+        make_opt = OPTS[name.split("-")[1]]
+        opt, ref_opt = make_opt(model.parameters()), make_opt(ref.parameters())
+        ddp = DistributedDataParallel(ddp_model)
+        ddp_opt = make_opt(ddp.parameters())
+        step = diphoma_compile.parallelize(step_fn, diphoma_compile.Mesh({"dp": world}))
+        got, want = [], []
+        for b in batches:
+            got.append(float(step(model, opt, *local(b, rank, world))))
+            if rank == 0:
+                want.append(float(step_fn(ref, ref_opt, *b)))
+            step_fn(ddp, ddp_opt, *local(b, rank, world))
+        notes = step.plan.notes["data-parallel"]
+        res = {"got": got, "counted": notes["counted_globally"],
+               "listed": notes["batch_counted"] + notes["batch_coupled"]}
+        if rank == 0:
+            ref_sd = ref.state_dict()
+            res.update(want=want, param=compare_params(model, ref),
+                       ddp=max(max_abs(ddp_model.state_dict()[k], v)
+                               for k, v in ref_sd.items()))
+        out[name] = res
     return out
 
 

@@ -170,7 +170,7 @@ def test_passes_dump_and_out(capsys, tmp_path):
     assert out.startswith("# IR after trace\n# diphoma-ir v1\n")
     assert "# IR after data-parallel\n" in out and "all_reduce" in out
     report = out_file.read_text()
-    assert "passes: dce, data-parallel{axis=dp}" in report
+    assert "passes: dce, data-parallel{axis=dp, counts=global}" in report
     assert "reduce_scatter" not in report        # no weight-update sharding asked for
 
 
@@ -320,11 +320,11 @@ def test_a_single_axis_not_named_for_data_needs_axis(capsys):
     axes, reported idle (test above), as parallelize does."""
     p = plan_json(capsys, str(MODELS / "several.py:Small"), "--input", "f32[8,16]",
                   "--mesh", "tp=4", "--axis", "tp")
-    assert p["passes"][1] == "data-parallel{axis=tp}" and p["mesh"] == {"tp": 4}
+    assert p["passes"][1] == "data-parallel{axis=tp, counts=global}" and p["mesh"] == {"tp": 4}
     for name in ("dp", "data", "batch"):
         p = plan_json(capsys, str(MODELS / "several.py:Small"), "--input", "f32[8,16]",
                       "--mesh", f"{name}=4")
-        assert p["passes"][1] == f"data-parallel{{axis={name}}}"
+        assert p["passes"][1] == f"data-parallel{{axis={name}, counts=global}}"
 
 
 # ------------------------------------------------------------------ files in packages
@@ -417,7 +417,7 @@ def test_collectives_name_the_tensors_they_move(capsys):
         bucket, = [c for c in fused["collectives"] if c["kind"] == kind]
         assert bucket["belongs_to"] == [c["belongs_to"][0] for c in one]
     # a gradient norm's partial sums belong to the parameters whose gradients they square
-    sums = [c for c in alone["collectives"] if c["serves"].startswith("partial sum")]
+    sums = [c for c in alone["collectives"] if c["serves"].startswith("scalar sum")]
     assert sums and all(c["belongs_to"][0] in params for c in sums)
     assert len({c["belongs_to"][0] for c in sums}) == len(sums)
 

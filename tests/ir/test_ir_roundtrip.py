@@ -602,14 +602,25 @@ class _Builder:
         dim = self.choice(dims + (["flat"] if flat else []))
         return dim, (FLAT if dim == "flat" else Shard(dim))
 
+    def _take_dims(self, t: TensorType, axis: str, flat: bool = True) -> list:
+        """The ``dim`` attributes take_shard on ``axis`` may split ``t`` by: never a piece
+        of another axis's piece of the same dim (a flat piece splits every dim), which the
+        sharding rule refuses (which axis is major would be the backends' guess)."""
+        others = [p for a, p in t.placements if a != axis]
+        if any(isinstance(p, FlatShard) for p in others):
+            return []
+        dims = [d for d in self.split_dims(t.shape, t.placements, axis) if Shard(d) not in others]
+        return dims + (["flat"] if flat and not any(isinstance(p, Shard) for p in others) else [])
+
     def _take_shard(self, blk: _Block, axis: str, flat: bool = True) -> str | None:
         """Split a value replicated on ``axis`` (R -> S(d) or F); its name, or None."""
         x = self.pick(blk, lambda u: u.placement(axis) == REPLICATE
-                      and (flat or bool(self.split_dims(u.shape, u.placements, axis))))
+                      and bool(self._take_dims(u, axis, flat)))
         if x is None:
             return None
         t = self.types[x]
-        dim, p = self._dim_or_flat(t, axis, flat)
+        dim = self.choice(self._take_dims(t, axis, flat))
+        p = FLAT if dim == "flat" else Shard(dim)
         return self.emit(blk, "take_shard", [x], [t.with_placement(axis, p)],
                          {"axis": axis, "dim": dim}, derive=False)[0]
 

@@ -533,33 +533,55 @@ def test_multisteps_gradient_accumulation_matches_the_single_device_step():
     assert max_rel_dev((rp, rs), (op, pstep.user_shapes(os_, 1))) <= 1e-5
 
 
-def test_a_loss_divided_by_a_count_of_the_batch_is_noted():
-    """sum(err * mask) / sum(mask): each device divides by its own count (as under DDP); the
-    plan says so, since it differs from the single-device step when counts differ. Not a
-    warning: with equal counts it is the single-device step."""
-    tx = optax.sgd(0.1)
-
+def _masked_mean_step(tx):
     def step(params, opt_state, batch):
         def loss_of(p):
-            err = jnp.mean((batch[0] @ p["w"] - batch[1]) ** 2, axis=-1)
+            err = jnp.mean((jnp.tanh(batch[0] @ p["w"]) - batch[1]) ** 2, axis=-1)
             return jnp.sum(err * batch[2]) / jnp.maximum(jnp.sum(batch[2]), 1.0)
         loss, grads = jax.value_and_grad(loss_of)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
-    params = {"w": jnp.ones((8, 16))}
-    batch = (jnp.ones((16, 8)), jnp.ones((16, 16)), jnp.ones((16,)))
-    pstep = parallelize(step, jax_mesh((8,)), axis="data")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DiphomaWarning)
-        pstep.trace(params, tx.init(params), batch)
-    counted = pstep.plan.notes["data-parallel"]["batch_counted"]
-    assert len(counted) == 1 and "(div): divides by a sum over the batch" in counted[0]
-    assert "the forward divides by counts over the batch" in pstep.plan.to_text()
+    return step
+
+
+def test_a_mean_over_a_count_of_the_batch_divides_by_the_devices_summed_count():
+    """sum(err * mask) / max(sum(mask), 1) with a mask that counts differently on each of 8
+    devices (some count none): each device divides by the count summed over the devices,
+    so losses and parameters match jax.jit over 3 Adam steps; the plan says so, with no
+    warning. With counts=local (each device's own count, as DDP) the same step lands far
+    from it: the test's data can tell the two apart."""
+    tx = optax.adam(0.05)
+    step = _masked_mean_step(tx)
+    k = jax.random.split(jax.random.key(0), 4)
+    params = {"w": jax.random.normal(k[0], (8, 16))}
+    mask = (jax.random.uniform(k[3], (16,)) < 0.4).astype(jnp.float32)
+    batch = (jax.random.normal(k[1], (16, 8)), jax.random.normal(k[2], (16, 16)), mask)
+    dev = {}
+    for counts in ("global", "local"):
+        pstep = parallelize(step, jax_mesh((8,)), axis="data", passes=(
+            None if counts == "global" else
+            "dce,data-parallel{axis=data, counts=local},dce"))
+        rp, rs, op, os_ = params, tx.init(params), params, tx.init(params)
+        losses = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DiphomaWarning)
+            for _ in range(3):
+                rp, rs, rl = jax.jit(step)(rp, rs, batch)
+                op, os_, ol = pstep(op, os_, batch)
+                losses.append(abs(float(ol) - float(rl)))
+        dev[counts] = (max(losses), max_rel_dev(rp, op), pstep.plan.to_text())
+        notes = pstep.plan.notes["data-parallel"]
+        listed = notes["counted_globally" if counts == "global" else "batch_counted"]
+        assert len(listed) == 1 and "(div): divides by a sum over the batch" in listed[0]
+    assert dev["global"][0] <= 1e-6 and dev["global"][1] <= 1e-5, dev
+    assert dev["local"][1] > 1e-2, dev
+    assert "divides its sum by the count summed over the devices" in dev["global"][2]
+    assert "the forward divides by counts over the batch" in dev["local"][2]
     plain = parallelize(make("mlp", "momentum")[0], jax_mesh((8,)), axis="data")
     _, p2, s2, b2 = make("mlp", "momentum")
     plain.trace(p2, s2, b2)
-    assert plain.plan.notes["data-parallel"]["batch_counted"] == []
-    assert plain.plan.notes["data-parallel"]["batch_coupled"] == []
+    for field in ("batch_counted", "batch_coupled", "counted_globally"):
+        assert plain.plan.notes["data-parallel"][field] == []
 
 
 def _picking_step(pick):

@@ -102,6 +102,19 @@ def lm_step(model, opt, batch):
     return loss
 
 
+def counted_step(model, opt, batch):
+    """Cross-entropy over the targets not ignored plus a masked mean whose count is clamped
+    to at least 1: two means over counts of the batch."""
+    out = model(batch["x"])
+    ce = F.cross_entropy(out, batch["y"], ignore_index=-100)
+    reg = ((out ** 2).sum(-1) * batch["m"]).sum() / batch["m"].sum().clamp(min=1)
+    loss = ce + 0.1 * reg
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
 def hf_lm_step(model, opt, ids):
     """A Hugging Face causal LM's own loss on a batch of token ids (labels = the ids)."""
     out = model(input_ids=ids, labels=ids)

@@ -359,20 +359,27 @@ def test_a_loss_that_is_a_mean_over_examples_gives_no_warning():
         warnings.simplefilter("error", DiphomaWarning)
         pstep.trace(gpt, _sgd(gpt), {"idx": seq[:, :-1], "targets": seq[:, 1:]})
     dp = pstep.plan.notes["data-parallel"]
-    assert dp["batch_coupled"] == []
-    assert ["nll_loss_forward" in w for w in dp["batch_counted"]] == [True]
-    assert "the forward divides by counts over the batch" in pstep.plan.to_text()
+    assert dp["batch_coupled"] == [] and dp["batch_counted"] == []
+    # cross-entropy's count of targets not ignored is summed over the devices: exact
+    assert ["nll_loss_forward" in w for w in dp["counted_globally"]] == [True]
+    assert "divides its sum by the count summed over the devices" in pstep.plan.to_text()
 
 
-def test_a_mask_count_is_listed_not_warned():
+@pytest.mark.parametrize("counts", ["global", "local"])
+def test_a_mask_count_is_listed_not_warned(counts):
+    """counts=global sums the mask's count over the devices (exact); counts=local keeps
+    each device's own, as DDP, and lists it as a place that differs."""
     torch.manual_seed(0)
     mlp = MLP(8, 16, 4)
-    pstep = diphoma_compile.parallelize(masked_step, {"dp": 2})
+    pstep = diphoma_compile.parallelize(masked_step, {"dp": 2},
+                                        passes=f"dce,data-parallel{{counts={counts}}}")
     with warnings.catch_warnings():
         warnings.simplefilter("error", DiphomaWarning)
         pstep.trace(mlp, _sgd(mlp), torch.randn(8, 8), torch.randn(8, 4), torch.ones(8))
-    counted = pstep.plan.notes["data-parallel"]["batch_counted"]
+    dp = pstep.plan.notes["data-parallel"]
+    counted = dp["batch_counted" if counts == "local" else "counted_globally"]
     assert len(counted) == 1 and "(div): divides by a sum over the batch" in counted[0]
+    assert dp["batch_counted" if counts == "global" else "counted_globally"] == []
 
 
 def test_a_batch_norm_under_data_parallelism_is_warned_of():
@@ -442,7 +449,7 @@ def test_hugging_face_clip_is_warned_of_and_distilbert_mlm_listed():
     with warnings.catch_warnings():
         warnings.simplefilter("error", DiphomaWarning)
         pstep.trace(bert, _sgd(bert), ids, labels)
-    counted = pstep.plan.notes["data-parallel"]["batch_counted"]
+    counted = pstep.plan.notes["data-parallel"]["counted_globally"]
     assert len(counted) == 1 and "ignore_index" in counted[0]
 
 

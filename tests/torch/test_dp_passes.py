@@ -17,7 +17,8 @@ from diphoma_compile.passes import (DataParallelRecord, PassContext, Pipeline,  
                                     WeightUpdateShardingRecord)
 from diphoma_compile.report.plan import build_plan  # noqa: E402
 
-from models import MLP, OPTIMIZERS, classify_step, clipped_step, mlp_batches  # noqa: E402
+from models import (MLP, OPTIMIZERS, classify_step, clipped_step, counted_step,  # noqa: E402
+                    mlp_batches)
 
 N = 4
 
@@ -64,10 +65,12 @@ def test_data_parallel_averages_each_gradient_once_where_backward_ends():
     g, ctx = run(traced("sgd_momentum", classify_step), "dce,data-parallel")
     batch = [i for i in g.inputs if i.role.kind is InputKind.batch]
     assert batch and all(isinstance(i.value.type.placement("dp"), Varying) for i in batch)
-    syncs = [op for op in g.ops if op.name == "all_reduce"]
+    syncs = [op for op in g.ops if op.name == "all_reduce" and op.attrs["op"] == "avg"]
     params = [i for i in g.inputs if i.role.kind is InputKind.param]
     assert len(syncs) == len(params) + 1   # one per gradient, one for the loss
-    assert all(op.attrs["op"] == "avg" for op in syncs)
+    # and cross-entropy's count of the targets it does not ignore, summed (in forward)
+    (count,) = [op for op in g.ops if op.name == "all_reduce" and op.attrs["op"] != "avg"]
+    assert count.attrs["op"] == "sum" and count.phase is Phase.forward
     loss = next(o for o in g.outputs if o.role.kind is OutputKind.loss)
     assert loss.name in {op.result.name for op in syncs}
     for op in g.ops:   # the update reads nothing per-device
@@ -194,7 +197,8 @@ def test_the_update_may_read_the_loss():
         opt.zero_grad()
         return loss
     g, _ = run(traced("sgd", step, OddMLP), "data-parallel")
-    (loss_sync,) = [op for op in g.ops if op.name == "all_reduce" and op.results[0].type.numel == 1]
+    (loss_sync,) = [op for op in g.ops if op.name == "all_reduce" and op.results[0].type.numel == 1
+                    and op.attrs["op"] == "avg"]
     readers = [op for op in g.ops if loss_sync.results[0].name in op.inputs]
     assert readers and all(op.phase is Phase.update for op in readers)
 
@@ -227,3 +231,32 @@ def test_a_metric_of_the_updated_model_runs_per_device_after_the_update():
         run(g, "dce,data-parallel{axis=dp},weight-update-sharding{axis=dp}")
     assert "runs the model on the batch again after the optimizer step" in str(e.value)
     assert "passes='data-parallel'" in str(e.value)
+
+
+def test_golden_means_over_counts_divide_by_the_summed_count(golden):
+    """Each mean over a count of the batch divides by the count summed over the devices
+    (divided by N, the devices' losses and gradients being averaged): cross-entropy runs
+    summing its rows and its backward reads that count; the masked mean's clamp runs again
+    on the summed mask. counts=local keeps each device's own count, as DDP."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = OPTIMIZERS["sgd_momentum"](model.parameters(), True)
+    b = mlp_batches(1)[0]
+    batch = {"x": b["x"], "y": b["y"].masked_fill(torch.arange(len(b["y"])) % 3 == 0, -100),
+             "m": (torch.arange(len(b["y"])) % 2).float()}
+    g = diphoma_compile.trace(counted_step, model, opt, batch).replace(mesh=Mesh({"dp": N}))
+    out, ctx = run(g, "dce,data-parallel,dce")
+    text = print_graph(out)
+    assert parse(text) == out
+    golden("torch_mlp_counted_means.dp.ir", text)
+    rec = ctx.decisions["data-parallel"]
+    assert len(rec.counted_globally) == 2 and rec.batch_counted == ()
+    sums = [op for op in out.ops if op.name == "all_reduce" and op.attrs["op"] == "sum"]
+    assert len(sums) == 2 and all(op.phase is Phase.forward for op in sums)
+    nll = [op for op in out.ops if op.name == "opaque" and "nll_loss" in op.attrs["target"]]
+    assert nll[0].attrs["args"][3] == 2                  # the forward sums its rows
+    assert nll[1].inputs[-1].endswith(".v")             # the backward reads the summed count
+    local, ctx = run(g, "dce,data-parallel{counts=local},dce")
+    assert not any(op.name == "all_reduce" and op.phase is Phase.forward and
+                   op.attrs["op"] == "sum" for op in local.ops)
+    assert len(ctx.decisions["data-parallel"].batch_counted) == 2
