@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from ..errors import BackendError
 from ..ir.core import Graph, InputKind, OutputKind
 from ..ir.types import DType, TensorType
+from .compile import user_leaves
 from .parallel import JaxParallelStep
 
 
@@ -46,11 +47,7 @@ class JaxCommStateStep(JaxParallelStep):
     def leaves(self, args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         """(the program's input leaves: the user's, with the held state where the graph
         takes it; the treedef of each user argument)."""
-        treedefs, user = [], []
-        for a in args:
-            ls, td = jax.tree.flatten(a)
-            treedefs.append(td)
-            user.extend(ls)
+        user, treedefs = user_leaves(args)
         want = len(self.graph.inputs) - len(self.state_names)
         if len(user) != want:
             raise BackendError(f"the step was called with {len(user)} array leaves; it "

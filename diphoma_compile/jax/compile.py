@@ -17,6 +17,7 @@ from ..ir.types import DType, TensorType
 from .dtypes import numpy_dtype
 from .ops import SCATTERS, emitter
 from .params import OPAQUE_RESERVED, decode
+from .roles import number_as_array
 from .trees import output_tree
 
 Env = MutableMapping[str, Any]
@@ -174,6 +175,17 @@ def donated(graph: Graph) -> tuple[int, ...]:
                  if i.role.kind in (InputKind.param, InputKind.opt_state))
 
 
+def user_leaves(args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """(the leaves of the user's arguments, a Python number as the weakly typed array the
+    trace took it as; the treedef of each argument)."""
+    treedefs, leaves = [], []
+    for a in args:
+        ls, td = jax.tree.flatten(a)
+        treedefs.append(td)
+        leaves.extend(number_as_array(x) for x in ls)
+    return leaves, treedefs
+
+
 class JaxStep:
     """A compiled graph: call it like the user's step; it runs under jax.jit."""
 
@@ -192,11 +204,7 @@ class JaxStep:
 
     def leaves(self, args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         """(input leaves, the treedef of each argument); as many leaves as graph inputs."""
-        treedefs, leaves = [], []
-        for a in args:
-            ls, td = jax.tree.flatten(a)
-            treedefs.append(td)
-            leaves.extend(ls)
+        leaves, treedefs = user_leaves(args)
         # (a pipeline's microbatch index is an input its runtime passes, not the user)
         given = sum(1 for i in self.graph.inputs if i.role.kind is not InputKind.microbatch)
         if len(leaves) != given:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import keystr, tree_flatten_with_path, tree_structure
 
@@ -64,6 +65,21 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
 
 
+_NUMBERS = (bool, int, float, complex)
+
+
+def number_as_array(x: Any) -> Any:
+    """A Python number (a learning rate, a scale, a step count) as the weakly typed scalar
+    array jax.jit traces it as: its type gives way to the arrays it meets (a bf16 value
+    times 0.5 stays bf16); any other leaf as it is."""
+    return jnp.asarray(x) if isinstance(x, _NUMBERS) else x
+
+
+def numbers_as_arrays(args: Sequence[Any]) -> tuple:
+    """``args`` with each Python number leaf as ``number_as_array`` makes it."""
+    return tuple(jax.tree.map(number_as_array, a) for a in args)
+
+
 def arg_leaves(tree: Any, prefix: str) -> list[tuple[str, Any]]:
     """(name, leaf) of every leaf of one argument; FrontendError for a non-array leaf."""
     out = []
@@ -72,9 +88,9 @@ def arg_leaves(tree: Any, prefix: str) -> list[tuple[str, Any]]:
         if not _is_array(leaf):
             raise FrontendError(
                 f"step argument leaf {name} is a {type(leaf).__name__} ({str(leaf)[:40]!r}); "
-                "expected arrays (jax.Array or numpy.ndarray) at every leaf",
-                hint="wrap numbers with jnp.asarray, or bind non-array settings with "
-                     "functools.partial before tracing")
+                "expected arrays (jax.Array or numpy.ndarray) or numbers at every leaf",
+                hint="bind settings that are not arrays or numbers with functools.partial "
+                     "before tracing")
         out.append((name, leaf))
     return out
 

@@ -18,7 +18,7 @@ from ..ir.rewrite import rename_uses
 from ..ir.verify import verify
 from .convert import JaxprConverter
 from .phases import assign_phases
-from .roles import StepSignature, step_inputs, step_outputs
+from .roles import StepSignature, numbers_as_arrays, step_inputs, step_outputs
 from .trees import remember_tree
 
 def _rename_results(ops: list[Op], mapping: dict[str, str]) -> tuple[Op, ...]:
@@ -141,6 +141,7 @@ def trace_jax_with_tree(step_fn: Callable, *example_args: Any, params_argnum: in
     each op. Returns the graph and the PyTreeDef of the step's result."""
     sig = StepSignature(params_argnum, opt_state_argnum, tuple(batch_argnums))
     sig.check(len(example_args))
+    example_args = numbers_as_arrays(example_args)
     inputs = step_inputs(example_args, sig)
     try:
         closed, out_shape = jax.make_jaxpr(step_fn, return_shape=True)(

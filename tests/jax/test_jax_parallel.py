@@ -27,6 +27,7 @@ from diphoma_compile.jax.parallel import compile_jax_parallel  # noqa: E402
 from diphoma_compile.errors import (BackendError, DiphomaError, DiphomaWarning,  # noqa: E402
                                     MeshError)
 from diphoma_compile.ir import parse, verify  # noqa: E402
+import diphoma_compile  # noqa: E402
 from diphoma_compile import parallelize  # noqa: E402
 from diphoma_compile.report.text import render  # noqa: E402
 from tests.jax_steps import keyed_steps  # noqa: E402
@@ -1197,3 +1198,46 @@ def test_a_microbatchs_piece_of_a_devices_piece_of_a_key_draw_is_its_slice(parti
         want = np.concatenate([whole[dev * 8 + index * 2: dev * 8 + index * 2 + 2]
                                for dev in range(2)])
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_python_numbers_are_step_arguments_as_under_jit(dtype):
+    """A Python float (a loss scale) and int (a step count) passed to the step are scalar
+    inputs, weakly typed as jax.jit traces them (bf16 times 0.5 stays bf16): compile and
+    dp=8 match jax.jit as the numbers change between calls."""
+    dt = jnp.dtype(dtype)
+    tx = optax.sgd(0.1)
+
+    def step(params, opt_state, x, y, scale, warm):
+        def loss_fn(p):
+            return jnp.mean((x @ p["w"] - y) ** 2)
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        g = jax.tree.map(lambda t: t * scale / (1 + warm), g)
+        upd, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, upd), opt_state, loss
+
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(4, 2)), dt)}
+    x, y = (jnp.asarray(rng.normal(size=s), dt) for s in ((16, 4), (16, 2)))
+    calls = [(0.5, 0), (2.0, 0), (2.0, 1)]
+    runs = {}
+    for name in ("jit", "compile", "dp"):
+        fn = {"jit": jax.jit(step), "dp": parallelize(step, {"dp": 8}, donate=False),
+              "compile": diphoma_compile.compile(step, params, tx.init(params), x, y, 0.5, 0)
+              }[name]
+        p, o, losses = params, tx.init(params), []
+        for scale, warm in calls:
+            p, o, loss = fn(p, o, x, y, scale, warm)
+            losses.append(float(loss))
+        assert p["w"].dtype == dt
+        runs[name] = (np.asarray(p["w"], np.float32), losses)
+    tol = 1e-6 if dtype == "float32" else 1e-2
+    for name in ("compile", "dp"):
+        np.testing.assert_allclose(runs[name][0], runs["jit"][0], atol=tol, rtol=tol)
+        np.testing.assert_allclose(runs[name][1], runs["jit"][1], atol=tol, rtol=tol)
+    # the numbers change the step well beyond the tolerance (a program that kept the
+    # traced ones as constants would fail above)
+    p, o = params, tx.init(params)
+    for _ in calls:
+        p, o, _ = jax.jit(step)(p, o, x, y, *calls[0])
+    assert np.abs(np.asarray(p["w"], np.float32) - runs["jit"][0]).max() > 5 * tol

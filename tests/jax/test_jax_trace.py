@@ -176,9 +176,9 @@ def test_steps_off_the_convention_fail_clearly(step, words):
 
 @pytest.mark.parametrize("args, words", [
     (({"w": np.ones(3), "name": "mlp"}, S, B), ["params/name is a str", "expected arrays"]),
-    ((P, S, B, 0.1), ["arg3 is a float", "expected arrays"]),
+    ((P, S, B, "fast"), ["arg3 is a str", "expected arrays", "or numbers"]),
     ((P, S), ["given 2 example argument(s)", "[2]"]),
-], ids=["string-leaf", "python-float", "missing-batch"])
+], ids=["string-leaf", "string-argument", "missing-batch"])
 def test_bad_arguments_fail_clearly(args, words):
     with pytest.raises(FrontendError) as e:
         trace_jax(lambda *a: (a[0], a[1]), *args)
