@@ -97,8 +97,7 @@ class JaxprConverter:
         """The name of a constant op (full for scalars, literal otherwise), shared per block."""
         t = ir_type(aval, where)
         if t.dtype is DType.key:
-            raise FrontendError(f"{where} is a constant PRNG key; the IR cannot hold one",
-                                hint="pass the key to the step as an argument")
+            return self._key_constant(value, block, where)
         arr = np.asarray(value)
         if t.numel == 1 and arr.size == 1:
             v = _number(arr, t.dtype, where)
@@ -111,6 +110,16 @@ class JaxprConverter:
         if key not in block.consts:
             (block.consts[key],) = self._emit(block, "literal", [], {"data": data}, [t], "c")
         return block.consts[key]
+
+    def _key_constant(self, key: Any, block: _Block, where: str) -> str:
+        """A captured typed key (``jax.random.key(0)`` at module level): its words as a
+        constant, wrapped as the key type by the same ops ``wrap_key_data`` traces to."""
+        import jax
+        words = jax.random.key_data(key)
+        name = self._constant(np.asarray(words), words, block, where)
+        wrap = jax.make_jaxpr(lambda w: jax.random.wrap_key_data(
+            w, impl=jax.random.key_impl(key)))(words)
+        return self._inline(wrap.jaxpr, list(wrap.consts), [name], block)[0]
 
     def _read(self, v: Any, env: dict, block: _Block) -> str:
         if isinstance(v, Literal):
