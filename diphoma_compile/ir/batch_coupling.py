@@ -65,8 +65,9 @@ class CountedMean:
     count result (its backward reads it again). ``sums`` are the sums over the rows the
     count is made from, each with how the shares' values combine into the batch's ("sum",
     "avg"); ``math`` the values the count's scalar math makes from them, in program order
-    (a clamp to at least 1), the count last when there is any. ``numerator`` says how
-    the shares' numerators combine ("sum": a sum over rows; "avg": a mean)."""
+    (a clamp to at least 1, a constant added), the count last when there is any.
+    ``numerator`` says how the shares' numerators combine ("sum": a sum over rows; "avg":
+    a mean)."""
 
     made: str
     count: str
@@ -75,6 +76,9 @@ class CountedMean:
     numerator: str
     coupling: Coupling
     summing: Op | None = None
+    # the count's additions of whole values to a sum (sum(mask) + eps), found as
+    # couplings: summed over the devices first, each adds its value once
+    shifts: tuple[Coupling, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -202,6 +206,8 @@ class _Follow:
         self.read = {n for op in graph.ops for n in free_inputs(op)} | \
             {o.name for o in graph.outputs}
         self.counted: list[CountedMean] = []
+        # a scalar sum over the batch plus or minus whole values -> its coupling
+        self.shifted: dict[str, Coupling] = {}
         self.position = {v.name: k for k, op in enumerate(graph.ops) for v in op.results}
         self.kinds = {i.name: i.role.kind for i in graph.inputs}
 
@@ -485,6 +491,10 @@ class _Follow:
                 self.report(op, "adds a whole value to a sum over the batch: adding the "
                                 "devices' values up counts it once per device, averaging "
                                 "them divides the sum", certain=True)
+                if len(op.results) == 1 and outs[0].numel == 1:
+                    # a count plus a constant (sum(mask) + eps): summed over the devices
+                    # first, the constant is added once (``count_parts``)
+                    self.shifted[op.results[0].name] = self.found[-1]
             elif summed and summed[0] in self.summed:
                 for v in op.results:                # a cast of a sum
                     self.summed[v.name] = self.summed[summed[0]]
@@ -502,7 +512,7 @@ class _Follow:
                                               if weighted else ""), certain=weighted)
             self.set(op, [Partial("avg")] * len(outs))
             summing = rule.row_sum(op, ins, outs) if rule.row_sum is not None else None
-            if summing is not None:
+            if summing is not None and not any(self.from_windows(x) for x in op.inputs):
                 made, count = (op.results[k].name for k in summing[1:])
                 self.counted.append(CountedMean(made, count, ((count, "sum"),), (), "sum",
                                                 self.found[-1], summing[0]))
@@ -693,12 +703,17 @@ class _Follow:
         if not isinstance(how, Partial) or how.op not in ("sum", "avg") or \
                 not self.types[count].dtype.is_float or self.reads_param(count, {}):
             return
+        if self.from_windows(count):
+            # a count over a window of the rows (gradient accumulation inside the step):
+            # summed over the devices, it counts other rows than the batch's window
+            return
         sums: dict[str, str] = {}
         math: set[str] = set()
         if self.count_parts(count, sums, math):
             self.counted.append(CountedMean(
                 op.results[0].name, count, tuple(sums.items()),
-                tuple(sorted(math, key=self.position.__getitem__)), how.op, self.found[-1]))
+                tuple(sorted(math, key=self.position.__getitem__)), how.op, self.found[-1],
+                shifts=tuple(self.shifted[m] for m in math if m in self.shifted)))
 
     def count_parts(self, name: str, sums: dict[str, str], math: set[str]) -> bool:
         """Collect the sums over the rows a count is made from (``sums``) and the values
@@ -706,18 +721,38 @@ class _Follow:
         the batch (its rows, a value not followed)."""
         if name in sums or name in math:
             return True
+        op = self.producer.get(name)
+        if name in self.shifted and op is not None and not op.regions:
+            math.add(name)              # a sum plus a constant: added again once summed
+            return all(self.count_parts(x, sums, math) for x in op.inputs)
         state = self.state(name)
         if isinstance(state, Partial) and state.op in ("sum", "avg"):
             sums[name] = state.op
             return True
         if not _split(state) and state is not _UNKNOWN:
             return True                 # a whole value or a constant: read as it is
-        op = self.producer.get(name)
         if not isinstance(state, _Summed) or op is None or op.regions or \
                 len(op.results) != 1:
             return False
         math.add(name)
         return all(self.count_parts(x, sums, math) for x in op.inputs)
+
+    def from_windows(self, name: str) -> bool:
+        """Whether ``name`` is made from a window of some value's rows (a slice of them:
+        ``out[:h]``, gradient accumulation's pieces). Values of rows carry their windows
+        (``tags``); what is made from them by sums and scalar math is walked back to them."""
+        todo, seen = [name], set()
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n in self.window_of or n in self.tags:
+                return True
+            op, st = self.producer.get(n), self.state(n)
+            if op is not None and isinstance(st, (Partial, _Summed)):
+                todo += free_inputs(op)     # a sum over rows, or scalar math on sums
+        return False
 
     def reads_param(self, name: str, memo: dict[str, bool]) -> bool:
         """Whether a parameter (or optimizer state) reaches ``name``."""

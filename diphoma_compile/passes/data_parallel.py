@@ -207,12 +207,12 @@ class DataParallel(Pass):
         out = split.insert_syncs()
         counted = list(split.analysis.counted) \
             if self.counts == "global" and split.grads == "avg" else []
-        out = count_globally(out, counted, self.axis, split.n)
-        exact = {id(c.coupling) for c in counted}
+        out, made = count_globally(out, counted, self.axis, split.n)
+        exact = {id(x) for c in made for x in (c.coupling, *c.shifts)}
         ctx.decisions[self.name] = replace(
             split.record(*split_notes([c for c in split.analysis.couplings
                                        if id(c) not in exact])),
-            counted_globally=tuple(dict.fromkeys(str(c.coupling) for c in counted)))
+            counted_globally=tuple(dict.fromkeys(str(c.coupling) for c in made)))
         return out
 
 

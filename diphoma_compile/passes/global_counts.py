@@ -15,25 +15,100 @@ summing its rows, then divided by the summed count; its backward reads that coun
 
 ``ir/batch_coupling.py`` finds these (``CountedMean``): counts that no parameter reaches
 (no gradient flows through them), made from sums over the rows by scalar math (a clamp to
-at least 1), which is run again on the summed values."""
+at least 1, a constant added), which is run again on the summed values, and not from
+windows of the rows. Here a count is summed only where every use of it on the way to the
+loss is such a mean of one kind and the backward reads it only as itself (``_exact``);
+the others stay each device's own, as DDP, and the plan lists them."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..ir.analysis import free_inputs
 from ..ir.batch_coupling import CountedMean
-from ..ir.core import Attrs, Graph, Op, Phase, Value
+from ..ir.core import Attrs, Graph, Op, OutputKind, Phase, Value
 from ..ir.types import REPLICATE, VARYING, TensorType
 
 
 def count_globally(graph: Graph, counted: Sequence[CountedMean], axis: str, n: int
-                   ) -> Graph:
+                   ) -> tuple[Graph, tuple[CountedMean, ...]]:
     """``graph`` (placed by data-parallel on ``axis`` of ``n`` devices) with each of
-    ``counted`` dividing by its count summed over the devices."""
+    ``counted`` that can be (``_exact``) dividing by its count summed over the devices;
+    and those."""
+    made = [c for c in counted if _exact(graph, c, counted, axis)]
     done: dict[tuple[str, str], tuple[str, str]] = {}
-    for c in counted:
+    for c in made:
         graph = _one(graph, c, axis, n, done)
-    return graph
+    return graph, tuple(made)
+
+
+def _copies(graph: Graph, name: str) -> set[str]:
+    """``name`` and the backward's copies of it: results of backward ops that are the op
+    making it again (torch's division backward converts an integer count to a float
+    anew: ``convert(%sum)`` twice)."""
+    made = next((op for op in graph.ops if name in {v.name for v in op.results}), None)
+    out = {name}
+    if made is None or len(made.results) != 1:
+        return out
+    for op in graph.ops:
+        if op.phase is Phase.backward and op.name == made.name and \
+                op.inputs == made.inputs and op.attrs == made.attrs and len(op.results) == 1:
+            out.add(op.results[0].name)
+    return out
+
+
+def _exact(graph: Graph, c: CountedMean, counted: Sequence[CountedMean], axis: str) -> bool:
+    """Whether the count can be replaced by the summed one everywhere the gradient reads
+    it: every forward op reading the per-device scalars it is made from on the way to the
+    loss is a mean over it of the same kind, or makes such a mean's count (``counted``;
+    another kind scales by other devices' sums, a regulariser divided by it would get the
+    gradient of another loss than the one returned); and no backward op reads those
+    scalars other than as the count itself (their own copies: summing those too is not
+    done)."""
+    copies = _copies(graph, c.count)
+    made_by = {v.name: op for op in graph.ops for v in op.results}
+    to_loss: set[str] = set()
+    todo = [o.name for o in graph.outputs if o.role.kind is OutputKind.loss] or \
+        [o.name for o in graph.outputs]
+    while todo:
+        x = todo.pop()
+        if x not in to_loss:
+            to_loss.add(x)
+            if x in made_by and (made_by[x].phase or Phase.forward) is Phase.forward:
+                todo += free_inputs(made_by[x])
+    # the means of the same kind over this count or a copy of it (each division by an
+    # integer count converts it anew): their counts are summed alike
+    same = {x for m in counted if m.numerator == c.numerator for x in (m.made, m.count)}
+
+    # the per-device scalars the count is made of (its sums, their casts, its math)
+    chain, todo = set(), [c.count]
+    while todo:
+        x = todo.pop()
+        op = made_by.get(x)
+        if x in chain or op is None or (op.phase or Phase.forward) is not Phase.forward:
+            continue
+        t = graph_type(op, x)
+        if t.numel != 1 or t.placement(axis) == REPLICATE:
+            continue
+        chain.add(x)
+        todo += list(op.inputs)
+    for op in graph.ops:
+        read, made = set(op.inputs), {v.name for v in op.results}
+        if op.phase is Phase.backward:
+            if made & copies:
+                continue
+            if read & (chain - copies):
+                return False
+        elif read & chain and not made & (chain | same) and made & to_loss:
+            # another use of the count on the way to the loss (its backward reads copies
+            # of the same scalars, which cannot be told apart from this mean's)
+            return False
+    return True
+
+
+def graph_type(op: Op, name: str) -> TensorType:
+    """The type of ``name``, a result of ``op``."""
+    return next(v.type for v in op.results if v.name == name)
 
 
 def _one(graph: Graph, c: CountedMean, axis: str, n: int,
@@ -42,6 +117,7 @@ def _one(graph: Graph, c: CountedMean, axis: str, n: int,
     divide by is summed once)."""
     names = graph.fresh_names()
     types = graph.value_types()
+    copies = _copies(graph, c.count)
     made_by = {v.name: op for op in graph.ops for v in op.results}
     after = c.made if c.summing is not None else c.count
     added: list[Op] = []
@@ -71,8 +147,8 @@ def _one(graph: Graph, c: CountedMean, axis: str, n: int,
             op = op.replace(inputs=tuple(mean if x == c.made else x for x in op.inputs))
         elif mean is None and c.made in {v.name for v in op.results}:
             op = op.replace(inputs=(op.inputs[0], count))
-        if op.phase is Phase.backward and c.count in op.inputs:
-            op = op.replace(inputs=tuple(varying if x == c.count else x for x in op.inputs))
+        if op.phase is Phase.backward and copies & set(op.inputs):
+            op = op.replace(inputs=tuple(varying if x in copies else x for x in op.inputs))
         ops.append(op)
         if after in {v.name for v in op.results}:
             ops += added

@@ -1336,10 +1336,11 @@ def hf_padded_lm_step(model, opt, ids, labels):
 
 def counted_mlp_step(model, opt, x, y, mask):
     """Cross-entropy weighted by class over the targets not ignored, plus a masked mean of
-    the outputs' squares (its count clamped to at least 1)."""
+    the outputs' squares over an integer mask (HF's attention masks are int64), its count
+    clamped to at least 1 and a constant added."""
     out = model(x)
     ce = F.cross_entropy(out, y, weight=torch.tensor([1.0, 2.0, 0.5]), ignore_index=-100)
-    reg = ((out ** 2).sum(-1) * mask).sum() / mask.sum().clamp(min=1)
+    reg = ((out ** 2).sum(-1) * mask).sum() / (mask.sum().clamp(min=1) + 1e-6)
     loss = ce + 0.1 * reg
     loss.backward()
     opt.step()
@@ -1372,8 +1373,8 @@ def _counted_mlp_batches(world: int) -> list[tuple]:
         drop = torch.rand(n, generator=g) < 0.4
         if k == 0:
             drop[:MLP_LOCAL] = True
-        mask = (torch.rand(n, generator=g) < 0.5).float()
-        mask[:MLP_LOCAL] = 0.0 if k == 0 else mask[:MLP_LOCAL]
+        mask = (torch.rand(n, generator=g) < 0.5).long()
+        mask[:MLP_LOCAL] = 0 if k == 0 else mask[:MLP_LOCAL]
         out.append((torch.randn(n, 8, generator=g), y.masked_fill(drop, -100), mask))
     return out
 
