@@ -275,11 +275,14 @@ def _select_scatter(c: _Call) -> list:
 
 
 def _gather(c: _Call) -> list:
-    """A dim other than ``dim`` where index and self have one size splits both."""
+    """A dim other than ``dim`` where index and self have one size splits both; the index
+    split along ``dim`` looks up its own entries of a whole ``self`` (a class weight per
+    target: ``weight.gather(0, target)``)."""
     x, idx = c.t("self"), c.t("index")
     dim = _dim(c["dim"], x.rank)
     return [c.strategy({"self": Shard(d), "index": Shard(d)}, Shard(d), "split")
-            for d in range(idx.rank) if d != dim and x.shape[d] == idx.shape[d]]
+            for d in range(idx.rank) if d != dim and x.shape[d] == idx.shape[d]] + \
+        [c.strategy({"index": Shard(dim)}, Shard(dim), "lookup")]
 
 
 def _like(zero: bool) -> Callable[[_Call], list]:

@@ -174,14 +174,15 @@ def test_ops_across_the_rows_are_found(case):
 
 @pytest.mark.parametrize("case", ["own row", "own row, negative", "own row, range",
                                   "mask by broadcast positions", "columns", "lookup",
-                                  "gather", "across features"])
+                                  "gather", "weight per target", "across features"])
 def test_ops_within_each_row_are_not_found(case):
     """The same ops within each example: a pick of each row's own target
     (``logp[arange(n), y]``, also counted from -n or written ``range(n)``), a mask read at
     broadcast positions (Hugging Face's ``padding_mask[arange(B)[:, None],
     arange(S)[None, :]]``: found as combining examples while a reviewer's probe ran),
-    columns picked by index, rows of a weight looked up by the batch, and a standard
-    deviation over features."""
+    columns picked by index, rows of a weight looked up by the batch, a weight per target
+    gathered (found as combining examples in a review probe of a weighted, label-smoothed
+    cross-entropy), and a standard deviation over features."""
     torch.manual_seed(0)
     mlp = MLP(8, 16, 4)
 
@@ -203,6 +204,9 @@ def test_ops_within_each_row_are_not_found(case):
             return (mlp.fc2.weight[label].sum(-1, keepdim=True) * h).pow(2).mean()
         if case == "gather":
             return -F.log_softmax(h, -1).gather(1, label[:, None]).mean()
+        if case == "weight per target":     # torch's weighted, label-smoothed cross-entropy
+            w = torch.tensor([1.0, 2.0, 0.5, 1.0]).gather(0, label)
+            return (F.mse_loss(h, y, reduction="none").mean(-1) * w).mean()
         return F.mse_loss(h, y) + h.std(1).mean()
     assert _found_in(loss_of, mlp) == []
 

@@ -500,7 +500,8 @@ SAMPLES: dict[str, list] = {
     "select_scatter.default": [_one((2, 4, 6), (2, 6), extra=[1, 2])],
     "fill.Tensor": [lambda r: ([r(2, 4), r()], {})],
     "gather.default": [lambda r: ([r(4, 6), 1, r.ints(6, 4, 2)], {}),
-                       lambda r: ([r(4, 6), 0, r.ints(4, 2, 6)], {})],
+                       lambda r: ([r(4, 6), 0, r.ints(4, 2, 6)], {}),
+                       lambda r: ([r(5), 0, r.ints(5, 8)], {})],    # a weight per target
     "mul.Scalar": [_one((2, 4), extra=[3.0])],
     "div.Scalar": [_one((2, 4), extra=[3.0])],
     "pow.Tensor_Scalar": [_one((2, 4), extra=[2])],
