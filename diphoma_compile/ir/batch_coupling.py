@@ -533,6 +533,8 @@ class _Follow:
             self.set(op, [_Summed(op)] * len(outs))     # judged by its reader
             return
         why = _why(op, actual)
+        if why is _COUNT and self.whole_over_count(op, actual):
+            why = _WHOLE_OVER_COUNT
         certain = why is not _COUNT      # a division by a sum: exact when shares sum alike
         self.report(op, why, certain=certain)
         if not certain:
@@ -681,8 +683,10 @@ class _Follow:
         if op.name == "div" and len(actual) == 2 and isinstance(actual[1], _Summed) \
                 and not isinstance(actual[0], _Summed):
             self.counts.add(id(actual[1].made_by))   # backward reads it too: that is fine
-            self.report(op, _COUNT, certain=False)
-            self.note_count(op)
+            whole = self.whole_over_count(op, actual)
+            self.report(op, _WHOLE_OVER_COUNT if whole else _COUNT, certain=whole)
+            if not whole:
+                self.note_count(op)
             self.set(op, [Partial("avg")] * len(outs))
         elif _scalar_math(actual, ins, outs):
             made = next(a for a in actual if isinstance(a, _Summed)).made_by
@@ -693,6 +697,13 @@ class _Follow:
                 self.report(m, _NONLINEAR, certain=True)
             self.set(op, [_UNKNOWN] * len(outs))
 
+    def whole_over_count(self, op: Op, actual: Sequence[object]) -> bool:
+        """A division of a whole value of the parameters (a weight decay term) by a count
+        of the batch: each device divides by its share's count, about 1/N of the batch's,
+        whatever the data. (A constant over a count, ``1 / sum(mask)`` to multiply by, is
+        a mean's reciprocal.)"""
+        return not _split(actual[0]) and self.reads_param(op.inputs[0])
+
     def note_count(self, op: Op) -> None:
         """Note the division ``op``, just reported, as a ``CountedMean`` where its count
         can be summed over the shares: a float made from sums over the rows (by scalar
@@ -701,7 +712,7 @@ class _Follow:
         numerator, count = op.inputs
         how = self.state(numerator)
         if not isinstance(how, Partial) or how.op not in ("sum", "avg") or \
-                not self.types[count].dtype.is_float or self.reads_param(count, {}):
+                not self.types[count].dtype.is_float or self.reads_param(count):
             return
         if self.from_windows(count):
             # a count over a window of the rows (gradient accumulation inside the step):
@@ -754,14 +765,21 @@ class _Follow:
                 todo += free_inputs(op)     # a sum over rows, or scalar math on sums
         return False
 
-    def reads_param(self, name: str, memo: dict[str, bool]) -> bool:
+    def reads_param(self, name: str) -> bool:
         """Whether a parameter (or optimizer state) reaches ``name``."""
-        if name not in memo:
-            memo[name] = False
-            op = self.producer.get(name)
-            memo[name] = self.kinds.get(name) in (InputKind.param, InputKind.opt_state) \
-                if op is None else any(self.reads_param(x, memo) for x in free_inputs(op))
-        return memo[name]
+        todo, seen = [name], set()
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            op = self.producer.get(n)
+            if op is None:
+                if self.kinds.get(n) in (InputKind.param, InputKind.opt_state):
+                    return True
+            else:
+                todo += free_inputs(op)
+        return False
 
     def place_whole(self, op: Op, states: list[object], ins: Sequence[TensorType],
                     outs: Sequence[TensorType]) -> None:
@@ -873,6 +891,8 @@ def _first_fit(menu: Sequence[Strategy], actual: Sequence[object]) -> Strategy |
 
 _SWAP = {"max": "min", "min": "max"}
 _COUNT = "divides by a sum over the batch (a count of its examples or tokens)"
+_WHOLE_OVER_COUNT = ("divides a value of the weights (a regularizer) by a sum over the batch: "
+                     "each device divides by its share's count, about 1/N of the batch's")
 _NONLINEAR = "reads a sum or mean over the batch in math that is not linear in it"
 
 
