@@ -24,7 +24,7 @@ example (one example picked out, ``x[0]``, drops the rows' dimension and is foun
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .analysis import free_inputs
@@ -752,32 +752,30 @@ class _Follow:
         """Whether ``name`` is made from a window of some value's rows (a slice of them:
         ``out[:h]``, gradient accumulation's pieces). Values of rows carry their windows
         (``tags``); what is made from them by sums and scalar math is walked back to them."""
-        todo, seen = [name], set()
-        while todo:
-            n = todo.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            if n in self.window_of or n in self.tags:
-                return True
-            op, st = self.producer.get(n), self.state(n)
-            if op is not None and isinstance(st, (Partial, _Summed)):
-                todo += free_inputs(op)     # a sum over rows, or scalar math on sums
-        return False
+        return self.walk_back(
+            name, lambda n: n in self.window_of or n in self.tags,
+            lambda n: isinstance(self.state(n), (Partial, _Summed)))  # sums, math on them
 
     def reads_param(self, name: str) -> bool:
         """Whether a parameter (or optimizer state) reaches ``name``."""
+        return self.walk_back(
+            name, lambda n: n not in self.producer and
+            self.kinds.get(n) in (InputKind.param, InputKind.opt_state), lambda n: True)
+
+    def walk_back(self, name: str, hit: Callable[[str], bool],
+                  through: Callable[[str], bool]) -> bool:
+        """Whether ``hit`` holds for ``name`` or a value it is made from, walking back
+        through the producers of the values ``through`` admits (without recursion)."""
         todo, seen = [name], set()
         while todo:
             n = todo.pop()
             if n in seen:
                 continue
             seen.add(n)
+            if hit(n):
+                return True
             op = self.producer.get(n)
-            if op is None:
-                if self.kinds.get(n) in (InputKind.param, InputKind.opt_state):
-                    return True
-            else:
+            if op is not None and through(n):
                 todo += free_inputs(op)
         return False
 
