@@ -28,6 +28,7 @@ from . import framework as frameworks
 from .errors import DiphomaError, DiphomaWarning, MeshError, no_keywords
 from .framework import Framework
 from .ir.analysis import runs_on_one_device
+from .ir.batch_coupling import one_row_per_share
 from .ir.device_model import (MODELS, DeviceModel, check, device_model, model_for_device,
                               register)
 from .ir.core import Graph, InputKind
@@ -148,9 +149,9 @@ class ParallelStep:
                                                       self.step_fn, example_args)
         nums = self.batch_argnums if self._adapter is None else \
             self._adapter.batch_argnums(self.batch_argnums)
-        self._fw, graph, self._extra = trace_step(step_fn, example_args, self.mesh,
-                                                  self.axis, nums, mb,
-                                                  codegen=self.codegen or self._auto())
+        self._fw, graph, self._extra, probe = trace_step(
+            step_fn, example_args, self.mesh, self.axis, nums, mb,
+            codegen=self.codegen or self._auto())
         self.framework = self._fw.name
         model = self.device_model
         if model == "measured":      # measured once, on the first trace (every rank)
@@ -168,7 +169,8 @@ class ParallelStep:
                                              device_model=model,
                                              shard_params=self.shard_params,
                                              pipeline=pipeline,
-                                             compression=self.compression, local=self.local)
+                                             compression=self.compression, local=self.local,
+                                             probe=probe)
         if self._plan.idle_axes and self.framework == "torch":
             # (one JAX controller passes the global batch: an idle axis repeats the same
             # work on the same data; torch's ranks each pass their own)
@@ -302,18 +304,36 @@ def argnums(batch_argnums: int | Iterable[int] | None) -> tuple[int, ...] | None
 
 def trace_step(step_fn: Callable, args: tuple, mesh: Mesh, axis: str,
                batch_argnums: tuple[int, ...] | None = None, microbatches: int = 1, *,
-               codegen: str | None = None) -> tuple[Framework, Graph, Any]:
-    """(framework, the step's IR traced per device, what the backend needs besides it):
-    PyTorch at the local batch each rank passes; JAX at the global batch / N, the batch
-    being the arguments ``batch_argnums`` (None: inferred by the framework); under a
+               codegen: str | None = None) -> tuple[Framework, Graph, Any, Graph | None]:
+    """(framework, the step's IR traced per device, what the backend needs besides it, a
+    probe): PyTorch at the local batch each rank passes; JAX at the global batch / N, the
+    batch being the arguments ``batch_argnums`` (None: inferred by the framework); under a
     pipeline of M microbatches, at one microbatch. ``codegen``: the code generator the
     program is for; "auto" lets the framework choose by the step's size, None plans with
-    its reference program."""
+    its reference program. Where the batch is split into shares of one row, the probe is
+    the same program traced at two (``batch_probe``), else None."""
     fw = frameworks.of_args(args)
     kw = {"microbatches": microbatches} if microbatches != 1 else {}
     graph, extra = fw.trace_local(step_fn, args, mesh, axis, batch_argnums=batch_argnums,
                                   codegen=codegen, **kw)
-    return fw, graph, extra
+    probe = None
+    if one_row_per_share(graph) and (microbatches > 1 or dict(mesh.axes).get(axis, 1) > 1):
+        probe = batch_probe(fw, step_fn, args, mesh, axis, batch_argnums, kw)
+    return fw, graph, extra, probe
+
+
+def batch_probe(fw: Framework, step_fn: Callable, args: tuple, mesh: Mesh, axis: str,
+                batch_argnums: tuple[int, ...] | None, kw: dict) -> Graph | None:
+    """The step traced at two rows per share, for the batch analysis
+    (``ir/batch_coupling.py``: a share of one row cannot show which dims are its rows), or
+    None where it cannot be (its code fixes the batch's size: the plan then says the batch
+    was not judged)."""
+    try:
+        probe, _ = fw.trace_local(step_fn, args, mesh, axis, batch_argnums=batch_argnums,
+                                  two_rows=True, **kw)
+    except Exception:       # any failure (x.view(1, -1)) leaves the batch unjudged
+        return None
+    return probe
 
 
 def chosen_device_model(model: str | DeviceModel | None) -> str | DeviceModel | None:
@@ -387,7 +407,7 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
                ctx: PassContext, device_model: str = DEFAULT_DEVICE_MODEL,
                shard_params: bool = False, pipeline: PipelineParallel | None = None,
                compression: str | None = None, local: int = 0,
-               warn: bool = True) -> tuple[Graph, Plan]:
+               warn: bool = True, probe: Graph | None = None) -> tuple[Graph, Plan]:
     """The graph placed on ``mesh`` after the pipeline (``passes``, or the default one for
     the framework and the model's gradient bytes), and its plan, with the step time
     estimated on ``device_model`` (a name in ``ir.device_model.MODELS``). With ``warn``, a
@@ -399,8 +419,12 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
     weight-update sharding over the data axis when that has more than one. On a mesh of
     one device it is empty: there is nothing to split or to exchange, and the
     single-device program is what runs (any rewrite, even a bucket of collectives over one
-    device, changes how XLA fuses the step and its last bits)."""
+    device, changes how XLA fuses the step and its last bits). ``probe``: the step traced
+    at two rows per share where ``graph`` has one (``trace_step``), for the passes' batch
+    analysis (``PassContext.batch_probe``)."""
     graph = graph.replace(mesh=mesh)
+    if probe is not None:
+        ctx.batch_probe = probe
     grad_bytes = sum(i.value.type.nbytes for i in graph.inputs
                      if i.role.kind is InputKind.param)
     tp = tensor_axis(mesh)

@@ -170,7 +170,7 @@ def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump:
     pipeline = pipeline_settings(mesh, passes, None, schedule)
     if pipeline is not None:       # stages balanced on the device model planned for
         pipeline = replace(pipeline, device_model=device_model)
-    fw, graph, _ = trace_step(target.step, target.args, mesh, axis, None,
+    fw, graph, _, probe = trace_step(target.step, target.args, mesh, axis, None,
                               pipeline.microbatches if pipeline is not None else 1)
     clock.append(("trace", time.perf_counter()))
     for name in unread_inputs(graph, target.inputs):
@@ -184,7 +184,8 @@ def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump:
         stream(f"# IR after trace\n{print_graph(graph.replace(mesh=mesh))}")
     ctx = PassContext(dump_after=dump, dump_stream=stream, verify=verify_passes)
     graph, plan = run_passes(graph, fw, mesh, axis, passes, ctx, device_model,
-                             pipeline=pipeline, warn=False)     # the plan says it
+                             pipeline=pipeline, warn=False,     # the plan says it
+                             probe=probe)
     clock.append(("passes", time.perf_counter()))
     if not verify_passes and ctx.records:
         try:

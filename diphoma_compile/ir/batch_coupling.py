@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .analysis import free_inputs
 from .core import Graph, InputKind, Op, OutputKind, Phase
 from .framework_ops import FrameworkOpRule, framework_rule
 from .opdef import is_view, op_def, random_draw
+from .row_probe import probe_names
 from .strategies import (Strategy, group_counts, no_strategies, replicate_only,
                          strategies_of)
 from .types import REPLICATE, Partial, Placement, Replicate, Shard, TensorType
@@ -97,17 +98,22 @@ class BatchSplit:
     rows: Mapping[str, int] = field(default_factory=dict)
     # the couplings that are means over counts the shares' values sum to
     counted: tuple[CountedMean, ...] = ()
+    # False: not analysed (every batch input of one row and no probe at two rows)
+    judged: bool = True
 
 
-def split_batch(graph: Graph) -> BatchSplit:
-    """``BatchSplit`` of ``graph``. Nothing when every batch input holds one row (a share
-    of one example, as traced): its rows cannot be told from the dimensions they merge
-    into; a batch input of one row beside others of more (a temperature passed with the
-    batch) is taken as whole."""
-    rows = [i.value.type.shape[0] for i in graph.inputs
-            if i.role.kind is InputKind.batch and i.value.type.rank >= 1]
-    if rows and all(r == 1 for r in rows):
-        return BatchSplit((), {})
+def split_batch(graph: Graph, probe: Graph | None = None) -> BatchSplit:
+    """``BatchSplit`` of ``graph``. When every batch input holds one row (a share of one
+    example, as traced: its rows cannot be told from the dimensions they merge into), the
+    analysis runs on ``probe``, the same step traced at two rows per share (the frontends
+    trace it, ``api.trace_step``), and is carried back to the values ``graph`` has alike
+    (``row_probe.py``); without one, nothing is found and ``judged`` is False. A batch
+    input of one row beside others of more (a temperature passed with the batch) is taken
+    as whole."""
+    if one_row_per_share(graph):
+        if probe is None or one_row_per_share(probe):
+            return BatchSplit((), {}, judged=False)
+        return _kept_in(split_batch(probe), graph, probe)
     follow = _Follow(graph)
     found = tuple(follow.run())
     combine = {o.name: s.op for o in graph.outputs
@@ -116,6 +122,47 @@ def split_batch(graph: Graph) -> BatchSplit:
     rows = {n: s.dim for n, s in follow.at.items()
             if isinstance(s, Shard) and isinstance(s.dim, int)}
     return BatchSplit(found, combine, rows, tuple(follow.counted))
+
+
+def one_row_per_share(graph: Graph) -> bool:
+    """True when every batch input of ``graph`` (and there is one) holds one row."""
+    rows = [i.value.type.shape[0] for i in graph.inputs
+            if i.role.kind is InputKind.batch and i.value.type.rank >= 1]
+    return bool(rows) and all(r == 1 for r in rows)
+
+
+def _kept_in(split: BatchSplit, graph: Graph, probe: Graph) -> BatchSplit:
+    """``split`` (of ``probe``, ``graph``'s step traced at two rows per share) for
+    ``graph``, through the values the two have alike (``row_probe.probe_names``): what
+    names a value without a match is left out (a count whose values do not all match stays
+    each device's own)."""
+    names = probe_names(graph, probe)
+    types = graph.value_types()
+    made_by = {v.name: op for op in graph.ops for v in op.results}
+    counted = []
+    for c in split.counted:
+        used = (c.made, c.count, *(n for n, _ in c.sums), *c.math)
+        if not all(n in names for n in used):
+            continue
+        summing = None
+        if c.summing is not None:       # the op summing its rows, made from graph's own
+            op = made_by[names[c.made]]
+            rule = framework_rule(op)
+            row_sum = rule.row_sum if rule is not None else None
+            found = row_sum(op, [types[n] for n in op.inputs],
+                            [v.type for v in op.results]) if row_sum is not None else None
+            if found is None:
+                continue
+            summing = found[0]
+        counted.append(replace(
+            c, made=names[c.made], count=names[c.count],
+            sums=tuple((names[n], how) for n, how in c.sums),
+            math=tuple(names[n] for n in c.math), summing=summing))
+    outputs = {p.name: g.name for p, g in zip(probe.outputs, graph.outputs)}
+    return BatchSplit(split.couplings,
+                      {outputs[k]: v for k, v in split.combine.items() if k in outputs},
+                      {names[k]: v for k, v in split.rows.items() if k in names},
+                      tuple(counted))
 
 
 def batch_coupling(graph: Graph) -> list[Coupling]:

@@ -51,7 +51,9 @@ class FrameworkOpRule:
     reduction ``sum``), with the positions among its results of that sum and of the count
     (which its backward reads again), or None where this call has no such form (the count
     dropped): data parallelism then divides the sum by the count summed over the devices
-    (``passes/global_counts.py``)."""
+    (``passes/global_counts.py``). ``copies``: its one result is its first operand's
+    value, unchanged (a clone): ``row_probe.py`` reads through such copies where one trace
+    of a step makes them and another does not."""
 
     target: str
     flops: CostFn
@@ -70,6 +72,7 @@ class FrameworkOpRule:
     iota_dim: Callable[[Op, Sequence[TensorType], Sequence[TensorType]], int | None] | None = None
     row_sum: Callable[[Op, Sequence[TensorType], Sequence[TensorType]],
                       tuple[Op, int, int] | None] | None = None
+    copies: bool = False
 
 
 FRAMEWORK_OPS: dict[str, FrameworkOpRule] = {}

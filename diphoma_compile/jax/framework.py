@@ -56,10 +56,13 @@ class JaxFramework:
 
     def trace_local(self, step_fn: Callable, args: tuple, mesh: Mesh, axis: str, *,
                     batch_argnums: tuple[int, ...] | None = None,
-                    codegen: str | None = None, microbatches: int = 1) -> tuple[Graph, Any]:
+                    codegen: str | None = None, microbatches: int = 1,
+                    two_rows: bool = False) -> tuple[Graph, Any]:
         """The step at the per-device batch: each batch leaf's dim 0 divided by N. The batch
         is ``batch_argnums``, or argument 2 and the later arguments with its rows. With a
-        pipeline axis, at one microbatch: the device's share divided by ``microbatches``."""
+        pipeline axis, at one microbatch: the device's share divided by ``microbatches``.
+        ``two_rows``: at twice those rows (the batch analysis's probe of a share of one
+        row)."""
         _check_codegen(codegen)
         pp = pipeline_axis(mesh)
         staged = pp is not None and mesh.axis_size(pp) > 1
@@ -77,7 +80,8 @@ class JaxFramework:
             StepSignature(batch_argnums=nums).check(len(args))
         among = (f"{n // microbatches} data-parallel shares x {microbatches} microbatches"
                  if staged else None)
-        return self.trace(step_fn, local_args(args, n, axis, nums, among),
+        return self.trace(step_fn, local_args(args, n, axis, nums, among,
+                                              times=2 if two_rows else 1),
                           batch_argnums=nums)
 
     def compile(self, graph: Graph, extra: Any) -> Callable:
@@ -171,10 +175,10 @@ def _resized(args: tuple, nums: Sequence[int], size: Callable[[str, Any], Any]) 
 
 
 def local_args(args: tuple, n: int, axis: str, batch_argnums: Sequence[int] = (2,),
-               among: str | None = None) -> tuple:
+               among: str | None = None, times: int = 1) -> tuple:
     """The step's arguments with each batch leaf's dim 0 divided among ``n`` devices (as
-    abstract shapes: tracing reads no data); ``among`` says what the n parts are, for the
-    error (default: the devices of ``axis``)."""
+    abstract shapes: tracing reads no data), times ``times``; ``among`` says what the n
+    parts are, for the error (default: the devices of ``axis``)."""
     among = among or f"the {n} devices of axis {axis!r}"
     nums = [k for k in batch_argnums if k < len(args)]
 
@@ -190,7 +194,7 @@ def local_args(args: tuple, n: int, axis: str, batch_argnums: Sequence[int] = (2
             raise MeshError(f"batch leaf {name} has {shape[0]} examples, which do not divide "
                             f"among {among}",
                             hint=f"use a global batch that is a multiple of {n}")
-        return jax.ShapeDtypeStruct((shape[0] // n, *shape[1:]), x.dtype)
+        return jax.ShapeDtypeStruct((shape[0] // n * times, *shape[1:]), x.dtype)
     return _resized(args, nums, local)
 
 

@@ -319,13 +319,12 @@ def _spec(t: TensorType, mesh_axes: Sequence[str], what: str) -> PartitionSpec:
             if isinstance(p, Varying):      # a value only a device's own share made
                 raise BackendError(
                     f"{what} is each device's own scalar on axis {axis!r} (made from its "
-                    "share of the batch alone, e.g. a mask's sum dividing a masked mean "
-                    "between two pipeline programs), and a scalar has no global array to "
-                    "be a piece of",
-                    hint="divide by the rows (keep.size) instead of the mask's sum: a mean "
-                         "over examples, the same on every share; or run without the "
-                         "pipeline axis, where such a mean is each device's, averaged (as "
-                         "under DDP)")
+                    "share of the batch alone, e.g. a mask's sum), and the step hands it "
+                    "out of the program, where a scalar has no global array to be a piece "
+                    "of",
+                    hint="return a value combined over the devices (a mean over the "
+                         "batch), or divide by the rows (keep.size) instead of the mask's "
+                         "sum: a mean over examples, the same on every share")
             raise BackendError(f"{what} is placed {p} on axis {axis!r}: {why}",
                                hint="the distribution passes give graph inputs and outputs "
                                     "R, S(d) or (batch) V placements")

@@ -44,7 +44,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import BackendError, MeshError, no_keywords
 from ..ir.core import Graph, InputKind, OutputKind
@@ -140,6 +140,10 @@ class JaxPipelineStep(MeasuredRunner):
                                "values split along a dimension only",
                                hint="this is a bug: parallelize plans JAX pipelines with "
                                     "weight-update sharding's layout=dims")
+        axes = _own_scalar(t)
+        if axes:        # each device's own scalar: one element of an array over the axes
+            return NamedSharding(self.sub[self.rank_of[stage]],
+                                 PartitionSpec(axes if len(axes) > 1 else axes[0]))
         return NamedSharding(self.sub[self.rank_of[stage]],
                              _spec(t, self.mesh.axis_names, f"%{name}"))
 
@@ -165,8 +169,11 @@ class JaxPipelineStep(MeasuredRunner):
         stage = key[0]
         gone = set(self.donated.get(key, ()))
         donate = tuple(k for k, n in enumerate(prog.inputs) if n in gone)
-        fn = graph_function(prog.graph, PerDeviceLowering(dict(self.graph.mesh.axes),
-                                                          prog.graph))
+        fn = _own_scalars_as_rows(
+            graph_function(prog.graph, PerDeviceLowering(dict(self.graph.mesh.axes),
+                                                         prog.graph)),
+            [bool(_own_scalar(self.types[n])) for n in prog.inputs],
+            [bool(_own_scalar(self.types[n])) for n in prog.outputs])
         ins = [self._sharding(stage, n) for n in prog.inputs]
         outs = [self._sharding(stage, n) for n in prog.outputs]
         body = jax.shard_map(fn, mesh=self.sub[self.rank_of[stage]],
@@ -334,6 +341,28 @@ class JaxPipelineStep(MeasuredRunner):
 
 
 __all__ = ["JaxPipelineStep", "schedule_orders"]
+
+
+def _own_scalar(t: Any) -> tuple[str, ...]:
+    """The axes along which a scalar is each device's own (made from its share of the
+    batch alone: a mask's count dividing a masked mean, read by a later stage program);
+    () for any other value."""
+    if t.rank:
+        return ()
+    return tuple(a for a, p in t.placements if isinstance(p, Varying))
+
+
+def _own_scalars_as_rows(fn: Any, ins: Sequence[bool], outs: Sequence[bool]) -> Any:
+    """``fn`` (a stage program per device) reading and returning each device's own
+    scalars as arrays of one element: between programs they are global arrays of one
+    element per device (a scalar has no global array to be a piece of)."""
+    if not any(ins) and not any(outs):
+        return fn
+
+    def run(*args: Any) -> Any:
+        got = fn(*(jnp.reshape(a, ()) if own else a for a, own in zip(args, ins)))
+        return type(got)(jnp.reshape(x, (1,)) if own else x for x, own in zip(got, outs))
+    return run
 
 
 def _mean(total: Any, m: int) -> Any:

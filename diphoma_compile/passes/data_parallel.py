@@ -169,6 +169,9 @@ class DataParallelRecord:
     random_per_row: tuple[str, ...] = ()
     # means over counts the batch sums to, divided by the count summed over the devices
     counted_globally: tuple[str, ...] = ()
+    # False: each device's share has one row and the step could not be traced at two, so
+    # whether its forward combines examples was not judged (ir/batch_coupling.py)
+    batch_judged: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's ``notes["data-parallel"]`` (docs/plan.md)."""
@@ -178,7 +181,8 @@ class DataParallelRecord:
                 "batch_coupled": list(self.batch_coupled),
                 "batch_counted": list(self.batch_counted), "gradients": self.gradients,
                 "random_per_row": list(self.random_per_row),
-                "counted_globally": list(self.counted_globally)}
+                "counted_globally": list(self.counted_globally),
+                "batch_judged": self.batch_judged}
 
 
 @register_pass
@@ -200,7 +204,7 @@ class DataParallel(Pass):
                               hint="counts=global (the batch's count) or counts=local "
                                    "(each device's, as DDP)")
         # dead reads must not sync anything (traced views leave dead update ops behind)
-        split = _Split(dce_graph(graph), self.axis)
+        split = _Split(dce_graph(graph), self.axis, ctx.batch_probe)
         for op in split.graph.ops:
             split.place(op)
         split.combine_outputs()
@@ -212,14 +216,15 @@ class DataParallel(Pass):
         ctx.decisions[self.name] = replace(
             split.record(*split_notes([c for c in split.analysis.couplings
                                        if id(c) not in exact])),
-            counted_globally=tuple(dict.fromkeys(str(c.coupling) for c in made)))
+            counted_globally=tuple(dict.fromkeys(str(c.coupling) for c in made)),
+            batch_judged=split.analysis.judged)
         return out
 
 
 class _Split:
     """One run of data-parallel: the per-device types and sync decisions its steps share."""
 
-    def __init__(self, graph: Graph, axis: str) -> None:
+    def __init__(self, graph: Graph, axis: str, probe: Graph | None = None) -> None:
         self.graph, self.ax = graph, axis
         self.batch = [i.name for i in graph.inputs if i.role.kind is InputKind.batch]
         if not self.batch:
@@ -247,7 +252,7 @@ class _Split:
         self.constant: set[str] = set()       # update values computed from no input
         # returned sums and means over the batch; a loss that is a sum over the batch
         # (reduction="sum") has gradients that add up across devices, not average
-        self.analysis = split_batch(graph)
+        self.analysis = split_batch(graph, probe)
         loss = next((o.name for o in graph.outputs if o.role.kind is OutputKind.loss), None)
         self.grads = "sum" if self.analysis.combine.get(loss) == "sum" else "avg"
         self.n = dict(graph.mesh.axes)[axis]

@@ -28,13 +28,14 @@ from .data_parallel import key_draws_per_row
 MICROBATCH = "microbatch"       # the name of the microbatch-index input
 
 
-def microbatch_draws(graph: Graph, microbatches: int
+def microbatch_draws(graph: Graph, microbatches: int, probe: Graph | None = None
                      ) -> tuple[Graph, set[str], tuple[str, ...]]:
     """The graph with each key draw meeting the batch's rows made for all ``microbatches``
     and each microbatch's rows kept, the names of the values now holding a microbatch's
     rows (what the draws made before), and the draws' source lines (or names); the graph
-    unchanged and nothing else when there is none."""
-    found = key_draws_per_row(graph, split_batch(graph).rows)
+    unchanged and nothing else when there is none. ``probe``: the step at two rows per
+    microbatch where it has one (``PassContext.batch_probe``)."""
+    found = key_draws_per_row(graph, split_batch(graph, probe).rows)
     if not found or microbatches == 1:
         return graph, set(), ()
     ops: list[Op] = []

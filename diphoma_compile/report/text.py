@@ -313,6 +313,8 @@ def _data_parallel_lines(dp: DataParallelRecord | None) -> list[str]:
         lines += ["", f"random draws per device ({', '.join(drawn)}): each process draws from "
                       "its own generator, as under DDP, so dropout matches the single-device "
                       "step in distribution, not bit for bit"]
+    if not dp.batch_judged:
+        lines += ["", _UNJUDGED]
     if dp.counted_globally:
         lines += ["", "means over counts of the batch (a masked mean, the targets not "
                       "ignored): each device divides its sum by the count summed over the "
@@ -323,6 +325,16 @@ def _data_parallel_lines(dp: DataParallelRecord | None) -> list[str]:
                       "device draws them at the global batch's shape and keeps its own rows, "
                       "the numbers the single-device step draws"]
     return lines
+
+
+_UNJUDGED = (
+    "each device's share of the batch has one row, and the step could not be traced at "
+    "two rows per device (its code fixes the batch's size or branches on it), so which "
+    "of its dims hold examples is unknown and whether its forward combines examples was "
+    "not judged: a masked mean or a cross-entropy with ignore_index stays each device's "
+    "own mean, averaged as under DDP (a device whose row counts nothing divides 0 by 0), "
+    "and a batch norm or contrastive loss goes unwarned. Pass two or more rows per device "
+    "to have the step checked.")
 
 
 def _shares(dp: DataParallelRecord | None, pp: PipelineRecord | None, field: str) -> str:
@@ -362,6 +374,8 @@ def coupling_warning(dp: DataParallelRecord | None, pp: PipelineRecord | None) -
     """The warning ``parallelize`` gives for a forward that combines examples of the batch
     under a plan that splits the batch, or None."""
     where = _places(dp, pp, "batch_coupled")
+    if dp is not None and not dp.batch_judged:
+        return _UNJUDGED
     if not where:
         return None
     more = f" (and {len(where) - 2} more: the plan lists them)" if len(where) > 2 else ""

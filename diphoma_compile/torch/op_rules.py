@@ -925,7 +925,7 @@ _register("squeeze.dim", _zero, _squeeze, _views)
 _register("unsqueeze.default", _zero, _unsqueeze, _views)
 _register("split.Tensor", _zero, _pieces, _views, row_window=_split_rows)
 _register("unbind.int", _zero, _pieces, _views)
-_register("clone.default", _zero, _elementwise(("self",)))
+_register("clone.default", _zero, _elementwise(("self",)), copies=True)
 _register("_to_copy.default", _zero, _elementwise())
 _register("copy.default", _zero, _elementwise(),
           lambda c: _nbytes(c.t("src")) + _written(c))

@@ -205,3 +205,16 @@ def microbatch_args(args: tuple, microbatches: int) -> tuple:
                                  "or choose microbatches= that divides them")
         return x[: rows // microbatches]
     return tuple(pytree.tree_map(cut, list(args)))
+
+
+def doubled_args(args: tuple) -> tuple:
+    """``args`` with every tensor's rows repeated twice (``x[:2]`` of a share of one row
+    is two copies of it): the step traced so, the batch analysis tells its rows apart."""
+    from torch.utils import _pytree as pytree
+
+    def twice(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or isinstance(x, torch.nn.Parameter) or \
+                x.dim() == 0:
+            return x
+        return torch.cat([x, x])
+    return tuple(pytree.tree_map(twice, list(args)))

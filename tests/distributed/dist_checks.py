@@ -1348,15 +1348,17 @@ def counted_mlp_step(model, opt, x, y, mask):
     return loss
 
 
-def _padded_batches(world: int) -> list[tuple]:
+def _padded_batches(world: int, per: int = 2) -> list[tuple]:
     """Global batches of two sequences per rank, padded (labels -100) to lengths that
-    differ by rank: 16 and 14, 12 and 10, 6 and 2, 3 and 1 of 16 tokens kept. (With one
-    sequence per rank nothing is judged: ir/batch_coupling.py.)"""
+    differ by rank: 16 and 14, 12 and 10, 6 and 2, 3 and 1 of 16 tokens kept. With one
+    sequence per rank (``per=1``; judged on a trace at two, ir/row_probe.py): 16, 2, 6
+    and 3 (GPT-2's shifted labels count one fewer)."""
     g = torch.Generator().manual_seed(3)
-    keep = torch.tensor([16, 14, 12, 10, 6, 2, 3, 1] * (world // 4 + 1))[:2 * world]
+    pattern = [16, 14, 12, 10, 6, 2, 3, 1] if per == 2 else [16, 2, 6, 3]
+    keep = torch.tensor(pattern * (world // 4 + 1))[:per * world]
     out = []
     for _ in range(TP_STEPS):
-        ids = torch.randint(0, 64, (2 * world, 16), generator=g)
+        ids = torch.randint(0, 64, (per * world, 16), generator=g)
         pad = torch.arange(16)[None, :] >= keep[:, None]
         out.append((ids, ids.masked_fill(pad, -100)))
     return out
@@ -1395,6 +1397,8 @@ def run_counted_means(rank: int, world: int) -> dict:
         import transformers  # noqa: F401
         cases += [(f"gpt2-{o}", _gpt2, hf_padded_lm_step, _padded_batches(world))
                   for o in ("sgdm", "adamw")]
+        # one sequence per rank: judged on the step traced at two
+        cases.append(("gpt2-sgdm-1row", _gpt2, hf_padded_lm_step, _padded_batches(world, 1)))
     except ImportError:          # the dev extra is not installed
         pass
     for name, make, step_fn, batches in cases:

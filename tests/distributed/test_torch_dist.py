@@ -842,7 +842,9 @@ def test_means_over_counts_that_differ_by_rank_match_the_single_device_step(runs
     each rank divides by the count summed over the ranks, so losses and parameters are the
     single-device step's; DDP's average of per-rank means lands far from it (the data can
     tell the two apart). AdamW turns rounding in gradients near zero into steps of up to
-    its learning rate: its parameters are held to 1e-3 of a distance DDP's is 50x."""
+    its learning rate: its parameters are held to 1e-3 of a distance DDP's is 50x. With
+    one sequence per rank (``gpt2-sgdm-1row``) the count is found on a trace at two rows
+    per rank (nothing was judged at one, and DDP's per-rank means ran)."""
     r0 = runs[0]["counted_means"]
     assert r0, "no case ran"
     for name, r in r0.items():
@@ -851,7 +853,7 @@ def test_means_over_counts_that_differ_by_rank_match_the_single_device_step(runs
         for a, b in zip(r["got"], r["want"]):
             assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (name, r["got"], r["want"])
         assert r["ddp"] > 1e-2, (name, r["ddp"])
-        bound = 1e-6 if name.endswith("sgdm") or name.startswith("mlp") else 1e-3
+        bound = 1e-6 if "sgdm" in name or name.startswith("mlp") else 1e-3
         assert r["param"]["abs"] <= bound and r["param"]["abs"] <= r["ddp"] / 50, (name, r)
     for r in runs[1:]:
         assert {k: v["got"] for k, v in r["counted_means"].items()} == \

@@ -540,6 +540,8 @@ def _masked_mean_step(tx, count="clamp"):
             err = jnp.mean((jnp.tanh(batch[0] @ p["w"]) - batch[1]) ** 2, axis=-1)
             if count == "int + eps":        # an integer count, a constant added to it
                 return jnp.sum(err * batch[2]) / (jnp.sum(batch[2] > 0) + 1e-6)
+            if count == "plain":
+                return jnp.sum(err * batch[2]) / jnp.sum(batch[2])
             return jnp.sum(err * batch[2]) / jnp.maximum(jnp.sum(batch[2]), 1.0)
         loss, grads = jax.value_and_grad(loss_of)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -590,6 +592,51 @@ def test_a_mean_over_a_count_of_the_batch_divides_by_the_devices_summed_count(co
     plain.trace(p2, s2, b2)
     for field in ("batch_counted", "batch_coupled", "counted_globally"):
         assert plain.plan.notes["data-parallel"][field] == []
+
+
+@pytest.mark.parametrize("count", ["plain", "int + eps"])
+def test_one_row_per_device_divides_by_the_devices_summed_count(count):
+    """A global batch of 8 on 8 devices: one row each, which cannot show which dims hold
+    examples. The step is judged on a trace at two rows per device, and the masked mean
+    divides by the count summed over the devices: losses and parameters match jax.jit
+    over 3 Adam steps. Before, nothing was judged at one row: each device divided by its
+    own count, and the devices whose row is masked out divided 0 by 0 (NaN)."""
+    tx = optax.adam(0.05)
+    step = _masked_mean_step(tx, count)
+    k = jax.random.split(jax.random.key(0), 3)
+    params = {"w": jax.random.normal(k[0], (8, 16))}
+    mask = jnp.array([1, 0, 1, 1, 0, 0, 1, 0], jnp.float32)
+    batch = (jax.random.normal(k[1], (8, 8)), jax.random.normal(k[2], (8, 16)), mask)
+    pstep = parallelize(step, jax_mesh((8,)), axis="data")
+    rp, rs, op, os_ = params, tx.init(params), params, tx.init(params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DiphomaWarning)
+        for _ in range(3):
+            rp, rs, rl = jax.jit(step)(rp, rs, batch)
+            op, os_, ol = pstep(op, os_, batch)
+            assert abs(float(ol) - float(rl)) <= 1e-6, (float(ol), float(rl))
+    assert max_rel_dev(rp, op) <= 1e-5
+    assert len(pstep.plan.notes["data-parallel"]["counted_globally"]) == 1
+
+
+def test_one_row_per_device_that_cannot_be_traced_at_two_is_said_unjudged():
+    """A step that fixes the batch's size (``reshape(1, -1)``) traces at one row per
+    device but not at two: the batch is not judged, and a warning and the plan say so."""
+    tx = optax.sgd(0.1)
+
+    def step(params, opt_state, batch):
+        def loss_of(p):
+            err = jnp.mean((batch[0].reshape(1, -1) @ p["w"] - batch[1]) ** 2, axis=-1)
+            return jnp.sum(err * batch[2]) / jnp.sum(batch[2])
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    params = {"w": jnp.ones((8, 4))}
+    batch = (jnp.ones((8, 8)), jnp.ones((8, 4)), jnp.ones((8,)))
+    pstep = parallelize(step, jax_mesh((8,)), axis="data")
+    with pytest.warns(DiphomaWarning, match="was not judged"):
+        pstep.trace(params, tx.init(params), batch)
+    assert pstep.plan.notes["data-parallel"]["batch_judged"] is False
 
 
 def _picking_step(pick):

@@ -452,10 +452,14 @@ def test_multisteps_is_cut_at_its_layers_over_four_stages():
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5)
 
 
-def test_a_masked_mean_between_pipeline_programs_says_what_to_do():
-    """A masked mean (divided by the mask's sum, each share's own count) over dp=4 x pp=2
-    failed with a placement message for the passes' authors; it now says what the value is
-    and that dividing by the rows runs (it does: parity below)."""
+def test_a_masked_mean_between_pipeline_programs_runs_per_microbatch():
+    """A masked mean (divided by the mask's sum) over dp=4 x pp=2 with 2 microbatches: the
+    count is each device's own scalar, made in one stage program and read in the next.
+    It was refused on the first call (a scalar has no global array to be a piece of),
+    after trace and inspect had planned it; now it is sent between the programs as one
+    element per device. Under a pipeline each microbatch divides by its own count (listed
+    in the plan): the loss and the SGD step are the mean over the 8 shares' masked means,
+    computed here by hand; dividing by the rows is the single-device step's."""
     class Two(nn.Module):
         @nn.compact
         def __call__(self, x):
@@ -467,20 +471,32 @@ def test_a_masked_mean_between_pipeline_programs_says_what_to_do():
     params = model.init(jax.random.key(0), x)["params"]
     tx = optax.sgd(0.1)
 
+    def per_example(p, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, x),
+                                                               y)
+
     def make(by_rows):
         def step(params, opt_state, x, y, keep):
             def lf(p):
-                per = optax.softmax_cross_entropy_with_integer_labels(
-                    model.apply({"params": p}, x), y)
+                per = per_example(p, x, y)
                 return jnp.sum(per * keep) / (keep.size if by_rows else jnp.sum(keep))
             loss, g = jax.value_and_grad(lf)(params)
             up, opt_state = tx.update(g, opt_state, params)
             return optax.apply_updates(params, up), opt_state, loss
         return step
-    with pytest.raises(BackendError, match="each device's own scalar") as e:
-        diphoma_compile.parallelize(make(False), {"dp": 4, "pp": 2}, microbatches=2)(
-            params, tx.init(params), x, y, keep)
-    assert "divide by the rows" in str(e.value)
+
+    def shares_mean(p):         # 4 data shares x 2 microbatches of 2 rows, in order
+        per = per_example(p, x, y).reshape(8, 2)
+        k = keep.reshape(8, 2)
+        return jnp.mean(jnp.sum(per * k, 1) / jnp.sum(k, 1))
+    want_loss, g = jax.value_and_grad(shares_mean)(params)
+    want = jax.tree.map(lambda w, d: w - 0.1 * d, params, g)
+    pstep = diphoma_compile.parallelize(make(False), {"dp": 4, "pp": 2}, microbatches=2)
+    got = pstep(params, tx.init(params), x, y, keep)
+    np.testing.assert_allclose(float(got[2]), float(want_loss), rtol=1e-6)
+    assert max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in
+               zip(jax.tree.leaves(want), jax.tree.leaves(got[0]))) <= 1e-6
+    assert pstep.plan.notes["pipeline"]["batch_counted"]
     step = make(True)
     want = jax.jit(step)(params, tx.init(params), x, y, keep)
     got = diphoma_compile.parallelize(step, {"dp": 4, "pp": 2}, microbatches=2)(

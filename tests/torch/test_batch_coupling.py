@@ -565,3 +565,62 @@ def test_batch_first_attention_is_not_found(layer):
     assert batch_coupling(diphoma_compile.trace(step, model, _sgd(model), x, y)) == []
     found = batch_coupling(diphoma_compile.trace(step, seq_first, _sgd(seq_first), x, y))
     assert found and found[0].certain and "combines different examples" in found[0].why
+
+
+def test_one_row_per_device_is_judged_on_a_trace_at_two_rows():
+    """A share of one row cannot show which dims hold examples, so the step is traced
+    again at two rows per device and judged there: Hugging Face GPT-2's cross-entropy over
+    labels not ignored (-100) is summed over the devices, and a contrastive loss is
+    warned of. Neither was, before (one example per device: nothing judged, no word)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16))
+    ids = torch.randint(0, 64, (1, 8))
+
+    def step(model, opt, ids, labels):
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    pstep = diphoma_compile.parallelize(step, {"dp": 2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DiphomaWarning)
+        pstep.trace(model, _sgd(model), ids, ids.masked_fill(ids > 40, -100))
+    dp = pstep.plan.notes["data-parallel"]
+    assert dp["batch_judged"] is True
+    assert ["nll_loss_forward" in w for w in dp["counted_globally"]] == [True], dp
+    mlp = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+
+    def contrastive(model, opt, x):
+        z = model(x)
+        loss = F.cross_entropy(z @ z.T, torch.arange(x.shape[0]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    pstep = diphoma_compile.parallelize(contrastive, {"dp": 2})
+    with pytest.warns(DiphomaWarning, match="combines examples of its batch"):
+        pstep.trace(mlp, _sgd(mlp), torch.randn(1, 8))
+
+
+def test_one_row_per_device_that_cannot_be_traced_at_two_is_said_unjudged():
+    """A step whose code fixes the batch's size (``x.view(1, -1)``) cannot be traced at two
+    rows per device: the plan and a warning say the batch was not judged, and why that
+    matters (a masked mean stays each device's own)."""
+    torch.manual_seed(0)
+    mlp = MLP(8, 16, 4)
+
+    def step(model, opt, x, y, mask):
+        err = ((model(x.view(1, -1)) - y) ** 2).mean(-1)
+        loss = (err * mask).sum() / mask.sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    pstep = diphoma_compile.parallelize(step, {"dp": 2})
+    with pytest.warns(DiphomaWarning, match="was not judged"):
+        pstep.trace(mlp, _sgd(mlp), torch.randn(1, 8), torch.randn(1, 4), torch.ones(1))
+    assert pstep.plan.notes["data-parallel"]["batch_judged"] is False
+    assert "could not be traced at two rows per device" in pstep.plan.to_text()

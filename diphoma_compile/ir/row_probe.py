@@ -1,0 +1,73 @@
+"""Which values of a step traced at one row per share are which of the same step traced at
+two (the probe the batch analysis reads: ``batch_coupling.split_batch``).
+
+A share of one example cannot show which dims hold the batch's rows: a dim of size 1
+merges into any other. So the frontends trace the step again at two rows per share, and
+what the analysis finds there (a mean over a count, the rows' dim of a value) is carried
+back to the program that runs. The two traces are the same code but need not be the same
+ops: at one row torch skips copies that a size-1 dim makes needless (a ``clone`` before a
+``view`` in Hugging Face's attention), and passes may have dropped dead ops from one of
+them. ``probe_names`` aligns the two op sequences (difflib, on each op's kind, target,
+source line and result ranks) and accepts a pair only where its operands are values
+already matched, looking through copies that keep their operand's shape (a clone, a
+view to the same shape) which one side has and the other does not. What is not matched
+is not carried back: the analysis says less, never something of another value."""
+
+from __future__ import annotations
+
+import difflib
+
+from .core import Graph, Op
+from .framework_ops import framework_rule
+from .opdef import is_view
+from .types import TensorType
+
+def probe_names(graph: Graph, probe: Graph) -> dict[str, str]:
+    """Value name in ``probe`` -> the value of ``graph`` it is (inputs by name; op results
+    where the ops align and read matched values); the values left out have no match."""
+    have = {i.name for i in graph.inputs}
+    names = {i.name: i.name for i in probe.inputs if i.name in have}
+    ours, theirs = list(probe.ops), list(graph.ops)
+    pairs: dict[int, Op] = {}
+    match = difflib.SequenceMatcher(None, [_key(op) for op in ours],
+                                    [_key(op) for op in theirs], autojunk=False)
+    for i, j, size in match.get_matching_blocks():
+        pairs.update((id(ours[i + k]), theirs[j + k]) for k in range(size))
+    paired = {id(op) for op in pairs.values()}
+    types, probe_types = graph.value_types(), probe.value_types()
+    # graph values a copy of theirs makes that the probe has no op for: read through
+    through = {op.results[0].name: op.inputs[0] for op in theirs
+               if id(op) not in paired and _copy(op, types)}
+
+    def root(name: str) -> str:
+        while name in through:
+            name = through[name]
+        return name
+    for op in ours:
+        other = pairs.get(id(op))
+        if other is None:
+            if _copy(op, probe_types) and op.inputs[0] in names:
+                names[op.results[0].name] = names[op.inputs[0]]
+            continue
+        if all(n in names and root(names[n]) == root(m)
+               for n, m in zip(op.inputs, other.inputs)):
+            names.update((v.name, w.name) for v, w in zip(op.results, other.results))
+    return names
+
+
+def _key(op: Op) -> tuple:
+    """What two traces of one op share: its kind, framework target, source line, operand
+    count and result ranks and dtypes (not names, not shapes)."""
+    return (op.name, op.attrs.get("target"), op.loc, len(op.inputs), len(op.regions),
+            tuple((v.type.rank, v.type.dtype) for v in op.results))
+
+
+def _copy(op: Op, types: dict[str, TensorType]) -> bool:
+    """True for an op whose one result is its one operand's value at its shape (a clone, a
+    view to the same shape)."""
+    if len(op.inputs) != 1 or len(op.results) != 1 or op.regions:
+        return False
+    rule = framework_rule(op)
+    if not (is_view(op) or (rule is not None and rule.copies)):
+        return False
+    return op.inputs[0] in types and types[op.inputs[0]].shape == op.results[0].type.shape

@@ -1,0 +1,49 @@
+"""ir/row_probe.py: a step traced at one row per share matched with its probe at two."""
+
+from __future__ import annotations
+
+from diphoma_compile.ir import parse
+from diphoma_compile.ir.batch_coupling import split_batch
+from diphoma_compile.ir.row_probe import probe_names
+
+
+def _graph(rows: int, body: str) -> object:
+    return parse(f"# diphoma-ir v1\ngraph @g (\n  %x: f32[{rows},4] batch,\n"
+                 f"  %m: f32[{rows}] batch,\n  %w: f32[4] param,\n) {{\n{body}\n"
+                 "  return (\n    %loss loss,\n  )\n}\n")
+
+
+# a masked mean: sum(x @ w * m) / sum(m)
+_MASKED = """
+  %y{c}: f32[{r}] = dot(%x, %w) {{lhs_contract=[1], rhs_contract=[0]}} phase=forward
+  %l{c}: f32[{r}] = mul(%y{c}, %m) phase=forward
+  %s{c}: f32[] = reduce_sum(%l{c}) {{dims=[0]}} phase=forward
+  %n{c}: f32[] = reduce_sum(%m) {{dims=[0]}} phase=forward
+  %loss: f32[] = div(%s{c}, %n{c}) phase=forward"""
+
+
+def test_values_match_through_a_copy_only_one_trace_has():
+    """The probe (two rows) copies x before the product, as torch does where one row
+    makes the copy needless; its names differ. Every value of the step is matched, and
+    the masked mean found in the probe is carried to the one-row step's names."""
+    one = _graph(1, _MASKED.format(c="", r=1))
+    two = _graph(2, "  %xc: f32[2,4] = reshape(%x) phase=forward" + _MASKED.format(c="_", r=2)
+                 .replace("dot(%x,", "dot(%xc,"))
+    names = probe_names(one, two)
+    assert {names[k] for k in ("y_", "l_", "s_", "n_", "loss")} == {"y", "l", "s", "n", "loss"}
+    assert split_batch(one).counted == () and not split_batch(one).judged
+    (c,) = split_batch(one, two).counted
+    assert (c.made, c.count) == ("loss", "n")
+
+
+def test_ops_reading_other_values_are_not_matched():
+    """Two ops alike but for what they read: the probe's count sums x's first column
+    where the step sums the mask. Not matched, so the mean over that count is not
+    carried over (the analysis says less, never something of another value)."""
+    one = _graph(1, _MASKED.format(c="", r=1))
+    two = _graph(2, "  %col: f32[2,1] = slice(%x) {limits=[2, 1], starts=[0, 0]}"
+                    " phase=forward\n  %colr: f32[2] = reshape(%col) phase=forward"
+                 + _MASKED.format(c="_", r=2).replace("reduce_sum(%m)", "reduce_sum(%colr)"))
+    names = probe_names(one, two)
+    assert names.get("y_") == "y" and "n_" not in names and "loss" not in names
+    assert split_batch(one, two).counted == ()
