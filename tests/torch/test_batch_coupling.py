@@ -624,3 +624,22 @@ def test_one_row_per_device_that_cannot_be_traced_at_two_is_said_unjudged():
         pstep.trace(mlp, _sgd(mlp), torch.randn(1, 8), torch.randn(1, 4), torch.ones(1))
     assert pstep.plan.notes["data-parallel"]["batch_judged"] is False
     assert "could not be traced at two rows per device" in pstep.plan.to_text()
+
+
+def test_a_sum_loss_at_one_row_per_device_sums_the_gradients():
+    """``reduction="sum"`` at one row per device: found on the trace at two rows, so the
+    devices' gradients and losses add up. Before (nothing judged at one row) they were
+    averaged: 1/N of the single-device step's, with no word."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 4)
+
+    def step(model, opt, x, y):
+        loss = F.mse_loss(model(x), y, reduction="sum")
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    pstep = diphoma_compile.parallelize(step, {"dp": 2})
+    pstep.trace(lin, _sgd(lin), torch.randn(1, 8), torch.randn(1, 4))
+    dp = pstep.plan.notes["data-parallel"]
+    assert dp["gradients"] == "sum" and list(dp["combined"].values()) == ["sum"], dp
