@@ -35,7 +35,9 @@ def count_globally(graph: Graph, counted: Sequence[CountedMean], axis: str, n: i
     """``graph`` (placed by data-parallel on ``axis`` of ``n`` devices) with each of
     ``counted`` that can be (``_exact``) dividing by its count summed over the devices;
     and those."""
-    made = [c for c in counted if _exact(graph, c, counted, axis)]
+    made_by = {v.name: op for op in graph.ops for v in op.results}
+    to_loss = _to_loss(graph, made_by)
+    made = [c for c in counted if _exact(graph, c, counted, axis, made_by, to_loss)]
     done: dict[tuple[str, str], tuple[str, str]] = {}
     for c in made:
         graph = _one(graph, c, axis, n, done)
@@ -57,16 +59,8 @@ def _copies(graph: Graph, name: str) -> set[str]:
     return out
 
 
-def _exact(graph: Graph, c: CountedMean, counted: Sequence[CountedMean], axis: str) -> bool:
-    """Whether the count can be replaced by the summed one everywhere the gradient reads
-    it: every forward op reading the per-device scalars it is made from on the way to the
-    loss is a mean over it of the same kind, or makes such a mean's count (``counted``;
-    another kind scales by other devices' sums, a regulariser divided by it would get the
-    gradient of another loss than the one returned); and no backward op reads those
-    scalars other than as the count itself (their own copies: summing those too is not
-    done)."""
-    copies = _copies(graph, c.count)
-    made_by = {v.name: op for op in graph.ops for v in op.results}
+def _to_loss(graph: Graph, made_by: dict[str, Op]) -> set[str]:
+    """The values the forward computes the loss from (every output's without one)."""
     to_loss: set[str] = set()
     todo = [o.name for o in graph.outputs if o.role.kind is OutputKind.loss] or \
         [o.name for o in graph.outputs]
@@ -76,6 +70,19 @@ def _exact(graph: Graph, c: CountedMean, counted: Sequence[CountedMean], axis: s
             to_loss.add(x)
             if x in made_by and (made_by[x].phase or Phase.forward) is Phase.forward:
                 todo += free_inputs(made_by[x])
+    return to_loss
+
+
+def _exact(graph: Graph, c: CountedMean, counted: Sequence[CountedMean], axis: str,
+           made_by: dict[str, Op], to_loss: set[str]) -> bool:
+    """Whether the count can be replaced by the summed one everywhere the gradient reads
+    it: every forward op reading the per-device scalars it is made from on the way to the
+    loss is a mean over it of the same kind, or makes such a mean's count (``counted``;
+    another kind scales by other devices' sums, a regulariser divided by it would get the
+    gradient of another loss than the one returned); and no backward op reads those
+    scalars other than as the count itself (their own copies: summing those too is not
+    done). ``made_by``: each value's op; ``to_loss``: ``_to_loss``."""
+    copies = _copies(graph, c.count)
     # the means of the same kind over this count or a copy of it (each division by an
     # integer count converts it anew): their counts are summed alike
     same = {x for m in counted if m.numerator == c.numerator for x in (m.made, m.count)}
