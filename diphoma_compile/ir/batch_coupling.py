@@ -217,6 +217,9 @@ class _Summed:
     anything else (or returning it) combines examples, found at ``made_by``."""
 
     made_by: Op
+    # the reciprocal of a count (``1 / sum(mask)``, times constants): its value and the
+    # count's; multiplying a sum over the rows by it is a mean over that count
+    inverse: tuple[str, str] | None = None
 
 
 def _split(p: object) -> bool:
@@ -577,7 +580,11 @@ class _Follow:
             self.set(op, [Shard(0)] * len(outs))
             return
         if op.name != "div" and _scalar_math(actual, ins, outs):
-            self.set(op, [_Summed(op)] * len(outs))     # judged by its reader
+            inverse = (op.results[0].name, op.inputs[0]) if op.name == "reciprocal" else None
+            self.set(op, [_Summed(op, inverse)] * len(outs))     # judged by its reader
+            return
+        if self.reciprocal(op, actual, ins, outs):      # 1 / sum(mask)
+            self.set(op, [_Summed(op, (op.results[0].name, op.inputs[1]))])
             return
         why = _why(op, actual)
         if why is _COUNT and self.whole_over_count(op, actual):
@@ -585,7 +592,7 @@ class _Follow:
         certain = why is not _COUNT      # a division by a sum: exact when shares sum alike
         self.report(op, why, certain=certain)
         if not certain:
-            self.note_count(op)
+            self.note_count(op, *op.inputs, op.results[0].name)
         # a mean over a count stays followed (a weight decay term may be added to it)
         self.set(op, [_UNKNOWN if certain else Partial("avg")] * len(outs))
 
@@ -727,22 +734,64 @@ class _Follow:
                      outs: Sequence[TensorType]) -> None:
         """An op reading a scalar of sums: a division by it is a mean over a count; more
         scalar math keeps it a scalar of sums; anything else combines examples."""
-        if op.name == "div" and len(actual) == 2 and isinstance(actual[1], _Summed) \
+        inverse = self.over_inverse(op, actual)
+        if self.reciprocal(op, actual, ins, outs):      # 1 / max(sum(mask), 1)
+            self.set(op, [_Summed(actual[1].made_by, (op.results[0].name, op.inputs[1]))])
+        elif op.name == "div" and len(actual) == 2 and isinstance(actual[1], _Summed) \
                 and not isinstance(actual[0], _Summed):
             self.counts.add(id(actual[1].made_by))   # backward reads it too: that is fine
             whole = self.whole_over_count(op, actual)
             self.report(op, _WHOLE_OVER_COUNT if whole else _COUNT, certain=whole)
             if not whole:
-                self.note_count(op)
+                self.note_count(op, *op.inputs, op.results[0].name)
+            self.set(op, [Partial("avg")] * len(outs))
+        elif inverse is not None:          # a sum over the rows times 1 / its count
+            numerator, (made, count) = inverse
+            self.counts.add(id(next(a for a in actual if isinstance(a, _Summed)).made_by))
+            self.report(op, _COUNT, certain=False)
+            self.note_count(op, numerator, count, made)
             self.set(op, [Partial("avg")] * len(outs))
         elif _scalar_math(actual, ins, outs):
-            made = next(a for a in actual if isinstance(a, _Summed)).made_by
-            self.set(op, [_Summed(made)] * len(outs))
+            summed = [a for a in actual if isinstance(a, _Summed)]
+            inv = summed[0].inverse if len(summed) == 1 and op.name in (
+                "mul", "convert") and self.constants_beside(op, actual) else None
+            if op.name == "reciprocal":
+                inv = (op.results[0].name, op.inputs[0])
+            self.set(op, [_Summed(summed[0].made_by, inv)] * len(outs))
         else:
             made = {id(a.made_by): a.made_by for a in actual if isinstance(a, _Summed)}
             for m in made.values():
                 self.report(m, _NONLINEAR, certain=True)
             self.set(op, [_UNKNOWN] * len(outs))
+
+    def reciprocal(self, op: Op, actual: Sequence[object], ins: Sequence[TensorType],
+                   outs: Sequence[TensorType]) -> bool:
+        """A constant divided by a count of the batch (``1 / sum(mask)``): the count's
+        reciprocal, a mean when it multiplies a sum over the rows (``over_inverse``)."""
+        return op.name == "div" and len(actual) == 2 and _scalar_math(actual, ins, outs) \
+            and isinstance(actual[1], (Partial, _Summed)) and not _split(actual[0]) and \
+            (not isinstance(actual[1], Partial) or actual[1].op in ("sum", "avg")) and \
+            not self.reads_param(op.inputs[0])
+
+    def constants_beside(self, op: Op, actual: Sequence[object]) -> bool:
+        """Whether every operand of ``op`` but the scalar of sums it reads is a whole value
+        no parameter reaches (a constant, a hyperparameter)."""
+        return all(isinstance(a, _Summed) or (not _split(a) and not self.reads_param(n))
+                   for n, a in zip(op.inputs, actual))
+
+    def over_inverse(self, op: Op, actual: Sequence[object]
+                     ) -> tuple[str, tuple[str, str]] | None:
+        """(the numerator, the count's reciprocal and the count) where ``op`` multiplies a
+        sum or mean over the rows by a count's reciprocal (``sum(l * m) * (1 /
+        sum(m))``), else None."""
+        if op.name != "mul" or len(actual) != 2:
+            return None
+        for k in (0, 1):
+            num, inv = actual[k], actual[1 - k]
+            if isinstance(num, Partial) and num.op in ("sum", "avg") and \
+                    isinstance(inv, _Summed) and inv.inverse is not None:
+                return op.inputs[k], inv.inverse
+        return None
 
     def whole_over_count(self, op: Op, actual: Sequence[object]) -> bool:
         """A division of a whole value of the parameters (a weight decay term) by a count
@@ -751,12 +800,12 @@ class _Follow:
         a mean's reciprocal.)"""
         return not _split(actual[0]) and self.reads_param(op.inputs[0])
 
-    def note_count(self, op: Op) -> None:
-        """Note the division ``op``, just reported, as a ``CountedMean`` where its count
+    def note_count(self, op: Op, numerator: str, count: str, made: str) -> None:
+        """Note the division ``op`` (``numerator / count``; or ``numerator`` times the
+        count's reciprocal ``made``), just reported, as a ``CountedMean`` where its count
         can be summed over the shares: a float made from sums over the rows (by scalar
         math on them and on whole values) that reads no parameter, so that no gradient
         flows through it, and a numerator that is a sum or a mean over the rows."""
-        numerator, count = op.inputs
         how = self.state(numerator)
         if not isinstance(how, Partial) or how.op not in ("sum", "avg") or \
                 not self.types[count].dtype.is_float or self.reads_param(count):
@@ -769,7 +818,7 @@ class _Follow:
         math: set[str] = set()
         if self.count_parts(count, sums, math):
             self.counted.append(CountedMean(
-                op.results[0].name, count, tuple(sums.items()),
+                made, count, tuple(sums.items()),
                 tuple(sorted(math, key=self.position.__getitem__)), how.op, self.found[-1],
                 shifts=tuple(self.shifted[m] for m in math if m in self.shifted)))
 

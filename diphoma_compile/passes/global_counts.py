@@ -153,7 +153,13 @@ def _one(graph: Graph, c: CountedMean, axis: str, n: int,
         elif mean is not None and c.made in op.inputs:
             op = op.replace(inputs=tuple(mean if x == c.made else x for x in op.inputs))
         elif mean is None and c.made in {v.name for v in op.results}:
-            op = op.replace(inputs=(op.inputs[0], count))
+            # the division by the count (or the count's reciprocal) reads the summed one,
+            # as each device's own value where nothing else it reads is (its result stays
+            # per device, as typed)
+            own = any(types[x].placement(axis) == VARYING for x in op.inputs
+                      if x != c.count)
+            op = op.replace(inputs=tuple((count if own else varying) if x == c.count else x
+                                         for x in op.inputs))
         if op.phase is Phase.backward and copies & set(op.inputs):
             op = op.replace(inputs=tuple(varying if x in copies else x for x in op.inputs))
         ops.append(op)

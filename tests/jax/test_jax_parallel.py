@@ -544,6 +544,8 @@ def _masked_mean_step(tx, count="clamp"):
                 return jnp.sum(err * batch[2]) / (jnp.sum(batch[2] > 0) + 1e-6)
             if count == "plain":
                 return jnp.sum(err * batch[2]) / jnp.sum(batch[2])
+            if count == "reciprocal":       # times the clamped count's reciprocal
+                return jnp.sum(err * batch[2]) * (1.0 / jnp.maximum(jnp.sum(batch[2]), 1.0))
             return jnp.sum(err * batch[2]) / jnp.maximum(jnp.sum(batch[2]), 1.0)
         loss, grads = jax.value_and_grad(loss_of)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -551,7 +553,7 @@ def _masked_mean_step(tx, count="clamp"):
     return step
 
 
-@pytest.mark.parametrize("count", ["clamp", "int + eps"])
+@pytest.mark.parametrize("count", ["clamp", "int + eps", "reciprocal"])
 def test_a_mean_over_a_count_of_the_batch_divides_by_the_devices_summed_count(count):
     """sum(err * mask) / max(sum(mask), 1) with a mask that counts differently on each of 8
     devices (some count none): each device divides by the count summed over the devices,
@@ -559,7 +561,9 @@ def test_a_mean_over_a_count_of_the_batch_divides_by_the_devices_summed_count(co
     warning. With counts=local (each device's own count, as DDP) the same step lands far
     from it: the test's data can tell the two apart. An integer count plus a constant
     (``sum(mask > 0) + 1e-6``) adds the constant once, to the summed count (it was added
-    on every device, 8x the loss, when a review probed it)."""
+    on every device, 8x the loss, when a review probed it). A sum times the count's
+    reciprocal (``* (1 / max(sum(mask), 1))``) is the same mean (warned of as combining
+    examples, and left each device's own, before 2026-12-06)."""
     tx = optax.adam(0.05)
     step = _masked_mean_step(tx, count)
     k = jax.random.split(jax.random.key(0), 4)
@@ -582,7 +586,7 @@ def test_a_mean_over_a_count_of_the_batch_divides_by_the_devices_summed_count(co
         dev[counts] = (max(losses), max_rel_dev(rp, op), pstep.plan.to_text())
         notes = pstep.plan.notes["data-parallel"]
         listed = notes["counted_globally" if counts == "global" else "batch_counted"]
-        assert len(listed) == 1 and "(div): divides by a sum over the batch" in listed[0]
+        assert len(listed) == 1 and "divides by a sum over the batch" in listed[0]
     assert dev["global"][0] <= 1e-6 and dev["global"][1] <= 1e-5, dev
     if count != "clamp":
         return

@@ -387,7 +387,8 @@ def test_a_mask_count_is_listed_not_warned(counts):
 
 
 @pytest.mark.parametrize("case, exact", [
-    ("long mask", True), ("plus eps", True), ("other numerator", False),
+    ("long mask", True), ("plus eps", True), ("reciprocal", True), ("one over", True),
+    ("other numerator", False),
     ("regulariser", False), ("chunks", False)])
 def test_which_means_over_counts_are_summed_over_the_devices(case, exact):
     """An integer mask's count (HF's int64 attention masks: the division's backward converts
@@ -397,7 +398,9 @@ def test_which_means_over_counts_are_summed_over_the_devices(case, exact):
     another loss than the one returned), counts of chunks of the rows (gradient
     accumulation inside the step: summed over the devices, a chunk's count is not the
     batch's chunk's). Each was run on 2 gloo ranks while a review probed it (the first two
-    now within 3e-8 of the single-device step)."""
+    now within 3e-8 of the single-device step). A sum times the count's reciprocal is
+    the same mean (warned of as combining examples before 2026-12-06; 2 gloo ranks:
+    distributed check ``counted_means``)."""
     torch.manual_seed(0)
     mlp = MLP(8, 16, 4)
     x, y = torch.randn(8, 8), torch.randn(8, 4)
@@ -409,6 +412,10 @@ def test_which_means_over_counts_are_summed_over_the_devices(case, exact):
             return (per * mask).sum() / mask.sum()
         if case == "plus eps":
             return (per * mask).sum() / (mask.sum() + 1e-6)
+        if case == "reciprocal":      # times the clamped count's reciprocal
+            return (per * mask).sum() * mask.sum().clamp(min=1).reciprocal()
+        if case == "one over":
+            return (per * mask).sum() * (1 / mask.sum())
         c = mask.sum()
         if case == "other numerator":
             return (per * mask).sum() / c + ((per * mask).mean() / c)

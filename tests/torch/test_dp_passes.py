@@ -260,3 +260,32 @@ def test_golden_means_over_counts_divide_by_the_summed_count(golden):
     assert not any(op.name == "all_reduce" and op.phase is Phase.forward and
                    op.attrs["op"] == "sum" for op in local.ops)
     assert len(ctx.decisions["data-parallel"].batch_counted) == 2
+
+
+def _reciprocal_step(model, opt, x, y, m):
+    """A masked mean written as a sum times the clamped count's reciprocal."""
+    per = ((model(x) - y) ** 2).mean(-1)
+    loss = (per * m).sum() * (1 / m.sum().clamp(min=1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def test_golden_a_sum_times_a_counts_reciprocal_divides_by_the_summed_count(golden):
+    """``sum(l * m) * (1 / max(sum(m), 1))``: the reciprocal is taken of the clamp run
+    again on the mask's sum over the devices (divided by N), read as each device's own
+    value (``as_varying``), as the product it meets is typed."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    g = diphoma_compile.trace(_reciprocal_step, model, opt, x, y,
+                              torch.tensor([1.0, 0.0, 1.0, 1.0]))
+    out, ctx = run(g.replace(mesh=Mesh({"dp": N})), "dce,data-parallel,dce")
+    text = print_graph(out)
+    assert parse(text) == out
+    golden("torch_linear_count_reciprocal.dp.ir", text)
+    assert len(ctx.decisions["data-parallel"].counted_globally) == 1
+    (recip,) = [op for op in out.ops if op.name == "reciprocal"]
+    assert recip.inputs[0].endswith(".v")               # the summed, clamped count
