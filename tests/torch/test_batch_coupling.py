@@ -54,6 +54,25 @@ def masked_step(model, opt, x, y, mask):
     return loss
 
 
+def self_contrastive_step(model, opt, x):
+    """Each example's output against every other's: a contrastive loss over the batch."""
+    z = model(x)
+    loss = F.cross_entropy(z @ z.T, torch.arange(x.shape[0]))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def hf_labelled_step(model, opt, ids, labels):
+    """A Hugging Face model's own loss of its labels (-100: ignored)."""
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
 def _sgd(model):
     return torch.optim.SGD(model.parameters(), lr=0.1)
 
@@ -456,14 +475,7 @@ def test_the_pipeline_warns_per_microbatch():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
 
-    def step(model, opt, x):
-        z = model(x)
-        loss = F.cross_entropy(z @ z.T, torch.arange(x.shape[0]))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-    pstep = diphoma_compile.parallelize(step, {"pp": 2}, microbatches=2)
+    pstep = diphoma_compile.parallelize(self_contrastive_step, {"pp": 2}, microbatches=2)
     with pytest.warns(DiphomaWarning, match="each microbatch computes it alone"):
         pstep.trace(model, _sgd(model), torch.randn(8, 8))
     assert len(pstep.plan.notes["pipeline"]["batch_coupled"]) == 1
@@ -497,16 +509,9 @@ def test_hugging_face_clip_is_warned_of_and_distilbert_mlm_listed():
     bert = transformers.DistilBertForMaskedLM(transformers.DistilBertConfig(
         vocab_size=64, dim=16, n_layers=1, n_heads=2, hidden_dim=32,
         max_position_embeddings=16))
-
-    def mlm_step(model, opt, ids, labels):
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
     ids = torch.randint(0, 64, (4, 16))
     labels = ids.masked_fill(torch.rand(4, 16) < 0.85, -100)
-    pstep = diphoma_compile.parallelize(mlm_step, {"dp": 2})
+    pstep = diphoma_compile.parallelize(hf_labelled_step, {"dp": 2})
     with warnings.catch_warnings():
         warnings.simplefilter("error", DiphomaWarning)
         pstep.trace(bert, _sgd(bert), ids, labels)
@@ -584,14 +589,7 @@ def test_one_row_per_device_is_judged_on_a_trace_at_two_rows():
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16))
     ids = torch.randint(0, 64, (1, 8))
-
-    def step(model, opt, ids, labels):
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-    pstep = diphoma_compile.parallelize(step, {"dp": 2})
+    pstep = diphoma_compile.parallelize(hf_labelled_step, {"dp": 2})
     with warnings.catch_warnings():
         warnings.simplefilter("error", DiphomaWarning)
         pstep.trace(model, _sgd(model), ids, ids.masked_fill(ids > 40, -100))
@@ -599,15 +597,7 @@ def test_one_row_per_device_is_judged_on_a_trace_at_two_rows():
     assert dp["batch_judged"] is True
     assert ["nll_loss_forward" in w for w in dp["counted_globally"]] == [True], dp
     mlp = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
-
-    def contrastive(model, opt, x):
-        z = model(x)
-        loss = F.cross_entropy(z @ z.T, torch.arange(x.shape[0]))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-    pstep = diphoma_compile.parallelize(contrastive, {"dp": 2})
+    pstep = diphoma_compile.parallelize(self_contrastive_step, {"dp": 2})
     with pytest.warns(DiphomaWarning, match="combines examples of its batch"):
         pstep.trace(mlp, _sgd(mlp), torch.randn(1, 8))
 
