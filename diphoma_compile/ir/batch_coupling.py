@@ -100,6 +100,8 @@ class BatchSplit:
     counted: tuple[CountedMean, ...] = ()
     # False: not analysed (every batch input of one row and no probe at two rows)
     judged: bool = True
+    # True: analysed on the step traced at two rows per share (each share has one)
+    probed: bool = False
 
 
 def split_batch(graph: Graph, probe: Graph | None = None) -> BatchSplit:
@@ -162,7 +164,7 @@ def _kept_in(split: BatchSplit, graph: Graph, probe: Graph) -> BatchSplit:
     return BatchSplit(split.couplings,
                       {outputs[k]: v for k, v in split.combine.items() if k in outputs},
                       {names[k]: v for k, v in split.rows.items() if k in names},
-                      tuple(counted))
+                      tuple(counted), probed=True)
 
 
 def batch_coupling(graph: Graph) -> list[Coupling]:

@@ -172,6 +172,9 @@ class DataParallelRecord:
     # False: each device's share has one row and the step could not be traced at two, so
     # whether its forward combines examples was not judged (ir/batch_coupling.py)
     batch_judged: bool = True
+    # True: each device's share has one row, and the batch was judged on the step traced
+    # at two rows per device
+    batch_probed: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's ``notes["data-parallel"]`` (docs/plan.md)."""
@@ -182,7 +185,7 @@ class DataParallelRecord:
                 "batch_counted": list(self.batch_counted), "gradients": self.gradients,
                 "random_per_row": list(self.random_per_row),
                 "counted_globally": list(self.counted_globally),
-                "batch_judged": self.batch_judged}
+                "batch_judged": self.batch_judged, "batch_probed": self.batch_probed}
 
 
 @register_pass
@@ -217,7 +220,7 @@ class DataParallel(Pass):
             split.record(*split_notes([c for c in split.analysis.couplings
                                        if id(c) not in exact])),
             counted_globally=tuple(dict.fromkeys(str(c.coupling) for c in made)),
-            batch_judged=split.analysis.judged)
+            batch_judged=split.analysis.judged, batch_probed=split.analysis.probed)
         return out
 
 

@@ -315,6 +315,10 @@ def _data_parallel_lines(dp: DataParallelRecord | None) -> list[str]:
                       "step in distribution, not bit for bit"]
     if not dp.batch_judged:
         lines += ["", _UNJUDGED]
+    elif dp.batch_probed:
+        lines += ["", "each device's share of the batch has one row, which cannot show "
+                      "which dims hold examples: the batch was judged on the step traced "
+                      "again at two rows per device"]
     if dp.counted_globally:
         lines += ["", "means over counts of the batch (a masked mean, the targets not "
                       "ignored): each device divides its sum by the count summed over the "

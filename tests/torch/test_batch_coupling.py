@@ -594,7 +594,8 @@ def test_one_row_per_device_is_judged_on_a_trace_at_two_rows():
         warnings.simplefilter("error", DiphomaWarning)
         pstep.trace(model, _sgd(model), ids, ids.masked_fill(ids > 40, -100))
     dp = pstep.plan.notes["data-parallel"]
-    assert dp["batch_judged"] is True
+    assert dp["batch_judged"] is True and dp["batch_probed"] is True
+    assert "judged on the step traced again at two rows" in pstep.plan.to_text()
     assert ["nll_loss_forward" in w for w in dp["counted_globally"]] == [True], dp
     mlp = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
     pstep = diphoma_compile.parallelize(self_contrastive_step, {"dp": 2})
