@@ -29,6 +29,7 @@ from .errors import DiphomaError, DiphomaWarning, MeshError, no_keywords
 from .framework import Framework
 from .ir.analysis import runs_on_one_device
 from .ir.batch_coupling import one_row_per_share
+from .ir.row_probe import RowProbe
 from .ir.device_model import (MODELS, DeviceModel, check, device_model, model_for_device,
                               register)
 from .ir.core import Graph, InputKind
@@ -304,7 +305,7 @@ def argnums(batch_argnums: int | Iterable[int] | None) -> tuple[int, ...] | None
 
 def trace_step(step_fn: Callable, args: tuple, mesh: Mesh, axis: str,
                batch_argnums: tuple[int, ...] | None = None, microbatches: int = 1, *,
-               codegen: str | None = None) -> tuple[Framework, Graph, Any, Graph | None]:
+               codegen: str | None = None) -> tuple[Framework, Graph, Any, RowProbe | None]:
     """(framework, the step's IR traced per device, what the backend needs besides it, a
     probe): PyTorch at the local batch each rank passes; JAX at the global batch / N, the
     batch being the arguments ``batch_argnums`` (None: inferred by the framework); under a
@@ -318,22 +319,23 @@ def trace_step(step_fn: Callable, args: tuple, mesh: Mesh, axis: str,
                                   codegen=codegen, **kw)
     probe = None
     if one_row_per_share(graph) and (microbatches > 1 or dict(mesh.axes).get(axis, 1) > 1):
-        probe = batch_probe(fw, step_fn, args, mesh, axis, batch_argnums, kw)
+        probe = batch_probe(fw, graph, step_fn, args, mesh, axis, batch_argnums, kw)
     return fw, graph, extra, probe
 
 
-def batch_probe(fw: Framework, step_fn: Callable, args: tuple, mesh: Mesh, axis: str,
-                batch_argnums: tuple[int, ...] | None, kw: dict) -> Graph | None:
-    """The step traced at two rows per share, for the batch analysis
-    (``ir/batch_coupling.py``: a share of one row cannot show which dims are its rows), or
-    None where it cannot be (its code fixes the batch's size: the plan then says the batch
-    was not judged)."""
+def batch_probe(fw: Framework, graph: Graph, step_fn: Callable, args: tuple, mesh: Mesh,
+                axis: str, batch_argnums: tuple[int, ...] | None, kw: dict) -> RowProbe | None:
+    """The step traced at two rows per share, matched value by value with ``graph``, the
+    step as traced at one (``ir/row_probe.py``), for the batch analysis
+    (``ir/batch_coupling.py``: a share of one row cannot show which dims are its rows); or
+    None where it cannot be traced (its code fixes the batch's size: the plan then says
+    the batch was not judged)."""
     try:
         probe, _ = fw.trace_local(step_fn, args, mesh, axis, batch_argnums=batch_argnums,
                                   two_rows=True, **kw)
     except Exception:       # any failure (x.view(1, -1)) leaves the batch unjudged
         return None
-    return probe
+    return RowProbe.of(graph, probe)
 
 
 def chosen_device_model(model: str | DeviceModel | None) -> str | DeviceModel | None:
@@ -407,7 +409,7 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
                ctx: PassContext, device_model: str = DEFAULT_DEVICE_MODEL,
                shard_params: bool = False, pipeline: PipelineParallel | None = None,
                compression: str | None = None, local: int = 0,
-               warn: bool = True, probe: Graph | None = None) -> tuple[Graph, Plan]:
+               warn: bool = True, probe: RowProbe | None = None) -> tuple[Graph, Plan]:
     """The graph placed on ``mesh`` after the pipeline (``passes``, or the default one for
     the framework and the model's gradient bytes), and its plan, with the step time
     estimated on ``device_model`` (a name in ``ir.device_model.MODELS``). With ``warn``, a

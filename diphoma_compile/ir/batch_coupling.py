@@ -31,7 +31,7 @@ from .analysis import free_inputs
 from .core import Graph, InputKind, Op, OutputKind, Phase
 from .framework_ops import FrameworkOpRule, framework_rule
 from .opdef import is_view, op_def, random_draw
-from .row_probe import probe_names
+from .row_probe import RowProbe
 from .strategies import (Strategy, group_counts, no_strategies, replicate_only,
                          strategies_of)
 from .types import REPLICATE, Partial, Placement, Replicate, Shard, TensorType
@@ -102,20 +102,23 @@ class BatchSplit:
     judged: bool = True
     # True: analysed on the step traced at two rows per share (each share has one)
     probed: bool = False
+    # the means over counts found there that have no match in the step that runs
+    unmatched: tuple[str, ...] = ()
 
 
-def split_batch(graph: Graph, probe: Graph | None = None) -> BatchSplit:
+def split_batch(graph: Graph, probe: RowProbe | None = None) -> BatchSplit:
     """``BatchSplit`` of ``graph``. When every batch input holds one row (a share of one
     example, as traced: its rows cannot be told from the dimensions they merge into), the
     analysis runs on ``probe``, the same step traced at two rows per share (the frontends
     trace it, ``api.trace_step``), and is carried back to the values ``graph`` has alike
-    (``row_probe.py``); without one, nothing is found and ``judged`` is False. A batch
+    (``row_probe.py``); without one, nothing is found and ``judged`` is False, and so it
+    is where a mean over a count found there has no match in ``graph``. A batch
     input of one row beside others of more (a temperature passed with the batch) is taken
     as whole."""
     if one_row_per_share(graph):
-        if probe is None or one_row_per_share(probe):
+        if probe is None or one_row_per_share(probe.graph):
             return BatchSplit((), {}, judged=False)
-        return _kept_in(split_batch(probe), graph, probe)
+        return _kept_in(split_batch(probe.graph), graph, probe)
     follow = _Follow(graph)
     found = tuple(follow.run())
     combine = {o.name: s.op for o in graph.outputs
@@ -133,38 +136,40 @@ def one_row_per_share(graph: Graph) -> bool:
     return bool(rows) and all(r == 1 for r in rows)
 
 
-def _kept_in(split: BatchSplit, graph: Graph, probe: Graph) -> BatchSplit:
-    """``split`` (of ``probe``, ``graph``'s step traced at two rows per share) for
-    ``graph``, through the values the two have alike (``row_probe.probe_names``): what
-    names a value without a match is left out (a count whose values do not all match stays
-    each device's own)."""
-    names = probe_names(graph, probe)
-    types = graph.value_types()
+def _kept_in(split: BatchSplit, graph: Graph, probe: RowProbe) -> BatchSplit:
+    """``split`` (of ``probe``'s graph, ``graph``'s step traced at two rows per share)
+    for ``graph``, through the values the two traces have alike (``probe.names``) that
+    ``graph`` still has (a pass may have dropped dead ones). A mean over a count whose
+    values do not all match is left out, named in ``unmatched``, and the split is not
+    ``judged``: it would stay each device's own mean, and the plan must say so."""
+    have = graph.value_types()
+    names = {k: v for k, v in probe.names.items() if v in have}
     made_by = {v.name: op for op in graph.ops for v in op.results}
-    counted = []
+    counted, unmatched = [], []
     for c in split.counted:
         used = (c.made, c.count, *(n for n, _ in c.sums), *c.math)
-        if not all(n in names for n in used):
-            continue
         summing = None
-        if c.summing is not None:       # the op summing its rows, made from graph's own
-            op = made_by[names[c.made]]
-            rule = framework_rule(op)
+        if all(n in names for n in used) and c.summing is not None:
+            # the op summing its rows, made from graph's own
+            op = made_by.get(names[c.made])
+            rule = framework_rule(op) if op is not None else None
             row_sum = rule.row_sum if rule is not None else None
-            found = row_sum(op, [types[n] for n in op.inputs],
+            found = row_sum(op, [have[n] for n in op.inputs],
                             [v.type for v in op.results]) if row_sum is not None else None
-            if found is None:
-                continue
-            summing = found[0]
+            summing = found[0] if found is not None else None
+        if not all(n in names for n in used) or (c.summing is not None and summing is None):
+            unmatched.append(str(c.coupling))
+            continue
         counted.append(replace(
             c, made=names[c.made], count=names[c.count],
             sums=tuple((names[n], how) for n, how in c.sums),
             math=tuple(names[n] for n in c.math), summing=summing))
-    outputs = {p.name: g.name for p, g in zip(probe.outputs, graph.outputs)}
+    outputs = {p.name: g.name for p, g in zip(probe.graph.outputs, graph.outputs)}
     return BatchSplit(split.couplings,
                       {outputs[k]: v for k, v in split.combine.items() if k in outputs},
                       {names[k]: v for k, v in split.rows.items() if k in names},
-                      tuple(counted), probed=True)
+                      tuple(counted), judged=not unmatched, probed=True,
+                      unmatched=tuple(dict.fromkeys(unmatched)))
 
 
 def batch_coupling(graph: Graph) -> list[Coupling]:

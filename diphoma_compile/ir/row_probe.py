@@ -16,23 +16,59 @@ is not carried back: the analysis says less, never something of another value.""
 from __future__ import annotations
 
 import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from .core import Graph, Op
 from .framework_ops import framework_rule
 from .opdef import is_view
 from .types import TensorType
 
+
+@dataclass(frozen=True)
+class RowProbe:
+    """A step traced at two rows per share (``graph``) and which value of the step traced
+    at one row each of its values is (``names``, from ``probe_names``: both traces as
+    the frontend made them, before any pass)."""
+
+    graph: Graph
+    names: Mapping[str, str]
+
+    @staticmethod
+    def of(traced: Graph, probe: Graph) -> RowProbe:
+        """The probe ``probe`` of the step ``traced`` at one row per share."""
+        return RowProbe(probe, probe_names(traced, probe))
+
+
 def probe_names(graph: Graph, probe: Graph) -> dict[str, str]:
     """Value name in ``probe`` -> the value of ``graph`` it is (inputs by name; op results
-    where the ops align and read matched values); the values left out have no match."""
-    have = {i.name for i in graph.inputs}
-    names = {i.name: i.name for i in probe.inputs if i.name in have}
+    where the ops align, their shapes fit (``_fits``) and they read matched values); the
+    values left out have no match.
+
+    Ops are aligned on their kind, target, source line and result ranks; in the stretches
+    left between, on all but the ranks (JAX picks one label per row with a gather whose
+    index drops a dim of size 1 at one row). A pair whose results do not fit, made by ops
+    reading matched values (``links``: the same computation at another shape), lets the
+    ops after it be matched, but its own results are not named: what is carried back
+    must be the same value at the same layout. An op reading nothing must fit (the
+    rows' ``arange(1)`` is not the heads' ``arange(12)``)."""
+    have = {i.name: i.value.type for i in graph.inputs}
+    names = {i.name: i.name for i in probe.inputs
+             if i.name in have and _fits(i.value.type, have[i.name])}
+    links = dict(names)
     ours, theirs = list(probe.ops), list(graph.ops)
     pairs: dict[int, Op] = {}
     match = difflib.SequenceMatcher(None, [_key(op) for op in ours],
                                     [_key(op) for op in theirs], autojunk=False)
-    for i, j, size in match.get_matching_blocks():
-        pairs.update((id(ours[i + k]), theirs[j + k]) for k in range(size))
+    for tag, i1, i2, j1, j2 in match.get_opcodes():
+        if tag == "equal":
+            pairs.update((id(ours[i1 + k]), theirs[j1 + k]) for k in range(i2 - i1))
+        elif tag == "replace":
+            gap = difflib.SequenceMatcher(None, [_key(op)[:-1] for op in ours[i1:i2]],
+                                          [_key(op)[:-1] for op in theirs[j1:j2]],
+                                          autojunk=False)
+            for i, j, size in gap.get_matching_blocks():
+                pairs.update((id(ours[i1 + i + k]), theirs[j1 + j + k]) for k in range(size))
     paired = {id(op) for op in pairs.values()}
     types, probe_types = graph.value_types(), probe.value_types()
     # graph values a copy of theirs makes that the probe has no op for: read through
@@ -46,11 +82,18 @@ def probe_names(graph: Graph, probe: Graph) -> dict[str, str]:
     for op in ours:
         other = pairs.get(id(op))
         if other is None:
-            if _copy(op, probe_types) and op.inputs[0] in names:
-                names[op.results[0].name] = names[op.inputs[0]]
+            if _copy(op, probe_types) and op.inputs[0] in links:
+                links[op.results[0].name] = links[op.inputs[0]]
+                if op.inputs[0] in names:
+                    names[op.results[0].name] = names[op.inputs[0]]
             continue
-        if all(n in names and root(names[n]) == root(m)
-               for n, m in zip(op.inputs, other.inputs)):
+        if not all(n in links and root(links[n]) == root(m)
+                   for n, m in zip(op.inputs, other.inputs)):
+            continue
+        fit = all(_fits(v.type, w.type) for v, w in zip(op.results, other.results))
+        if fit or op.inputs:
+            links.update((v.name, w.name) for v, w in zip(op.results, other.results))
+        if fit:
             names.update((v.name, w.name) for v, w in zip(op.results, other.results))
     return names
 
@@ -60,6 +103,13 @@ def _key(op: Op) -> tuple:
     count and result ranks and dtypes (not names, not shapes)."""
     return (op.name, op.attrs.get("target"), op.loc, len(op.inputs), len(op.regions),
             tuple((v.type.rank, v.type.dtype) for v in op.results))
+
+
+def _fits(two: TensorType, one: TensorType) -> bool:
+    """Whether a value of shape ``two`` at two rows per share can be one of shape ``one``
+    at one row: each dim the same, or twice it (the rows, or a dim they merge into). (An
+    ``arange(1)`` of the rows is not an ``arange(12)`` of the heads.)"""
+    return two.rank == one.rank and all(a in (b, 2 * b) for a, b in zip(two.shape, one.shape))
 
 
 def _copy(op: Op, types: dict[str, TensorType]) -> bool:

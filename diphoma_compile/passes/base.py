@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 from ..errors import DiphomaError, PassSpecError
 from ..ir.core import Graph, Op
+from ..ir.row_probe import RowProbe
 
 ENTRY_POINT_GROUP = "diphoma_compile.passes"
 
@@ -58,7 +59,7 @@ class PassContext:
     decisions: dict[str, Decision] = field(default_factory=dict)
     # the step traced at two rows per share where the graph has one: what the batch
     # analysis reads then (ir/batch_coupling.py's split_batch; api.trace_step traces it)
-    batch_probe: Graph | None = None
+    batch_probe: RowProbe | None = None
 
     def wants_dump(self, name: str) -> bool:
         """True when the IR after pass ``name`` should be dumped."""

@@ -30,6 +30,7 @@ from ..ir.analysis import free_inputs
 from ..ir.batch_coupling import split_batch, split_notes
 from ..ir.framework_ops import framework_rule
 from ..ir.ops import draws_from_a_key, op_def, random_draw
+from ..ir.row_probe import RowProbe
 from ..ir.sharding_rules import propagate
 from ..ir.types import REPLICATE, VARYING, TensorType, Varying
 from .base import Pass, PassContext, PassFailure, register_pass
@@ -175,6 +176,9 @@ class DataParallelRecord:
     # True: each device's share has one row, and the batch was judged on the step traced
     # at two rows per device
     batch_probed: bool = False
+    # means over counts found on that trace with no match in the step that runs (its
+    # code branches on the batch's size): each device's own, and the batch not judged
+    batch_unmatched: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's ``notes["data-parallel"]`` (docs/plan.md)."""
@@ -185,7 +189,8 @@ class DataParallelRecord:
                 "batch_counted": list(self.batch_counted), "gradients": self.gradients,
                 "random_per_row": list(self.random_per_row),
                 "counted_globally": list(self.counted_globally),
-                "batch_judged": self.batch_judged, "batch_probed": self.batch_probed}
+                "batch_judged": self.batch_judged, "batch_probed": self.batch_probed,
+                "batch_unmatched": list(self.batch_unmatched)}
 
 
 @register_pass
@@ -214,20 +219,21 @@ class DataParallel(Pass):
         out = split.insert_syncs()
         counted = list(split.analysis.counted) \
             if self.counts == "global" and split.grads == "avg" else []
-        out, made = count_globally(out, counted, self.axis, split.n)
+        out, made = count_globally(out, counted, self.axis, split.n, split.analysis.rows)
         exact = {id(x) for c in made for x in (c.coupling, *c.shifts)}
         ctx.decisions[self.name] = replace(
             split.record(*split_notes([c for c in split.analysis.couplings
                                        if id(c) not in exact])),
             counted_globally=tuple(dict.fromkeys(str(c.coupling) for c in made)),
-            batch_judged=split.analysis.judged, batch_probed=split.analysis.probed)
+            batch_judged=split.analysis.judged, batch_probed=split.analysis.probed,
+            batch_unmatched=split.analysis.unmatched)
         return out
 
 
 class _Split:
     """One run of data-parallel: the per-device types and sync decisions its steps share."""
 
-    def __init__(self, graph: Graph, axis: str, probe: Graph | None = None) -> None:
+    def __init__(self, graph: Graph, axis: str, probe: RowProbe | None = None) -> None:
         self.graph, self.ax = graph, axis
         self.batch = [i.name for i in graph.inputs if i.role.kind is InputKind.batch]
         if not self.batch:

@@ -22,7 +22,7 @@ the others stay each device's own, as DDP, and the plan lists them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from ..ir.analysis import free_inputs
 from ..ir.batch_coupling import CountedMean
@@ -30,14 +30,14 @@ from ..ir.core import Attrs, Graph, Op, OutputKind, Phase, Value
 from ..ir.types import REPLICATE, VARYING, TensorType
 
 
-def count_globally(graph: Graph, counted: Sequence[CountedMean], axis: str, n: int
-                   ) -> tuple[Graph, tuple[CountedMean, ...]]:
+def count_globally(graph: Graph, counted: Sequence[CountedMean], axis: str, n: int,
+                   rows: Collection[str] = ()) -> tuple[Graph, tuple[CountedMean, ...]]:
     """``graph`` (placed by data-parallel on ``axis`` of ``n`` devices) with each of
     ``counted`` that can be (``_exact``) dividing by its count summed over the devices;
-    and those."""
+    and those. ``rows``: the values split by the batch's rows (``BatchSplit.rows``)."""
     made_by = {v.name: op for op in graph.ops for v in op.results}
     to_loss = _to_loss(graph, made_by)
-    made = [c for c in counted if _exact(graph, c, counted, axis, made_by, to_loss)]
+    made = [c for c in counted if _exact(graph, c, counted, axis, made_by, to_loss, rows)]
     done: dict[tuple[str, str], tuple[str, str]] = {}
     for c in made:
         graph = _one(graph, c, axis, n, done)
@@ -74,25 +74,29 @@ def _to_loss(graph: Graph, made_by: dict[str, Op]) -> set[str]:
 
 
 def _exact(graph: Graph, c: CountedMean, counted: Sequence[CountedMean], axis: str,
-           made_by: dict[str, Op], to_loss: set[str]) -> bool:
+           made_by: dict[str, Op], to_loss: set[str], rows: Collection[str]) -> bool:
     """Whether the count can be replaced by the summed one everywhere the gradient reads
     it: every forward op reading the per-device scalars it is made from on the way to the
     loss is a mean over it of the same kind, or makes such a mean's count (``counted``;
     another kind scales by other devices' sums, a regulariser divided by it would get the
     gradient of another loss than the one returned); and no backward op reads those
     scalars other than as the count itself (their own copies: summing those too is not
-    done). ``made_by``: each value's op; ``to_loss``: ``_to_loss``."""
+    done). ``made_by``: each value's op; ``to_loss``: ``_to_loss``; ``rows``: values split
+    by rows, never part of the count."""
     copies = _copies(graph, c.count)
     # the means of the same kind over this count or a copy of it (each division by an
     # integer count converts it anew): their counts are summed alike
     same = {x for m in counted if m.numerator == c.numerator for x in (m.made, m.count)}
 
-    # the per-device scalars the count is made of (its sums, their casts, its math)
+    # the per-device scalars the count is made of (its sums, their casts, its math); not
+    # the rows it sums (at one row per device a target or a mask of one element is a
+    # scalar too, and read elsewhere: by the numerator)
     chain, todo = set(), [c.count]
     while todo:
         x = todo.pop()
         op = made_by.get(x)
-        if x in chain or op is None or (op.phase or Phase.forward) is not Phase.forward:
+        if x in chain or x in rows or op is None or \
+                (op.phase or Phase.forward) is not Phase.forward:
             continue
         t = graph_type(op, x)
         if t.numel != 1 or t.placement(axis) == REPLICATE:

@@ -22,13 +22,14 @@ from __future__ import annotations
 from ..ir.batch_coupling import split_batch
 from ..ir.core import Attrs, Graph, Input, InputKind, InputRole, Op, Value
 from ..ir.framework_ops import framework_rule
+from ..ir.row_probe import RowProbe
 from ..ir.types import DType, TensorType
 from .data_parallel import key_draws_per_row
 
 MICROBATCH = "microbatch"       # the name of the microbatch-index input
 
 
-def microbatch_draws(graph: Graph, microbatches: int, probe: Graph | None = None
+def microbatch_draws(graph: Graph, microbatches: int, probe: RowProbe | None = None
                      ) -> tuple[Graph, set[str], tuple[str, ...]]:
     """The graph with each key draw meeting the batch's rows made for all ``microbatches``
     and each microbatch's rows kept, the names of the values now holding a microbatch's

@@ -314,7 +314,7 @@ def _data_parallel_lines(dp: DataParallelRecord | None) -> list[str]:
                       "its own generator, as under DDP, so dropout matches the single-device "
                       "step in distribution, not bit for bit"]
     if not dp.batch_judged:
-        lines += ["", _UNJUDGED]
+        lines += ["", _unjudged(dp)]
     elif dp.batch_probed:
         lines += ["", "each device's share of the batch has one row, which cannot show "
                       "which dims hold examples: the batch was judged on the step traced "
@@ -331,14 +331,27 @@ def _data_parallel_lines(dp: DataParallelRecord | None) -> list[str]:
     return lines
 
 
-_UNJUDGED = (
-    "each device's share of the batch has one row, and the step could not be traced at "
-    "two rows per device (its code fixes the batch's size or branches on it), so which "
-    "of its dims hold examples is unknown and whether its forward combines examples was "
-    "not judged: a masked mean or a cross-entropy with ignore_index stays each device's "
-    "own mean, averaged as under DDP (a device whose row counts nothing divides 0 by 0), "
-    "and a batch norm or contrastive loss goes unwarned. Pass two or more rows per device "
-    "to have the step checked.")
+def _unjudged(dp: DataParallelRecord) -> str:
+    """What a plan says where the batch of one row per device was not judged: the step
+    could not be traced at two rows per device, or that trace's means over counts have
+    no match in the step that runs."""
+    if dp.batch_unmatched:
+        where = "; ".join(dp.batch_unmatched)
+        return ("each device's share of the batch has one row, which cannot show which "
+                "dims hold examples, and the step traced at two rows per device to judge "
+                f"it does not match the one that runs at {where} (its code branches on "
+                "the batch's size, or squeezes its rows away): that mean over a count "
+                "stays each device's own, averaged as under DDP (a device whose row "
+                "counts nothing divides 0 by 0). Pass two or more rows per device to "
+                "have it made the batch's.")
+    return ("each device's share of the batch has one row, and the step could not be "
+            "traced at two rows per device (its code fixes the batch's size or branches "
+            "on it), so which of its dims hold examples is unknown and whether its "
+            "forward combines examples was not judged: a masked mean or a cross-entropy "
+            "with ignore_index stays each device's own mean, averaged as under DDP (a "
+            "device whose row counts nothing divides 0 by 0), and a batch norm or "
+            "contrastive loss goes unwarned. Pass two or more rows per device to have the "
+            "step checked.")
 
 
 def _shares(dp: DataParallelRecord | None, pp: PipelineRecord | None, field: str) -> str:
@@ -379,7 +392,7 @@ def coupling_warning(dp: DataParallelRecord | None, pp: PipelineRecord | None) -
     under a plan that splits the batch, or None."""
     where = _places(dp, pp, "batch_coupled")
     if dp is not None and not dp.batch_judged:
-        return _UNJUDGED
+        return _unjudged(dp)
     if not where:
         return None
     more = f" (and {len(where) - 2} more: the plan lists them)" if len(where) > 2 else ""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from diphoma_compile.ir import parse
 from diphoma_compile.ir.batch_coupling import split_batch
-from diphoma_compile.ir.row_probe import probe_names
+from diphoma_compile.ir.row_probe import RowProbe, probe_names
 
 
 def _graph(rows: int, body: str) -> object:
@@ -32,8 +32,9 @@ def test_values_match_through_a_copy_only_one_trace_has():
     names = probe_names(one, two)
     assert {names[k] for k in ("y_", "l_", "s_", "n_", "loss")} == {"y", "l", "s", "n", "loss"}
     assert split_batch(one).counted == () and not split_batch(one).judged
-    (c,) = split_batch(one, two).counted
-    assert (c.made, c.count) == ("loss", "n")
+    split = split_batch(one, RowProbe.of(one, two))
+    (c,) = split.counted
+    assert (c.made, c.count) == ("loss", "n") and split.judged and split.probed
 
 
 def test_ops_reading_other_values_are_not_matched():
@@ -46,4 +47,38 @@ def test_ops_reading_other_values_are_not_matched():
                  + _MASKED.format(c="_", r=2).replace("reduce_sum(%m)", "reduce_sum(%colr)"))
     names = probe_names(one, two)
     assert names.get("y_") == "y" and "n_" not in names and "loss" not in names
-    assert split_batch(one, two).counted == ()
+    split = split_batch(one, RowProbe.of(one, two))
+    assert split.counted == () and not split.judged        # said, not dropped silently
+    assert [u.split(" (")[1] for u in split.unmatched] == ["div): divides by a sum over "
+                                                            "the batch"]
+
+
+def test_an_op_reading_nothing_must_fit():
+    """At one row an ``iota`` of the rows is an ``iota`` of 1, which an ``iota`` of 12 (the
+    heads) must not be taken for, however the two sequences align."""
+    one = _graph(1, "  %h: i32[12] = iota() {dim=0} phase=forward" + _MASKED.format(c="", r=1))
+    two = _graph(2, "  %h_: i32[1] = iota() {dim=0} phase=forward" + _MASKED.format(c="_", r=2))
+    names = probe_names(one, two)
+    assert "h_" not in names and names["loss"] == "loss"
+
+
+def test_an_op_at_another_rank_links_what_follows_but_is_not_named():
+    """JAX's pick of one label per row drops the rows' dim of size 1 from its index: the
+    two traces' reshapes differ in rank. They are paired in the stretch between aligned
+    ops, as reading the same values, so the ops after them are matched (the masked mean
+    is carried back); the reshapes' own results are not named."""
+    body = """
+  %p{c}: f32[{r},4] = mul(%x, %x) phase=forward
+  %q{c}: f32[{sh}] = reshape(%p{c}) phase=forward
+  %t{c}: f32[{r},4] = reshape(%q{c}) phase=forward
+  %y{c}: f32[{r}] = dot(%t{c}, %w) {{lhs_contract=[1], rhs_contract=[0]}} phase=forward
+  %l{c}: f32[{r}] = mul(%y{c}, %m) phase=forward
+  %s{c}: f32[] = reduce_sum(%l{c}) {{dims=[0]}} phase=forward
+  %n{c}: f32[] = reduce_sum(%m) {{dims=[0]}} phase=forward
+  %loss: f32[] = div(%s{c}, %n{c}) phase=forward"""
+    one = _graph(1, body.format(c="", r=1, sh="4"))
+    two = _graph(2, body.format(c="_", r=2, sh="2,4"))
+    names = probe_names(one, two)
+    assert "q_" not in names and names["t_"] == "t" and names["loss"] == "loss"
+    (c,) = split_batch(one, RowProbe.of(one, two)).counted
+    assert (c.made, c.count) == ("loss", "n")

@@ -625,6 +625,37 @@ def test_one_row_per_device_divides_by_the_devices_summed_count(count):
     assert len(pstep.plan.notes["data-parallel"]["counted_globally"]) == 1
 
 
+def test_one_row_per_device_with_labels_picked_per_row_matches_jax_jit():
+    """optax's integer-label cross-entropy picks each row's label with a gather whose
+    index drops the rows' dim at one row: the two traces differ there in rank, and the
+    masked mean after it went unmatched, each device's own with no word (a review,
+    2026-12-06: 1.618 against jax.jit's 1.567). The ops at another rank are paired as
+    reading the same values (ir/row_probe.py), so it is summed: jax.jit's loss, the count
+    returned too."""
+    model, tx = nn.Dense(4), optax.sgd(0.1)
+    k = jax.random.split(jax.random.key(0), 3)
+
+    def step(params, opt_state, x, y, keep):
+        def lf(p):
+            c = jnp.sum(keep)
+            per = optax.softmax_cross_entropy_with_integer_labels(
+                model.apply({"params": p}, x), y)
+            return jnp.sum(per * keep) / c, c
+        (loss, c), g = jax.value_and_grad(lf, has_aux=True)(params)
+        up, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, up), opt_state, loss, c
+    x, y = jax.random.normal(k[0], (8, 3, 8)), jax.random.randint(k[1], (8, 3), 0, 4)
+    keep = (jax.random.uniform(k[2], (8, 3)) > 0.4).astype(jnp.float32)
+    params = model.init(k[0], x[:1])["params"]
+    want = jax.jit(step)(params, tx.init(params), x, y, keep)
+    pstep = parallelize(step, jax_mesh((8,)), axis="data")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DiphomaWarning)
+        got = pstep(params, tx.init(params), x, y, keep)
+    assert abs(float(got[2]) - float(want[2])) <= 1e-6 and float(got[3]) == float(want[3])
+    assert max_rel_dev(want[0], got[0]) <= 1e-5
+
+
 def test_one_row_per_device_that_cannot_be_traced_at_two_is_said_unjudged():
     """A step that fixes the batch's size (``reshape(1, -1)``) traces at one row per
     device but not at two: the batch is not judged, and a warning and the plan say so."""

@@ -641,3 +641,53 @@ def test_a_sum_loss_at_one_row_per_device_sums_the_gradients():
     pstep.trace(lin, _sgd(lin), torch.randn(1, 8), torch.randn(1, 4))
     dp = pstep.plan.notes["data-parallel"]
     assert dp["gradients"] == "sum" and list(dp["combined"].values()) == ["sum"], dp
+
+
+def _masked_lm_step(model, opt, ids, mask, labels):
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("case", ["bert attention mask", "label smoothing"])
+def test_one_row_per_device_plans_as_two_rows_do(case):
+    """What a review found left each device's own mean, with no word, at one row per
+    device (2026-12-06): a Hugging Face model given an attention mask (the trace's
+    ``arange`` of the rows, of one at one row, was taken for another ``arange``, and the
+    loss after it went unmatched; BERT's masked LM gave NaN on 2 gloo ranks), and
+    cross-entropy with label smoothing (the rows of one element it counts were taken
+    for parts of the count). Both now plan as at two rows per device."""
+    torch.manual_seed(0)
+    if case == "label smoothing":
+        mlp = MLP(8, 16, 5)
+
+        def step(model, opt, x, y):
+            loss = F.cross_entropy(model(x), y, ignore_index=-100, label_smoothing=0.1)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        make = lambda: (mlp, step)  # noqa: E731
+        batch = (torch.randn(2, 8), torch.tensor([1, -100]))
+    else:
+        transformers = pytest.importorskip("transformers")
+        bert = transformers.BertForMaskedLM(transformers.BertConfig(
+            num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+            num_attention_heads=2, vocab_size=64, max_position_embeddings=16))
+        make = lambda: (bert, _masked_lm_step)  # noqa: E731
+        ids = torch.randint(0, 64, (2, 8))
+        mask = torch.ones(2, 8, dtype=torch.long)
+        mask[1, 5:] = 0
+        batch = (ids, mask, ids.masked_fill(torch.rand(2, 8) < 0.7, -100))
+    notes = []
+    for rows in (1, 2):
+        model, step = make()
+        pstep = diphoma_compile.parallelize(step, {"dp": 2})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DiphomaWarning)
+            pstep.trace(model, _sgd(model), *(b[:rows] for b in batch))
+        dp = pstep.plan.notes["data-parallel"]
+        notes.append({k: dp[k] for k in ("counted_globally", "batch_counted", "gradients")})
+    assert notes[0] == notes[1] and notes[0]["counted_globally"], notes
