@@ -29,7 +29,7 @@ from .errors import DiphomaError, DiphomaWarning, MeshError, no_keywords
 from .framework import Framework
 from .ir.analysis import runs_on_one_device
 from .ir.batch_coupling import one_row_per_share
-from .ir.row_probe import RowProbe
+from .ir.row_probe import RowProbe, probe_rows
 from .ir.device_model import (MODELS, DeviceModel, check, device_model, model_for_device,
                               register)
 from .ir.core import Graph, InputKind
@@ -312,7 +312,7 @@ def trace_step(step_fn: Callable, args: tuple, mesh: Mesh, axis: str,
     pipeline of M microbatches, at one microbatch. ``codegen``: the code generator the
     program is for; "auto" lets the framework choose by the step's size, None plans with
     its reference program. Where the batch is split into shares of one row, the probe is
-    the same program traced at two (``batch_probe``), else None."""
+    the same program traced at more (``batch_probe``), else None."""
     fw = frameworks.of_args(args)
     kw = {"microbatches": microbatches} if microbatches != 1 else {}
     graph, extra = fw.trace_local(step_fn, args, mesh, axis, batch_argnums=batch_argnums,
@@ -325,17 +325,19 @@ def trace_step(step_fn: Callable, args: tuple, mesh: Mesh, axis: str,
 
 def batch_probe(fw: Framework, graph: Graph, step_fn: Callable, args: tuple, mesh: Mesh,
                 axis: str, batch_argnums: tuple[int, ...] | None, kw: dict) -> RowProbe | None:
-    """The step traced at two rows per share, matched value by value with ``graph``, the
+    """The step traced at several rows per share (``probe_rows``: a prime that no
+    constant of ``graph`` is a multiple of), matched value by value with ``graph``, the
     step as traced at one (``ir/row_probe.py``), for the batch analysis
     (``ir/batch_coupling.py``: a share of one row cannot show which dims are its rows); or
     None where it cannot be traced (its code fixes the batch's size: the plan then says
     the batch was not judged)."""
+    rows = probe_rows(graph)
     try:
         probe, _ = fw.trace_local(step_fn, args, mesh, axis, batch_argnums=batch_argnums,
-                                  two_rows=True, **kw)
+                                  probe_rows=rows, **kw)
     except Exception:       # any failure (x.view(1, -1)) leaves the batch unjudged
         return None
-    return RowProbe.of(graph, probe)
+    return RowProbe.of(graph, probe, rows)
 
 
 def chosen_device_model(model: str | DeviceModel | None) -> str | DeviceModel | None:
@@ -422,7 +424,7 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
     one device it is empty: there is nothing to split or to exchange, and the
     single-device program is what runs (any rewrite, even a bucket of collectives over one
     device, changes how XLA fuses the step and its last bits). ``probe``: the step traced
-    at two rows per share where ``graph`` has one (``trace_step``), for the passes' batch
+    at several rows per share where ``graph`` has one (``trace_step``), for the passes' batch
     analysis (``PassContext.batch_probe``)."""
     graph = graph.replace(mesh=mesh)
     if probe is not None:

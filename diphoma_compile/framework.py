@@ -40,12 +40,12 @@ class Framework(Protocol):
     def trace_local(self, step_fn: Callable, args: tuple, mesh: Mesh, axis: str, *,
                     batch_argnums: tuple[int, ...] | None = None,
                     codegen: str | None = None, microbatches: int = 1,
-                    two_rows: bool = False) -> tuple[Graph, Any]:
+                    probe_rows: int = 1) -> tuple[Graph, Any]:
         """The step traced per device of ``axis``, for ``parallelize``; ``batch_argnums``
         names the batch arguments (None: the framework's convention decides); ``codegen``
         the code generator the program is for (None: the framework's default); with
         ``microbatches`` M > 1, at one microbatch (the per-device batch / M), as a
-        pipeline runs it. ``two_rows``: at twice those rows, the probe
+        pipeline runs it. ``probe_rows``: at that many times those rows, the probe
         ``ir/batch_coupling.py`` analyses where a share has one row."""
 
     def compile(self, graph: Graph, extra: Any) -> Callable:

@@ -98,9 +98,9 @@ class BatchSplit:
     rows: Mapping[str, int] = field(default_factory=dict)
     # the couplings that are means over counts the shares' values sum to
     counted: tuple[CountedMean, ...] = ()
-    # False: not analysed (every batch input of one row and no probe at two rows)
+    # False: not analysed (every batch input of one row and no probe at more rows)
     judged: bool = True
-    # True: analysed on the step traced at two rows per share (each share has one)
+    # True: analysed on the step traced at more rows per share (each share has one)
     probed: bool = False
     # the means over counts found there that have no match in the step that runs
     unmatched: tuple[str, ...] = ()
@@ -109,7 +109,7 @@ class BatchSplit:
 def split_batch(graph: Graph, probe: RowProbe | None = None) -> BatchSplit:
     """``BatchSplit`` of ``graph``. When every batch input holds one row (a share of one
     example, as traced: its rows cannot be told from the dimensions they merge into), the
-    analysis runs on ``probe``, the same step traced at two rows per share (the frontends
+    analysis runs on ``probe``, the same step traced at more rows per share (the frontends
     trace it, ``api.trace_step``), and is carried back to the values ``graph`` has alike
     (``row_probe.py``); without one, nothing is found and ``judged`` is False, and so it
     is where a mean over a count found there has no match in ``graph``. A batch
@@ -137,7 +137,7 @@ def one_row_per_share(graph: Graph) -> bool:
 
 
 def _kept_in(split: BatchSplit, graph: Graph, probe: RowProbe) -> BatchSplit:
-    """``split`` (of ``probe``'s graph, ``graph``'s step traced at two rows per share)
+    """``split`` (of ``probe``'s graph, ``graph``'s step traced at more rows per share)
     for ``graph``, through the values the two traces have alike (``probe.names``) that
     ``graph`` still has (a pass may have dropped dead ones). A mean over a count whose
     values do not all match is left out, named in ``unmatched``, and the split is not

@@ -1,17 +1,20 @@
 """Which values of a step traced at one row per share are which of the same step traced at
-two (the probe the batch analysis reads: ``batch_coupling.split_batch``).
+more (the probe the batch analysis reads: ``batch_coupling.split_batch``).
 
 A share of one example cannot show which dims hold the batch's rows: a dim of size 1
-merges into any other. So the frontends trace the step again at two rows per share, and
-what the analysis finds there (a mean over a count, the rows' dim of a value) is carried
-back to the program that runs. The two traces are the same code but need not be the same
-ops: at one row torch skips copies that a size-1 dim makes needless (a ``clone`` before a
-``view`` in Hugging Face's attention), and passes may have dropped dead ops from one of
-them. ``probe_names`` aligns the two op sequences (difflib, on each op's kind, target,
-source line and result ranks) and accepts a pair only where its operands are values
-already matched, looking through copies that keep their operand's shape (a clone, a
-view to the same shape) which one side has and the other does not. What is not matched
-is not carried back: the analysis says less, never something of another value."""
+merges into any other. So the frontends trace the step again at ``probe_rows`` rows per
+share, and what the analysis finds there (a mean over a count, the rows' dim of a value)
+is carried back to the program that runs. That row count is a prime no constant of the
+step is a multiple of (7 unless one is): the analysis takes a division by a constant
+equal to the rows it sums (times other dims it sums) for a mean, and at two rows a loss
+halved by hand (``sum(...) / 2``) would be one. The two traces are the same code but
+need not be the same ops: at one row torch skips copies that a size-1 dim makes needless
+(a ``clone`` before a ``view`` in Hugging Face's attention), and JAX picks one label per
+row with an index of another rank. ``probe_names`` aligns the two op sequences (difflib,
+on each op's kind, target, source line and result ranks) and accepts a pair only where
+its operands are values already matched, looking through copies one side has and the
+other does not. What is not matched is not carried back: the analysis says less, never
+something of another value."""
 
 from __future__ import annotations
 
@@ -21,29 +24,50 @@ from dataclasses import dataclass
 
 from .core import Graph, Op
 from .framework_ops import framework_rule
-from .opdef import is_view
 from .types import TensorType
 
 
 @dataclass(frozen=True)
 class RowProbe:
-    """A step traced at two rows per share (``graph``) and which value of the step traced
-    at one row each of its values is (``names``, from ``probe_names``: both traces as
-    the frontend made them, before any pass)."""
+    """A step traced at ``rows`` rows per share (``graph``) and which value of the step
+    traced at one row each of its values is (``names``, from ``probe_names``: both traces
+    as the frontend made them, before any pass)."""
 
     graph: Graph
     names: Mapping[str, str]
+    rows: int
 
     @staticmethod
-    def of(traced: Graph, probe: Graph) -> RowProbe:
-        """The probe ``probe`` of the step ``traced`` at one row per share."""
-        return RowProbe(probe, probe_names(traced, probe))
+    def of(traced: Graph, probe: Graph, rows: int) -> RowProbe:
+        """The probe ``probe``, at ``rows`` rows per share, of the step ``traced`` at one."""
+        return RowProbe(probe, probe_names(traced, probe, rows), rows)
 
 
-def probe_names(graph: Graph, probe: Graph) -> dict[str, str]:
-    """Value name in ``probe`` -> the value of ``graph`` it is (inputs by name; op results
-    where the ops align, their shapes fit (``_fits``) and they read matched values); the
-    values left out have no match.
+# rows per share to probe with: primes, the first that no constant of the step is a
+# multiple of (nor its reciprocal)
+_PRIMES = (7, 11, 13, 17, 19, 23, 29, 31, 37)
+
+
+def probe_rows(graph: Graph) -> int:
+    """The rows per share to trace ``graph``'s step at, for the batch analysis: the first
+    of ``_PRIMES`` that no constant the step fills in (nor its reciprocal) is a multiple
+    of, so that no division by a constant is taken for a mean over the probe's rows by
+    coincidence."""
+    values = {abs(float(op.attrs["value"])) for op in graph.walk()
+              if op.name == "full" and isinstance(op.attrs.get("value"), (int, float))}
+    values = {v for v in values if 0 < v < float("inf")}
+    scales = values | {1 / v for v in values}
+
+    def clear(p: int) -> bool:
+        return not any(s >= p - 1e-6 and abs(s / p - round(s / p)) <= 1e-6 * s / p
+                       for s in scales)
+    return next((p for p in _PRIMES if clear(p)), _PRIMES[-1])
+
+
+def probe_names(graph: Graph, probe: Graph, rows: int) -> dict[str, str]:
+    """Value name in ``probe`` (at ``rows`` rows per share) -> the value of ``graph`` (at
+    one) it is (inputs by name; op results where the ops align, their shapes fit
+    (``_fits``) and they read matched values); the values left out have no match.
 
     Ops are aligned on their kind, target, source line and result ranks; in the stretches
     left between, on all but the ranks (JAX picks one label per row with a gather whose
@@ -54,7 +78,7 @@ def probe_names(graph: Graph, probe: Graph) -> dict[str, str]:
     rows' ``arange(1)`` is not the heads' ``arange(12)``)."""
     have = {i.name: i.value.type for i in graph.inputs}
     names = {i.name: i.name for i in probe.inputs
-             if i.name in have and _fits(i.value.type, have[i.name])}
+             if i.name in have and _fits(i.value.type, have[i.name], rows)}
     links = dict(names)
     ours, theirs = list(probe.ops), list(graph.ops)
     pairs: dict[int, Op] = {}
@@ -90,7 +114,7 @@ def probe_names(graph: Graph, probe: Graph) -> dict[str, str]:
         if not all(n in links and root(links[n]) == root(m)
                    for n, m in zip(op.inputs, other.inputs)):
             continue
-        fit = all(_fits(v.type, w.type) for v, w in zip(op.results, other.results))
+        fit = all(_fits(v.type, w.type, rows) for v, w in zip(op.results, other.results))
         if fit or op.inputs:
             links.update((v.name, w.name) for v, w in zip(op.results, other.results))
         if fit:
@@ -105,19 +129,20 @@ def _key(op: Op) -> tuple:
             tuple((v.type.rank, v.type.dtype) for v in op.results))
 
 
-def _fits(two: TensorType, one: TensorType) -> bool:
-    """Whether a value of shape ``two`` at two rows per share can be one of shape ``one``
-    at one row: each dim the same, or twice it (the rows, or a dim they merge into). (An
-    ``arange(1)`` of the rows is not an ``arange(12)`` of the heads.)"""
-    return two.rank == one.rank and all(a in (b, 2 * b) for a, b in zip(two.shape, one.shape))
+def _fits(more: TensorType, one: TensorType, rows: int) -> bool:
+    """Whether a value of shape ``more`` at ``rows`` rows per share can be one of shape
+    ``one`` at one row: each dim the same, or ``rows`` times it (the rows, or a dim they
+    merge into). (An ``arange(1)`` of the rows is not an ``arange(12)`` of the heads.)"""
+    return more.rank == one.rank and all(a in (b, rows * b)
+                                         for a, b in zip(more.shape, one.shape))
 
 
 def _copy(op: Op, types: dict[str, TensorType]) -> bool:
-    """True for an op whose one result is its one operand's value at its shape (a clone, a
-    view to the same shape)."""
+    """True for an op whose one result is its one operand's value in its layout (a clone,
+    a reshape to the same shape; not a transpose of a square matrix)."""
     if len(op.inputs) != 1 or len(op.results) != 1 or op.regions:
         return False
     rule = framework_rule(op)
-    if not (is_view(op) or (rule is not None and rule.copies)):
+    if not (op.name == "reshape" or (rule is not None and rule.copies)):
         return False
     return op.inputs[0] in types and types[op.inputs[0]].shape == op.results[0].type.shape

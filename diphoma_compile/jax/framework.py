@@ -57,12 +57,12 @@ class JaxFramework:
     def trace_local(self, step_fn: Callable, args: tuple, mesh: Mesh, axis: str, *,
                     batch_argnums: tuple[int, ...] | None = None,
                     codegen: str | None = None, microbatches: int = 1,
-                    two_rows: bool = False) -> tuple[Graph, Any]:
+                    probe_rows: int = 1) -> tuple[Graph, Any]:
         """The step at the per-device batch: each batch leaf's dim 0 divided by N. The batch
         is ``batch_argnums``, or argument 2 and the later arguments with its rows. With a
         pipeline axis, at one microbatch: the device's share divided by ``microbatches``.
-        ``two_rows``: at twice those rows (the batch analysis's probe of a share of one
-        row)."""
+        ``probe_rows``: at that many times those rows (the batch analysis's probe of a
+        share of one row)."""
         _check_codegen(codegen)
         pp = pipeline_axis(mesh)
         staged = pp is not None and mesh.axis_size(pp) > 1
@@ -81,7 +81,7 @@ class JaxFramework:
         among = (f"{n // microbatches} data-parallel shares x {microbatches} microbatches"
                  if staged else None)
         return self.trace(step_fn, local_args(args, n, axis, nums, among,
-                                              times=2 if two_rows else 1),
+                                              times=probe_rows),
                           batch_argnums=nums)
 
     def compile(self, graph: Graph, extra: Any) -> Callable:

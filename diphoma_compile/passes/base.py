@@ -57,7 +57,7 @@ class PassContext:
     # pass name -> what it decided (a typed record), for the plan; a pass run twice keeps
     # its first place and its last record
     decisions: dict[str, Decision] = field(default_factory=dict)
-    # the step traced at two rows per share where the graph has one: what the batch
+    # the step traced at more rows per share where the graph has one: what the batch
     # analysis reads then (ir/batch_coupling.py's split_batch; api.trace_step traces it)
     batch_probe: RowProbe | None = None
 

@@ -170,11 +170,11 @@ class DataParallelRecord:
     random_per_row: tuple[str, ...] = ()
     # means over counts the batch sums to, divided by the count summed over the devices
     counted_globally: tuple[str, ...] = ()
-    # False: each device's share has one row and the step could not be traced at two, so
+    # False: each device's share has one row and the step could not be traced at more, so
     # whether its forward combines examples was not judged (ir/batch_coupling.py)
     batch_judged: bool = True
     # True: each device's share has one row, and the batch was judged on the step traced
-    # at two rows per device
+    # at more rows per device
     batch_probed: bool = False
     # means over counts found on that trace with no match in the step that runs (its
     # code branches on the batch's size): each device's own, and the batch not judged

@@ -34,7 +34,7 @@ def microbatch_draws(graph: Graph, microbatches: int, probe: RowProbe | None = N
     """The graph with each key draw meeting the batch's rows made for all ``microbatches``
     and each microbatch's rows kept, the names of the values now holding a microbatch's
     rows (what the draws made before), and the draws' source lines (or names); the graph
-    unchanged and nothing else when there is none. ``probe``: the step at two rows per
+    unchanged and nothing else when there is none. ``probe``: the step at more rows per
     microbatch where it has one (``PassContext.batch_probe``)."""
     found = key_draws_per_row(graph, split_batch(graph, probe).rows)
     if not found or microbatches == 1:

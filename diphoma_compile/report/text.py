@@ -318,7 +318,7 @@ def _data_parallel_lines(dp: DataParallelRecord | None) -> list[str]:
     elif dp.batch_probed:
         lines += ["", "each device's share of the batch has one row, which cannot show "
                       "which dims hold examples: the batch was judged on the step traced "
-                      "again at two rows per device"]
+                      "again at more rows per device"]
     if dp.counted_globally:
         lines += ["", "means over counts of the batch (a masked mean, the targets not "
                       "ignored): each device divides its sum by the count summed over the "
@@ -333,19 +333,19 @@ def _data_parallel_lines(dp: DataParallelRecord | None) -> list[str]:
 
 def _unjudged(dp: DataParallelRecord) -> str:
     """What a plan says where the batch of one row per device was not judged: the step
-    could not be traced at two rows per device, or that trace's means over counts have
+    could not be traced at more rows per device, or that trace's means over counts have
     no match in the step that runs."""
     if dp.batch_unmatched:
         where = "; ".join(dp.batch_unmatched)
         return ("each device's share of the batch has one row, which cannot show which "
-                "dims hold examples, and the step traced at two rows per device to judge "
+                "dims hold examples, and the step traced at more rows per device to judge "
                 f"it does not match the one that runs at {where} (its code branches on "
                 "the batch's size, or squeezes its rows away): that mean over a count "
                 "stays each device's own, averaged as under DDP (a device whose row "
                 "counts nothing divides 0 by 0). Pass two or more rows per device to "
                 "have it made the batch's.")
     return ("each device's share of the batch has one row, and the step could not be "
-            "traced at two rows per device (its code fixes the batch's size or branches "
+            "traced at more rows per device (its code fixes the batch's size or branches "
             "on it), so which of its dims hold examples is unknown and whether its "
             "forward combines examples was not judged: a masked mean or a cross-entropy "
             "with ignore_index stays each device's own mean, averaged as under DDP (a "

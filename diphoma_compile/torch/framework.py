@@ -67,12 +67,12 @@ class TorchFramework:
     def trace_local(self, step_fn: Callable, args: tuple, mesh: Mesh, axis: str, *,
                     batch_argnums: tuple[int, ...] | None = None,
                     codegen: str | None = None, microbatches: int = 1,
-                    two_rows: bool = False) -> tuple[Graph, Any]:
+                    probe_rows: int = 1) -> tuple[Graph, Any]:
         """As ``trace``: each rank passes its own local batch, as under DDP. Every tensor
         among the arguments is batch, so ``batch_argnums`` is refused. With
         ``microbatches`` M, traced at the first 1/M of every tensor's rows (a pipeline runs
-        the step once per microbatch). ``two_rows``: with every tensor's rows repeated
-        twice (the batch analysis's probe of a share of one row)."""
+        the step once per microbatch). ``probe_rows``: with every tensor's rows
+        repeated that many times (the batch analysis's probe of a share of one row)."""
         if batch_argnums is not None:
             raise FrontendError(
                 f"batch_argnums={batch_argnums} is for JAX steps: a PyTorch step's tensor "
@@ -90,9 +90,9 @@ class TorchFramework:
         if microbatches > 1:
             from .trace import microbatch_args
             args = microbatch_args(args, microbatches)
-        if two_rows:
-            from .trace import doubled_args
-            args = doubled_args(args)
+        if probe_rows > 1:
+            from .trace import repeated_args
+            args = repeated_args(args, probe_rows)
         return self.trace(step_fn, args, codegen=codegen)
 
     def compile(self, graph: Graph, extra: Any) -> Callable:

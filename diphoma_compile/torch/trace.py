@@ -207,14 +207,15 @@ def microbatch_args(args: tuple, microbatches: int) -> tuple:
     return tuple(pytree.tree_map(cut, list(args)))
 
 
-def doubled_args(args: tuple) -> tuple:
-    """``args`` with every tensor's rows repeated twice (``x[:2]`` of a share of one row
-    is two copies of it): the step traced so, the batch analysis tells its rows apart."""
+def repeated_args(args: tuple, times: int) -> tuple:
+    """``args`` with every tensor's rows repeated ``times`` times (a share of one row as
+    that many copies of it): the step traced so, the batch analysis tells its rows
+    apart."""
     from torch.utils import _pytree as pytree
 
-    def twice(x: Any) -> Any:
+    def repeat(x: Any) -> Any:
         if not isinstance(x, torch.Tensor) or isinstance(x, torch.nn.Parameter) or \
                 x.dim() == 0:
             return x
-        return torch.cat([x, x])
-    return tuple(pytree.tree_map(twice, list(args)))
+        return torch.cat([x] * times)
+    return tuple(pytree.tree_map(repeat, list(args)))

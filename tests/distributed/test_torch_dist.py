@@ -843,7 +843,7 @@ def test_means_over_counts_that_differ_by_rank_match_the_single_device_step(runs
     single-device step's; DDP's average of per-rank means lands far from it (the data can
     tell the two apart). AdamW turns rounding in gradients near zero into steps of up to
     its learning rate: its parameters are held to 1e-3 of a distance DDP's is 50x. With
-    one sequence per rank (``gpt2-sgdm-1row``) the count is found on a trace at two rows
+    one sequence per rank (``gpt2-sgdm-1row``) the count is found on a trace at more rows
     per rank (nothing was judged at one, and DDP's per-rank means ran)."""
     r0 = runs[0]["counted_means"]
     assert r0, "no case ran"

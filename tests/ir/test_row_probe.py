@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from diphoma_compile.ir import parse
 from diphoma_compile.ir.batch_coupling import split_batch
-from diphoma_compile.ir.row_probe import RowProbe, probe_names
+from diphoma_compile.ir.row_probe import RowProbe, probe_names, probe_rows
 
 
 def _graph(rows: int, body: str) -> object:
@@ -29,10 +29,10 @@ def test_values_match_through_a_copy_only_one_trace_has():
     one = _graph(1, _MASKED.format(c="", r=1))
     two = _graph(2, "  %xc: f32[2,4] = reshape(%x) phase=forward" + _MASKED.format(c="_", r=2)
                  .replace("dot(%x,", "dot(%xc,"))
-    names = probe_names(one, two)
+    names = probe_names(one, two, 2)
     assert {names[k] for k in ("y_", "l_", "s_", "n_", "loss")} == {"y", "l", "s", "n", "loss"}
     assert split_batch(one).counted == () and not split_batch(one).judged
-    split = split_batch(one, RowProbe.of(one, two))
+    split = split_batch(one, RowProbe.of(one, two, 2))
     (c,) = split.counted
     assert (c.made, c.count) == ("loss", "n") and split.judged and split.probed
 
@@ -45,9 +45,9 @@ def test_ops_reading_other_values_are_not_matched():
     two = _graph(2, "  %col: f32[2,1] = slice(%x) {limits=[2, 1], starts=[0, 0]}"
                     " phase=forward\n  %colr: f32[2] = reshape(%col) phase=forward"
                  + _MASKED.format(c="_", r=2).replace("reduce_sum(%m)", "reduce_sum(%colr)"))
-    names = probe_names(one, two)
+    names = probe_names(one, two, 2)
     assert names.get("y_") == "y" and "n_" not in names and "loss" not in names
-    split = split_batch(one, RowProbe.of(one, two))
+    split = split_batch(one, RowProbe.of(one, two, 2))
     assert split.counted == () and not split.judged        # said, not dropped silently
     assert [u.split(" (")[1] for u in split.unmatched] == ["div): divides by a sum over "
                                                             "the batch"]
@@ -58,7 +58,7 @@ def test_an_op_reading_nothing_must_fit():
     heads) must not be taken for, however the two sequences align."""
     one = _graph(1, "  %h: i32[12] = iota() {dim=0} phase=forward" + _MASKED.format(c="", r=1))
     two = _graph(2, "  %h_: i32[1] = iota() {dim=0} phase=forward" + _MASKED.format(c="_", r=2))
-    names = probe_names(one, two)
+    names = probe_names(one, two, 2)
     assert "h_" not in names and names["loss"] == "loss"
 
 
@@ -78,7 +78,34 @@ def test_an_op_at_another_rank_links_what_follows_but_is_not_named():
   %loss: f32[] = div(%s{c}, %n{c}) phase=forward"""
     one = _graph(1, body.format(c="", r=1, sh="4"))
     two = _graph(2, body.format(c="_", r=2, sh="2,4"))
-    names = probe_names(one, two)
+    names = probe_names(one, two, 2)
     assert "q_" not in names and names["t_"] == "t" and names["loss"] == "loss"
-    (c,) = split_batch(one, RowProbe.of(one, two)).counted
+    (c,) = split_batch(one, RowProbe.of(one, two, 2)).counted
     assert (c.made, c.count) == ("loss", "n")
+
+
+def test_probe_rows_is_a_prime_no_constant_of_the_step_is_a_multiple_of():
+    """At two rows a loss halved by hand (``sum / 2``) was taken for a mean over them. The
+    probe's rows are 7, or the next prime where a constant (or its reciprocal) of the
+    step is a multiple of it."""
+    plain = _graph(1, _MASKED.format(c="", r=1))
+    assert probe_rows(plain) == 7
+    for value in (14.0, 1 / 7, 7.0):
+        g = _graph(1, f"  %k: f32[] = full() {{value={value}}} phase=forward"
+                   + _MASKED.format(c="", r=1))
+        assert probe_rows(g) == 11, value
+    assert probe_rows(_graph(1, "  %k: f32[] = full() {value=0.5} phase=forward"
+                             + _MASKED.format(c="", r=1))) == 7
+
+
+def test_a_transpose_of_a_square_value_is_not_read_through():
+    """Only the probe transposes a square value (at one row it is 1 x 1): the result is
+    not the operand's value in the operand's layout, so it is not named as it (a rows dim
+    carried so would point at the wrong dim)."""
+    sq = ("  %sq: f32[{r},{r}] = dot(%x, %x) {{lhs_contract=[1], rhs_contract=[1]}} "
+          "phase=forward\n")
+    one = _graph(1, sq.format(r=1) + _MASKED.format(c="", r=1))
+    two = _graph(2, sq.format(r=2) + "  %t: f32[2,2] = transpose(%sq) {perm=[1, 0]} "
+                 "phase=forward\n" + _MASKED.format(c="_", r=2))
+    names = probe_names(one, two, 2)
+    assert names["sq"] == "sq" and "t" not in names

@@ -603,7 +603,7 @@ def test_a_mean_over_a_count_of_the_batch_divides_by_the_devices_summed_count(co
 @pytest.mark.parametrize("count", ["plain", "int + eps"])
 def test_one_row_per_device_divides_by_the_devices_summed_count(count):
     """A global batch of 8 on 8 devices: one row each, which cannot show which dims hold
-    examples. The step is judged on a trace at two rows per device, and the masked mean
+    examples. The step is judged on a trace at more rows per device, and the masked mean
     divides by the count summed over the devices: losses and parameters match jax.jit
     over 3 Adam steps. Before, nothing was judged at one row: each device divided by its
     own count, and the devices whose row is masked out divided 0 by 0 (NaN)."""
@@ -653,6 +653,32 @@ def test_one_row_per_device_with_labels_picked_per_row_matches_jax_jit():
         warnings.simplefilter("error", DiphomaWarning)
         got = pstep(params, tx.init(params), x, y, keep)
     assert abs(float(got[2]) - float(want[2])) <= 1e-6 and float(got[3]) == float(want[3])
+    assert max_rel_dev(want[0], got[0]) <= 1e-5
+
+
+@pytest.mark.parametrize("loss", ["half sum", "half masked"])
+def test_one_row_per_device_a_loss_halved_by_hand_is_not_a_mean(loss):
+    """``sum(...) / 2`` at one row per device, judged on a probe at two rows, was taken for
+    a mean over them (a review, 2026-12-06: the gradients averaged, 1/8 of jax.jit's
+    loss). The probe's rows are a prime no constant of the step is a multiple of."""
+    tx = optax.sgd(0.01)
+
+    def step(params, opt_state, batch):
+        def loss_of(p):
+            err = (jnp.tanh(batch[0] @ p["w"]) - batch[1]) ** 2
+            if loss == "half sum":
+                return jnp.sum(err) / 2
+            return jnp.sum(jnp.mean(err, -1) * batch[2]) * 0.5 / jnp.sum(batch[2])
+        value, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+    k = jax.random.split(jax.random.key(0), 3)
+    params = {"w": jax.random.normal(k[0], (8, 4))}
+    batch = (jax.random.normal(k[1], (8, 8)), jax.random.normal(k[2], (8, 4)),
+             jnp.array([1, 0, 1, 1, 0, 1, 1, 0], jnp.float32))
+    want = jax.jit(step)(params, tx.init(params), batch)
+    got = parallelize(step, jax_mesh((8,)), axis="data")(params, tx.init(params), batch)
+    assert abs(float(got[2]) - float(want[2])) <= 1e-5 * abs(float(want[2]))
     assert max_rel_dev(want[0], got[0]) <= 1e-5
 
 

@@ -581,7 +581,7 @@ def test_batch_first_attention_is_not_found(layer):
 
 def test_one_row_per_device_is_judged_on_a_trace_at_two_rows():
     """A share of one row cannot show which dims hold examples, so the step is traced
-    again at two rows per device and judged there: Hugging Face GPT-2's cross-entropy over
+    again at more rows per device and judged there: Hugging Face GPT-2's cross-entropy over
     labels not ignored (-100) is summed over the devices, and a contrastive loss is
     warned of. Neither was, before (one example per device: nothing judged, no word)."""
     transformers = pytest.importorskip("transformers")
@@ -595,7 +595,7 @@ def test_one_row_per_device_is_judged_on_a_trace_at_two_rows():
         pstep.trace(model, _sgd(model), ids, ids.masked_fill(ids > 40, -100))
     dp = pstep.plan.notes["data-parallel"]
     assert dp["batch_judged"] is True and dp["batch_probed"] is True
-    assert "judged on the step traced again at two rows" in pstep.plan.to_text()
+    assert "judged on the step traced again at more rows" in pstep.plan.to_text()
     assert ["nll_loss_forward" in w for w in dp["counted_globally"]] == [True], dp
     mlp = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
     pstep = diphoma_compile.parallelize(self_contrastive_step, {"dp": 2})
@@ -621,11 +621,11 @@ def test_one_row_per_device_that_cannot_be_traced_at_two_is_said_unjudged():
     with pytest.warns(DiphomaWarning, match="was not judged"):
         pstep.trace(mlp, _sgd(mlp), torch.randn(1, 8), torch.randn(1, 4), torch.ones(1))
     assert pstep.plan.notes["data-parallel"]["batch_judged"] is False
-    assert "could not be traced at two rows per device" in pstep.plan.to_text()
+    assert "could not be traced at more rows per device" in pstep.plan.to_text()
 
 
 def test_a_sum_loss_at_one_row_per_device_sums_the_gradients():
-    """``reduction="sum"`` at one row per device: found on the trace at two rows, so the
+    """``reduction="sum"`` at one row per device: found on the trace at more rows, so the
     devices' gradients and losses add up. Before (nothing judged at one row) they were
     averaged: 1/N of the single-device step's, with no word."""
     torch.manual_seed(0)
