@@ -148,16 +148,15 @@ def _kept_in(split: BatchSplit, graph: Graph, probe: RowProbe) -> BatchSplit:
     counted, unmatched = [], []
     for c in split.counted:
         used = (c.made, c.count, *(n for n, _ in c.sums), *c.math)
+        matched = all(n in names for n in used)
         summing = None
-        if all(n in names for n in used) and c.summing is not None:
+        if matched and c.summing is not None:
             # the op summing its rows, made from graph's own
             op = made_by.get(names[c.made])
-            rule = framework_rule(op) if op is not None else None
-            row_sum = rule.row_sum if rule is not None else None
-            found = row_sum(op, [have[n] for n in op.inputs],
-                            [v.type for v in op.results]) if row_sum is not None else None
+            found = _row_sum(op, [have[n] for n in op.inputs],
+                             [v.type for v in op.results]) if op is not None else None
             summing = found[0] if found is not None else None
-        if not all(n in names for n in used) or (c.summing is not None and summing is None):
+        if not matched or (c.summing is not None and summing is None):
             unmatched.append(str(c.coupling))
             continue
         counted.append(replace(
@@ -170,6 +169,15 @@ def _kept_in(split: BatchSplit, graph: Graph, probe: RowProbe) -> BatchSplit:
                       {names[k]: v for k, v in split.rows.items() if k in names},
                       tuple(counted), judged=not unmatched, probed=True,
                       unmatched=tuple(dict.fromkeys(unmatched)))
+
+
+def _row_sum(op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType]
+             ) -> tuple[Op, int, int] | None:
+    """The rule's ``row_sum`` of this call of a framework op (the call summing its rows
+    instead of dividing by its count, with where its sum and count are), or None."""
+    rule = framework_rule(op)
+    return rule.row_sum(op, ins, outs) if rule is not None and rule.row_sum is not None \
+        else None
 
 
 def batch_coupling(graph: Graph) -> list[Coupling]:
@@ -568,7 +576,7 @@ class _Follow:
                                               "their shares are not the batch's"
                                               if weighted else ""), certain=weighted)
             self.set(op, [Partial("avg")] * len(outs))
-            summing = rule.row_sum(op, ins, outs) if rule.row_sum is not None else None
+            summing = _row_sum(op, ins, outs)
             if summing is not None and not any(self.from_windows(x) for x in op.inputs):
                 made, count = (op.results[k].name for k in summing[1:])
                 self.counted.append(CountedMean(made, count, ((count, "sum"),), (), "sum",
@@ -586,12 +594,9 @@ class _Follow:
         if _takes_or_joins(op, rule) and _rows_kept(actual, ins, outs):
             self.set(op, [Shard(0)] * len(outs))
             return
-        if op.name != "div" and _scalar_math(actual, ins, outs):
-            inverse = (op.results[0].name, op.inputs[0]) if op.name == "reciprocal" else None
+        inverse = self.inverse_of(op, actual, ins, outs)     # 1 / sum(mask)
+        if inverse is not None or (op.name != "div" and _scalar_math(actual, ins, outs)):
             self.set(op, [_Summed(op, inverse)] * len(outs))     # judged by its reader
-            return
-        if self.reciprocal(op, actual, ins, outs):      # 1 / sum(mask)
-            self.set(op, [_Summed(op, (op.results[0].name, op.inputs[1]))])
             return
         why = _why(op, actual)
         if why is _COUNT and self.whole_over_count(op, actual):
@@ -743,7 +748,7 @@ class _Follow:
         scalar math keeps it a scalar of sums; anything else combines examples."""
         inverse = self.over_inverse(op, actual)
         if self.reciprocal(op, actual, ins, outs):      # 1 / max(sum(mask), 1)
-            self.set(op, [_Summed(actual[1].made_by, (op.results[0].name, op.inputs[1]))])
+            self.set(op, [_Summed(actual[1].made_by, self.inverse_of(op, actual, ins, outs))])
         elif op.name == "div" and len(actual) == 2 and isinstance(actual[1], _Summed) \
                 and not isinstance(actual[0], _Summed):
             self.counts.add(id(actual[1].made_by))   # backward reads it too: that is fine
@@ -760,10 +765,9 @@ class _Follow:
             self.set(op, [Partial("avg")] * len(outs))
         elif _scalar_math(actual, ins, outs):
             summed = [a for a in actual if isinstance(a, _Summed)]
-            inv = summed[0].inverse if len(summed) == 1 and op.name in (
-                "mul", "convert") and self.constants_beside(op, actual) else None
-            if op.name == "reciprocal":
-                inv = (op.results[0].name, op.inputs[0])
+            inv = self.inverse_of(op, actual, ins, outs) or (
+                summed[0].inverse if len(summed) == 1 and op.name in ("mul", "convert")
+                and self.constants_beside(op, actual) else None)
             self.set(op, [_Summed(summed[0].made_by, inv)] * len(outs))
         else:
             made = {id(a.made_by): a.made_by for a in actual if isinstance(a, _Summed)}
@@ -779,6 +783,16 @@ class _Follow:
             and isinstance(actual[1], (Partial, _Summed)) and not _split(actual[0]) and \
             (not isinstance(actual[1], Partial) or actual[1].op in ("sum", "avg")) and \
             not self.reads_param(op.inputs[0])
+
+    def inverse_of(self, op: Op, actual: Sequence[object], ins: Sequence[TensorType],
+                   outs: Sequence[TensorType]) -> tuple[str, str] | None:
+        """(the value, the count) where ``op`` takes the reciprocal of a count of the
+        batch (``reciprocal(sum(mask))``, ``1 / sum(mask)``), else None."""
+        if op.name == "reciprocal" and _scalar_math(actual, ins, outs):
+            return op.results[0].name, op.inputs[0]
+        if self.reciprocal(op, actual, ins, outs):
+            return op.results[0].name, op.inputs[1]
+        return None
 
     def constants_beside(self, op: Op, actual: Sequence[object]) -> bool:
         """Whether every operand of ``op`` but the scalar of sums it reads is a whole value

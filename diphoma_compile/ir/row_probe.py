@@ -29,18 +29,17 @@ from .types import TensorType
 
 @dataclass(frozen=True)
 class RowProbe:
-    """A step traced at ``rows`` rows per share (``graph``) and which value of the step
+    """A step traced at more rows per share (``graph``) and which value of the step
     traced at one row each of its values is (``names``, from ``probe_names``: both traces
     as the frontend made them, before any pass)."""
 
     graph: Graph
     names: Mapping[str, str]
-    rows: int
 
     @staticmethod
     def of(traced: Graph, probe: Graph, rows: int) -> RowProbe:
         """The probe ``probe``, at ``rows`` rows per share, of the step ``traced`` at one."""
-        return RowProbe(probe, probe_names(traced, probe, rows), rows)
+        return RowProbe(probe, probe_names(traced, probe, rows))
 
 
 # rows per share to probe with: primes, the first that no constant of the step is a

@@ -19,24 +19,24 @@ rewritten; the pipeline pass refuses them at M > 1 as before."""
 
 from __future__ import annotations
 
-from ..ir.batch_coupling import split_batch
+from collections.abc import Mapping
+
 from ..ir.core import Attrs, Graph, Input, InputKind, InputRole, Op, Value
 from ..ir.framework_ops import framework_rule
-from ..ir.row_probe import RowProbe
 from ..ir.types import DType, TensorType
 from .data_parallel import key_draws_per_row
 
 MICROBATCH = "microbatch"       # the name of the microbatch-index input
 
 
-def microbatch_draws(graph: Graph, microbatches: int, probe: RowProbe | None = None
+def microbatch_draws(graph: Graph, microbatches: int, rows: Mapping[str, int]
                      ) -> tuple[Graph, set[str], tuple[str, ...]]:
     """The graph with each key draw meeting the batch's rows made for all ``microbatches``
     and each microbatch's rows kept, the names of the values now holding a microbatch's
     rows (what the draws made before), and the draws' source lines (or names); the graph
-    unchanged and nothing else when there is none. ``probe``: the step at more rows per
-    microbatch where it has one (``PassContext.batch_probe``)."""
-    found = key_draws_per_row(graph, split_batch(graph, probe).rows)
+    unchanged and nothing else when there is none. ``rows``: the values split by the
+    batch's rows and the dim holding them (``split_batch``'s)."""
+    found = key_draws_per_row(graph, rows)
     if not found or microbatches == 1:
         return graph, set(), ()
     ops: list[Op] = []

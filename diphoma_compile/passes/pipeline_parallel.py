@@ -222,8 +222,8 @@ class PipelineParallel(Pass):
                 hint="microbatches=1 (schedule=gpipe), a norm without batch statistics "
                      "(LayerNorm, GroupNorm), or those layers in eval mode")
         traced = graph      # the step as traced: what its batch analysis judges
-        graph, kept, drawn = microbatch_draws(graph, self.microbatches,
-                                               ctx.batch_probe)
+        split = split_batch(traced, ctx.batch_probe)
+        graph, kept, drawn = microbatch_draws(graph, self.microbatches, split.rows)
         keyed = _keyed_draws_on_the_batch(graph, kept)
         if self.microbatches > 1 and keyed:
             raise PassFailure(
@@ -261,7 +261,6 @@ class PipelineParallel(Pass):
                               "diphoma_compile.ir.device_model.MODELS") from None
         notes: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         if self.microbatches > 1:
-            split = split_batch(traced, ctx.batch_probe)
             _refuse_summed(traced, split.combine, self.microbatches)
             notes = split_notes(split.couplings)
         cut = _Cut(graph, s, self.axis, n, self.schedule, self.microbatches, self.balance,
