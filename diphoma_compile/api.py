@@ -28,7 +28,7 @@ from . import framework as frameworks
 from .errors import DiphomaError, DiphomaWarning, MeshError, no_keywords
 from .framework import Framework
 from .ir.analysis import runs_on_one_device
-from .ir.batch_coupling import one_row_per_share
+from .ir.batch_coupling import one_row_per_share, scaled_by_rows
 from .ir.row_probe import RowProbe, probe_rows
 from .ir.device_model import (MODELS, DeviceModel, check, device_model, model_for_device,
                               register)
@@ -311,26 +311,30 @@ def trace_step(step_fn: Callable, args: tuple, mesh: Mesh, axis: str,
     batch being the arguments ``batch_argnums`` (None: inferred by the framework); under a
     pipeline of M microbatches, at one microbatch. ``codegen``: the code generator the
     program is for; "auto" lets the framework choose by the step's size, None plans with
-    its reference program. Where the batch is split into shares of one row, the probe is
-    the same program traced at more (``batch_probe``), else None."""
+    its reference program. Where the batch is split into shares of one row, or the batch
+    analysis takes a sum over the rows divided by a constant for a mean (the constant may
+    equal the rows by coincidence, ``sum() / 2`` at two), the probe is the same program
+    traced at more (``batch_probe``), else None."""
     fw = frameworks.of_args(args)
     kw = {"microbatches": microbatches} if microbatches != 1 else {}
     graph, extra = fw.trace_local(step_fn, args, mesh, axis, batch_argnums=batch_argnums,
                                   codegen=codegen, **kw)
     probe = None
-    if one_row_per_share(graph) and (microbatches > 1 or dict(mesh.axes).get(axis, 1) > 1):
+    if (microbatches > 1 or dict(mesh.axes).get(axis, 1) > 1) and \
+            (one_row_per_share(graph) or scaled_by_rows(graph)):
         probe = batch_probe(fw, graph, step_fn, args, mesh, axis, batch_argnums, kw)
     return fw, graph, extra, probe
 
 
 def batch_probe(fw: Framework, graph: Graph, step_fn: Callable, args: tuple, mesh: Mesh,
                 axis: str, batch_argnums: tuple[int, ...] | None, kw: dict) -> RowProbe | None:
-    """The step traced at several rows per share (``probe_rows``: a prime that no
-    constant of ``graph`` is a multiple of), matched value by value with ``graph``, the
-    step as traced at one (``ir/row_probe.py``), for the batch analysis
-    (``ir/batch_coupling.py``: a share of one row cannot show which dims are its rows); or
-    None where it cannot be traced (its code fixes the batch's size: the plan then says
-    the batch was not judged)."""
+    """The step traced at several times the rows per share (``probe_rows``: a prime that
+    no constant of ``graph`` is a multiple of), matched value by value with ``graph``, the
+    step as traced (``ir/row_probe.py``), for the batch analysis
+    (``ir/batch_coupling.py``: a share of one row cannot show which dims are its rows, and
+    a division by a constant equal to the rows cannot show whether it is a mean); or None
+    where it cannot be traced (its code fixes the batch's size: at one row per share the
+    plan then says the batch was not judged; at more, such divisions stay means)."""
     rows = probe_rows(graph)
     try:
         probe, _ = fw.trace_local(step_fn, args, mesh, axis, batch_argnums=batch_argnums,

@@ -121,12 +121,39 @@ def split_batch(graph: Graph, probe: RowProbe | None = None) -> BatchSplit:
         return _kept_in(split_batch(probe.graph), graph, probe)
     follow = _Follow(graph)
     found = tuple(follow.run())
+    sums = _unscaled(follow.scaled, probe) if probe is not None else frozenset()
+    if sums:
+        follow = _Follow(graph, sums)
+        found = tuple(follow.run())
     combine = {o.name: s.op for o in graph.outputs
                if isinstance(s := follow.state(o.name), Partial)
                and s.op in ("sum", "avg", "max", "min")}
     rows = {n: s.dim for n, s in follow.at.items()
             if isinstance(s, Shard) and isinstance(s.dim, int)}
     return BatchSplit(found, combine, rows, tuple(follow.counted))
+
+
+def scaled_by_rows(graph: Graph) -> bool:
+    """Whether the batch analysis of ``graph`` takes a sum over the rows divided by a
+    constant for a mean, the constant being as many as the elements summed: a sum divided
+    by a number that only equals them here (``sum() / 2`` at 2 rows a share) looks the
+    same, and only the step traced at more rows tells them apart (``split_batch``'s
+    probe)."""
+    follow = _Follow(graph)
+    follow.run()
+    return any(follow.scaled.values())
+
+
+def _unscaled(scaled: Mapping[str, bool], probe: RowProbe) -> frozenset[str]:
+    """The divisions ``scaled`` takes for means (a sum over the rows over their number)
+    that, in ``probe`` (the step traced at more rows per share), divide by the same kind
+    of constant no longer equal to the elements summed: sums scaled by a number that
+    equalled the rows by coincidence. A division with no match there stays a mean."""
+    theirs = _Follow(probe.graph)
+    theirs.run()
+    ours = {v: k for k, v in probe.names.items()}
+    return frozenset(n for n, mean in scaled.items()
+                     if mean and theirs.scaled.get(ours.get(n, "")) is False)
 
 
 def one_row_per_share(graph: Graph) -> bool:
@@ -244,8 +271,14 @@ def _split(p: object) -> bool:
 
 
 class _Follow:
-    def __init__(self, graph: Graph) -> None:
+    def __init__(self, graph: Graph, sums: frozenset[str] = frozenset()) -> None:
         self.graph = graph
+        # a sum over the rows divided by a constant -> whether the constant is as many as
+        # the elements summed (a mean: ``jnp.mean``, ``sum() / x.shape[0]``); ``sums``:
+        # those known to stay sums whatever the rows (``sum() / 2`` at 2 rows a share,
+        # found on the step traced at more: ``_unscaled``)
+        self.scaled: dict[str, bool] = {}
+        self.known_sums = sums
         self.types = graph.value_types()
         # name -> a Placement, a frozenset of placements (a constant: any of these),
         # or _UNKNOWN; values not here are whole (weights, optimizer state)
@@ -645,7 +678,9 @@ class _Follow:
             counted = self.summed.get(split[0][0])
             if scale is not None and counted is not None:
                 n = scale if op.name == "div" else (1 / scale if scale else None)
-                if n is not None and _is_count(n, *counted):
+                mean = n is not None and _is_count(n, *counted)
+                self.scaled[op.results[0].name] = mean
+                if mean and op.results[0].name not in self.known_sums:
                     return Partial("avg")
             if counted is not None:
                 for v in op.results:

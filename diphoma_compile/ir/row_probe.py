@@ -1,5 +1,7 @@
 """Which values of a step traced at one row per share are which of the same step traced at
-more (the probe the batch analysis reads: ``batch_coupling.split_batch``).
+more (the probe the batch analysis reads: ``batch_coupling.split_batch``); also of a step
+traced at several rows whose analysis divides a sum over them by a constant equal to
+their number, a mean or a sum scaled by a number that only equals them at these rows.
 
 A share of one example cannot show which dims hold the batch's rows: a dim of size 1
 merges into any other. So the frontends trace the step again at ``probe_rows`` rows per
@@ -30,15 +32,17 @@ from .types import TensorType
 @dataclass(frozen=True)
 class RowProbe:
     """A step traced at more rows per share (``graph``) and which value of the step
-    traced at one row each of its values is (``names``, from ``probe_names``: both traces
-    as the frontend made them, before any pass)."""
+    as traced (at one row, or at a ``probe_rows``-th of the probe's) each of its values is
+    (``names``, from ``probe_names``: both traces as the frontend made them, before any
+    pass)."""
 
     graph: Graph
     names: Mapping[str, str]
 
     @staticmethod
     def of(traced: Graph, probe: Graph, rows: int) -> RowProbe:
-        """The probe ``probe``, at ``rows`` rows per share, of the step ``traced`` at one."""
+        """The probe ``probe``, at ``rows`` times the rows per share, of the step
+        ``traced``."""
         return RowProbe(probe, probe_names(traced, probe, rows))
 
 
@@ -64,9 +68,10 @@ def probe_rows(graph: Graph) -> int:
 
 
 def probe_names(graph: Graph, probe: Graph, rows: int) -> dict[str, str]:
-    """Value name in ``probe`` (at ``rows`` rows per share) -> the value of ``graph`` (at
-    one) it is (inputs by name; op results where the ops align, their shapes fit
-    (``_fits``) and they read matched values); the values left out have no match.
+    """Value name in ``probe`` (at ``rows`` times ``graph``'s rows per share, one or
+    more) -> the value of ``graph`` it is (inputs by name; op results where the ops
+    align, their shapes fit (``_fits``) and they read matched values); the values left
+    out have no match.
 
     Ops are aligned on their kind, target, source line and result ranks; in the stretches
     left between, on all but the ranks (JAX picks one label per row with a gather whose
@@ -129,8 +134,8 @@ def _key(op: Op) -> tuple:
 
 
 def _fits(more: TensorType, one: TensorType, rows: int) -> bool:
-    """Whether a value of shape ``more`` at ``rows`` rows per share can be one of shape
-    ``one`` at one row: each dim the same, or ``rows`` times it (the rows, or a dim they
+    """Whether a value of shape ``more`` at ``rows`` times the rows per share can be one
+    of shape ``one``: each dim the same, or ``rows`` times it (the rows, or a dim they
     merge into). (An ``arange(1)`` of the rows is not an ``arange(12)`` of the heads.)"""
     return more.rank == one.rank and all(a in (b, rows * b)
                                          for a, b in zip(more.shape, one.shape))

@@ -184,10 +184,10 @@ def test_haiku_batch_norm_state_is_model_state():
     share 0's state. (JAX makes ``1 - 0.9`` once for the momentum and the moving averages:
     jax/phases.py runs that constant in the forward pass.)"""
     from diphoma_compile.errors import DiphomaWarning
-    net, tx, step, loss_of, (params, state, x, y) = _haiku_batch_norm_case(1, 16, 16)
+    net, tx, step, loss_of, (params, state, x, y) = _haiku_batch_norm_case(1, 16, 32)
 
     def ddp(params, opt_state, batch, state):
-        shares = (batch[0].reshape(8, 2, 8), batch[1].reshape(8, 2, 4))
+        shares = (batch[0].reshape(8, 4, 8), batch[1].reshape(8, 4, 4))
         (losses, new), grads = jax.vmap(jax.value_and_grad(loss_of, has_aux=True),
                                         in_axes=(None, None, 0, 0))(params, state, *shares)
         updates, opt_state = tx.update(jax.tree.map(lambda g: g.mean(0), grads), opt_state,

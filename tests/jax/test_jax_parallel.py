@@ -656,11 +656,15 @@ def test_one_row_per_device_with_labels_picked_per_row_matches_jax_jit():
     assert max_rel_dev(want[0], got[0]) <= 1e-5
 
 
+@pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("loss", ["half sum", "half masked"])
-def test_one_row_per_device_a_loss_halved_by_hand_is_not_a_mean(loss):
+def test_a_loss_halved_by_hand_is_not_a_mean(loss, rows):
     """``sum(...) / 2`` at one row per device, judged on a probe at two rows, was taken for
     a mean over them (a review, 2026-12-06: the gradients averaged, 1/8 of jax.jit's
-    loss). The probe's rows are a prime no constant of the step is a multiple of."""
+    loss). The probe's rows are a prime no constant of the step is a multiple of. At two
+    rows per device the step that runs divides by 2 as a mean over them would; it was
+    taken for one (1/8 of the loss, documented) until the step traced at more rows was
+    read for such divisions too (2026-12-06)."""
     tx = optax.sgd(0.01)
 
     def step(params, opt_state, batch):
@@ -674,8 +678,8 @@ def test_one_row_per_device_a_loss_halved_by_hand_is_not_a_mean(loss):
         return optax.apply_updates(params, updates), opt_state, value
     k = jax.random.split(jax.random.key(0), 3)
     params = {"w": jax.random.normal(k[0], (8, 4))}
-    batch = (jax.random.normal(k[1], (8, 8)), jax.random.normal(k[2], (8, 4)),
-             jnp.array([1, 0, 1, 1, 0, 1, 1, 0], jnp.float32))
+    batch = (jax.random.normal(k[1], (8 * rows, 8)), jax.random.normal(k[2], (8 * rows, 4)),
+             jnp.array([1, 0, 1, 1, 0, 1, 1, 0] * rows, jnp.float32))
     want = jax.jit(step)(params, tx.init(params), batch)
     got = parallelize(step, jax_mesh((8,)), axis="data")(params, tx.init(params), batch)
     assert abs(float(got[2]) - float(want[2])) <= 1e-5 * abs(float(want[2]))
@@ -848,8 +852,8 @@ def test_flax_batch_norm_runs_as_ddp_does():
     share's gradients (vmap), their mean, one AdamW update, those statistics."""
     from diphoma_compile import compile as compile_step
     net, tx = _BatchNormNet(), optax.adamw(1e-2)
-    x = jax.random.normal(jax.random.PRNGKey(1), (16, 8))
-    y = jax.random.normal(jax.random.PRNGKey(2), (16, 4))
+    x = jax.random.normal(jax.random.PRNGKey(1), (32, 8))
+    y = jax.random.normal(jax.random.PRNGKey(2), (32, 4))
     variables = net.init(jax.random.PRNGKey(0), x)
     opt_state = tx.init(variables["params"])
     step, loss_of = _batch_norm_step(net, tx)
@@ -889,7 +893,7 @@ def test_flax_batch_norm_runs_as_ddp_does():
         pstep.plan.notes["data-parallel"]["averaged"]
 
     def ddp(variables, opt_state):
-        shares = (x.reshape(8, 2, 8), y.reshape(8, 2, 4))
+        shares = (x.reshape(8, 4, 8), y.reshape(8, 4, 4))
         (losses, new), grads = jax.vmap(jax.value_and_grad(loss_of, has_aux=True),
                                         in_axes=(None, None, 0, 0))(
             variables["params"], variables["batch_stats"], *shares)

@@ -643,6 +643,33 @@ def test_a_sum_loss_at_one_row_per_device_sums_the_gradients():
     assert dp["gradients"] == "sum" and list(dp["combined"].values()) == ["sum"], dp
 
 
+@pytest.mark.parametrize("form, gradients", [("sum / 2", "sum"), ("sum * 0.5", "sum"),
+                                             ("sum / rows", "avg")])
+def test_a_sum_divided_by_a_number_equal_to_the_rows_is_told_from_a_mean(form, gradients):
+    """At two rows per device, ``sum() / 2`` divides by as many as the rows it sums, as
+    ``sum() / x.shape[0]`` does: it was taken for a mean and its gradients averaged (1/N
+    of the single-device step's, documented, until 2026-12-06). The step is traced again
+    at more rows per device where such a division is found, and a divisor that stays 2
+    there is a number: a sum, its gradients added up; one that follows the rows, a
+    mean."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 1)
+
+    def step(model, opt, x, y):
+        err = ((model(x) - y) ** 2).sum()
+        loss = err / 2 if form == "sum / 2" else err * 0.5 if form == "sum * 0.5" \
+            else err / x.shape[0]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    pstep = diphoma_compile.parallelize(step, {"dp": 2})
+    pstep.trace(lin, _sgd(lin), torch.randn(2, 8), torch.randn(2, 1))
+    dp = pstep.plan.notes["data-parallel"]
+    combined = ["sum"] if gradients == "sum" else []      # averaged: the default
+    assert dp["gradients"] == gradients and list(dp["combined"].values()) == combined, dp
+
+
 def _masked_lm_step(model, opt, ids, mask, labels):
     loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
     loss.backward()
