@@ -624,47 +624,33 @@ def test_one_row_per_device_that_cannot_be_traced_at_two_is_said_unjudged():
     assert "could not be traced at more rows per device" in pstep.plan.to_text()
 
 
-def test_a_sum_loss_at_one_row_per_device_sums_the_gradients():
+@pytest.mark.parametrize("form, rows, gradients", [
+    ("reduction sum", 1, "sum"), ("sum / 2", 2, "sum"), ("sum * 0.5", 2, "sum"),
+    ("sum / rows", 2, "avg")])
+def test_a_sum_over_the_rows_is_told_from_a_mean(form, rows, gradients):
     """``reduction="sum"`` at one row per device: found on the trace at more rows, so the
     devices' gradients and losses add up. Before (nothing judged at one row) they were
-    averaged: 1/N of the single-device step's, with no word."""
-    torch.manual_seed(0)
-    lin = nn.Linear(8, 4)
-
-    def step(model, opt, x, y):
-        loss = F.mse_loss(model(x), y, reduction="sum")
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-    pstep = diphoma_compile.parallelize(step, {"dp": 2})
-    pstep.trace(lin, _sgd(lin), torch.randn(1, 8), torch.randn(1, 4))
-    dp = pstep.plan.notes["data-parallel"]
-    assert dp["gradients"] == "sum" and list(dp["combined"].values()) == ["sum"], dp
-
-
-@pytest.mark.parametrize("form, gradients", [("sum / 2", "sum"), ("sum * 0.5", "sum"),
-                                             ("sum / rows", "avg")])
-def test_a_sum_divided_by_a_number_equal_to_the_rows_is_told_from_a_mean(form, gradients):
-    """At two rows per device, ``sum() / 2`` divides by as many as the rows it sums, as
-    ``sum() / x.shape[0]`` does: it was taken for a mean and its gradients averaged (1/N
-    of the single-device step's, documented, until 2026-12-06). The step is traced again
-    at more rows per device where such a division is found, and a divisor that stays 2
-    there is a number: a sum, its gradients added up; one that follows the rows, a
-    mean."""
+    averaged: 1/N of the single-device step's, with no word. At two rows per device,
+    ``sum() / 2`` divides by as many as the rows it sums, as ``sum() / x.shape[0]`` does:
+    it was taken for a mean and its gradients averaged (documented, until 2026-12-06).
+    The step is traced again at more rows per device where such a division is found,
+    and a divisor that stays 2 there is a number: a sum, its gradients added up; one
+    that follows the rows, a mean."""
     torch.manual_seed(0)
     lin = nn.Linear(8, 1)
 
     def step(model, opt, x, y):
-        err = ((model(x) - y) ** 2).sum()
-        loss = err / 2 if form == "sum / 2" else err * 0.5 if form == "sum * 0.5" \
+        out = model(x)
+        err = ((out - y) ** 2).sum()
+        loss = F.mse_loss(out, y, reduction="sum") if form == "reduction sum" \
+            else err / 2 if form == "sum / 2" else err * 0.5 if form == "sum * 0.5" \
             else err / x.shape[0]
         loss.backward()
         opt.step()
         opt.zero_grad()
         return loss
     pstep = diphoma_compile.parallelize(step, {"dp": 2})
-    pstep.trace(lin, _sgd(lin), torch.randn(2, 8), torch.randn(2, 1))
+    pstep.trace(lin, _sgd(lin), torch.randn(rows, 8), torch.randn(rows, 1))
     dp = pstep.plan.notes["data-parallel"]
     combined = ["sum"] if gradients == "sum" else []      # averaged: the default
     assert dp["gradients"] == gradients and list(dp["combined"].values()) == combined, dp
