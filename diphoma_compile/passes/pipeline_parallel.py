@@ -49,7 +49,7 @@ from ..ir.framework_ops import framework_rule
 from ..ir.ops import draws_from_a_key, op_def, random_draw
 from ..ir.rewrite import rename_region
 from .base import Pass, PassContext, PassFailure, register_pass
-from .data_parallel import require_axis
+from .data_parallel import DataParallelRecord, require_axis
 from .pipeline_balance import balanced_cuts, cheapest_near, forward_costs, op_seconds
 from .pipeline_draws import microbatch_draws
 from .pipeline_orders import rank_orders
@@ -262,6 +262,7 @@ class PipelineParallel(Pass):
         notes: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         if self.microbatches > 1:
             _refuse_summed(traced, split.combine, self.microbatches)
+            _refuse_summed_over_devices(ctx.decision(DataParallelRecord), self.microbatches)
             notes = split_notes(split.couplings)
         cut = _Cut(graph, s, self.axis, n, self.schedule, self.microbatches, self.balance,
                    model)
@@ -286,6 +287,26 @@ def _refuse_summed(graph: Graph, combine: Mapping[str, str], microbatches: int) 
                 f"which would give 1/{microbatches} of the single-device step's",
                 hint="make it a mean over the batch (divide by the batch's size, "
                      "reduction='mean'), or microbatches=1")
+
+
+def _refuse_summed_over_devices(dp: DataParallelRecord | None, microbatches: int) -> None:
+    """``_refuse_summed`` where data parallelism ran first: it has added up the devices'
+    sums, so the graph this pass reads returns whole values; its record says which were
+    sums over the batch (the loss, where the gradients are added up; metrics such as a
+    count of correct answers)."""
+    if dp is None:
+        return
+    summed = sorted(n for n, how in dp.combined.items() if how == "sum")
+    if dp.gradients == "sum" or summed:
+        what = "loss" if dp.gradients == "sum" else \
+            f"metric{'s' if len(summed) > 1 else ''} {', '.join('%' + n for n in summed)}"
+        raise PassFailure(
+            f"pipeline: the step's {what} is a sum over the batch (added up over the "
+            f"{dp.axis} devices); over {microbatches} microbatches the pipeline averages "
+            "the microbatches' losses, metrics and gradients, which would give "
+            f"1/{microbatches} of the single-device step's",
+            hint="make it a mean over the batch (divide by the batch's size, "
+                 "reduction='mean'), or microbatches=1")
 
 
 def new_values(graph: Graph) -> dict[str, str]:

@@ -248,6 +248,23 @@ def test_a_batch_that_does_not_split_into_microbatches_is_refused():
     assert "2 data-parallel shares x 3 microbatches" in str(e.value)
 
 
+def test_a_loss_summed_over_the_batch_is_refused_with_data_parallelism_too():
+    """dp=2 x pp=4 over 2 microbatches of 4 rows a share: the loss a sum over the batch.
+    Data parallelism adds the devices' sums up first, so the pipeline saw a whole value
+    and planned the step: 0.41 of jax.jit's loss and gradients averaged over the
+    microbatches (a review, 2026-12-06). Refused now, as without the dp axis."""
+    tx = optax.sgd(0.1)
+    model = TiedGPT()
+    _, params, batches = _case(tx)
+    step = _train_step(lambda p, x: model.apply({"params": p}, x),
+                       lambda logits, b: optax.softmax_cross_entropy_with_integer_labels(
+                           logits, b["labels"]).sum(), lambda b: b["ids"], tx)
+    ps = diphoma_compile.parallelize(step, MESH, microbatches=2)
+    with pytest.raises(diphoma_compile.DiphomaError, match="the step's loss is a sum over "
+                                                           "the batch .added up over the dp"):
+        ps.trace(params, tx.init(params), batches[0])
+
+
 def test_microbatches_without_a_pp_axis_are_refused():
     tx = optax.sgd(0.1)
     step, params, batches = _case(tx)
