@@ -320,9 +320,21 @@ def trace_step(step_fn: Callable, args: tuple, mesh: Mesh, axis: str,
     graph, extra = fw.trace_local(step_fn, args, mesh, axis, batch_argnums=batch_argnums,
                                   codegen=codegen, **kw)
     probe = None
-    if (microbatches > 1 or dict(mesh.axes).get(axis, 1) > 1) and \
-            (one_row_per_share(graph) or scaled_by_rows(graph)):
-        probe = batch_probe(fw, graph, step_fn, args, mesh, axis, batch_argnums, kw)
+    if microbatches > 1 or dict(mesh.axes).get(axis, 1) > 1:
+        one_row = one_row_per_share(graph)
+        scaled = [] if one_row else scaled_by_rows(graph)
+        if one_row or scaled:
+            probe = batch_probe(fw, graph, step_fn, args, mesh, axis, batch_argnums, kw)
+        if scaled and probe is None:
+            warnings.warn(
+                f"the step divides a sum over its batch's rows by as many as it sums "
+                f"({', '.join(scaled[:3])}), and could not be traced at more rows per "
+                "device to tell whether that is the batch's size or a number that equals "
+                "it at this share's size (sum() / 2 at 2 rows): it is taken for a mean, "
+                "the devices' gradients averaged, where a sum divided by a number wants "
+                "them added up (to have the two told apart, let the step trace at any "
+                "batch size: no size fixed in its code, as x.view(2, -1) does)",
+                DiphomaWarning, stacklevel=3)
     return fw, graph, extra, probe
 
 

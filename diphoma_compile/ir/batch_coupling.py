@@ -133,15 +133,16 @@ def split_batch(graph: Graph, probe: RowProbe | None = None) -> BatchSplit:
     return BatchSplit(found, combine, rows, tuple(follow.counted))
 
 
-def scaled_by_rows(graph: Graph) -> bool:
-    """Whether the batch analysis of ``graph`` takes a sum over the rows divided by a
-    constant for a mean, the constant being as many as the elements summed: a sum divided
-    by a number that only equals them here (``sum() / 2`` at 2 rows a share) looks the
-    same, and only the step traced at more rows tells them apart (``split_batch``'s
-    probe)."""
+def scaled_by_rows(graph: Graph) -> list[str]:
+    """Where (source lines) the batch analysis of ``graph`` takes a sum over the rows
+    divided by a constant for a mean, the constant being as many as the elements summed:
+    a sum divided by a number that only equals them here (``sum() / 2`` at 2 rows a
+    share) looks the same, and only the step traced at more rows tells them apart
+    (``split_batch``'s probe)."""
     follow = _Follow(graph)
     follow.run()
-    return any(follow.scaled.values())
+    ops = [follow.producer[n] for n, mean in follow.scaled.items() if mean]
+    return list(dict.fromkeys(op.loc or follow.near(op) or op.name for op in ops))
 
 
 def _unscaled(scaled: Mapping[str, bool], probe: RowProbe) -> frozenset[str]:
@@ -287,6 +288,10 @@ class _Follow:
             t = i.value.type
             if i.role.kind is InputKind.batch and t.rank >= 1 and t.shape[0] > 1:
                 self.at[i.name] = Shard(0)
+        # the share's rows, where its batch inputs agree: a sum over rows merged with
+        # other dims (tokens flattened) divided by them is a mean over examples
+        rows = {i.value.type.shape[0] for i in graph.inputs if i.name in self.at}
+        self.batch_rows = rows.pop() if len(rows) == 1 else None
         self.producer = {v.name: op for op in graph.ops for v in op.results}
         # a value split by rows or summed over them -> the sizes of the other dims summed
         # into it; a sum over the rows -> (its rows, those sizes): what a mean divides by
@@ -674,11 +679,14 @@ class _Follow:
             return Partial("sum")
         parts = {s.op for s in states if isinstance(s, Partial)}
         if parts == {"sum"} and op.name in ("div", "mul") and len(split) == 1:
-            scale = self.constant(op.inputs[1]) if split[0][0] == op.inputs[0] else None
+            # the constant divided by, or multiplied by on either side
+            other = [n for n in op.inputs if n != split[0][0]]
+            scale = self.constant(other[0]) if len(other) == 1 and (
+                op.name == "mul" or split[0][0] == op.inputs[0]) else None
             counted = self.summed.get(split[0][0])
             if scale is not None and counted is not None:
                 n = scale if op.name == "div" else (1 / scale if scale else None)
-                mean = n is not None and _is_count(n, *counted)
+                mean = n is not None and _is_count(n, *counted, self.batch_rows)
                 self.scaled[op.results[0].name] = mean
                 if mean and op.results[0].name not in self.known_sums:
                     return Partial("avg")
@@ -1018,10 +1026,15 @@ def _unjudged(actual: Sequence[object], ins: Sequence[TensorType],
     return [Shard(0) if t.rank and t.shape[0] == b else _UNKNOWN for t in outs]
 
 
-def _is_count(n: float, rows: int, others: tuple[int, ...]) -> bool:
+def _is_count(n: float, rows: int, others: tuple[int, ...],
+              batch_rows: int | None = None) -> bool:
     """Whether ``n`` is the number of elements a sum over ``rows`` rows (and some of the
-    dims of sizes ``others``) added up: a mean divides by it."""
+    dims of sizes ``others``) added up, or the share's ``batch_rows`` where ``rows`` is a
+    multiple of them (the rows merged with other dims: a sum over the tokens of
+    ``logits.reshape(-1, V)`` divided by the sequences): a mean divides by it."""
     counts = {rows}
+    if batch_rows and rows > batch_rows and rows % batch_rows == 0:
+        counts.add(batch_rows)
     for d in others:
         counts |= {c * d for c in counts}
     return any(abs(n - c) <= 1e-6 * c for c in counts)

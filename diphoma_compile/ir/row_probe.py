@@ -61,9 +61,14 @@ def probe_rows(graph: Graph) -> int:
     values = {v for v in values if 0 < v < float("inf")}
     scales = values | {1 / v for v in values}
 
+    def multiple(s: float, p: int) -> bool:
+        # a whole number (within rounding) that p divides, up to float32's whole numbers
+        # (beyond them a constant is a mask's fill, -1e9, not a count)
+        n = round(s)
+        return p <= n <= 2 ** 24 and abs(s - n) <= 1e-6 * s and n % p == 0
+
     def clear(p: int) -> bool:
-        return not any(s >= p - 1e-6 and abs(s / p - round(s / p)) <= 1e-6 * s / p
-                       for s in scales)
+        return not any(multiple(s, p) for s in scales)
     return next((p for p in _PRIMES if clear(p)), _PRIMES[-1])
 
 

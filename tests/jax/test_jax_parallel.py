@@ -686,6 +686,34 @@ def test_a_loss_halved_by_hand_is_not_a_mean(loss, rows):
     assert max_rel_dev(want[0], got[0]) <= 1e-5
 
 
+@pytest.mark.parametrize("loss", ["reciprocal on the left", "tokens over sequences"])
+def test_a_mean_written_by_hand_is_averaged(loss):
+    """Means over the batch's examples that were taken for sums (a review, 2026-12-06:
+    the gradients added up, 8x jax.jit's loss on 8 devices): ``(1 / x.shape[0]) * sum``,
+    whose constant is the product's first operand, and a sum over tokens flattened with
+    the rows (``reshape(-1)``) divided by the number of sequences."""
+    tx = optax.sgd(0.01)
+
+    def step(params, opt_state, batch):
+        def loss_of(p):
+            err = (jnp.tanh(batch[0] @ p["w"]) - batch[1]) ** 2
+            if loss == "reciprocal on the left":
+                return (1.0 / batch[0].shape[0]) * jnp.sum(err)
+            return jnp.sum(err.reshape(-1)) / batch[0].shape[0]
+        value, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+    k = jax.random.split(jax.random.key(0), 3)
+    params = {"w": jax.random.normal(k[0], (8, 4))}
+    batch = (jax.random.normal(k[1], (16, 8)), jax.random.normal(k[2], (16, 4)))
+    want = jax.jit(step)(params, tx.init(params), batch)
+    pstep = parallelize(step, jax_mesh((8,)), axis="data")
+    got = pstep(params, tx.init(params), batch)
+    assert pstep.plan.notes["data-parallel"]["gradients"] == "avg"
+    assert abs(float(got[2]) - float(want[2])) <= 1e-5 * abs(float(want[2]))
+    assert max_rel_dev(want[0], got[0]) <= 1e-5
+
+
 def test_one_row_per_device_that_cannot_be_traced_at_two_is_said_unjudged():
     """A step that fixes the batch's size (``reshape(1, -1)``) traces at one row per
     device but not at two: the batch is not judged, and a warning and the plan say so."""

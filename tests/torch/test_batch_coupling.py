@@ -626,7 +626,7 @@ def test_one_row_per_device_that_cannot_be_traced_at_two_is_said_unjudged():
 
 @pytest.mark.parametrize("form, rows, gradients", [
     ("reduction sum", 1, "sum"), ("sum / 2", 2, "sum"), ("sum * 0.5", 2, "sum"),
-    ("sum / rows", 2, "avg")])
+    ("sum / rows", 2, "avg"), ("tokens / rows", 2, "avg")])
 def test_a_sum_over_the_rows_is_told_from_a_mean(form, rows, gradients):
     """``reduction="sum"`` at one row per device: found on the trace at more rows, so the
     devices' gradients and losses add up. Before (nothing judged at one row) they were
@@ -635,25 +635,50 @@ def test_a_sum_over_the_rows_is_told_from_a_mean(form, rows, gradients):
     it was taken for a mean and its gradients averaged (documented, until 2026-12-06).
     The step is traced again at more rows per device where such a division is found,
     and a divisor that stays 2 there is a number: a sum, its gradients added up; one
-    that follows the rows, a mean."""
+    that follows the rows, a mean. A cross-entropy summed over the tokens of
+    ``logits.reshape(-1, V)`` over the number of sequences is a mean over examples (a
+    review found it planned as a sum, 2026-12-06: the rows merged with the tokens)."""
     torch.manual_seed(0)
-    lin = nn.Linear(8, 1)
+    lin = nn.Linear(8, 5)
 
     def step(model, opt, x, y):
         out = model(x)
         err = ((out - y) ** 2).sum()
-        loss = F.mse_loss(out, y, reduction="sum") if form == "reduction sum" \
-            else err / 2 if form == "sum / 2" else err * 0.5 if form == "sum * 0.5" \
-            else err / x.shape[0]
+        if form == "tokens / rows":
+            loss = F.cross_entropy(out.reshape(-1, 5), y.argmax(-1).reshape(-1),
+                                   reduction="sum") / x.shape[0]
+        else:
+            loss = F.mse_loss(out, y, reduction="sum") if form == "reduction sum" \
+                else err / 2 if form == "sum / 2" else err * 0.5 if form == "sum * 0.5" \
+                else err / x.shape[0]
         loss.backward()
         opt.step()
         opt.zero_grad()
         return loss
     pstep = diphoma_compile.parallelize(step, {"dp": 2})
-    pstep.trace(lin, _sgd(lin), torch.randn(rows, 8), torch.randn(rows, 1))
+    pstep.trace(lin, _sgd(lin), torch.randn(rows, 3, 8), torch.randn(rows, 3, 5))
     dp = pstep.plan.notes["data-parallel"]
     combined = ["sum"] if gradients == "sum" else []      # averaged: the default
     assert dp["gradients"] == gradients and list(dp["combined"].values()) == combined, dp
+
+
+def test_a_division_by_the_rows_that_cannot_be_checked_is_warned_of():
+    """A step that fixes its batch's size (``x.view(2, -1)``) cannot be traced at more rows
+    per device, so ``sum() / 2`` at 2 rows cannot be told from a mean: it is taken for one,
+    and a warning says so and why (a review found it silent, 2026-12-06)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 1)
+
+    def step(model, opt, x, y):
+        loss = ((model(x.view(2, -1)) - y) ** 2).sum() / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    pstep = diphoma_compile.parallelize(step, {"dp": 2})
+    with pytest.warns(DiphomaWarning, match="could not be traced at more rows per device"):
+        pstep.trace(lin, _sgd(lin), torch.randn(2, 8), torch.randn(2, 1))
+    assert pstep.plan.notes["data-parallel"]["gradients"] == "avg"
 
 
 def _masked_lm_step(model, opt, ids, mask, labels):
