@@ -445,6 +445,7 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
     graph = graph.replace(mesh=mesh)
     if probe is not None:
         ctx.batch_probe = probe
+    ctx.traced = graph
     grad_bytes = sum(i.value.type.nbytes for i in graph.inputs
                      if i.role.kind is InputKind.param)
     tp = tensor_axis(mesh)

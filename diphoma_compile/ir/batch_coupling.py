@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from .analysis import free_inputs
 from .core import Graph, InputKind, Op, OutputKind, Phase
 from .framework_ops import FrameworkOpRule, framework_rule
+from .grad_seed import differentiated
 from .opdef import is_view, op_def, random_draw
 from .row_probe import RowProbe
 from .strategies import (Strategy, group_counts, no_strategies, replicate_only,
@@ -104,9 +105,14 @@ class BatchSplit:
     probed: bool = False
     # the means over counts found there that have no match in the step that runs
     unmatched: tuple[str, ...] = ()
+    # how the gradients combine ("sum", "avg") where the backward's seed shows the value
+    # differentiated (``FrameworkOpRule.seeds_gradient``), which may not be the loss the
+    # step returns (a sum differentiated, its mean logged); None: as that loss
+    gradients: str | None = None
 
 
-def split_batch(graph: Graph, probe: RowProbe | None = None) -> BatchSplit:
+def split_batch(graph: Graph, probe: RowProbe | None = None,
+                traced: Graph | None = None) -> BatchSplit:
     """``BatchSplit`` of ``graph``. When every batch input holds one row (a share of one
     example, as traced: its rows cannot be told from the dimensions they merge into), the
     analysis runs on ``probe``, the same step traced at more rows per share (the frontends
@@ -114,7 +120,9 @@ def split_batch(graph: Graph, probe: RowProbe | None = None) -> BatchSplit:
     (``row_probe.py``); without one, nothing is found and ``judged`` is False, and so it
     is where a mean over a count found there has no match in ``graph``. A batch
     input of one row beside others of more (a temperature passed with the batch) is taken
-    as whole."""
+    as whole. ``traced``: the step as traced, before any pass, where the value a backward
+    pass differentiates is looked for when ``graph`` no longer has it (``jax.grad``'s
+    value, unused, dropped as dead)."""
     if one_row_per_share(graph):
         if probe is None or one_row_per_share(probe.graph):
             return BatchSplit((), {}, judged=False)
@@ -130,7 +138,30 @@ def split_batch(graph: Graph, probe: RowProbe | None = None) -> BatchSplit:
                and s.op in ("sum", "avg", "max", "min")}
     rows = {n: s.dim for n, s in follow.at.items()
             if isinstance(s, Shard) and isinstance(s.dim, int)}
-    return BatchSplit(found, combine, rows, tuple(follow.counted))
+    gradients = _gradients(graph, follow)
+    if gradients is None and traced is not None and traced is not graph and \
+            differentiated(graph) is None and differentiated(traced):
+        before = _Follow(traced, sums)
+        before.run()
+        gradients = _gradients(traced, before)
+    return BatchSplit(found, combine, rows, tuple(follow.counted), gradients=gradients)
+
+
+def _gradients(graph: Graph, follow: _Follow) -> str | None:
+    """How the gradients combine across the shares ("sum" or "avg"): as the values the
+    backward passes differentiate (``grad_seed.py``) where each is a sum or a mean over
+    the batch, and all alike; None otherwise."""
+    values = differentiated(graph)
+    kinds = set()
+    for name in values or ():
+        op = follow.producer.get(name)
+        if op is not None and op.phase is Phase.backward and name not in follow.at:
+            follow.place(op)        # a value differentiated, not returned: not followed
+        state = follow.state(name)
+        if not isinstance(state, Partial) or state.op not in ("sum", "avg"):
+            return None
+        kinds.add(state.op)
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 def scaled_by_rows(graph: Graph) -> list[str]:
@@ -196,7 +227,7 @@ def _kept_in(split: BatchSplit, graph: Graph, probe: RowProbe) -> BatchSplit:
                       {outputs[k]: v for k, v in split.combine.items() if k in outputs},
                       {names[k]: v for k, v in split.rows.items() if k in names},
                       tuple(counted), judged=not unmatched, probed=True,
-                      unmatched=tuple(dict.fromkeys(unmatched)))
+                      unmatched=tuple(dict.fromkeys(unmatched)), gradients=split.gradients)
 
 
 def _row_sum(op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType]
@@ -317,15 +348,21 @@ class _Follow:
     def run(self) -> list[Coupling]:
         later: list[str] = []
         late: set[str] = set()
+        returned = {o.name for o in self.graph.outputs
+                    if o.role.kind in (OutputKind.loss, OutputKind.metric)}
         for op in self.graph.ops:
             if (op.phase or Phase.forward) is Phase.forward:
                 self.place(op)
                 self.pair_windows(op)
             elif op.phase is Phase.update and any(
-                    n in late or isinstance(self.state(n), Shard) for n in free_inputs(op)):
-                # a metric of the batch's rows computed after the optimizer step
-                # (``(out.argmax(-1) == y).sum()`` in the return); not the update's reads
-                # of the loss, which data parallelism syncs first
+                    n in late or isinstance(s := self.state(n), Shard)
+                    or (isinstance(s, Partial) and n not in returned)
+                    for n in free_inputs(op)):
+                # a metric of the batch computed after the optimizer step, from its rows
+                # (``(out.argmax(-1) == y).sum()`` in the return) or from a sum or mean
+                # over them not returned (``loss_sum.item() / 2``): data parallelism runs
+                # it per device; not the update's reads of a returned loss, which data
+                # parallelism syncs first
                 self.place(op)
                 late.update(v.name for v in op.results)
             else:

@@ -53,7 +53,11 @@ class FrameworkOpRule:
     dropped): data parallelism then divides the sum by the count summed over the devices
     (``passes/global_counts.py``). ``copies``: its one result is its first operand's
     value, unchanged (a clone): ``row_probe.py`` reads through such copies where one trace
-    of a step makes them and another does not."""
+    of a step makes them and another does not. ``seeds_gradient``: made in the backward
+    at a scalar of the forward, it is the seed of a backward pass (ones at its operand's
+    shape: torch's ``loss.backward()``), and its operand the value differentiated, which
+    may not be the loss the step returns (``batch_coupling``: the gradients combine across
+    devices as it does)."""
 
     target: str
     flops: CostFn
@@ -73,6 +77,7 @@ class FrameworkOpRule:
     row_sum: Callable[[Op, Sequence[TensorType], Sequence[TensorType]],
                       tuple[Op, int, int] | None] | None = None
     copies: bool = False
+    seeds_gradient: bool = False
 
 
 FRAMEWORK_OPS: dict[str, FrameworkOpRule] = {}

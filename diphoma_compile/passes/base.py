@@ -60,6 +60,9 @@ class PassContext:
     # the step traced at more rows per share where the graph has one: what the batch
     # analysis reads then (ir/batch_coupling.py's split_batch; api.trace_step traces it)
     batch_probe: RowProbe | None = None
+    # the step as traced, before any pass: where the batch analysis finds the value a
+    # backward pass differentiates when a pass dropped it as dead (jax.grad's value)
+    traced: Graph | None = None
 
     def wants_dump(self, name: str) -> bool:
         """True when the IR after pass ``name`` should be dumped."""

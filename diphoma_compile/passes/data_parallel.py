@@ -212,7 +212,7 @@ class DataParallel(Pass):
                               hint="counts=global (the batch's count) or counts=local "
                                    "(each device's, as DDP)")
         # dead reads must not sync anything (traced views leave dead update ops behind)
-        split = _Split(dce_graph(graph), self.axis, ctx.batch_probe)
+        split = _Split(dce_graph(graph), self.axis, ctx.batch_probe, ctx.traced)
         for op in split.graph.ops:
             split.place(op)
         split.combine_outputs()
@@ -233,7 +233,8 @@ class DataParallel(Pass):
 class _Split:
     """One run of data-parallel: the per-device types and sync decisions its steps share."""
 
-    def __init__(self, graph: Graph, axis: str, probe: RowProbe | None = None) -> None:
+    def __init__(self, graph: Graph, axis: str, probe: RowProbe | None = None,
+                 traced: Graph | None = None) -> None:
         self.graph, self.ax = graph, axis
         self.batch = [i.name for i in graph.inputs if i.role.kind is InputKind.batch]
         if not self.batch:
@@ -261,9 +262,12 @@ class _Split:
         self.constant: set[str] = set()       # update values computed from no input
         # returned sums and means over the batch; a loss that is a sum over the batch
         # (reduction="sum") has gradients that add up across devices, not average
-        self.analysis = split_batch(graph, probe)
+        self.analysis = split_batch(graph, probe, traced)
         loss = next((o.name for o in graph.outputs if o.role.kind is OutputKind.loss), None)
-        self.grads = "sum" if self.analysis.combine.get(loss) == "sum" else "avg"
+        # the gradients combine as the value differentiated does, where the backward shows
+        # which it is, else as the loss returned
+        kind = self.analysis.gradients or self.analysis.combine.get(loss)
+        self.grads = "sum" if kind == "sum" else "avg"
         self.n = dict(graph.mesh.axes)[axis]
         self.draws_by_row = self.key_draws_per_row()
         self.pieces: list[str] = []           # key draws each device takes its rows of

@@ -36,13 +36,12 @@ its stage."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import DiphomaError
 from ..ir.analysis import free_inputs, op_cost
-from ..ir.batch_coupling import split_batch, split_notes
+from ..ir.batch_coupling import BatchSplit, split_batch, split_notes
 from ..ir.core import Attrs, Graph, InputKind, Op, OutputKind, Phase, Value
 from ..ir.device_model import DeviceModel, device_model
 from ..ir.framework_ops import framework_rule
@@ -222,7 +221,7 @@ class PipelineParallel(Pass):
                 hint="microbatches=1 (schedule=gpipe), a norm without batch statistics "
                      "(LayerNorm, GroupNorm), or those layers in eval mode")
         traced = graph      # the step as traced: what its batch analysis judges
-        split = split_batch(traced, ctx.batch_probe)
+        split = split_batch(traced, ctx.batch_probe, ctx.traced)
         graph, kept, drawn = microbatch_draws(graph, self.microbatches, split.rows)
         keyed = _keyed_draws_on_the_batch(graph, kept)
         if self.microbatches > 1 and keyed:
@@ -261,8 +260,8 @@ class PipelineParallel(Pass):
                               "diphoma_compile.ir.device_model.MODELS") from None
         notes: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         if self.microbatches > 1:
-            _refuse_summed(traced, split.combine, self.microbatches)
             _refuse_summed_over_devices(ctx.decision(DataParallelRecord), self.microbatches)
+            _refuse_summed(traced, split, self.microbatches)
             notes = split_notes(split.couplings)
         cut = _Cut(graph, s, self.axis, n, self.schedule, self.microbatches, self.balance,
                    model)
@@ -273,20 +272,23 @@ class PipelineParallel(Pass):
         return out
 
 
-def _refuse_summed(graph: Graph, combine: Mapping[str, str], microbatches: int) -> None:
+def _refuse_summed(graph: Graph, split: BatchSplit, microbatches: int) -> None:
     """The runtimes average the microbatches' losses, metrics and gradients: a loss or
-    metric that is a sum over the batch (``ir/batch_coupling.py``) would come out 1/M of
-    the single-device step's."""
-    for o in graph.outputs:
-        if combine.get(o.name) == "sum" and o.role.kind in (OutputKind.loss,
-                                                            OutputKind.metric):
-            what = "loss" if o.role.kind is OutputKind.loss else f"metric %{o.name}"
-            raise PassFailure(
-                f"pipeline: the step's {what} is a sum over the batch; over {microbatches} "
-                "microbatches the pipeline averages the microbatches' losses and gradients, "
-                f"which would give 1/{microbatches} of the single-device step's",
-                hint="make it a mean over the batch (divide by the batch's size, "
-                     "reduction='mean'), or microbatches=1")
+    metric that is a sum over the batch (``ir/batch_coupling.py``), or a sum
+    differentiated (the gradients of ``loss_sum.backward()``, its mean returned), would
+    come out 1/M of the single-device step's."""
+    summed = [o for o in graph.outputs if split.combine.get(o.name) == "sum"
+              and o.role.kind in (OutputKind.loss, OutputKind.metric)]
+    if summed or split.gradients == "sum":
+        what = "the value the step differentiates" if not summed else "the step's loss" \
+            if summed[0].role.kind is OutputKind.loss else \
+            f"the step's metric %{summed[0].name}"
+        raise PassFailure(
+            f"pipeline: {what} is a sum over the batch; over {microbatches} "
+            "microbatches the pipeline averages the microbatches' losses and gradients, "
+            f"which would give 1/{microbatches} of the single-device step's",
+            hint="make it a mean over the batch (divide by the batch's size, "
+                 "reduction='mean'), or microbatches=1")
 
 
 def _refuse_summed_over_devices(dp: DataParallelRecord | None, microbatches: int) -> None:

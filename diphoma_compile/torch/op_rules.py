@@ -910,7 +910,10 @@ _register("arange.default arange.start arange.start_step", _zero, nbytes=_writte
 _register("ones.default zeros.default full.default scalar_tensor.default new_zeros.default "
           "new_ones.default new_full.default", _zero, nbytes=_written)
 _register("empty.memory_format empty_strided.default new_empty.default", _zero, nbytes=_views)
-_register("ones_like.default full_like.default", _zero, _like(False), _written)
+_register("full_like.default", _zero, _like(False), _written)
+# in the backward, a single one like a scalar of the forward: autograd's seed of
+# loss.backward(), that scalar being the value differentiated
+_register("ones_like.default", _zero, _like(False), _written, seeds_gradient=True)
 _register("zeros_like.default", _zero, _like(True), _written)
 _register("empty_like.default", _zero, _like(False), _views)
 # random draws: whole (split, they would draw other numbers)

@@ -569,6 +569,48 @@ def run_sum_loss(rank: int, world: int) -> dict:
     return out
 
 
+def summed_backward_step(model, opt, batch):
+    """The loss summed over the batch backpropagated, its mean per example returned."""
+    loss = F.cross_entropy(model(batch["x"]), batch["y"], reduction="sum")
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return (loss.detach() / batch["x"].shape[0],)
+
+
+def halved_sum_step(model, opt, batch):
+    """The mean backpropagated, the sum halved returned after the optimizer step."""
+    out = model(batch["x"])
+    F.cross_entropy(out, batch["y"]).backward()
+    opt.step()
+    opt.zero_grad()
+    return (F.cross_entropy(out.detach(), batch["y"], reduction="sum") / 2,)
+
+
+@check("differentiated")
+def run_differentiated(rank: int, world: int) -> dict:
+    """parallelize on steps that backpropagate one value and return another, against the
+    global batch: the gradients combine as the value backpropagated does, the returned
+    value as it does."""
+    import diphoma_compile
+    out = {}
+    for fn in (summed_backward_step, halved_sum_step):
+        torch.manual_seed(0)
+        model = OddMLP()
+        ref = copy.deepcopy(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.002, momentum=0.9)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.002, momentum=0.9)
+        step = diphoma_compile.parallelize(fn, diphoma_compile.Mesh({"dp": world}))
+        got, want = side_by_side(step, fn, (model, opt), (ref, ref_opt),
+                                 mlp_batches(world, seed=5)[:3], rank, world)
+        notes = step.plan.notes["data-parallel"]
+        out[fn.__name__] = {"got": got, "want": want, "gradients": notes["gradients"],
+                            "combined": list(notes["combined"].values())}
+        if rank == 0:
+            out[fn.__name__]["param"] = compare_params(model, ref)
+    return out
+
+
 class AvgLossMLP(OddMLP):
     """OddMLP with a running average of the loss kept in a buffer."""
 

@@ -175,6 +175,24 @@ def test_a_loss_summed_over_the_batch_adds_up_across_ranks(runs):
         assert r["sum_loss"]["got"] == r0["got"]
 
 
+def test_the_gradients_combine_as_the_value_backpropagated(runs):
+    """A sum backpropagated with its mean returned: the gradients add up (they were
+    averaged, 1/N); a mean backpropagated with a sum returned after the step: the sum
+    adds up (it was averaged)."""
+    r0 = runs[0]["differentiated"]
+    assert (r0["summed_backward_step"]["gradients"], r0["halved_sum_step"]["gradients"]) == \
+        ("sum", "avg")
+    assert (r0["summed_backward_step"]["combined"], r0["halved_sum_step"]["combined"]) == \
+        ([], ["sum"])
+    for name, r in r0.items():
+        for got, want in zip(r["got"], r["want"]):
+            assert abs(got[0] - want[0]) <= 1e-5 * max(1.0, abs(want[0])), (name, got, want)
+        assert r["param"]["rel"] <= 1e-5, (name, r["param"])
+    for r in runs:
+        assert {k: v["got"] for k, v in r["differentiated"].items()} == \
+            {k: v["got"] for k, v in r0.items()}
+
+
 def test_metrics_and_buffers_computed_after_the_optimizer_step(runs):
     """The loss scaled after opt.step(), a count from the batch alone, a running average of
     the loss in a buffer: as on one device (they failed to verify or were refused)."""

@@ -714,6 +714,44 @@ def test_a_mean_written_by_hand_is_averaged(loss):
     assert max_rel_dev(want[0], got[0]) <= 1e-5
 
 
+@pytest.mark.parametrize("form, gradients", [
+    ("sum differentiated, mean returned", "sum"), ("mean differentiated, sum / 2 returned",
+                                                   "avg"),
+    ("grad of a sum, mean recomputed", "sum")])
+def test_the_gradients_combine_as_the_value_differentiated(form, gradients):
+    """The value ``value_and_grad`` differentiates is not the one returned (an aux, or a
+    loss computed again): the gradients combine as the differentiated one does, found
+    from the backward's seed (``ir/grad_seed.py``). Before (2026-12-06) they followed the
+    returned value: on 8 devices the parameters moved 0.125x or 8x as far as jax.jit's
+    (maxrel 0.875 and 7.0), the losses right."""
+    tx = optax.sgd(0.01)
+
+    def step(params, opt_state, batch):
+        def terms(p):
+            return (jnp.tanh(batch[0] @ p["w"]) - batch[1]) ** 2
+
+        def both(p):
+            err = terms(p)
+            return (jnp.sum(err) if form.startswith("sum") else jnp.mean(err)), jnp.sum(err)
+        if form.startswith("grad"):
+            grads = jax.grad(lambda p: jnp.sum(terms(p)))(params)
+            value = jnp.mean(terms(params))
+        else:
+            (_, total), grads = jax.value_and_grad(both, has_aux=True)(params)
+            value = total / batch[0].shape[0] if form.startswith("sum") else total / 2
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+    k = jax.random.split(jax.random.key(0), 3)
+    params = {"w": jax.random.normal(k[0], (8, 4))}
+    batch = (jax.random.normal(k[1], (16, 8)), jax.random.normal(k[2], (16, 4)))
+    want = jax.jit(step)(params, tx.init(params), batch)
+    pstep = parallelize(step, jax_mesh((8,)), axis="data")
+    got = pstep(params, tx.init(params), batch)
+    assert pstep.plan.notes["data-parallel"]["gradients"] == gradients
+    assert abs(float(got[2]) - float(want[2])) <= 1e-5 * abs(float(want[2]))
+    assert max_rel_dev(want[0], got[0]) <= 1e-5
+
+
 def test_one_row_per_device_that_cannot_be_traced_at_two_is_said_unjudged():
     """A step that fixes the batch's size (``reshape(1, -1)``) traces at one row per
     device but not at two: the batch is not judged, and a warning and the plan say so."""

@@ -662,6 +662,35 @@ def test_a_sum_over_the_rows_is_told_from_a_mean(form, rows, gradients):
     assert dp["gradients"] == gradients and list(dp["combined"].values()) == combined, dp
 
 
+@pytest.mark.parametrize("backpropagated, returned, gradients, combined", [
+    ("sum", "sum / rows", "sum", []), ("mean", "sum / 2", "avg", ["sum"]),
+    ("mean", "sum / 2 after the step", "avg", ["sum"])])
+def test_the_gradients_combine_as_the_value_differentiated(backpropagated, returned,
+                                                           gradients, combined):
+    """A step that backpropagates one value and returns another: its gradients combine
+    across the devices as the value ``backward()`` was called on does (its seed,
+    ``ones_like``, names it), the returned value as it is. Before (2026-12-06) both
+    followed the returned value: a sum backpropagated and its mean per example logged had
+    its gradients averaged (1/N); and a sum halved after the optimizer step was
+    averaged (a metric computed late from a sum over the batch was not judged)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 5)
+
+    def step(model, opt, x, y):
+        out = model(x)
+        total = F.mse_loss(out, y, reduction="sum")
+        (total if backpropagated == "sum" else F.mse_loss(out, y)).backward()
+        logged = total.detach() / x.shape[0] if returned == "sum / rows" else \
+            total.detach() / 2
+        opt.step()
+        opt.zero_grad()
+        return logged if returned != "sum / 2 after the step" else total.detach() / 2
+    pstep = diphoma_compile.parallelize(step, {"dp": 2})
+    pstep.trace(lin, _sgd(lin), torch.randn(4, 8), torch.randn(4, 5))
+    dp = pstep.plan.notes["data-parallel"]
+    assert dp["gradients"] == gradients and list(dp["combined"].values()) == combined, dp
+
+
 def test_a_division_by_the_rows_that_cannot_be_checked_is_warned_of():
     """A step that fixes its batch's size (``x.view(2, -1)``) cannot be traced at more rows
     per device, so ``sum() / 2`` at 2 rows cannot be told from a mean: it is taken for one,

@@ -113,6 +113,10 @@ def sum_lm_step(model, opt, batch):
     return loss
 
 
+def logged_mean_step(model, opt, batch):
+    return sum_lm_step(model, opt, batch) / batch["targets"].numel()
+
+
 def test_a_loss_summed_over_the_batch_is_refused_over_microbatches():
     """The pipeline averages its microbatches' losses and gradients: a loss that is a sum
     over the batch (reduction="sum") would be 1/M of the single-device step's. At one
@@ -129,6 +133,11 @@ def test_a_loss_summed_over_the_batch_is_refused_over_microbatches():
     assert "the step's loss is a sum over the batch; over 2 microbatches" in str(e.value)
     assert "hint: make it a mean over the batch" in str(e.value)
     run(g, "dce,pipeline{axis=pp, microbatches=1, schedule=gpipe}")
+    # the sum backpropagated, its mean per token returned: the gradients would be 1/M
+    g = diphoma_compile.trace(logged_mean_step, model, opt,
+                              {"idx": seq[:, :-1], "targets": seq[:, 1:]})
+    with pytest.raises(PassError, match="the value the step differentiates is a sum"):
+        run(g.replace(mesh=Mesh({"pp": 2})), "dce,pipeline{axis=pp, microbatches=2}")
     # with data parallelism first, which adds the devices' sums up: its record says so (a
     # review found it planned, 2026-12-06: JAX's loss 0.41 of jax.jit's on dp4 x pp2)
     seq = torch.randint(0, 16, (4, 5), generator=torch.Generator().manual_seed(3))
