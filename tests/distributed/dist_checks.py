@@ -553,20 +553,28 @@ def run_sum_loss(rank: int, world: int) -> dict:
     """parallelize on a step whose loss and metric are sums over the batch, against the
     global batch: the devices' losses, counts and gradients add up (each device's share
     holds a part of the sum), where averaging them would give 1/N of each."""
+    step, got, want, param = sgdm_side_by_side(sum_loss_step, rank, world)
+    notes = step.plan.notes["data-parallel"]
+    out = {"got": got, "combined": notes["combined"], "gradients": notes["gradients"]}
+    if rank == 0:
+        out.update(want=want, param=param)
+    return out
+
+
+def sgdm_side_by_side(step_fn, rank: int, world: int) -> tuple:
+    """(the parallel step, its returned values, the single-device step's, and (rank 0)
+    how far their parameters are apart) for ``step_fn`` on OddMLP with SGD momentum,
+    three global batches."""
     import diphoma_compile
     torch.manual_seed(0)
     model = OddMLP()
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.002, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.002, momentum=0.9)
-    step = diphoma_compile.parallelize(sum_loss_step, diphoma_compile.Mesh({"dp": world}))
-    got, want = side_by_side(step, sum_loss_step, (model, opt), (ref, ref_opt),
+    step = diphoma_compile.parallelize(step_fn, diphoma_compile.Mesh({"dp": world}))
+    got, want = side_by_side(step, step_fn, (model, opt), (ref, ref_opt),
                              mlp_batches(world, seed=5)[:3], rank, world)
-    notes = step.plan.notes["data-parallel"]
-    out = {"got": got, "combined": notes["combined"], "gradients": notes["gradients"]}
-    if rank == 0:
-        out.update(want=want, param=compare_params(model, ref))
-    return out
+    return step, got, want, compare_params(model, ref) if rank == 0 else None
 
 
 def summed_backward_step(model, opt, batch):
@@ -592,22 +600,12 @@ def run_differentiated(rank: int, world: int) -> dict:
     """parallelize on steps that backpropagate one value and return another, against the
     global batch: the gradients combine as the value backpropagated does, the returned
     value as it does."""
-    import diphoma_compile
     out = {}
     for fn in (summed_backward_step, halved_sum_step):
-        torch.manual_seed(0)
-        model = OddMLP()
-        ref = copy.deepcopy(model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.002, momentum=0.9)
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.002, momentum=0.9)
-        step = diphoma_compile.parallelize(fn, diphoma_compile.Mesh({"dp": world}))
-        got, want = side_by_side(step, fn, (model, opt), (ref, ref_opt),
-                                 mlp_batches(world, seed=5)[:3], rank, world)
+        step, got, want, param = sgdm_side_by_side(fn, rank, world)
         notes = step.plan.notes["data-parallel"]
         out[fn.__name__] = {"got": got, "want": want, "gradients": notes["gradients"],
-                            "combined": list(notes["combined"].values())}
-        if rank == 0:
-            out[fn.__name__]["param"] = compare_params(model, ref)
+                            "combined": list(notes["combined"].values()), "param": param}
     return out
 
 

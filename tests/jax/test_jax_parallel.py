@@ -686,6 +686,20 @@ def test_a_loss_halved_by_hand_is_not_a_mean(loss, rows):
     assert max_rel_dev(want[0], got[0]) <= 1e-5
 
 
+def _matches_jit_with(step, tx, gradients: str) -> None:
+    """``step`` (params, opt_state, (x [16, 8], y [16, 4])) -> (params, opt_state, loss)
+    on 8 devices: planned with ``gradients`` combined so, and as jax.jit's."""
+    k = jax.random.split(jax.random.key(0), 3)
+    params = {"w": jax.random.normal(k[0], (8, 4))}
+    batch = (jax.random.normal(k[1], (16, 8)), jax.random.normal(k[2], (16, 4)))
+    want = jax.jit(step)(params, tx.init(params), batch)
+    pstep = parallelize(step, jax_mesh((8,)), axis="data")
+    got = pstep(params, tx.init(params), batch)
+    assert pstep.plan.notes["data-parallel"]["gradients"] == gradients
+    assert abs(float(got[2]) - float(want[2])) <= 1e-5 * abs(float(want[2]))
+    assert max_rel_dev(want[0], got[0]) <= 1e-5
+
+
 @pytest.mark.parametrize("loss", ["reciprocal on the left", "tokens over sequences"])
 def test_a_mean_written_by_hand_is_averaged(loss):
     """Means over the batch's examples that were taken for sums (a review, 2026-12-06:
@@ -703,15 +717,7 @@ def test_a_mean_written_by_hand_is_averaged(loss):
         value, grads = jax.value_and_grad(loss_of)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
-    k = jax.random.split(jax.random.key(0), 3)
-    params = {"w": jax.random.normal(k[0], (8, 4))}
-    batch = (jax.random.normal(k[1], (16, 8)), jax.random.normal(k[2], (16, 4)))
-    want = jax.jit(step)(params, tx.init(params), batch)
-    pstep = parallelize(step, jax_mesh((8,)), axis="data")
-    got = pstep(params, tx.init(params), batch)
-    assert pstep.plan.notes["data-parallel"]["gradients"] == "avg"
-    assert abs(float(got[2]) - float(want[2])) <= 1e-5 * abs(float(want[2]))
-    assert max_rel_dev(want[0], got[0]) <= 1e-5
+    _matches_jit_with(step, tx, "avg")
 
 
 @pytest.mark.parametrize("form, gradients", [
@@ -741,15 +747,7 @@ def test_the_gradients_combine_as_the_value_differentiated(form, gradients):
             value = total / batch[0].shape[0] if form.startswith("sum") else total / 2
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
-    k = jax.random.split(jax.random.key(0), 3)
-    params = {"w": jax.random.normal(k[0], (8, 4))}
-    batch = (jax.random.normal(k[1], (16, 8)), jax.random.normal(k[2], (16, 4)))
-    want = jax.jit(step)(params, tx.init(params), batch)
-    pstep = parallelize(step, jax_mesh((8,)), axis="data")
-    got = pstep(params, tx.init(params), batch)
-    assert pstep.plan.notes["data-parallel"]["gradients"] == gradients
-    assert abs(float(got[2]) - float(want[2])) <= 1e-5 * abs(float(want[2]))
-    assert max_rel_dev(want[0], got[0]) <= 1e-5
+    _matches_jit_with(step, tx, gradients)
 
 
 def test_one_row_per_device_that_cannot_be_traced_at_two_is_said_unjudged():
