@@ -138,20 +138,22 @@ def split_batch(graph: Graph, probe: RowProbe | None = None,
                and s.op in ("sum", "avg", "max", "min")}
     rows = {n: s.dim for n, s in follow.at.items()
             if isinstance(s, Shard) and isinstance(s.dim, int)}
-    gradients = _gradients(graph, follow)
-    if gradients is None and traced is not None and traced is not graph and \
-            differentiated(graph) is None and differentiated(traced):
-        before = _Follow(traced, sums)
-        before.run()
-        gradients = _gradients(traced, before)
+    values = differentiated(graph)
+    gradients = _gradients(values, follow)
+    if values is None and traced is not None and traced is not graph:
+        values = differentiated(traced)
+        if values:
+            before = _Follow(traced, sums)
+            before.run()
+            gradients = _gradients(values, before)
     return BatchSplit(found, combine, rows, tuple(follow.counted), gradients=gradients)
 
 
-def _gradients(graph: Graph, follow: _Follow) -> str | None:
-    """How the gradients combine across the shares ("sum" or "avg"): as the values the
-    backward passes differentiate (``grad_seed.py``) where each is a sum or a mean over
-    the batch, and all alike; None otherwise."""
-    values = differentiated(graph)
+def _gradients(values: Sequence[str] | None, follow: _Follow) -> str | None:
+    """How the gradients combine across the shares ("sum" or "avg"): as ``values``, the
+    values the backward passes differentiate (``grad_seed.differentiated`` of the graph
+    ``follow`` ran on), where each is a sum or a mean over the batch, and all alike; None
+    otherwise."""
     kinds = set()
     for name in values or ():
         op = follow.producer.get(name)

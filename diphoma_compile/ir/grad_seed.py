@@ -48,9 +48,7 @@ def differentiated(graph: Graph) -> list[str] | None:
     seeded = [m for r in readers for one in ones & set(r.inputs)
               for m in _mirrors(r, one, ops)]
     found += seeded
-    if readers and not seeded and not found:
-        return None
-    if not found and ones:
+    if readers and not found:
         return None
     return list(dict.fromkeys(found))
 

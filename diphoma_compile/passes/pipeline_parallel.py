@@ -280,9 +280,12 @@ def _refuse_summed(graph: Graph, split: BatchSplit, microbatches: int) -> None:
     summed = [o for o in graph.outputs if split.combine.get(o.name) == "sum"
               and o.role.kind in (OutputKind.loss, OutputKind.metric)]
     if summed or split.gradients == "sum":
-        what = "the value the step differentiates" if not summed else "the step's loss" \
-            if summed[0].role.kind is OutputKind.loss else \
-            f"the step's metric %{summed[0].name}"
+        if not summed:
+            what = "the value the step differentiates"
+        elif summed[0].role.kind is OutputKind.loss:
+            what = "the step's loss"
+        else:
+            what = f"the step's metric %{summed[0].name}"
         raise PassFailure(
             f"pipeline: {what} is a sum over the batch; over {microbatches} "
             "microbatches the pipeline averages the microbatches' losses and gradients, "
