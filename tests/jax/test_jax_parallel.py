@@ -750,6 +750,22 @@ def test_the_gradients_combine_as_the_value_differentiated(form, gradients):
     _matches_jit_with(step, tx, gradients)
 
 
+@pytest.mark.parametrize("flavour", ["linen", "nnx"])
+def test_the_value_differentiated_is_found_on_a_flax_lm(flavour):
+    """On a flax language model (linen and nnx, optax cross-entropy's mean) the backward's
+    seed is matched to the loss ``value_and_grad`` returns, so the gradients' kind is read
+    from the value differentiated, not taken from the loss returned for want of it."""
+    from diphoma_compile.api import trace_step
+    from diphoma_compile.ir.batch_coupling import split_batch
+    from diphoma_compile.ir.grad_seed import differentiated
+    from tests.jax_steps import make_case
+    step, args = make_case("lm", flavour, "adamw")
+    _, graph, _, probe = trace_step(step, args, diphoma_compile.Mesh({"dp": 2}), "dp")
+    loss = next(o.name for o in graph.outputs if o.role.kind.name == "loss")
+    assert differentiated(graph) == [loss]
+    assert split_batch(graph, probe).gradients == "avg"
+
+
 def test_one_row_per_device_that_cannot_be_traced_at_two_is_said_unjudged():
     """A step that fixes the batch's size (``reshape(1, -1)``) traces at one row per
     device but not at two: the batch is not judged, and a warning and the plan say so."""

@@ -691,6 +691,25 @@ def test_the_gradients_combine_as_the_value_differentiated(backpropagated, retur
     assert dp["gradients"] == gradients and list(dp["combined"].values()) == combined, dp
 
 
+def test_the_value_differentiated_is_found_on_hugging_face_gpt2():
+    """On Hugging Face GPT-2 with labels, ``loss.backward()``'s seed (``ones_like``) names
+    the loss the step returns, a mean, so the gradients are averaged as read from it."""
+    transformers = pytest.importorskip("transformers")
+    from diphoma_compile.api import trace_step
+    from diphoma_compile.ir.batch_coupling import split_batch
+    from diphoma_compile.ir.grad_seed import differentiated
+    from diphoma_compile.mesh import Mesh
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16))
+    ids = torch.randint(0, 64, (4, 8))
+    _, graph, _, probe = trace_step(hf_labelled_step, (model, _sgd(model), ids, ids),
+                                    Mesh({"dp": 2}), "dp")
+    loss = next(o.name for o in graph.outputs if o.role.kind.name == "loss")
+    assert differentiated(graph) == [loss]
+    assert split_batch(graph, probe).gradients == "avg"
+
+
 def test_a_division_by_the_rows_that_cannot_be_checked_is_warned_of():
     """A step that fixes its batch's size (``x.view(2, -1)``) cannot be traced at more rows
     per device, so ``sum() / 2`` at 2 rows cannot be told from a mean: it is taken for one,
