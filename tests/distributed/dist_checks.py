@@ -1492,8 +1492,6 @@ PP_CASES = {"pp4-sgdm-1f1b": ({"pp": 4}, "sgdm", "1f1b", 4),
             "pp4-sgdm-1f1b-clip": ({"pp": 4}, "sgdm", "1f1b", 4, True),
             "dp2-pp2-adamw-interleaved-clip": ({"dp": 2, "pp": 2}, "adamw", "interleaved", 4,
                                                True),
-            "dp2-pp2-sgdm-1f1b": ({"dp": 2, "pp": 2}, "sgdm", "1f1b", 4),
-            "dp2-pp2-adamw-gpipe": ({"dp": 2, "pp": 2}, "adamw", "gpipe", 4),
             # breadth first: every microbatch through a rank's first stage, then its second
             "dp2-pp2-sgdm-looped-bfs": ({"dp": 2, "pp": 2}, "sgdm", "looped-bfs", 4),
             # each rank's stage programs compiled by Inductor
@@ -1505,7 +1503,7 @@ PP_CASES = {"pp4-sgdm-1f1b": ({"pp": 4}, "sgdm", "1f1b", 4),
             "pp4-sgdm-1f1b-llama": ({"pp": 4}, "sgdm", "1f1b", 4, False, None, "llama"),
             # GPT-NeoX, 2 layers on 4 stages: the first holds the embedding alone
             "pp4-sgdm-1f1b-neox": ({"pp": 4}, "sgdm", "1f1b", 2, False, None, "neox")}
-PP_STEPS, PP_LOCAL, PP_MICRO = 3, 4, 4   # steps; sequences per dp rank; microbatches
+PP_STEPS, PP_LOCAL, PP_MICRO = 3, 8, 4   # steps; sequences per dp rank; microbatches
 
 
 def tiny_gpt2(layers: int = 4) -> nn.Module:

@@ -626,7 +626,7 @@ def test_pipeline_ranks_run_their_stage_of_the_schedule(runs):
     each runs the schedule's actions for its stage."""
     if not runs[0]["pp"]:
         pytest.skip("transformers is not installed")
-    assert [r["pp"]["dp2-pp2-sgdm-1f1b"]["stage"] for r in runs] == [0, 1, 0, 1]
+    assert [r["pp"]["dp2-pp2-radam-1f1b"]["stage"] for r in runs] == [0, 1, 0, 1]
     assert [r["pp"]["pp4-sgdm-1f1b"]["stage"] for r in runs] == [0, 1, 2, 3]
     last = [tuple(a) for a in runs[3]["pp"]["pp4-sgdm-1f1b"]["actions"]]
     assert last == [(k, m, 3) for m in range(dist_checks.PP_MICRO) for k in "FB"]
