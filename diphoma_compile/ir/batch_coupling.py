@@ -171,10 +171,12 @@ def scaled_by_rows(graph: Graph) -> list[str]:
     divided by a constant for a mean, the constant being as many as the elements summed:
     a sum divided by a number that only equals them here (``sum() / 2`` at 2 rows a
     share) looks the same, and only the step traced at more rows tells them apart
-    (``split_batch``'s probe)."""
+    (``split_batch``'s probe). A division the frontend made as a mean of the rows' own
+    sum (``div{mean=true}``: jnp.mean) is not listed: it is a mean at any rows."""
     follow = _Follow(graph)
     follow.run()
-    ops = [follow.producer[n] for n, mean in follow.scaled.items() if mean]
+    ops = [follow.producer[n] for n, mean in follow.scaled.items()
+           if mean and n not in follow.certain]
     return list(dict.fromkeys(op.loc or follow.near(op) or op.name for op in ops))
 
 
@@ -313,6 +315,11 @@ class _Follow:
         # found on the step traced at more: ``_unscaled``)
         self.scaled: dict[str, bool] = {}
         self.known_sums = sums
+        # sums made by summing the split rows themselves (a reduce over dim 0 of a value
+        # split by rows), and the divisions of ``scaled`` the frontend made as means of
+        # such a sum (``div{mean=true}``, jnp.mean's): means at any rows, no probe needed
+        self.row_sums: set[str] = set()
+        self.certain: set[str] = set()
         self.types = graph.value_types()
         # name -> a Placement, a frozenset of placements (a constant: any of these),
         # or _UNKNOWN; values not here are whole (weights, optimizer state)
@@ -715,6 +722,7 @@ class _Follow:
             others = extra + tuple(t.shape[d] for d in dims if d != 0)
             for v in op.results:
                 self.summed[v.name] = (t.shape[0], others)
+                self.row_sums.add(v.name)
             return Partial("sum")
         parts = {s.op for s in states if isinstance(s, Partial)}
         if parts == {"sum"} and op.name in ("div", "mul") and len(split) == 1:
@@ -727,6 +735,8 @@ class _Follow:
                 n = scale if op.name == "div" else (1 / scale if scale else None)
                 mean = n is not None and _is_count(n, *counted, self.batch_rows)
                 self.scaled[op.results[0].name] = mean
+                if mean and op.attrs.get("mean") and self.sums_rows(split[0][0]):
+                    self.certain.add(op.results[0].name)
                 if mean and op.results[0].name not in self.known_sums:
                     return Partial("avg")
             if counted is not None:
@@ -742,6 +752,15 @@ class _Follow:
                         certain=True)
             return Partial("avg")
         return _mean_kept(out, states)
+
+    def sums_rows(self, name: str) -> bool:
+        """Whether ``name`` is a sum over the split rows made by the reduce that sums them
+        (through casts), not a value already summed upstream."""
+        op = self.producer.get(name)
+        while name not in self.row_sums and op is not None and op.name == "convert":
+            name = op.inputs[0]
+            op = self.producer.get(name)
+        return name in self.row_sums
 
     def constant(self, name: str) -> float | None:
         """The value of a constant filled in (``full``, converted), or None."""

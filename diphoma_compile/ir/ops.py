@@ -53,7 +53,11 @@ _add("add sub", C.binary, R.scaled_binary, E, {"alpha": ("number", False)}, flop
          "alpha is an attribute, or a third 0-d operand when computed at run time")
 _add("max min", C.binary, R.binary, E, flops=1, zero_when=(0, 1), strategies=T.elementwise)
 _add("mul", C.binary, R.binary, E, flops=1, linear_in=(0, 1), strategies=T.elementwise)
-_add("div", C.binary, R.binary, E, flops=1, linear_in=(0,), strategies=T.elementwise)
+# mean=true: the frontend made this division as a mean's (jnp.mean's, and its transpose in
+# the backward): where its first operand is the sum the mean takes, the second is the
+# number of elements that sum adds up, at any batch size
+_add("div", C.binary, R.binary, E, {"mean": ("bool", False)}, flops=1, linear_in=(0,),
+     strategies=T.elementwise)
 _add("pow rem atan2 and or xor", C.binary, R.binary, E, flops=1, strategies=T.elementwise)
 _add("eq ne lt le gt ge", C.binary, R.compare, E, flops=1, strategies=T.elementwise)
 _add("select", C.ternary, R.select, E, flops=1, zero_when=(1, 2), strategies=T.elementwise)

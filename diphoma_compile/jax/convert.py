@@ -40,6 +40,21 @@ def _number(x: Any, dtype: DType, where: str) -> int | float:
                         "and integer constants only")
 
 
+_REDUCTIONS = os.path.join("jax", "_src", "numpy", "reductions.py")
+
+
+def _made_by_jnp_mean(eqn) -> bool:
+    """Whether ``eqn`` (a division) is jnp.mean's own: the innermost frame of its trace in
+    jax.numpy's reductions is ``mean``, which divides the sum it takes by the number of
+    elements that sum adds up (a constant), and nothing else. The batch analysis takes
+    such a division for a mean without tracing the step again at more rows."""
+    tb = eqn.source_info.traceback
+    for frame in (tb.frames if tb is not None else ()):
+        if frame.file_name.endswith(_REDUCTIONS):
+            return frame.function_name == "mean"
+    return False
+
+
 def _literal_value(v: Any) -> Any:
     """The Python number of a scalar literal operand, else None."""
     if not isinstance(v, Literal):
@@ -187,10 +202,13 @@ class JaxprConverter:
         outs = None
         row = BY_PRIMITIVE.get(prim)
         if row is not None:
+            more = {"mean": True} if prim == "div" and _made_by_jnp_mean(eqn) else {}
             view = EqnView(
                 prim, eqn.params, ins, in_types, out_types,
                 [_literal_value(v) for v in eqn.invars],
-                lambda name, i, a, t: self._emit(block, name, i, a, t, name, loc))
+                lambda name, i, a, t: self._emit(block, name, i,
+                                                 {**a, **more} if name == "div" else a, t,
+                                                 name, loc))
             outs = row.convert(view)
         if outs is None:
             outs = self._opaque(eqn, ins, out_types, block, loc)

@@ -169,3 +169,26 @@ def test_backward_and_update_are_not_judged():
   %loss: f32[] = reduce_mean(%y) {dims=[0, 1]} phase=forward
   %g: f32[3] = reduce_sum(%y) {dims=[0]} phase=backward
   %e: f32[3] = exp(%g) phase=backward""") == []
+
+
+def test_a_division_marked_as_a_mean_of_the_rows_sum_needs_no_second_trace():
+    """A sum over the rows divided by their number (8) may be a mean or a sum divided by a
+    number that equals them here: ``scaled_by_rows`` lists it for the step traced at more
+    rows. Marked ``{mean=true}`` by the frontend (jnp.mean's division) it is not listed,
+    unless what it divides was summed over the rows before (a mean of a sum over rows:
+    the mark says nothing of that earlier sum)."""
+    from diphoma_compile.ir.batch_coupling import scaled_by_rows
+    mean = """
+  %s: f32[] = reduce_sum(%x) {dims=[0]} phase=forward
+  %n: f32[] = full() {value=8.0} phase=forward
+  %loss: f32[] = div(%s, %n)%s phase=forward"""
+    inputs = "%x: f32[8] batch"
+    assert scaled_by_rows(_graph(mean.replace("%s phase", " phase"), inputs=inputs))
+    assert scaled_by_rows(_graph(mean.replace("%s phase", " {mean=true} phase"),
+                                 inputs=inputs)) == []
+    earlier = """
+  %r: f32[8] = reduce_sum(%x) {dims=[0]} phase=forward
+  %s: f32[] = reduce_sum(%r) {dims=[0]} phase=forward
+  %n: f32[] = full() {value=8.0} phase=forward
+  %loss: f32[] = div(%s, %n) {mean=true} phase=forward"""
+    assert scaled_by_rows(_graph(earlier, inputs="%x: f32[8,8] batch"))
