@@ -726,6 +726,22 @@ def test_jnp_mean_is_a_mean_without_a_second_trace(loss, rows, probed):
     assert max_rel_dev(want[0], got[0]) <= 1e-5
 
 
+def test_a_flax_lm_averaging_optax_cross_entropy_plans_with_one_trace():
+    """The flax linen language model of these tests, its loss optax's cross-entropy
+    ``.mean()`` as people write it, at 2 rows a device: jnp.mean's division is marked and
+    the step is planned without the second trace at more rows, its gradients averaged
+    (its parity with jax.jit over ten steps: ``test_ten_steps_match_the_single_device_step``
+    [lm-clip_adamw-8])."""
+    from diphoma_compile.api import trace_step
+    from diphoma_compile.ir.batch_coupling import scaled_by_rows, split_batch
+    step, params, opt_state, batch = make("lm", "adamw")
+    _, graph, _, probe = trace_step(step, (params, opt_state, batch),
+                                    diphoma_compile.Mesh({"data": 8}), "data")
+    assert any(op.name == "div" and op.attrs.get("mean") for op in graph.ops)
+    assert probe is None and scaled_by_rows(graph) == []
+    assert split_batch(graph).gradients == "avg"
+
+
 def _matches_jit_with(step, tx, gradients: str) -> None:
     """``step`` (params, opt_state, (x [16, 8], y [16, 4])) -> (params, opt_state, loss)
     on 8 devices: planned with ``gradients`` combined so, and as jax.jit's."""
