@@ -169,6 +169,13 @@ _add("as_shard", C.collective, R.as_shard, S.collective, {**_COLL, "dim": ("dim_
 _P2P = {**_COLL, "peer": ("int", True), "tag": ("int", False)}
 _add("send", C.collective, R.send, S.collective, _P2P, effectful=True)
 _add("recv", C.collective, R.recv, S.collective, _P2P, effectful=True)
+# a pipelined step's total over its microbatches, which the pipeline runtime makes: a
+# count's sums over the batch's rows, run on every microbatch before the schedule starts
+_add("microbatch_sum", C.sync, R.same_as_input, S.same_placements, {"op": ("reduce", True)},
+     doc="the input's value added up (op=sum) or averaged (op=avg) over the step's "
+         "microbatches, before any of them runs forward (passes/global_counts.py: the "
+         "batch's count, which each microbatch's mean divides by); a pipeline runtime "
+         "makes it, running what the input is made of on each microbatch first")
 
 # quantization ---------------------------------------------------------------------------------
 _Q = {"bits": ("int", True), "group_size": ("int", True), "pieces": ("int", False)}

@@ -18,7 +18,9 @@ concurrently, each in its schedule's order, and a value crossing stages is
 The user passes the global batch; each batch leaf is cut into data-parallel shares and M
 microbatches (rows [d L + m b, d L + (m + 1) b) of data index d's L rows are its
 microbatch m, as the torch runtime cuts a rank's local batch). Gradients and the loss are
-summed over microbatches on their stage and divided by M. Parameters and optimizer state
+summed over microbatches on their stage and divided by M. A stage with a count program (a
+mean over a count of the batch, divided by the count summed over all microbatches) runs it
+on every microbatch first and adds up what it returns. Parameters and optimizer state
 come back on their stage's devices (replicated over the data axis, or split where
 weight-update sharding split them); a parameter read on two stages (a tied embedding) is
 returned from the stage that updates it and copied to the other at the next step.
@@ -117,8 +119,11 @@ class JaxPipelineStep(MeasuredRunner):
         self.donated = self._donations(graph) if donate else {}
         self.consumed = {(s, n) for (s, _), names in self.donated.items() for n in names}
         self.fns = {key: self._jit(key, prog) for key, prog in self.cut.programs.items()}
+        self.count_fns = {s: self._jit((s, "C"), prog) for s, prog in self.cut.counts.items()}
         self.reads = {s: {n for (st, _), p in self.cut.programs.items() if st == s
-                          for n in p.inputs} for s in range(self.nstages)}
+                          for n in p.inputs} |
+                      set(self.cut.counts[s].inputs if s in self.cut.counts else ())
+                      for s in range(self.nstages)}
         self.batch = {i.name for i in graph.inputs if i.role.kind is InputKind.batch}
         # the microbatch's index, which key draws made for every microbatch read
         # (passes/pipeline_draws.py): the runtime passes it, not the user
@@ -240,6 +245,14 @@ class JaxPipelineStep(MeasuredRunner):
                         # and the donation would delete it)
                         x = jnp.copy(x)
                     placed[(s, i.name)] = jax.device_put(x, sharding)
+        for s, prog in self.cut.counts.items():       # the counts summed over microbatches
+            sums: dict[str, Any] = {}
+            for mb in range(self.m):
+                args = [chunks[n][mb] if n in chunks else placed[(s, n)] for n in prog.inputs]
+                for n, v in zip(prog.outputs, self.count_fns[s](*args)):
+                    sums[n] = v if n not in sums else sums[n] + v
+            for total, (n, how) in self.cut.totals[s].items():
+                placed[(s, total)] = sums[n] / self.m if how == "avg" else sums[n]
         envs: dict[tuple[int, int], dict[str, Any]] = {}
         mail: dict[tuple[int, int], Any] = {}          # (tag, microbatch) -> value sent
         acc: dict[int, dict[str, Any]] = {s: {} for s in range(self.nstages)}

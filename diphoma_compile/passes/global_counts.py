@@ -13,6 +13,12 @@ division's backward reads the same count (``S / C``'s gradient divides by C), so
 the summed one too. Cross-entropy (a framework op whose rule gives ``row_sum``) is run
 summing its rows, then divided by the summed count; its backward reads that count.
 
+Under a pipeline the batch is split over time as well: each of M microbatches divides
+its sum by its own count and the runtime averages them. There each sum the count is made
+of becomes ``microbatch_sum`` of it (the runtime runs what it is made of on every
+microbatch before the schedule and adds them up), then all-reduced over the data axis
+when there is one, and the numerator of a sum is scaled by M N alike.
+
 ``ir/batch_coupling.py`` finds these (``CountedMean``): counts that no parameter reaches
 (no gradient flows through them), made from sums over the rows by scalar math (a clamp to
 at least 1, a constant added), which is run again on the summed values, and not from
@@ -26,22 +32,70 @@ from collections.abc import Collection, Sequence
 
 from ..ir.analysis import free_inputs
 from ..ir.batch_coupling import CountedMean
-from ..ir.core import Attrs, Graph, Op, OutputKind, Phase, Value
+from ..ir.core import Attrs, Graph, InputKind, Op, OutputKind, Phase, Value
 from ..ir.types import REPLICATE, VARYING, TensorType
 
 
-def count_globally(graph: Graph, counted: Sequence[CountedMean], axis: str, n: int,
-                   rows: Collection[str] = ()) -> tuple[Graph, tuple[CountedMean, ...]]:
+def count_globally(graph: Graph, counted: Sequence[CountedMean], axis: str | None, n: int,
+                   rows: Collection[str] = (), microbatches: int = 1
+                   ) -> tuple[Graph, tuple[CountedMean, ...]]:
     """``graph`` (placed by data-parallel on ``axis`` of ``n`` devices) with each of
     ``counted`` that can be (``_exact``) dividing by its count summed over the devices;
-    and those. ``rows``: the values split by the batch's rows (``BatchSplit.rows``)."""
+    and those. ``rows``: the values split by the batch's rows (``BatchSplit.rows``).
+    ``microbatches``: M > 1 under a pipeline, whose counts are summed over the microbatches
+    too (``axis`` None where the batch is not split over devices: ``n`` is then 1)."""
     made_by = {v.name: op for op in graph.ops for v in op.results}
     to_loss = _to_loss(graph, made_by)
-    made = [c for c in counted if _exact(graph, c, counted, axis, made_by, to_loss, rows)]
+    share = _per_share(graph, axis)
+    alone = _of_the_batch(graph)
+    made = [c for c in counted if _exact(graph, c, counted, share, made_by, to_loss, rows)
+            and (microbatches == 1 or _adds_up(graph, c, made_by, alone))]
     done: dict[tuple[str, str], tuple[str, str]] = {}
     for c in made:
-        graph = _one(graph, c, axis, n, done)
+        graph = _one(graph, c, axis, n, done, microbatches, alone)
     return graph, tuple(made)
+
+
+def _of_the_batch(graph: Graph) -> set[str]:
+    """The values made from the batch, hyperparameters, constants and buffers alone:
+    what a pipeline runtime can compute for every microbatch before the schedule."""
+    alone = {i.name for i in graph.inputs if i.role.kind in (
+        InputKind.batch, InputKind.hyper, InputKind.other, InputKind.buffer)}
+    for op in graph.ops:
+        if (op.phase or Phase.forward) is Phase.forward and not op.regions and \
+                all(x in alone for x in free_inputs(op)):
+            alone.update(v.name for v in op.results)
+    return alone
+
+
+def _per_share(graph: Graph, axis: str | None):
+    """Whether a value is each share's own: varying over ``axis``, or without one, made
+    from the batch (what the same step computes alike for every microbatch is not)."""
+    if axis is not None:
+        types = graph.value_types()
+        return lambda x: types[x].placement(axis) != REPLICATE
+    varies = {i.name for i in graph.inputs if i.role.kind is InputKind.batch}
+    for op in graph.ops:
+        if any(x in varies for x in free_inputs(op)):
+            varies.update(v.name for v in op.results)
+    return lambda x: x in varies
+
+
+def _adds_up(graph: Graph, c: CountedMean, made_by: dict[str, Op], alone: set[str]) -> bool:
+    """Whether a pipeline runtime can add ``c``'s sums up over the microbatches before
+    the schedule: each made from the batch alone (``alone``), or the count a framework
+    op returns beside its mean (cross-entropy's targets not ignored: ``_count_alone``);
+    and each a number it may average where the shares' values average (an integer's
+    mean would be rounded)."""
+    types = graph.value_types()
+    return all((s in alone or _framework_count(c, s, made_by)) and
+               (how == "sum" or types[s].dtype.is_float) for s, how in c.sums)
+
+
+def _framework_count(c: CountedMean, s: str, made_by: dict[str, Op]) -> bool:
+    """Whether ``s`` is the count of the framework op that makes ``c``'s mean (its rule's
+    ``row_sum``): a count of its targets, which the values it averages do not change."""
+    return c.summing is not None and s == c.count and made_by.get(s) is made_by.get(c.made)
 
 
 def _copies(graph: Graph, name: str) -> set[str]:
@@ -73,7 +127,7 @@ def _to_loss(graph: Graph, made_by: dict[str, Op]) -> set[str]:
     return to_loss
 
 
-def _exact(graph: Graph, c: CountedMean, counted: Sequence[CountedMean], axis: str,
+def _exact(graph: Graph, c: CountedMean, counted: Sequence[CountedMean], share,
            made_by: dict[str, Op], to_loss: set[str], rows: Collection[str]) -> bool:
     """Whether the count can be replaced by the summed one everywhere the gradient reads
     it: every forward op reading the per-device scalars it is made from on the way to the
@@ -81,8 +135,8 @@ def _exact(graph: Graph, c: CountedMean, counted: Sequence[CountedMean], axis: s
     another kind scales by other devices' sums, a regulariser divided by it would get the
     gradient of another loss than the one returned); and no backward op reads those
     scalars other than as the count itself (their own copies: summing those too is not
-    done). ``made_by``: each value's op; ``to_loss``: ``_to_loss``; ``rows``: values split
-    by rows, never part of the count."""
+    done). ``share``: ``_per_share``; ``made_by``: each value's op; ``to_loss``:
+    ``_to_loss``; ``rows``: values split by rows, never part of the count."""
     copies = _copies(graph, c.count)
     # the means of the same kind over this count or a copy of it (each division by an
     # integer count converts it anew): their counts are summed alike
@@ -98,8 +152,7 @@ def _exact(graph: Graph, c: CountedMean, counted: Sequence[CountedMean], axis: s
         if x in chain or x in rows or op is None or \
                 (op.phase or Phase.forward) is not Phase.forward:
             continue
-        t = graph_type(op, x)
-        if t.numel != 1 or t.placement(axis) == REPLICATE:
+        if graph_type(op, x).numel != 1 or not share(x):
             continue
         chain.add(x)
         todo += list(op.inputs)
@@ -122,8 +175,9 @@ def graph_type(op: Op, name: str) -> TensorType:
     return next(v.type for v in op.results if v.name == name)
 
 
-def _one(graph: Graph, c: CountedMean, axis: str, n: int,
-         done: dict[tuple[str, str], tuple[str, str]]) -> Graph:
+def _one(graph: Graph, c: CountedMean, axis: str | None, n: int,
+         done: dict[tuple[str, str], tuple[str, str]], microbatches: int,
+         alone: set[str]) -> Graph:
     """One mean over a count; ``done``: the summed counts made so far (a count two means
     divide by is summed once)."""
     names = graph.fresh_names()
@@ -134,15 +188,20 @@ def _one(graph: Graph, c: CountedMean, axis: str, n: int,
     added: list[Op] = []
 
     def emit(name: str, inputs: tuple[str, ...], like: TensorType, attrs: Attrs,
-             hint: str) -> str:
+             hint: str, whole: bool = True) -> str:
+        """An op making a value of ``like``'s type, one whole value over the axis with
+        ``whole``."""
         out = names(hint)
-        added.append(Op(name, inputs, (Value(out, like.with_placement(axis, REPLICATE)),),
-                        attrs, phase=Phase.forward, loc=made_by[after].loc))
+        if whole and axis is not None:
+            like = like.with_placement(axis, REPLICATE)
+        added.append(Op(name, inputs, (Value(out, like),), attrs, phase=Phase.forward,
+                        loc=made_by[after].loc))
         return out
 
     key = (c.count, c.numerator)
     if key not in done:
-        done[key] = _summed_count(c, axis, n, types, made_by, names, emit, added)
+        done[key] = _summed_count(c, axis, n, microbatches, types, made_by, names, emit,
+                                  added, alone)
     count, varying = done[key]
     mean = None
     if c.summing is not None:
@@ -160,8 +219,8 @@ def _one(graph: Graph, c: CountedMean, axis: str, n: int,
             # the division by the count (or the count's reciprocal) reads the summed one,
             # as each device's own value where nothing else it reads is (its result stays
             # per device, as typed)
-            own = any(types[x].placement(axis) == VARYING for x in op.inputs
-                      if x != c.count)
+            own = axis is not None and any(types[x].placement(axis) == VARYING
+                                           for x in op.inputs if x != c.count)
             op = op.replace(inputs=tuple((count if own else varying) if x == c.count else x
                                          for x in op.inputs))
         if op.phase is Phase.backward and copies & set(op.inputs):
@@ -175,31 +234,57 @@ def _one(graph: Graph, c: CountedMean, axis: str, n: int,
     return graph.replace(ops=tuple(ops), outputs=outputs)
 
 
-def _summed_count(c: CountedMean, axis: str, n: int, types: dict[str, TensorType],
-                  made_by: dict[str, Op], names, emit, added: list[Op]) -> tuple[str, str]:
-    """The ops making ``c``'s count summed over the devices (divided by ``n`` where the
-    numerator is a sum), appended to ``added``: the count as one whole value, and as each
-    device's own (the backward's reads were of a per-device value: what they make stays
-    per device)."""
+def _summed_count(c: CountedMean, axis: str | None, n: int, microbatches: int,
+                  types: dict[str, TensorType], made_by: dict[str, Op], names, emit,
+                  added: list[Op], alone: set[str]) -> tuple[str, str]:
+    """The ops making ``c``'s count summed over the devices and the microbatches (divided
+    by ``n`` M where the numerator is a sum), appended to ``added``: the count as one
+    whole value, and as each device's own (the backward's reads were of a per-device
+    value: what they make stays per device)."""
     renamed: dict[str, str] = {}
     for s, how in c.sums:
-        renamed[s] = emit("all_reduce", (s,), types[s], Attrs(axis=axis, op=how),
-                          f"{s}.{how}")
+        x = s
+        if microbatches > 1:
+            if s not in alone:
+                x = _count_alone(s, made_by, alone, types, names, emit, added)
+            x = emit("microbatch_sum", (x,), types[s], Attrs(op=how), f"{s}.mb", whole=False)
+        if axis is not None:
+            x = emit("all_reduce", (x,), types[s], Attrs(axis=axis, op=how), f"{s}.{how}")
+        renamed[s] = x
     for m in c.math:            # the count's scalar math again, on the summed values
         op = made_by[m]
         (res,) = op.results
         out = names(f"{m}.all")
+        like = res.type if axis is None else res.type.with_placement(axis, REPLICATE)
         added.append(op.replace(inputs=tuple(renamed.get(x, x) for x in op.inputs),
-                                results=(Value(out, res.type.with_placement(axis,
-                                                                            REPLICATE)),),
-                                phase=Phase.forward))
+                                results=(Value(out, like),), phase=Phase.forward))
         renamed[m] = out
     t = types[c.count]
     count = renamed[c.count]
     if c.numerator == "sum":
-        size = emit("full", (), t.with_shape(()), Attrs(value=float(n)), "devices")
-        count = emit("div", (count, size), t, Attrs(), f"{c.count}.per_device")
+        shares = n * microbatches
+        size = emit("full", (), t.with_shape(()), Attrs(value=float(shares)),
+                    "devices" if microbatches == 1 else "shares")
+        count = emit("div", (count, size), t, Attrs(),
+                     f"{c.count}.per_device" if microbatches == 1 else f"{c.count}.per_share")
+    if axis is None:
+        return count, count
     varying = names(f"{count}.v")
     added.append(Op("as_varying", (count,), (Value(varying, t.with_placement(axis, VARYING)),),
                     Attrs(axis=axis), phase=Phase.forward, loc=added[-1].loc))
     return count, varying
+
+
+def _count_alone(s: str, made_by: dict[str, Op], alone: set[str],
+                 types: dict[str, TensorType], names, emit, added: list[Op]) -> str:
+    """A copy of the framework op making the count ``s`` (cross-entropy's targets not
+    ignored) that reads zeros for every operand not made from the batch alone (the
+    logits), so that a pipeline runtime can count every microbatch's targets before any
+    forward runs; its count does not depend on those values. The copy's count."""
+    op = made_by[s]
+    ins = tuple(x if x in alone else emit("full", (), types[x], Attrs(value=0),
+                                          f"{x}.zeros", whole=False)
+                for x in op.inputs)
+    results = tuple(Value(names(f"{v.name}.count"), v.type) for v in op.results)
+    added.append(op.replace(inputs=ins, results=results, phase=Phase.forward))
+    return results[[v.name for v in op.results].index(s)].name

@@ -41,7 +41,7 @@ from typing import Any
 
 from ..errors import DiphomaError
 from ..ir.analysis import free_inputs, op_cost
-from ..ir.batch_coupling import BatchSplit, split_batch, split_notes
+from ..ir.batch_coupling import BatchSplit, CountedMean, split_batch, split_notes
 from ..ir.core import Attrs, Graph, InputKind, Op, OutputKind, Phase, Value
 from ..ir.device_model import DeviceModel, device_model
 from ..ir.framework_ops import framework_rule
@@ -49,6 +49,7 @@ from ..ir.ops import draws_from_a_key, op_def, random_draw
 from ..ir.rewrite import rename_region
 from .base import Pass, PassContext, PassFailure, register_pass
 from .data_parallel import DataParallelRecord, require_axis
+from .global_counts import count_globally
 from .pipeline_balance import balanced_cuts, cheapest_near, forward_costs, op_seconds
 from .pipeline_draws import microbatch_draws
 from .pipeline_orders import rank_orders
@@ -147,6 +148,9 @@ class PipelineRecord:
     # microbatch (DataParallelRecord's two lists, ir/batch_coupling.py)
     batch_coupled: tuple[str, ...] = ()
     batch_counted: tuple[str, ...] = ()
+    # means over counts of the batch divided by the count summed over the microbatches
+    # (and the data-parallel devices): the single-device step's (passes/global_counts.py)
+    counted_globally: tuple[str, ...] = ()
     # draws from the step's key made for every microbatch, each keeping its rows
     # (passes/pipeline_draws.py), by source line
     random_per_microbatch: tuple[str, ...] = ()
@@ -166,6 +170,7 @@ class PipelineRecord:
                 "device_model": self.device_model,
                 "batch_coupled": list(self.batch_coupled),
                 "batch_counted": list(self.batch_counted),
+                "counted_globally": list(self.counted_globally),
                 "random_per_microbatch": list(self.random_per_microbatch)}
 
 
@@ -259,17 +264,48 @@ class PipelineParallel(Pass):
             raise PassFailure(f"pipeline: {e}", hint="device-model=NAME, a name in "
                               "diphoma_compile.ir.device_model.MODELS") from None
         notes: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+        counted: tuple[str, ...] = ()
         if self.microbatches > 1:
             _refuse_summed_over_devices(ctx.decision(DataParallelRecord), self.microbatches)
             _refuse_summed(traced, split, self.microbatches)
-            notes = split_notes(split.couplings)
+            graph, made = _count_over_shares(graph, split, ctx.decision(DataParallelRecord),
+                                             self.microbatches)
+            exact = {id(x) for c in made for x in (c.coupling, *c.shifts)}
+            notes = split_notes([c for c in split.couplings if id(c) not in exact])
+            counted = tuple(dict.fromkeys(str(c.coupling) for c in made))
         cut = _Cut(graph, s, self.axis, n, self.schedule, self.microbatches, self.balance,
                    model)
         out = cut.rewrite()
         ctx.decisions[self.name] = replace(cut.record(self.schedule, self.microbatches),
                                            batch_coupled=notes[0], batch_counted=notes[1],
+                                           counted_globally=counted,
                                            random_per_microbatch=drawn)
         return out
+
+
+def _count_over_shares(graph: Graph, split: BatchSplit, dp: DataParallelRecord | None,
+                       microbatches: int) -> tuple[Graph, tuple[CountedMean, ...]]:
+    """``graph`` with each mean over a count of the batch (a masked mean, cross-entropy's
+    targets not ignored) dividing by the count summed over the microbatches, and over the
+    data-parallel devices when the batch is split over them too (``global_counts.py``);
+    and those means. Else each microbatch divides by its own count and the runtime
+    averages the results: the single-device step's only when every microbatch counts
+    alike (one that counts nothing divides 0 by 0)."""
+    if not split.counted:
+        return graph, ()
+    axis, n = None, 1
+    if dp is not None:
+        if dp.counted_globally:
+            raise PassFailure(
+                "pipeline: data-parallel already divides the step's means over counts by "
+                f"the count summed over its devices ({dp.counted_globally[0]}); over "
+                f"{microbatches} microbatches the pipeline sums them over both",
+                hint="run data-parallel with counts=local before the pipeline pass (what "
+                     "parallelize does)")
+        n = dict(graph.mesh.axes).get(dp.axis, 1)
+        axis = dp.axis if n > 1 else None
+        n = max(n, 1)
+    return count_globally(graph, split.counted, axis, n, split.rows, microbatches)
 
 
 def _refuse_summed(graph: Graph, split: BatchSplit, microbatches: int) -> None:

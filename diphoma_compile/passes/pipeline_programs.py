@@ -14,6 +14,11 @@ where no later update program of the rank reads that input, so a runtime may wri
 in place. A tied
 parameter's new value received by a stage that does not update it is read by no program:
 it is listed in ``writes`` (the runtime writes it into that stage's copy).
+A ``microbatch_sum`` (a count of the batch summed over the microbatches:
+``passes/global_counts.py``) is made by the runtime: the forward ops its input is made of
+(from the batch alone) are a count program C of the stage, which it runs on every
+microbatch before the schedule starts, adding up what C returns; the forward and backward
+programs read the totals as values of the step (``totals``).
 
 Framework-neutral: the torch runtime (``torch/pipeline.py``) builds each program with
 ``build.py``, the JAX one (``jax/pipeline.py``) under ``jax.jit`` on the stage's devices."""
@@ -58,6 +63,10 @@ class StagePrograms:
     writes: dict[str, Transfer] = field(default_factory=dict)   # received, read by none
     split: dict[int, tuple[int, int]] = field(default_factory=dict)  # stage -> ops in I, W
     made: set[str] = field(default_factory=set)     # values made or received on the stages
+    # stage -> its count program C, run on every microbatch before the schedule; and
+    # stage -> {total: (what of C's it adds up, "sum" or "avg")}: microbatch_sum's results
+    counts: dict[int, StageProgram] = field(default_factory=dict)
+    totals: dict[int, dict[str, tuple[str, str]]] = field(default_factory=dict)
 
     def kinds_of_stage(self) -> list[str]:
         """The program kinds of a stage, in the order they run within a microbatch, then
@@ -67,7 +76,8 @@ class StagePrograms:
     @property
     def inputs_read(self) -> set[str]:
         """Every graph input or value some program of these stages reads."""
-        return {n for p in self.programs.values() for n in p.inputs}
+        return {n for p in (*self.programs.values(), *self.counts.values())
+                for n in p.inputs}
 
 
 def stage_programs(graph: Graph, stages: list[int], schedule: str,
@@ -161,7 +171,7 @@ def _cut_stage(graph: Graph, me: int, out: StagePrograms, op_round: dict[int, in
     recvs: dict[str, list[Transfer]] = {k: [] for k in kinds}
     sends: dict[str, list[Transfer]] = {k: [] for k in kinds}
     for op in ops:
-        if op.name in ("send", "recv"):
+        if op.name in ("send", "recv", "microbatch_sum"):
             continue
         k = _KIND[op.phase or Phase.forward]
         if k == "B" and split:
@@ -171,6 +181,7 @@ def _cut_stage(graph: Graph, me: int, out: StagePrograms, op_round: dict[int, in
         body[k].append(op)
         seg_of.update((v.name, k) for v in op.results)
     _share_invariants(graph, body)
+    _count_program(graph, me, ops, body, out)
     readers = {}
     for k, b in body.items():
         made_k = {v.name for op in b for v in op.results}
@@ -220,6 +231,56 @@ def _cut_stage(graph: Graph, me: int, out: StagePrograms, op_round: dict[int, in
         out.programs[(me, k)] = StageProgram(sub, inputs, outputs, recvs[k], sends[k], acc,
                                              _owned(sub, k, acc, made, sends[k]))
     out.made.update(seg_of)
+
+
+def _count_program(graph: Graph, me: int, ops: list[Op], body: dict[str, list[Op]],
+                   out: StagePrograms) -> None:
+    """Stage ``me``'s count program: the forward ops the inputs of its ``microbatch_sum``
+    ops are made of, moved out of its forward program where nothing else there reads
+    them (they are copied where something does: a mask the loss multiplies by)."""
+    totals = [op for op in ops if op.name == "microbatch_sum"]
+    if not totals:
+        return
+    made = {v.name: op for op in body["F"] for v in op.results}
+    kinds = {i.name: i.role.kind for i in graph.inputs}
+    chosen: set[int] = set()
+    need = [op.inputs[0] for op in totals]
+    while need:
+        x = need.pop()
+        op = made.get(x)
+        if op is None:
+            if kinds.get(x) not in (InputKind.batch, InputKind.hyper, InputKind.other,
+                                    InputKind.buffer):
+                raise DiphomaError(f"pipeline: the count %{x} that stage {me} sums over the "
+                                   "microbatches is not made from the batch alone",
+                                   hint="this is a bug in the pipeline pass; report it "
+                                        "with the model")
+            continue
+        if id(op) not in chosen:
+            chosen.add(id(op))
+            need += free_inputs(op)
+    c_body = [op for op in body["F"] if id(op) in chosen]
+    # what the stage's other ops, its sends and the step's results read of them
+    live = {n for k, b in body.items() for op in b if id(op) not in chosen
+            for n in free_inputs(op)}
+    live |= {op.inputs[0] for op in ops if op.name == "send"}
+    live |= {o.name for o in graph.outputs}
+    keep: set[int] = set()
+    for op in reversed(c_body):
+        if any(v.name in live for v in op.results):
+            keep.add(id(op))
+            live.update(free_inputs(op))
+    body["F"] = [op for op in body["F"] if id(op) not in chosen or id(op) in keep]
+    types = graph.value_types()
+    roles = {i.name: i.role for i in graph.inputs}
+    c_made = {v.name for op in c_body for v in op.results}
+    inputs = list(dict.fromkeys(n for op in c_body for n in free_inputs(op) if n not in c_made))
+    outputs = list(dict.fromkeys(op.inputs[0] for op in totals))
+    sub = Graph(f"{graph.name}.stage{me}.C",
+                tuple(Input(Value(n, types[n]), roles.get(n, InputRole())) for n in inputs),
+                tuple(c_body), tuple(Output(n) for n in outputs), graph.mesh)
+    out.counts[me] = StageProgram(sub, inputs, outputs)
+    out.totals[me] = {op.results[0].name: (op.inputs[0], str(op.attrs["op"])) for op in totals}
 
 
 def _owned(sub: Graph, kind: str, acc: list[str], made: set[str],

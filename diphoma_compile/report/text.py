@@ -221,6 +221,13 @@ def pipeline_lines(pp: PipelineRecord | None, mesh: dict[str, int]) -> list[str]
                      f"({', '.join(pp.random_per_microbatch)}): made for the whole batch, "
                      "each microbatch keeping its rows, the numbers the single-device step "
                      "draws")
+    if pp.counted_globally:
+        lines.append("  means over counts of the batch (a masked mean, the targets not "
+                     "ignored): each microbatch divides its sum by the count summed over "
+                     "the microbatches (and the data-parallel devices), the "
+                     "single-device step's (the runtime runs what the count is made "
+                     "of on every microbatch first):")
+        lines += [f"    {w}" for w in pp.counted_globally]
     # ranks row-major over the mesh's axes, as init_device_mesh lays them out
     axes = list(mesh.items())
     size = 1
@@ -363,9 +370,11 @@ def _shares(dp: DataParallelRecord | None, pp: PipelineRecord | None, field: str
 
 def _places(dp: DataParallelRecord | None, pp: PipelineRecord | None, field: str
             ) -> list[str]:
-    """The places both records list under ``field`` (batch_coupled, batch_counted), once."""
-    return list(dict.fromkeys((getattr(dp, field) if dp else ()) +
-                              (getattr(pp, field) if pp else ())))
+    """The places both records list under ``field`` (batch_coupled, batch_counted), once;
+    not the counts the pipeline sums over the microbatches and the devices."""
+    exact = set(pp.counted_globally) if pp else set()
+    return [w for w in dict.fromkeys((getattr(dp, field) if dp else ()) +
+                                     (getattr(pp, field) if pp else ())) if w not in exact]
 
 
 def _batch_lines(dp: DataParallelRecord | None, pp: PipelineRecord | None) -> list[str]:

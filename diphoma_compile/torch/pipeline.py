@@ -12,9 +12,11 @@ Between them: the values received (``irecv``, waited for before the program
 that reads them; in memory between two stages of one rank), the values sent (``isend``,
 waited for at the end of the step), and what leaves the microbatches for the update or the
 step's results (gradients, the loss) averaged over the microbatches. The order of the runs
-is the schedule's (``pipeline_schedule.py``). Each rank passes its whole local batch; the
-batch inputs are cut into M microbatches along their first dimension. The loss and metrics
-are broadcast from their stage's rank, so every rank returns the global batch's.
+is the schedule's (``pipeline_schedule.py``). Before it, a stage with a count program (a
+mean over a count of the batch, which each microbatch divides by the count summed over
+them all) runs it on every microbatch and adds up what it returns. Each rank passes its
+whole local batch; the batch inputs are cut into M microbatches along their first
+dimension. The loss and metrics are broadcast from their stage's rank, so every rank returns the global batch's.
 
 A rank holds only the parameters its stages read (others are emptied, as
 torch.distributed.pipelining deletes other stages' modules); a tied parameter (GPT-2's
@@ -82,6 +84,10 @@ class TorchPipelineStep(TorchDistStep):
                                      in_place=key[1].startswith("U"),
                                      label=f"stage {key[0]} {key[1]}")
                         for key, prog in self.segs.items()}
+        self.counts, self.totals = cut.counts, cut.totals
+        self.count_modules = {st: program(prog.graph, captured, self.comms, in_place=False,
+                                          label=f"stage {st} C")
+                              for st, prog in cut.counts.items()}
         # the same numbering on every rank: one wire tag per (microbatch, pair)
         self.ntags = 1 + max([int(op.attrs["tag"]) for op in graph.ops
                               if op.name == "send"] + [0])
@@ -217,11 +223,29 @@ class TorchPipelineStep(TorchDistStep):
         self.compute_s += t2 - t1
         self.busy.append((*what, t1, t2))
 
+    def _totals(self, given: dict, chunks: dict) -> dict[str, torch.Tensor]:
+        """Each stage's count program run on every microbatch, what it returns added up
+        (or averaged): the ``microbatch_sum`` values its programs read."""
+        out: dict[str, torch.Tensor] = {}
+        m = self.microbatches
+        for st, prog in self.counts.items():
+            t1 = time.perf_counter()
+            sums: dict[str, torch.Tensor] = {}
+            for mb in range(m):
+                args = [chunks[n][mb] if n in chunks else given[n] for n in prog.inputs]
+                for n, v in zip(prog.outputs, self.count_modules[st](*args)):
+                    sums[n] = v.clone() if n not in sums else sums[n] + v
+            for total, (n, how) in self.totals[st].items():
+                out[total] = sums[n] / m if how == "avg" else sums[n]
+            self.compute_s += time.perf_counter() - t1
+        return out
+
     def _schedule(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         g = self.graph
         m = self.microbatches
         given = {i.name: t for i, t in zip(g.inputs, inputs)}
         chunks = {n: given[n].chunk(m, dim=0) for n in self.batch if n in self.inputs_read}
+        given.update(self._totals(given, chunks))
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._local: dict[int, torch.Tensor] = {}
         envs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
