@@ -16,7 +16,8 @@ is the schedule's (``pipeline_schedule.py``). Before it, a stage with a count pr
 mean over a count of the batch, which each microbatch divides by the count summed over
 them all) runs it on every microbatch and adds up what it returns. Each rank passes its
 whole local batch; the batch inputs are cut into M microbatches along their first
-dimension. The loss and metrics are broadcast from their stage's rank, so every rank returns the global batch's.
+dimension. The loss and metrics are broadcast from their stage's rank, so every rank
+returns the global batch's.
 
 A rank holds only the parameters its stages read (others are emptied, as
 torch.distributed.pipelining deletes other stages' modules); a tied parameter (GPT-2's
