@@ -464,8 +464,8 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
         if pipeline is not None:
             # per-microbatch collectives over dp, no buckets: a bucket would mix stages
             if data and mesh.axis_size(axis) > 1:
-                # (each microbatch divides by its own count: summing counts over dp
-                # alone would not make a mean over a count the batch's)
+                # (counts=local: the pipeline pass sums a mean's count over the
+                # microbatches and the dp devices both, passes/global_counts.py)
                 parts.append(default_passes(axis, layout=fw.pipeline_update_layout,
                                             shard_params=shard_params, counts="local"))
             else:

@@ -291,8 +291,6 @@ def _count_over_shares(graph: Graph, split: BatchSplit, dp: DataParallelRecord |
     and those means. Else each microbatch divides by its own count and the runtime
     averages the results: the single-device step's only when every microbatch counts
     alike (one that counts nothing divides 0 by 0)."""
-    if not split.counted:
-        return graph, ()
     axis, n = None, 1
     if dp is not None:
         if dp.counted_globally:
@@ -305,6 +303,8 @@ def _count_over_shares(graph: Graph, split: BatchSplit, dp: DataParallelRecord |
         n = dict(graph.mesh.axes).get(dp.axis, 1)
         axis = dp.axis if n > 1 else None
         n = max(n, 1)
+    if not split.counted:
+        return graph, ()
     return count_globally(graph, split.counted, axis, n, split.rows, microbatches)
 
 

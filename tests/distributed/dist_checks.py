@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch"))
 import gpt as gpt_example  # noqa: E402  (examples/gpt.py)
 from models import ResNetStem, classify_step, image_batches  # noqa: E402
 from models import classify_step as mlp_step  # noqa: E402
-from models import hf_lm_step, hf_lm_step_clipped  # noqa: E402
+from models import hf_lm_step  # noqa: E402
 from models import NormedMLP, frozen_mlp, mse_step, trainable  # noqa: E402
 from test_propagation_torch import Block  # noqa: E402
 from test_propagation_torch import step as squares_step  # noqa: E402
@@ -1504,6 +1504,31 @@ PP_CASES = {"pp4-sgdm-1f1b": ({"pp": 4}, "sgdm", "1f1b", 4),
             # GPT-NeoX, 2 layers on 4 stages: the first holds the embedding alone
             "pp4-sgdm-1f1b-neox": ({"pp": 4}, "sgdm", "1f1b", 2, False, None, "neox")}
 PP_STEPS, PP_LOCAL, PP_MICRO = 3, 8, 4   # steps; sequences per dp rank; microbatches
+# the pipeline cases' labels ignore (-100) the tokens below this, a quarter of them at
+# random: each microbatch counts its own number of targets, and the loss is the mean
+# over the global batch's (pipeline parity divides by the count over all microbatches)
+PP_IGNORED_BELOW = 16
+
+
+def pp_lm_step(model, opt, ids):
+    """A Hugging Face causal LM's own loss on token ids, the tokens below
+    PP_IGNORED_BELOW labelled -100 (its cross-entropy is a mean over the others)."""
+    out = model(input_ids=ids, labels=ids.masked_fill(ids < PP_IGNORED_BELOW, -100))
+    out.loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return out.loss
+
+
+def pp_lm_step_clipped(model, opt, ids):
+    """pp_lm_step with the gradients clipped to a global norm of 0.5 (below their norm at
+    initialisation, so the clip scales them)."""
+    out = model(input_ids=ids, labels=ids.masked_fill(ids < PP_IGNORED_BELOW, -100))
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    opt.step()
+    opt.zero_grad()
+    return out.loss
 
 
 def tiny_gpt2(layers: int = 4) -> nn.Module:
@@ -1555,7 +1580,7 @@ def run_pipeline(rank: int, world: int) -> dict:
 
 def pp_ddp_distance(rank: int, world: int, model: nn.Module, opt_name: str,
                     batches: list[torch.Tensor], ref_sd: dict | None,
-                    step_fn: Callable = hf_lm_step) -> float | None:
+                    step_fn: Callable = pp_lm_step) -> float | None:
     """How far DDP over the ``world`` ranks (each a 1/world share of the global batches)
     lands from the single-device step: the issue's yardstick for AdamW (rank 0)."""
     from torch.nn.parallel import DistributedDataParallel
@@ -1574,7 +1599,7 @@ def run_pp_case(rank: int, world: int, axes: dict[str, int], opt_name: str, sche
                 layers: int, clip: bool = False, codegen: str | None = None,
                 model_name: str = "gpt2") -> dict:
     import diphoma_compile
-    step_fn = hf_lm_step_clipped if clip else hf_lm_step
+    step_fn = pp_lm_step_clipped if clip else pp_lm_step
     dp, pp = axes.get("dp", 1), axes["pp"]
     torch.manual_seed(0)
     model = PP_MODELS[model_name](layers)

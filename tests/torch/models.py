@@ -124,17 +124,6 @@ def hf_lm_step(model, opt, ids):
     return out.loss
 
 
-def hf_lm_step_clipped(model, opt, ids):
-    """hf_lm_step with the gradients clipped to a global norm of 0.5 (below their norm at
-    initialisation, so the clip scales them)."""
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-    opt.step()
-    opt.zero_grad()
-    return out.loss
-
-
 OPTIMIZERS = {
     "sgd": lambda ps, fe: torch.optim.SGD(ps, lr=0.05, foreach=fe),
     "sgd_momentum": lambda ps, fe: torch.optim.SGD(ps, lr=0.05, momentum=0.9, foreach=fe),

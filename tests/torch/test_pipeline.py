@@ -909,3 +909,42 @@ def test_gradient_accumulation_inside_the_step_that_cannot_be_cut_says_why():
     with pytest.raises(PassError, match="runs its forward again after a backward") as e:
         ps.trace(model, opt, torch.randint(0, 64, (8, 16)))
     assert "microbatches=M" in str(e.value)
+
+
+def test_a_mean_over_targets_divides_by_the_count_over_all_microbatches():
+    """F.cross_entropy (a mean over the targets not ignored: aten's nll_loss returns that
+    count beside the mean) over pp=2 with 2 microbatches: the last stage gets a count
+    program C, a copy of nll_loss reading zeros for the logits (its count does not depend
+    on them), whose count the runtime adds up over the microbatches (microbatch_sum) before
+    the schedule; the forward program reads the total and keeps no copy; the mean divides
+    by the total / M. The plan lists it as counted over the microbatches, not as each
+    microbatch's own. With data-parallel summing the counts over dp first, refused."""
+    from diphoma_compile.passes.pipeline_programs import stage_programs
+    from diphoma_compile.report.plan import build_plan
+    out, ctx = run(traced_gpt(), "dce,pipeline{axis=pp, microbatches=2}")
+    rec = ctx.decision(PipelineRecord)
+    assert len(rec.counted_globally) == 1 and "nll_loss_forward" in rec.counted_globally[0]
+    assert rec.batch_counted == ()
+    (total,) = [op for op in out.ops if op.name == "microbatch_sum"]
+    assert total.stage == 1 and total.attrs["op"] == "sum"
+    cut = stage_programs(out, [0, 1], "1f1b")
+    assert set(cut.counts) == {1}
+    c = cut.counts[1]
+    # the targets' copy and reshape, the zeros, the copy of nll_loss
+    assert [op.name for op in c.graph.ops][-2:] == ["full", "opaque"]
+    assert "nll_loss_forward" in c.graph.ops[-1].attrs["target"]
+    assert {i.role.kind.value for i in c.graph.inputs} == {"batch"}
+    assert cut.totals[1] == {total.results[0].name: (total.inputs[0], "sum")}
+    assert c.outputs == [total.inputs[0]]
+    forward = cut.programs[(1, "F")]
+    assert total.results[0].name in forward.inputs
+    assert all(op.name != "full" or op.results[0].type.rank == 0
+               for op in forward.graph.ops), "the logits' zeros stay in the count program"
+    text = build_plan(out, ctx.decisions).to_text()
+    assert "divides its sum by the count summed over the microbatches" in text
+    assert "divides by its own count" not in text
+    g = traced_gpt(mesh={"dp": 2, "pp": 2}, seqs=4)
+    with pytest.raises(PassError, match="data-parallel already divides the step's means "
+                                        "over counts"):
+        run(g, "dce,data-parallel{axis=dp},pipeline{axis=pp, microbatches=2}")
+    run(g, "dce,data-parallel{axis=dp, counts=local},pipeline{axis=pp, microbatches=2}")
