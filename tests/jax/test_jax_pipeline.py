@@ -476,8 +476,9 @@ def test_a_masked_mean_under_a_pipeline_divides_by_the_whole_batchs_count():
     by the mask's sum over all microbatches and devices (the stage's count program runs
     on every microbatch first, passes/pipeline_programs.py). Before, each divided by its
     own count: 0 / 0 in the first microbatch, and the loss the mean of the 8 shares' means
-    (measured 2e-2 off on dp=2 x pp=4). Dividing by the rows is unchanged. The count is
-    each device's own scalar between the programs (one element per device)."""
+    (measured 2e-2 off on dp=2 x pp=4). A mean over the mask's mean (the shares' sums
+    averaged: microbatch_sum{op=avg}) matches too; dividing by the rows is unchanged. The
+    count is each device's own scalar between the programs (one element per device)."""
     class Two(nn.Module):
         @nn.compact
         def __call__(self, x):
@@ -489,19 +490,23 @@ def test_a_masked_mean_under_a_pipeline_divides_by_the_whole_batchs_count():
     params = model.init(jax.random.key(0), x)["params"]
     tx = optax.adam(1e-2)
 
-    def make(by_rows):
+    means = {"count": lambda per, k: jnp.sum(per * k) / jnp.sum(k),
+             "means": lambda per, k: jnp.mean(per * k) / jnp.mean(k),
+             "rows": lambda per, k: jnp.sum(per * k) / k.size}
+
+    def make(kind):
         def step(params, opt_state, x, y, keep):
             def lf(p):
                 per = optax.softmax_cross_entropy_with_integer_labels(
                     model.apply({"params": p}, x), y)
-                return jnp.sum(per * keep) / (keep.size if by_rows else jnp.sum(keep))
+                return means[kind](per, keep)
             loss, g = jax.value_and_grad(lf)(params)
             up, opt_state = tx.update(g, opt_state, params)
             return optax.apply_updates(params, up), opt_state, loss
         return step
 
-    for by_rows in (False, True):
-        step = make(by_rows)
+    for kind in means:
+        step = make(kind)
         pstep = diphoma_compile.parallelize(step, {"dp": 4, "pp": 2}, microbatches=2)
         ref = ours = (params, tx.init(params))
         for _ in range(3):
@@ -512,4 +517,6 @@ def test_a_masked_mean_under_a_pipeline_divides_by_the_whole_batchs_count():
                    zip(jax.tree.leaves(ref[0]), jax.tree.leaves(ours[0]))) <= 1e-6
         notes = pstep.plan.notes["pipeline"]
         assert notes["batch_counted"] == []
-        assert len(notes["counted_globally"]) == (0 if by_rows else 1)
+        assert len(notes["counted_globally"]) == (0 if kind == "rows" else 1)
+        totals = [op.attrs["op"] for op in pstep.graph.ops if op.name == "microbatch_sum"]
+        assert totals == {"count": ["sum"], "means": ["avg"], "rows": []}[kind]
