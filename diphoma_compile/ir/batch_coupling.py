@@ -353,6 +353,9 @@ class _Follow:
         self.shifted: dict[str, Coupling] = {}
         self.position = {v.name: k for k, op in enumerate(graph.ops) for v in op.results}
         self.kinds = {i.name: i.role.kind for i in graph.inputs}
+        # values drawn at random (and elementwise math on them alone) in whatever
+        # placement their use asks for: ``commit_draws``
+        self.drawn: set[str] = set()
 
     def run(self) -> list[Coupling]:
         later: list[str] = []
@@ -626,6 +629,7 @@ class _Follow:
         fit = _first_fit(menu, actual)
         if fit is not None:
             self.set(op, [self.mean_or_sum(op, p, states, actual, ins) for p in fit.outputs])
+            self.commit_draws(op, fit)
             return
         if op.name == "reshape" and (moved := _reshaped_rows(actual, ins, outs)) is not None:
             self.set(op, [moved])
@@ -1012,6 +1016,8 @@ class _Follow:
             # differ: not found); a random draw of the share's shape is the share's draw
             self.set(op, [frozenset({REPLICATE, *(Shard(d) for d in range(t.rank))})
                           for t in outs])
+            if random_draw(op) is not None or any(x in self.drawn for x in op.inputs):
+                self.drawn.update(v.name for v in op.results)
             return
         have = [s if isinstance(s, frozenset) else frozenset({s}) for s in states]
         if all(h == {REPLICATE} for h in have) and op.name != "broadcast_in_dim" \
@@ -1028,6 +1034,19 @@ class _Follow:
             allowed[0].update(Shard(e) for e in range(outs[0].rank)
                               if e not in dims or ins[0].shape[dims.index(e)] == 1)
         self.set(op, [REPLICATE if a == {REPLICATE} else frozenset(a) for a in allowed])
+        if any(x in self.drawn for x in op.inputs):
+            self.drawn.update(v.name for v in op.results)
+
+    def commit_draws(self, op: Op, fit: Strategy) -> None:
+        """Random numbers drawn at the share's shape that meet the batch's rows (a mask
+        drawn in the step, ``rand(per.shape) < p``, times the per-token losses) are that
+        share's draw of its rows, for every later use too: each share draws its own, so a
+        sum of them is a count of the share's rows (``sum(l * m) / sum(m)``), not a
+        whole value (a sum divided by a constant, as before 2026-12-07: the losses added
+        up over the devices)."""
+        for n, p in zip(op.inputs, fit.inputs):
+            if n in self.drawn and isinstance(self.state(n), frozenset) and _split(p):
+                self.at[n] = p
 
     def set(self, op: Op, states: Sequence[object]) -> None:
         for v, s in zip(op.results, states):

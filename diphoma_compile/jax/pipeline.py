@@ -248,7 +248,8 @@ class JaxPipelineStep(MeasuredRunner):
         for s, prog in self.cut.counts.items():       # the counts summed over microbatches
             sums: dict[str, Any] = {}
             for mb in range(self.m):
-                args = [chunks[n][mb] if n in chunks else placed[(s, n)] for n in prog.inputs]
+                args = [chunks[n][mb] if n in chunks else self._index(s, mb)
+                        if n == self.index else placed[(s, n)] for n in prog.inputs]
                 for n, v in zip(prog.outputs, self.count_fns[s](*args)):
                     sums[n] = v if n not in sums else sums[n] + v
             for total, (n, how) in self.cut.totals[s].items():

@@ -33,6 +33,7 @@ from collections.abc import Collection, Sequence
 from ..ir.analysis import free_inputs
 from ..ir.batch_coupling import CountedMean
 from ..ir.core import Attrs, Graph, InputKind, Op, OutputKind, Phase, Value
+from ..ir.opdef import op_def, random_draw
 from ..ir.types import REPLICATE, VARYING, TensorType
 
 
@@ -48,8 +49,9 @@ def count_globally(graph: Graph, counted: Sequence[CountedMean], axis: str | Non
     to_loss = _to_loss(graph, made_by)
     share = _per_share(graph, axis)
     alone = _of_the_batch(graph)
+    learned = _of_the_parameters(graph)
     made = [c for c in counted if _exact(graph, c, counted, share, made_by, to_loss, rows)
-            and (microbatches == 1 or _adds_up(graph, c, made_by, alone))]
+            and (microbatches == 1 or _adds_up(graph, c, made_by, alone, learned))]
     done: dict[tuple[str, str], tuple[str, str]] = {}
     for c in made:
         graph = _one(graph, c, axis, n, done, microbatches, alone)
@@ -58,14 +60,29 @@ def count_globally(graph: Graph, counted: Sequence[CountedMean], axis: str | Non
 
 def _of_the_batch(graph: Graph) -> set[str]:
     """The values made from the batch, hyperparameters, constants and buffers alone:
-    what a pipeline runtime can compute for every microbatch before the schedule."""
+    what a pipeline runtime can compute again for every microbatch before the schedule.
+    Draws from a key the step holds are (the same key and microbatch index draw the same
+    numbers: ``pipeline_draws.py``); not draws from a process's own generator (a mask
+    drawn in the step, as BERT's: drawn again, it would count other tokens than the ones
+    the loss sums) nor what they make."""
     alone = {i.name for i in graph.inputs if i.role.kind in (
-        InputKind.batch, InputKind.hyper, InputKind.other, InputKind.buffer)}
+        InputKind.batch, InputKind.hyper, InputKind.other, InputKind.buffer,
+        InputKind.rng, InputKind.microbatch)}
     for op in graph.ops:
         if (op.phase or Phase.forward) is Phase.forward and not op.regions and \
+                random_draw(op) in (None, "key") and not op_def(op.name).effectful and \
                 all(x in alone for x in free_inputs(op)):
             alone.update(v.name for v in op.results)
     return alone
+
+
+def _of_the_parameters(graph: Graph) -> set[str]:
+    """The values a parameter reaches (the logits a loss averages)."""
+    learned = {i.name for i in graph.inputs if i.role.kind is InputKind.param}
+    for op in graph.ops:
+        if any(x in learned for x in free_inputs(op)):
+            learned.update(v.name for v in op.results)
+    return learned
 
 
 def _per_share(graph: Graph, axis: str | None):
@@ -81,21 +98,27 @@ def _per_share(graph: Graph, axis: str | None):
     return lambda x: x in varies
 
 
-def _adds_up(graph: Graph, c: CountedMean, made_by: dict[str, Op], alone: set[str]) -> bool:
+def _adds_up(graph: Graph, c: CountedMean, made_by: dict[str, Op], alone: set[str],
+             learned: set[str]) -> bool:
     """Whether a pipeline runtime can add ``c``'s sums up over the microbatches before
     the schedule: each made from the batch alone (``alone``), or the count a framework
     op returns beside its mean (cross-entropy's targets not ignored: ``_count_alone``);
     and each a number it may average where the shares' values average (an integer's
     mean would be rounded)."""
     types = graph.value_types()
-    return all((s in alone or _framework_count(c, s, made_by)) and
+    return all((s in alone or _framework_count(c, s, made_by, alone, learned)) and
                (how == "sum" or types[s].dtype.is_float) for s, how in c.sums)
 
 
-def _framework_count(c: CountedMean, s: str, made_by: dict[str, Op]) -> bool:
+def _framework_count(c: CountedMean, s: str, made_by: dict[str, Op], alone: set[str],
+                     learned: set[str]) -> bool:
     """Whether ``s`` is the count of the framework op that makes ``c``'s mean (its rule's
-    ``row_sum``): a count of its targets, which the values it averages do not change."""
-    return c.summing is not None and s == c.count and made_by.get(s) is made_by.get(c.made)
+    ``row_sum``): a count of its targets, which the values it averages (made from the
+    parameters, ``learned``) do not change; its other operands made from the batch alone
+    (``alone``: not targets drawn at random in the step)."""
+    op = made_by.get(s)
+    return c.summing is not None and s == c.count and op is made_by.get(c.made) and \
+        all(x in alone or x in learned for x in op.inputs)
 
 
 def _copies(graph: Graph, name: str) -> set[str]:
@@ -137,6 +160,10 @@ def _exact(graph: Graph, c: CountedMean, counted: Sequence[CountedMean], share,
     scalars other than as the count itself (their own copies: summing those too is not
     done). ``share``: ``_per_share``; ``made_by``: each value's op; ``to_loss``:
     ``_to_loss``; ``rows``: values split by rows, never part of the count."""
+    if not all(share(x) for x, _ in c.sums):
+        # a sum the devices make alike in the graph's types (a mask drawn from each
+        # process's own generator, typed whole): nothing to sum over the devices by type
+        return False
     copies = _copies(graph, c.count)
     # the means of the same kind over this count or a copy of it (each division by an
     # integer count converts it anew): their counts are summed alike

@@ -250,7 +250,7 @@ def _count_program(graph: Graph, me: int, ops: list[Op], body: dict[str, list[Op
         op = made.get(x)
         if op is None:
             if kinds.get(x) not in (InputKind.batch, InputKind.hyper, InputKind.other,
-                                    InputKind.buffer):
+                                    InputKind.buffer, InputKind.rng, InputKind.microbatch):
                 raise DiphomaError(f"pipeline: the count %{x} that stage {me} sums over the "
                                    "microbatches is not made from the batch alone",
                                    hint="this is a bug in the pipeline pass; report it "

@@ -1532,3 +1532,41 @@ def test_a_captured_typed_key_draws_as_under_jit():
         for k in params:
             np.testing.assert_allclose(runs[name][0][k], runs["jit"][0][k], atol=tol, rtol=0)
         assert abs(runs[name][1] - runs["jit"][1]) <= tol * abs(runs["jit"][1])
+
+
+@pytest.mark.parametrize("mesh, microbatches", [({"dp": 8}, 1), ({"dp": 4, "pp": 2}, 2)])
+def test_a_mean_over_a_mask_drawn_from_the_key_matches_the_single_device_step(
+        mesh, microbatches):
+    """The examples picked at random from the step's key (a Bernoulli mask at the
+    per-example losses' shape) and the loss averaged over those picked: the mask is the
+    single-device step's (drawn at the global batch's shape, each device keeping its
+    rows), and each device divides by the count summed over the devices, and with a
+    pipeline over the microbatches too (the draw made again, from the same key and
+    microbatch index, in the stage's count program). Before 2026-12-07 the draw was taken
+    for a whole value and the loss for a sum over the batch: dp=8 added the devices' losses
+    and gradients up, NaN where a device picked none; dp=4 x pp=2 was refused."""
+    model = MLP()
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    y = jax.random.randint(jax.random.key(2), (16,), 0, 4)
+    params = model.init(jax.random.key(0), x)["params"]
+    tx = optax.sgd(0.1)
+
+    def step(params, opt_state, x, y, key):
+        def lf(p):
+            per = optax.softmax_cross_entropy_with_integer_labels(
+                model.apply({"params": p}, x), y)
+            m = jax.random.bernoulli(key, 0.5, per.shape).astype(jnp.float32)
+            return jnp.sum(per * m) / jnp.sum(m)
+        loss, g = jax.value_and_grad(lf)(params)
+        up, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, up), opt_state, loss
+    pstep = parallelize(step, mesh, microbatches=microbatches)
+    ref = ours = (params, tx.init(params))
+    for k in range(2):
+        key = jax.random.key(5 + k)
+        *ref, want = jax.jit(step)(*ref, x, y, key)
+        *ours, got = pstep(*ours, x, y, key)
+        np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    assert max_rel_dev(ref[0], ours[0]) <= 1e-5
+    summed = pstep.plan.notes["pipeline" if microbatches > 1 else "data-parallel"]
+    assert len(summed["counted_globally"]) == 1

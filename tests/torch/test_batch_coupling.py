@@ -777,3 +777,31 @@ def test_one_row_per_device_plans_as_two_rows_do(case):
         dp = pstep.plan.notes["data-parallel"]
         notes.append({k: dp[k] for k in ("counted_globally", "batch_counted", "gradients")})
     assert notes[0] == notes[1] and notes[0]["counted_globally"], notes
+
+
+def test_a_mean_over_a_mask_drawn_in_the_step_is_a_mean_not_a_sum():
+    """Tokens picked at random in the step (BERT's masking: ``rand(per.shape) < p``) and
+    the loss averaged over those picked: each device draws its own mask for its rows, so
+    the count is its share's, and the loss a mean over the batch whose gradients average
+    over the devices. Before 2026-12-07 the draw was taken for a whole value, the count
+    for a constant, and the loss for a sum over the batch: the devices' losses and
+    gradients were added up (about N times the single-device step's). Each process's
+    generator draws its own numbers, so the count stays each device's own, as under DDP,
+    and is listed."""
+    torch.manual_seed(0)
+    mlp = MLP(8, 16, 4)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+
+    def step(model, opt, x, y):
+        per = F.mse_loss(model(x), y, reduction="none").mean(-1)
+        picked = (torch.rand(per.shape) < 0.7).float()
+        loss = (per * picked).sum() / picked.sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    pstep = diphoma_compile.parallelize(step, {"dp": 2})
+    pstep.trace(mlp, _sgd(mlp), x, y)
+    dp = pstep.plan.notes["data-parallel"]
+    assert dp["gradients"] == "avg" and dp["combined"] == {}, dp
+    assert len(dp["batch_counted"]) == 1 and dp["counted_globally"] == [], dp

@@ -948,3 +948,33 @@ def test_a_mean_over_targets_divides_by_the_count_over_all_microbatches():
                                         "over counts"):
         run(g, "dce,data-parallel{axis=dp},pipeline{axis=pp, microbatches=2}")
     run(g, "dce,data-parallel{axis=dp, counts=local},pipeline{axis=pp, microbatches=2}")
+
+
+def masked_by_draw_step(model, opt, batch):
+    """A mean over tokens drawn at random in the step (as BERT's masking), divided by how
+    many were drawn."""
+    logits = model(batch["idx"]).flatten(0, 1)
+    per = F.cross_entropy(logits, batch["targets"].flatten(), reduction="none")
+    drawn = (torch.rand(per.shape) < 0.7).float()
+    loss = (per * drawn).sum() / drawn.sum()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def test_a_count_of_random_draws_stays_each_microbatchs_own():
+    """A count made from numbers drawn in the step cannot be made again before the
+    schedule (drawn again, it would count other tokens than the loss sums): it stays each
+    microbatch's own and listed, where the same count of a mask the step is given is
+    summed over the microbatches."""
+    torch.manual_seed(0)
+    model = GPT(vocab=16, d=8, layers=2, heads=2, block=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seq = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(3))
+    g = diphoma_compile.trace(masked_by_draw_step, model, opt,
+                              {"idx": seq[:, :-1], "targets": seq[:, 1:]})
+    out, ctx = run(g.replace(mesh=Mesh({"pp": 2})), "dce,pipeline{axis=pp, microbatches=2}")
+    rec = ctx.decision(PipelineRecord)
+    assert rec.counted_globally == () and len(rec.batch_counted) == 1
+    assert not any(op.name == "microbatch_sum" for op in out.ops)
