@@ -1,5 +1,5 @@
-"""Means over counts made exact under data parallelism: each device divides by the count
-summed over all devices.
+"""Means over counts made exact under data parallelism and pipelines: each device (and
+each microbatch) divides by the count summed over all devices (and microbatches).
 
 A masked mean (``sum(l * mask) / sum(mask)``) or cross-entropy's mean over the targets it
 does not ignore divides a sum over the batch by a count over it. Each device's share of
@@ -87,11 +87,13 @@ def _of_the_parameters(graph: Graph) -> set[str]:
 
 def _per_share(graph: Graph, axis: str | None):
     """Whether a value is each share's own: varying over ``axis``, or without one, made
-    from the batch (what the same step computes alike for every microbatch is not)."""
+    from the batch or the microbatch's index (a key's draw made for every microbatch);
+    not what the step computes alike for every microbatch."""
     if axis is not None:
         types = graph.value_types()
         return lambda x: types[x].placement(axis) != REPLICATE
-    varies = {i.name for i in graph.inputs if i.role.kind is InputKind.batch}
+    varies = {i.name for i in graph.inputs
+              if i.role.kind in (InputKind.batch, InputKind.microbatch)}
     for op in graph.ops:
         if any(x in varies for x in free_inputs(op)):
             varies.update(v.name for v in op.results)
