@@ -464,10 +464,12 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
         if pipeline is not None:
             # per-microbatch collectives over dp, no buckets: a bucket would mix stages
             if data and mesh.axis_size(axis) > 1:
-                # (counts=local: the pipeline pass sums a mean's count over the
-                # microbatches and the dp devices both, passes/global_counts.py)
+                # (with microbatches, counts=local: the pipeline pass sums a mean's
+                # count over the microbatches and the dp devices both,
+                # passes/global_counts.py; with one, data-parallel sums it over dp)
+                counts = "local" if pipeline.microbatches > 1 else "global"
                 parts.append(default_passes(axis, layout=fw.pipeline_update_layout,
-                                            shard_params=shard_params, counts="local"))
+                                            shard_params=shard_params, counts=counts))
             else:
                 parts.append("dce")
             parts.append(pipeline.spec())

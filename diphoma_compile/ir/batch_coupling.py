@@ -127,12 +127,10 @@ def split_batch(graph: Graph, probe: RowProbe | None = None,
         if probe is None or one_row_per_share(probe.graph):
             return BatchSplit((), {}, judged=False)
         return _kept_in(split_batch(probe.graph), graph, probe)
-    follow = _Follow(graph)
-    found = tuple(follow.run())
+    follow, found = _followed(graph)
     sums = _unscaled(follow.scaled, probe) if probe is not None else frozenset()
     if sums:
-        follow = _Follow(graph, sums)
-        found = tuple(follow.run())
+        follow, found = _followed(graph, sums)
     combine = {o.name: s.op for o in graph.outputs
                if isinstance(s := follow.state(o.name), Partial)
                and s.op in ("sum", "avg", "max", "min")}
@@ -143,10 +141,23 @@ def split_batch(graph: Graph, probe: RowProbe | None = None,
     if values is None and traced is not None and traced is not graph:
         values = differentiated(traced)
         if values:
-            before = _Follow(traced, sums)
-            before.run()
+            before, _ = _followed(traced, sums)
             gradients = _gradients(values, before)
     return BatchSplit(found, combine, rows, tuple(follow.counted), gradients=gradients)
+
+
+def _followed(graph: Graph, sums: frozenset[str] = frozenset()
+              ) -> tuple[_Follow, tuple[Coupling, ...]]:
+    """The analysis of ``graph`` run, and what it found. Where random draws took the
+    placement of a later use (``_Follow.commit_draws``), it runs again with them placed
+    so from the start: a use before that one (the mask's count taken first,
+    ``n = m.sum()``, then ``(l * m).sum() / n``) sees them as the rows they are."""
+    follow = _Follow(graph, sums)
+    found = tuple(follow.run())
+    if follow.commits:
+        follow = _Follow(graph, sums, follow.commits)
+        found = tuple(follow.run())
+    return follow, found
 
 
 def _gradients(values: Sequence[str] | None, follow: _Follow) -> str | None:
@@ -173,8 +184,7 @@ def scaled_by_rows(graph: Graph) -> list[str]:
     share) looks the same, and only the step traced at more rows tells them apart
     (``split_batch``'s probe). A division the frontend made as a mean of the rows' own
     sum (``div{mean=true}``: jnp.mean) is not listed: it is a mean at any rows."""
-    follow = _Follow(graph)
-    follow.run()
+    follow, _ = _followed(graph)
     ops = [follow.producer[n] for n, mean in follow.scaled.items()
            if mean and n not in follow.certain]
     return list(dict.fromkeys(op.loc or follow.near(op) or op.name for op in ops))
@@ -185,8 +195,7 @@ def _unscaled(scaled: Mapping[str, bool], probe: RowProbe) -> frozenset[str]:
     that, in ``probe`` (the step traced at more rows per share), divide by the same kind
     of constant no longer equal to the elements summed: sums scaled by a number that
     equalled the rows by coincidence. A division with no match there stays a mean."""
-    theirs = _Follow(probe.graph)
-    theirs.run()
+    theirs, _ = _followed(probe.graph)
     ours = {v: k for k, v in probe.names.items()}
     return frozenset(n for n, mean in scaled.items()
                      if mean and theirs.scaled.get(ours.get(n, "")) is False)
@@ -307,8 +316,13 @@ def _split(p: object) -> bool:
 
 
 class _Follow:
-    def __init__(self, graph: Graph, sums: frozenset[str] = frozenset()) -> None:
+    def __init__(self, graph: Graph, sums: frozenset[str] = frozenset(),
+                 committed: Mapping[str, Placement] | None = None) -> None:
         self.graph = graph
+        # random draws placed by a later use (``commit_draws``): name -> placement, those
+        # found on a first run (``committed``) and those this run finds (``commits``)
+        self.committed = dict(committed or {})
+        self.commits: dict[str, Placement] = {}
         # a sum over the rows divided by a constant -> whether the constant is as many as
         # the elements summed (a mean: ``jnp.mean``, ``sum() / x.shape[0]``); ``sums``:
         # those known to stay sums whatever the rows (``sum() / 2`` at 2 rows a share,
@@ -1047,9 +1061,12 @@ class _Follow:
         for n, p in zip(op.inputs, fit.inputs):
             if n in self.drawn and isinstance(self.state(n), frozenset) and _split(p):
                 self.at[n] = p
+                self.commits[n] = p
 
     def set(self, op: Op, states: Sequence[object]) -> None:
         for v, s in zip(op.results, states):
+            if isinstance(s, frozenset) and v.name in self.committed:
+                s = self.committed[v.name]
             if isinstance(s, Replicate):
                 self.at.pop(v.name, None)
             else:

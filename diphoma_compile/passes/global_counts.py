@@ -64,10 +64,12 @@ def _of_the_batch(graph: Graph) -> set[str]:
     Draws from a key the step holds are (the same key and microbatch index draw the same
     numbers: ``pipeline_draws.py``); not draws from a process's own generator (a mask
     drawn in the step, as BERT's: drawn again, it would count other tokens than the ones
-    the loss sums) nor what they make."""
+    the loss sums), nor buffers the step updates (only the stage that updates one holds
+    its new value), nor what they make."""
+    replaced = {o.role.target for o in graph.outputs if o.role.kind is OutputKind.replaces}
     alone = {i.name for i in graph.inputs if i.role.kind in (
-        InputKind.batch, InputKind.hyper, InputKind.other, InputKind.buffer,
-        InputKind.rng, InputKind.microbatch)}
+        InputKind.batch, InputKind.hyper, InputKind.other, InputKind.rng,
+        InputKind.microbatch) or i.role.kind is InputKind.buffer and i.name not in replaced}
     for op in graph.ops:
         if (op.phase or Phase.forward) is Phase.forward and not op.regions and \
                 random_draw(op) in (None, "key") and not op_def(op.name).effectful and \
@@ -115,12 +117,16 @@ def _adds_up(graph: Graph, c: CountedMean, made_by: dict[str, Op], alone: set[st
 def _framework_count(c: CountedMean, s: str, made_by: dict[str, Op], alone: set[str],
                      learned: set[str]) -> bool:
     """Whether ``s`` is the count of the framework op that makes ``c``'s mean (its rule's
-    ``row_sum``): a count of its targets, which the values it averages (made from the
-    parameters, ``learned``) do not change; its other operands made from the batch alone
-    (``alone``: not targets drawn at random in the step)."""
+    ``row_sum``): a count of its targets, which the values it averages (its first
+    operand, the logits, made from the parameters: ``learned``) do not change; its other
+    operands made from the batch alone (``alone``: not targets drawn at random in the
+    step) or parameters as they are (class weights held as a frozen parameter)."""
     op = made_by.get(s)
-    return c.summing is not None and s == c.count and op is made_by.get(c.made) and \
-        all(x in alone or x in learned for x in op.inputs)
+    if not (c.summing is not None and s == c.count and op is made_by.get(c.made)):
+        return False
+    first, *rest = op.inputs
+    return (first in alone or first in learned) and \
+        all(x in alone or x not in made_by and x in learned for x in rest)
 
 
 def _copies(graph: Graph, name: str) -> set[str]:
@@ -307,13 +313,15 @@ def _summed_count(c: CountedMean, axis: str | None, n: int, microbatches: int,
 def _count_alone(s: str, made_by: dict[str, Op], alone: set[str],
                  types: dict[str, TensorType], names, emit, added: list[Op]) -> str:
     """A copy of the framework op making the count ``s`` (cross-entropy's targets not
-    ignored) that reads zeros for every operand not made from the batch alone (the
-    logits), so that a pipeline runtime can count every microbatch's targets before any
-    forward runs; its count does not depend on those values. The copy's count."""
+    ignored) that reads zeros for the values it averages (its first operand, the logits:
+    ``_framework_count``), so that a pipeline runtime can count every microbatch's
+    targets before any forward runs; its count does not depend on those values. The
+    copy's count."""
     op = made_by[s]
-    ins = tuple(x if x in alone else emit("full", (), types[x], Attrs(value=0),
-                                          f"{x}.zeros", whole=False)
-                for x in op.inputs)
+    first, *rest = op.inputs
+    if first not in alone:
+        first = emit("full", (), types[first], Attrs(value=0), f"{first}.zeros", whole=False)
+    ins = (first, *rest)
     results = tuple(Value(names(f"{v.name}.count"), v.type) for v in op.results)
     added.append(op.replace(inputs=ins, results=results, phase=Phase.forward))
     return results[[v.name for v in op.results].index(s)].name

@@ -236,37 +236,53 @@ def _cut_stage(graph: Graph, me: int, out: StagePrograms, op_round: dict[int, in
 def _count_program(graph: Graph, me: int, ops: list[Op], body: dict[str, list[Op]],
                    out: StagePrograms) -> None:
     """Stage ``me``'s count program: the forward ops the inputs of its ``microbatch_sum``
-    ops are made of, moved out of its forward program where nothing else there reads
-    them (they are copied where something does: a mask the loss multiplies by)."""
+    ops are made of, from the step's inputs alone. Those on this stage are moved out of
+    its forward program where nothing else there reads them (they stay where something
+    does: a mask the loss multiplies by); those made on an earlier stage and received
+    here (a mask drawn at the top of the step, where the cut put it on the first stage)
+    are made again in C from the same inputs, not received: C runs before the schedule."""
     totals = [op for op in ops if op.name == "microbatch_sum"]
     if not totals:
         return
-    made = {v.name: op for op in body["F"] for v in op.results}
+    made = {v.name: op for op in graph.ops if op.name not in ("send", "recv")
+            and (op.phase or Phase.forward) is Phase.forward for v in op.results}
+    sent = {op.attrs["tag"]: op.inputs[0] for op in graph.ops if op.name == "send"}
+    received = {op.results[0].name: sent[op.attrs["tag"]] for op in graph.ops
+                if op.name == "recv" and op.attrs["tag"] in sent}
     kinds = {i.name: i.role.kind for i in graph.inputs}
-    chosen: set[int] = set()
+    chosen: dict[int, Op] = {}
+    rename: dict[str, str] = {}
     need = [op.inputs[0] for op in totals]
     while need:
-        x = need.pop()
-        op = made.get(x)
+        x = got = need.pop()
+        while got in received:          # made on another stage: made again here
+            got = received[got]
+        if got != x:
+            rename[x] = got
+        op = made.get(got)
         if op is None:
-            if kinds.get(x) not in (InputKind.batch, InputKind.hyper, InputKind.other,
-                                    InputKind.buffer, InputKind.rng, InputKind.microbatch):
-                raise DiphomaError(f"pipeline: the count %{x} that stage {me} sums over the "
-                                   "microbatches is not made from the batch alone",
-                                   hint="this is a bug in the pipeline pass; report it "
-                                        "with the model")
+            if kinds.get(got) not in (InputKind.batch, InputKind.hyper, InputKind.other,
+                                      InputKind.buffer, InputKind.rng, InputKind.microbatch,
+                                      InputKind.param):
+                raise DiphomaError(f"pipeline: the count %{got} that stage {me} sums over "
+                                   "the microbatches is not made from the step's inputs "
+                                   "alone", hint="this is a bug in the pipeline pass; "
+                                                 "report it with the model")
             continue
         if id(op) not in chosen:
-            chosen.add(id(op))
+            chosen[id(op)] = op
             need += free_inputs(op)
-    c_body = [op for op in body["F"] if id(op) in chosen]
-    # what the stage's other ops, its sends and the step's results read of them
+    order = {id(op): k for k, op in enumerate(graph.ops)}
+    c_body = [op.replace(inputs=tuple(rename.get(x, x) for x in op.inputs))
+              for op in sorted(chosen.values(), key=lambda op: order[id(op)])]
+    # what the stage's other ops, its sends and the step's results read of its own
+    mine = [op for op in body["F"] if id(op) in chosen]
     live = {n for k, b in body.items() for op in b if id(op) not in chosen
             for n in free_inputs(op)}
     live |= {op.inputs[0] for op in ops if op.name == "send"}
     live |= {o.name for o in graph.outputs}
     keep: set[int] = set()
-    for op in reversed(c_body):
+    for op in reversed(mine):
         if any(v.name in live for v in op.results):
             keep.add(id(op))
             live.update(free_inputs(op))
@@ -275,12 +291,13 @@ def _count_program(graph: Graph, me: int, ops: list[Op], body: dict[str, list[Op
     roles = {i.name: i.role for i in graph.inputs}
     c_made = {v.name for op in c_body for v in op.results}
     inputs = list(dict.fromkeys(n for op in c_body for n in free_inputs(op) if n not in c_made))
-    outputs = list(dict.fromkeys(op.inputs[0] for op in totals))
+    outputs = list(dict.fromkeys(rename.get(op.inputs[0], op.inputs[0]) for op in totals))
     sub = Graph(f"{graph.name}.stage{me}.C",
                 tuple(Input(Value(n, types[n]), roles.get(n, InputRole())) for n in inputs),
                 tuple(c_body), tuple(Output(n) for n in outputs), graph.mesh)
     out.counts[me] = StageProgram(sub, inputs, outputs)
-    out.totals[me] = {op.results[0].name: (op.inputs[0], str(op.attrs["op"])) for op in totals}
+    out.totals[me] = {op.results[0].name: (rename.get(op.inputs[0], op.inputs[0]),
+                                           str(op.attrs["op"])) for op in totals}
 
 
 def _owned(sub: Graph, kind: str, acc: list[str], made: set[str],

@@ -1534,9 +1534,10 @@ def test_a_captured_typed_key_draws_as_under_jit():
         assert abs(runs[name][1] - runs["jit"][1]) <= tol * abs(runs["jit"][1])
 
 
-@pytest.mark.parametrize("mesh, microbatches", [({"dp": 8}, 1), ({"dp": 4, "pp": 2}, 2)])
+@pytest.mark.parametrize("mesh, microbatches, early", [
+    ({"dp": 8}, 1, False), ({"dp": 4, "pp": 2}, 2, False), ({"dp": 4, "pp": 2}, 2, True)])
 def test_a_mean_over_a_mask_drawn_from_the_key_matches_the_single_device_step(
-        mesh, microbatches):
+        mesh, microbatches, early):
     """The examples picked at random from the step's key (a Bernoulli mask at the
     per-example losses' shape) and the loss averaged over those picked: the mask is the
     single-device step's (drawn at the global batch's shape, each device keeping its
@@ -1544,7 +1545,10 @@ def test_a_mean_over_a_mask_drawn_from_the_key_matches_the_single_device_step(
     pipeline over the microbatches too (the draw made again, from the same key and
     microbatch index, in the stage's count program). Before 2026-12-07 the draw was taken
     for a whole value and the loss for a sum over the batch: dp=8 added the devices' losses
-    and gradients up, NaN where a device picked none; dp=4 x pp=2 was refused."""
+    and gradients up, NaN where a device picked none; dp=4 x pp=2 was refused. ``early``:
+    the mask drawn and counted at the top of the step, before the model runs (a review's
+    probe): the cut makes it on the first stage and sends it; the count program makes it
+    again on the loss's stage (an internal error at first)."""
     model = MLP()
     x = jax.random.normal(jax.random.key(1), (16, 8))
     y = jax.random.randint(jax.random.key(2), (16,), 0, 4)
@@ -1552,9 +1556,14 @@ def test_a_mean_over_a_mask_drawn_from_the_key_matches_the_single_device_step(
     tx = optax.sgd(0.1)
 
     def step(params, opt_state, x, y, key):
+        drawn = jax.random.bernoulli(key, 0.5, y.shape).astype(jnp.float32)
+        count = jnp.sum(drawn)
+
         def lf(p):
             per = optax.softmax_cross_entropy_with_integer_labels(
                 model.apply({"params": p}, x), y)
+            if early:
+                return jnp.sum(per * drawn) / count
             m = jax.random.bernoulli(key, 0.5, per.shape).astype(jnp.float32)
             return jnp.sum(per * m) / jnp.sum(m)
         loss, g = jax.value_and_grad(lf)(params)

@@ -779,7 +779,8 @@ def test_one_row_per_device_plans_as_two_rows_do(case):
     assert notes[0] == notes[1] and notes[0]["counted_globally"], notes
 
 
-def test_a_mean_over_a_mask_drawn_in_the_step_is_a_mean_not_a_sum():
+@pytest.mark.parametrize("count_first", [False, True])
+def test_a_mean_over_a_mask_drawn_in_the_step_is_a_mean_not_a_sum(count_first):
     """Tokens picked at random in the step (BERT's masking: ``rand(per.shape) < p``) and
     the loss averaged over those picked: each device draws its own mask for its rows, so
     the count is its share's, and the loss a mean over the batch whose gradients average
@@ -787,7 +788,9 @@ def test_a_mean_over_a_mask_drawn_in_the_step_is_a_mean_not_a_sum():
     for a constant, and the loss for a sum over the batch: the devices' losses and
     gradients were added up (about N times the single-device step's). Each process's
     generator draws its own numbers, so the count stays each device's own, as under DDP,
-    and is listed."""
+    and is listed. Counted before the mask meets the rows (``n = picked.sum()`` first: a
+    review's probe), the same: the analysis runs again with the draw placed as its later
+    use found it."""
     torch.manual_seed(0)
     mlp = MLP(8, 16, 4)
     x, y = torch.randn(8, 8), torch.randn(8, 4)
@@ -795,7 +798,8 @@ def test_a_mean_over_a_mask_drawn_in_the_step_is_a_mean_not_a_sum():
     def step(model, opt, x, y):
         per = F.mse_loss(model(x), y, reduction="none").mean(-1)
         picked = (torch.rand(per.shape) < 0.7).float()
-        loss = (per * picked).sum() / picked.sum()
+        n = picked.sum() if count_first else None
+        loss = (per * picked).sum() / (n if count_first else picked.sum())
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -978,3 +978,78 @@ def test_a_count_of_random_draws_stays_each_microbatchs_own():
     rec = ctx.decision(PipelineRecord)
     assert rec.counted_globally == () and len(rec.batch_counted) == 1
     assert not any(op.name == "microbatch_sum" for op in out.ops)
+
+
+class _Weighted(torch.nn.Module):
+    """GPT with class weights for its loss held as a frozen parameter, and a buffer the
+    step moves (what a mask compares the targets with)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = GPT(vocab=16, d=8, layers=2, heads=2, block=4)
+        self.cw = torch.nn.Parameter(torch.linspace(0.5, 1.5, 16), requires_grad=False)
+        self.register_buffer("lo", torch.tensor(2))
+
+
+def weighted_step(model, opt, batch):
+    logits = model.gpt(batch["idx"]).flatten(0, 1)
+    loss = F.cross_entropy(logits, batch["targets"].flatten(), weight=model.cw,
+                           ignore_index=0)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def moved_buffer_step(model, opt, batch):
+    keep = (batch["targets"].flatten() >= model.lo).float()
+    logits = model.gpt(batch["idx"]).flatten(0, 1)
+    per = F.cross_entropy(logits, batch["targets"].flatten(), reduction="none")
+    loss = (per * keep).sum() / keep.sum()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    model.lo.add_(1)
+    return loss
+
+
+def test_a_count_program_reads_class_weights_and_refuses_a_moved_buffer():
+    """Class weights held as a frozen parameter: the count program's copy of nll_loss
+    reads zeros for the logits alone and the weights as they are (a review found the
+    weights zeroed too: a count of 0, an infinite loss). A mask made from a buffer the
+    step updates cannot be made again before the schedule (only the stage that updates
+    it holds the new value): that count stays each microbatch's own, and is listed."""
+    from diphoma_compile.passes.pipeline_programs import stage_programs
+    torch.manual_seed(0)
+    model = _Weighted()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seq = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(3))
+    batch = {"idx": seq[:, :-1], "targets": seq[:, 1:]}
+    g = diphoma_compile.trace(weighted_step, model, opt, batch).replace(mesh=Mesh({"pp": 2}))
+    out, ctx = run(g, "dce,pipeline{axis=pp, microbatches=2}")
+    assert len(ctx.decision(PipelineRecord).counted_globally) == 1
+    c = stage_programs(out, [0, 1], "1f1b").counts[1]
+    count = c.graph.ops[-1]
+    zeros = [op.results[0].name for op in c.graph.ops if op.name == "full"]
+    assert "nll_loss_forward" in count.attrs["target"] and count.inputs[0] in zeros
+    assert {i.role.kind.value for i in c.graph.inputs} == {"batch", "param"}
+    g = diphoma_compile.trace(moved_buffer_step, model, opt, batch).replace(
+        mesh=Mesh({"pp": 2}))
+    out, ctx = run(g, "dce,pipeline{axis=pp, microbatches=2}")
+    rec = ctx.decision(PipelineRecord)
+    assert rec.counted_globally == () and len(rec.batch_counted) == 1
+
+
+def test_one_microbatch_over_dp_and_pp_sums_counts_over_dp():
+    """With one microbatch nothing is summed over time: data-parallel sums a mean's count
+    over its devices, as without a pipeline (a review found it left each device's own)."""
+    torch.manual_seed(0)
+    model = GPT(vocab=16, d=8, layers=2, heads=2, block=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seq = torch.randint(0, 16, (4, 5), generator=torch.Generator().manual_seed(3))
+    pstep = diphoma_compile.parallelize(lm_step, {"dp": 2, "pp": 2}, microbatches=1,
+                                        schedule="gpipe")
+    pstep.trace(model, opt, {"idx": seq[:, :-1], "targets": seq[:, 1:]})
+    notes = pstep.plan.notes
+    assert len(notes["data-parallel"]["counted_globally"]) == 1
+    assert notes["pipeline"]["counted_globally"] == []
