@@ -51,13 +51,17 @@ class FrameworkOpRule:
     reduction ``sum``), with the positions among its results of that sum and of the count
     (which its backward reads again), or None where this call has no such form (the count
     dropped): data parallelism then divides the sum by the count summed over the devices
-    (``passes/global_counts.py``). ``copies``: its one result is its first operand's
-    value, unchanged (a clone): ``row_probe.py`` reads through such copies where one trace
-    of a step makes them and another does not. ``seeds_gradient``: made in the backward
-    at a scalar of the forward, it is the seed of a backward pass (ones at its operand's
-    shape: torch's ``loss.backward()``), and its operand the value differentiated, which
-    may not be the loss the step returns (``batch_coupling``: the gradients combine across
-    devices as it does)."""
+    (``passes/global_counts.py``). ``row_count``: for such an op, the IR ops that make its
+    count from its other operands alone (the targets, the class weights), not the values
+    it averages, with the name of the count they make, given a maker of fresh names; None
+    where this call has no such form: a pipeline counts every microbatch's targets with
+    them before the schedule (``global_counts.py``). ``copies``: its one result is its
+    first operand's value, unchanged (a clone): ``row_probe.py`` reads through such copies
+    where one trace of a step makes them and another does not. ``seeds_gradient``: made in
+    the backward at a scalar of the forward, it is the seed of a backward pass (ones at its
+    operand's shape: torch's ``loss.backward()``), and its operand the value
+    differentiated, which may not be the loss the step returns (``batch_coupling``: the
+    gradients combine across devices as it does)."""
 
     target: str
     flops: CostFn
@@ -76,6 +80,8 @@ class FrameworkOpRule:
     iota_dim: Callable[[Op, Sequence[TensorType], Sequence[TensorType]], int | None] | None = None
     row_sum: Callable[[Op, Sequence[TensorType], Sequence[TensorType]],
                       tuple[Op, int, int] | None] | None = None
+    row_count: Callable[[Op, Sequence[TensorType], Sequence[TensorType], Callable],
+                        tuple[list[Op], str] | None] | None = None
     copies: bool = False
     seeds_gradient: bool = False
 

@@ -33,6 +33,7 @@ from collections.abc import Collection, Sequence
 from ..ir.analysis import free_inputs
 from ..ir.batch_coupling import CountedMean
 from ..ir.core import Attrs, Graph, InputKind, Op, OutputKind, Phase, Value
+from ..ir.framework_ops import framework_rule
 from ..ir.opdef import op_def, random_draw
 from ..ir.types import REPLICATE, VARYING, TensorType
 
@@ -318,6 +319,14 @@ def _count_alone(s: str, made_by: dict[str, Op], alone: set[str],
     targets before any forward runs; its count does not depend on those values. The
     copy's count."""
     op = made_by[s]
+    rule = framework_rule(op)
+    if rule is not None and rule.row_count is not None:
+        got = rule.row_count(op, [types[x] for x in op.inputs], [v.type for v in op.results],
+                             names)
+        if got is not None:         # counted from the targets alone (no zeros to make)
+            made, count = got
+            added.extend(o.replace(phase=Phase.forward) for o in made)
+            return count
     first, *rest = op.inputs
     if first not in alone:
         first = emit("full", (), types[first], Attrs(value=0), f"{first}.zeros", whole=False)

@@ -62,7 +62,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from dataclasses import dataclass
 
-from ..ir.core import Op
+from ..ir.core import Attrs, Op, Value
 from ..ir.strategies import GROUPS
 from ..ir.types import Partial, Placement, Shard, TensorType
 from .rule_call import (_Call, _P, _R, _T, _along, _arguments, _dim, _nbytes, _numel,
@@ -510,6 +510,34 @@ def _nll_summed(op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType]
     else:
         attrs = op.attrs.set(kw_reduction=_SUM)
     return op.replace(attrs=attrs), c.positions.index(0), c.positions.index(1)
+
+
+def _nll_count(op: Op, ins: Sequence[TensorType], outs: Sequence[TensorType], names
+               ) -> tuple[list[Op], str] | None:
+    """A mean reduction's total weight from its targets alone, as IR ops: the targets not
+    equal to ignore_index, counted. None where the call drops it, or weights its classes
+    (``weight[target]`` would need an indexing op the torch backend does not lower: the
+    pipeline then counts with a copy of the call on zeros in place of the logits)."""
+    c = _Call(op, ins, outs)
+    if c["reduction"] != _MEAN or 1 not in c.positions or c.t("weight") is not None:
+        return None
+    target = op.inputs[c.args["target"].index]
+    tt, tw = c.t("target"), c.out(1)
+    ops: list[Op] = []
+
+    def make(name: str, inputs: tuple[str, ...], t: TensorType, attrs: dict, hint: str) -> str:
+        out = names(hint)
+        ops.append(Op(name, inputs, (Value(out, t),), Attrs(attrs), loc=op.loc))
+        return out
+    ignored = make("full", (), TensorType((), tt.dtype), {"value": int(c["ignore_index"])},
+                   f"{target}.ignored")
+    kept = make("ne", (target, ignored), TensorType(tt.shape, "bool", tt.placements), {},
+                f"{target}.kept")
+    each = make("convert", (kept,), TensorType(tt.shape, tw.dtype, tt.placements),
+                {"dtype": str(tw.dtype)}, f"{target}.counts")
+    count = make("reduce_sum", (each,), tw, {"dims": list(range(tt.rank))},
+                 f"{target}.total_weight")
+    return ops, count
 
 
 def _nll_backward(c: _Call) -> list:
@@ -973,7 +1001,8 @@ _register("nll_loss_forward.default", lambda c: max(_numel(c.t("target")), 1), _
                      + _nbytes(c.t("weight")) + _written(c)),
           row_mean="a mean over the targets it counts (those not equal to ignore_index, "
                    "weighted by the class weights when given)",
-          row_weighted=lambda c: c.t("weight") is not None, row_sum=_nll_summed)
+          row_weighted=lambda c: c.t("weight") is not None, row_sum=_nll_summed,
+          row_count=_nll_count)
 _register("nll_loss_backward.default", lambda c: max(_numel(c.t("target")), 1), _nll_backward,
           lambda c: (_nbytes(c.t("grad_output")) + _nbytes(c.t("target"))
                      + _nbytes(c.t("weight")) + _nbytes(c.t("total_weight")) + _written(c)))

@@ -150,6 +150,7 @@ def _register(targets: str, flops: Callable[[_Call], float],
               iota_dim: Callable[[_Call], int | None] | None = None,
               row_sum: Callable[[Op, Sequence[TensorType], Sequence[TensorType]],
                                 tuple[Op, int, int] | None] | None = None,
+              row_count: Callable | None = None,
               copies: bool = False, seeds_gradient: bool = False) -> None:
     window, weighted, picks = _on_call(row_window), _on_call(row_weighted), _on_call(row_picks)
     for t in targets.split():
@@ -157,8 +158,8 @@ def _register(targets: str, flops: Callable[[_Call], float],
             f"aten.{t}", _cost(flops), None if strategies is None else _menu(strategies),
             None if nbytes is None else _cost(nbytes), regroup, batch_stats, row_mean,
             row_window=window, row_weighted=weighted, joins_rows=joins_rows,
-            row_picks=picks, iota_dim=_on_call(iota_dim), row_sum=row_sum, copies=copies,
-            seeds_gradient=seeds_gradient))
+            row_picks=picks, iota_dim=_on_call(iota_dim), row_sum=row_sum,
+            row_count=row_count, copies=copies, seeds_gradient=seeds_gradient))
 
 
 def _numel(t: TensorType | None) -> int:
