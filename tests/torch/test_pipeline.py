@@ -30,14 +30,14 @@ def lm_step(model, opt, batch):
 
 
 def traced_gpt(layers: int = 2, mesh: dict | None = None, momentum: float = 0.0,
-               seqs: int = 2):
+               seqs: int = 2, step=None):
     torch.manual_seed(0)
     model = GPT(vocab=16, d=8, layers=layers, heads=2, block=4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
     g = torch.Generator().manual_seed(3)
     seq = torch.randint(0, 16, (seqs, 5), generator=g)
     batch = {"idx": seq[:, :-1], "targets": seq[:, 1:]}
-    return diphoma_compile.trace(lm_step, model, opt, batch).replace(
+    return diphoma_compile.trace(step or lm_step, model, opt, batch).replace(
         mesh=Mesh(mesh or {"pp": 2}))
 
 
@@ -968,13 +968,7 @@ def test_a_count_of_random_draws_stays_each_microbatchs_own():
     schedule (drawn again, it would count other tokens than the loss sums): it stays each
     microbatch's own and listed, where the same count of a mask the step is given is
     summed over the microbatches."""
-    torch.manual_seed(0)
-    model = GPT(vocab=16, d=8, layers=2, heads=2, block=4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    seq = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(3))
-    g = diphoma_compile.trace(masked_by_draw_step, model, opt,
-                              {"idx": seq[:, :-1], "targets": seq[:, 1:]})
-    out, ctx = run(g.replace(mesh=Mesh({"pp": 2})), "dce,pipeline{axis=pp, microbatches=2}")
+    out, ctx = run(traced_gpt(step=masked_by_draw_step), "dce,pipeline{axis=pp, microbatches=2}")
     rec = ctx.decision(PipelineRecord)
     assert rec.counted_globally == () and len(rec.batch_counted) == 1
     assert not any(op.name == "microbatch_sum" for op in out.ops)
