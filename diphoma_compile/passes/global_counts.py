@@ -79,13 +79,18 @@ def _of_the_batch(graph: Graph) -> set[str]:
     return alone
 
 
+def _reached(graph: Graph, kinds: Collection[InputKind]) -> set[str]:
+    """The graph's inputs of ``kinds`` and every value an op makes from one of them."""
+    out = {i.name for i in graph.inputs if i.role.kind in kinds}
+    for op in graph.ops:
+        if any(x in out for x in free_inputs(op)):
+            out.update(v.name for v in op.results)
+    return out
+
+
 def _of_the_parameters(graph: Graph) -> set[str]:
     """The values a parameter reaches (the logits a loss averages)."""
-    learned = {i.name for i in graph.inputs if i.role.kind is InputKind.param}
-    for op in graph.ops:
-        if any(x in learned for x in free_inputs(op)):
-            learned.update(v.name for v in op.results)
-    return learned
+    return _reached(graph, (InputKind.param,))
 
 
 def _per_share(graph: Graph, axis: str | None):
@@ -95,11 +100,7 @@ def _per_share(graph: Graph, axis: str | None):
     if axis is not None:
         types = graph.value_types()
         return lambda x: types[x].placement(axis) != REPLICATE
-    varies = {i.name for i in graph.inputs
-              if i.role.kind in (InputKind.batch, InputKind.microbatch)}
-    for op in graph.ops:
-        if any(x in varies for x in free_inputs(op)):
-            varies.update(v.name for v in op.results)
+    varies = _reached(graph, (InputKind.batch, InputKind.microbatch))
     return lambda x: x in varies
 
 

@@ -302,7 +302,6 @@ def _count_over_shares(graph: Graph, split: BatchSplit, dp: DataParallelRecord |
                      "parallelize does)")
         n = dict(graph.mesh.axes).get(dp.axis, 1)
         axis = dp.axis if n > 1 else None
-        n = max(n, 1)
     if not split.counted:
         return graph, ()
     return count_globally(graph, split.counted, axis, n, split.rows, microbatches)
