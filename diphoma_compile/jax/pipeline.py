@@ -20,7 +20,8 @@ microbatches (rows [d L + m b, d L + (m + 1) b) of data index d's L rows are its
 microbatch m, as the torch runtime cuts a rank's local batch). Gradients and the loss are
 summed over microbatches on their stage and divided by M. A stage with a count program (a
 mean over a count of the batch, divided by the count summed over all microbatches) runs it
-on every microbatch first and adds up what it returns. Parameters and optimizer state
+on every microbatch first and adds up what it returns, then its program T once on the sums
+(their all-reduce over the data axis). Parameters and optimizer state
 come back on their stage's devices (replicated over the data axis, or split where
 weight-update sharding split them); a parameter read on two stages (a tied embedding) is
 returned from the stage that updates it and copied to the other at the next step.
@@ -120,6 +121,8 @@ class JaxPipelineStep(MeasuredRunner):
         self.consumed = {(s, n) for (s, _), names in self.donated.items() for n in names}
         self.fns = {key: self._jit(key, prog) for key, prog in self.cut.programs.items()}
         self.count_fns = {s: self._jit((s, "C"), prog) for s, prog in self.cut.counts.items()}
+        self.totalled_fns = {s: self._jit((s, "T"), prog)
+                             for s, prog in self.cut.totalled.items()}
         self.reads = {s: {n for (st, _), p in self.cut.programs.items() if st == s
                           for n in p.inputs} |
                       set(self.cut.counts[s].inputs if s in self.cut.counts else ())
@@ -254,6 +257,10 @@ class JaxPipelineStep(MeasuredRunner):
                     sums[n] = v if n not in sums else sums[n] + v
             for total, (n, how) in self.cut.totals[s].items():
                 placed[(s, total)] = sums[n] / self.m if how == "avg" else sums[n]
+            if s in self.cut.totalled:              # what the stage makes of the sums alone
+                prog = self.cut.totalled[s]
+                made = self.totalled_fns[s](*[placed[(s, n)] for n in prog.inputs])
+                placed.update(((s, n), v) for n, v in zip(prog.outputs, made))
         envs: dict[tuple[int, int], dict[str, Any]] = {}
         mail: dict[tuple[int, int], Any] = {}          # (tag, microbatch) -> value sent
         acc: dict[int, dict[str, Any]] = {s: {} for s in range(self.nstages)}

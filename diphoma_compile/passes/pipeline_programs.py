@@ -17,8 +17,10 @@ it is listed in ``writes`` (the runtime writes it into that stage's copy).
 A ``microbatch_sum`` (a count of the batch summed over the microbatches:
 ``passes/global_counts.py``) is made by the runtime: the forward ops its input is made of
 (from the batch alone) are a count program C of the stage, which it runs on every
-microbatch before the schedule starts, adding up what C returns; the forward and backward
-programs read the totals as values of the step (``totals``).
+microbatch before the schedule starts, adding up what C returns; the forward ops that read
+the totals alone (their all-reduce over a data-parallel axis, the division by the shares)
+are a program T run once on the sums, not once per microbatch; the forward and backward
+programs read what T makes, and the totals, as values of the step (``totals``).
 
 Framework-neutral: the torch runtime (``torch/pipeline.py``) builds each program with
 ``build.py``, the JAX one (``jax/pipeline.py``) under ``jax.jit`` on the stage's devices."""
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from ..errors import DiphomaError
 from ..ir.analysis import free_inputs, view_bases
 from ..ir.core import Graph, Input, InputKind, InputRole, Op, Output, OutputKind, Phase, Value
-from ..ir.opdef import is_pure
+from ..ir.opdef import is_pure, random_draw
 from .pipeline_parallel import SPLIT_BACKWARD, input_gradient_ops, pipeline_of, stage_rank
 
 _KIND = {Phase.forward: "F", Phase.backward: "B", Phase.update: "U"}
@@ -67,6 +69,9 @@ class StagePrograms:
     # stage -> {total: (what of C's it adds up, "sum" or "avg")}: microbatch_sum's results
     counts: dict[int, StageProgram] = field(default_factory=dict)
     totals: dict[int, dict[str, tuple[str, str]]] = field(default_factory=dict)
+    # stage -> its program T, run once on the totals before the schedule (what the stage's
+    # forward did with them alone: a data-parallel all-reduce, a division)
+    totalled: dict[int, StageProgram] = field(default_factory=dict)
 
     def kinds_of_stage(self) -> list[str]:
         """The program kinds of a stage, in the order they run within a microbatch, then
@@ -76,8 +81,8 @@ class StagePrograms:
     @property
     def inputs_read(self) -> set[str]:
         """Every graph input or value some program of these stages reads."""
-        return {n for p in (*self.programs.values(), *self.counts.values())
-                for n in p.inputs}
+        return {n for p in (*self.programs.values(), *self.counts.values(),
+                            *self.totalled.values()) for n in p.inputs}
 
 
 def stage_programs(graph: Graph, stages: list[int], schedule: str,
@@ -180,8 +185,10 @@ def _cut_stage(graph: Graph, me: int, out: StagePrograms, op_round: dict[int, in
             k = f"U{op_round[id(op)]}"
         body[k].append(op)
         seg_of.update((v.name, k) for v in op.results)
+    _reduce_the_sums(graph, ops, body)
     _share_invariants(graph, body)
     _count_program(graph, me, ops, body, out)
+    _totalled_program(graph, me, ops, body, out)
     readers = {}
     for k, b in body.items():
         made_k = {v.name for op in b for v in op.results}
@@ -300,6 +307,48 @@ def _count_program(graph: Graph, me: int, ops: list[Op], body: dict[str, list[Op
                                            str(op.attrs["op"])) for op in totals}
 
 
+def _totalled_program(graph: Graph, me: int, ops: list[Op], body: dict[str, list[Op]],
+                      out: StagePrograms) -> None:
+    """Stage ``me``'s program T: the forward ops that read its totals and nothing made per
+    microbatch (the sum's all-reduce over a data-parallel axis, its division by the
+    shares; the constants they read are copied), moved out of the forward program, which
+    would run them M times on the same values, into one run once on the sums."""
+    if me not in out.totals:
+        return
+    consts = {v.name: op for op in body["F"] if not free_inputs(op) and not op.regions
+              and is_pure(op) for v in op.results}
+    sent = {op.inputs[0] for op in ops if op.name == "send"}
+    returned = {o.name for o in graph.outputs}
+    have = set(out.totals[me])
+    chosen: list[Op] = []
+    for op in body["F"]:
+        ins = free_inputs(op)
+        if ins and not op.regions and random_draw(op) is None and \
+                all(n in have or n in consts for n in ins) and any(n in have for n in ins) \
+                and not any(v.name in sent or v.name in returned for v in op.results):
+            chosen.append(op)
+            have.update(v.name for v in op.results)
+    if not chosen:
+        return
+    moved = {id(op) for op in chosen}
+    copies = list({id(consts[n]): consts[n] for op in chosen for n in free_inputs(op)
+                   if n in consts}.values())
+    order = {id(op): k for k, op in enumerate(graph.ops)}
+    t_body = sorted(copies + chosen, key=lambda op: order[id(op)])
+    body["F"] = [op for op in body["F"] if id(op) not in moved]
+    live = {n for b in body.values() for op in b for n in free_inputs(op)} | sent | returned
+    body["F"] = [op for op in body["F"] if op.name in ("send", "recv") or free_inputs(op)
+                 or any(v.name in live for v in op.results) or not is_pure(op)]
+    types = graph.value_types()
+    made = {v.name for op in t_body for v in op.results}
+    inputs = list(dict.fromkeys(n for op in t_body for n in free_inputs(op) if n not in made))
+    outputs = [v.name for op in chosen for v in op.results if v.name in live]
+    sub = Graph(f"{graph.name}.stage{me}.T",
+                tuple(Input(Value(n, types[n])) for n in inputs), tuple(t_body),
+                tuple(Output(n) for n in outputs), graph.mesh)
+    out.totalled[me] = StageProgram(sub, inputs, outputs)
+
+
 def _owned(sub: Graph, kind: str, acc: list[str], made: set[str],
            sends: list[Transfer]) -> list[str]:
     """The summed values of a B or W program the sum may start from without a copy."""
@@ -310,6 +359,55 @@ def _owned(sub: Graph, kind: str, acc: list[str], made: set[str],
     bases = [base.get(n, n) for n in acc]
     return [n for n, b in zip(acc, bases)
             if n in made and b in made and n not in sent and bases.count(b) == 1]
+
+
+def _reduce_the_sums(graph: Graph, ops: list[Op], body: dict[str, list[Op]]) -> None:
+    """Move the data-parallel all-reduces and reduce-scatters (sum or mean) of what leaves
+    the microbatch (a gradient, the loss) from the per-microbatch programs into the
+    update: the update's programs reduce the sum over the microbatches once, where the
+    backward reduced each microbatch's share M times (the same result: the reduction is
+    linear; M times fewer bytes and calls). torch.distributed.pipelining does the same:
+    DDP's ``no_sync`` and FSDP's ``set_requires_gradient_sync(False)`` for every backward
+    but the last. Under weight-update sharding the microbatches' sum is then the whole
+    local gradient, not a 1/N shard of it, as under FSDP there. Only a reduction whose
+    result nothing per microbatch reads and no stage receives, of floats; a bucket, an
+    async one, stay where they are."""
+    rounds = [k for k in body if k.startswith("U")]
+    if not rounds:
+        return
+    sent = {op.inputs[0] for op in ops if op.name == "send"}
+    returned = {o.name for o in graph.outputs}
+    reader: dict[str, set[str]] = {}
+    for k, b in body.items():
+        for op in b:
+            for n in free_inputs(op):
+                reader.setdefault(n, set()).add(k)
+    moved: dict[int, str] = {}
+    for k, b in body.items():
+        if k.startswith("U"):
+            continue
+        for op in b:
+            if op.name not in ("all_reduce", "reduce_scatter") or \
+                    op.attrs.get("op") not in ("sum", "avg") or \
+                    op.attrs.get("async") or len(op.results) != 1:
+                continue
+            res = op.results[0]
+            where = reader.get(res.name, set())
+            if res.name in sent or not res.type.dtype.is_float or \
+                    any(not w.startswith("U") for w in where) or \
+                    not (where or res.name in returned):
+                continue
+            moved[id(op)] = min(where, key=rounds.index) if where else rounds[0]
+    if not moved:
+        return
+    order = {id(op): n for n, op in enumerate(graph.ops)}
+    going = [op for k, b in body.items() for op in b if id(op) in moved]
+    for k, b in body.items():
+        if k.startswith("U"):
+            b[:] = sorted(b + [op for op in going if moved[id(op)] == k],
+                          key=lambda op: order[id(op)])
+        else:
+            b[:] = [op for op in b if id(op) not in moved]
 
 
 def _share_invariants(graph: Graph, body: dict[str, list[Op]]) -> None:

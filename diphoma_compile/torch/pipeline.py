@@ -89,6 +89,10 @@ class TorchPipelineStep(TorchDistStep):
         self.count_modules = {st: program(prog.graph, captured, self.comms, in_place=False,
                                           label=f"stage {st} C")
                               for st, prog in cut.counts.items()}
+        self.totalled = cut.totalled
+        self.totalled_modules = {st: program(prog.graph, captured, self.comms, in_place=False,
+                                             label=f"stage {st} T")
+                                 for st, prog in cut.totalled.items()}
         # the same numbering on every rank: one wire tag per (microbatch, pair)
         self.ntags = 1 + max([int(op.attrs["tag"]) for op in graph.ops
                               if op.name == "send"] + [0])
@@ -226,7 +230,8 @@ class TorchPipelineStep(TorchDistStep):
 
     def _totals(self, given: dict, chunks: dict) -> dict[str, torch.Tensor]:
         """Each stage's count program run on every microbatch, what it returns added up
-        (or averaged): the ``microbatch_sum`` values its programs read."""
+        (or averaged): the ``microbatch_sum`` values its programs read; then its program T
+        once on those sums (their all-reduce over the data-parallel axis)."""
         out: dict[str, torch.Tensor] = {}
         m = self.microbatches
         for st, prog in self.counts.items():
@@ -238,6 +243,10 @@ class TorchPipelineStep(TorchDistStep):
                     sums[n] = v.clone() if n not in sums else sums[n] + v
             for total, (n, how) in self.totals[st].items():
                 out[total] = sums[n] / m if how == "avg" else sums[n]
+            if st in self.totalled:
+                prog = self.totalled[st]
+                out.update(zip(prog.outputs,
+                               self.totalled_modules[st](*[out[n] for n in prog.inputs])))
             self.compute_s += time.perf_counter() - t1
         return out
 

@@ -13,6 +13,7 @@ import pytest
 
 import diphoma_compile
 from diphoma_compile.errors import BackendError, MeshError
+from diphoma_compile.passes.pipeline_programs import stage_programs
 from tests.jax_steps import DIM, VOCAB, LinenBlock, _init_like, _train_step, _xent
 
 MESH = {"dp": 2, "pp": 4}
@@ -478,7 +479,8 @@ def test_a_masked_mean_under_a_pipeline_divides_by_the_whole_batchs_count():
     own count: 0 / 0 in the first microbatch, and the loss the mean of the 8 shares' means
     (measured 2e-2 off on dp=2 x pp=4). A mean over the mask's mean (the shares' sums
     averaged: microbatch_sum{op=avg}) matches too; dividing by the rows is unchanged. The
-    count is each device's own scalar between the programs (one element per device)."""
+    count is each device's own scalar between the programs (one element per device), and
+    its all-reduce over dp runs once a step on the sums (program T), not per microbatch."""
     class Two(nn.Module):
         @nn.compact
         def __call__(self, x):
@@ -515,6 +517,13 @@ def test_a_masked_mean_under_a_pipeline_divides_by_the_whole_batchs_count():
             np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
         assert max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in
                    zip(jax.tree.leaves(ref[0]), jax.tree.leaves(ours[0]))) <= 1e-6
+        if kind == "count":     # the count's all-reduce over dp runs once, on the sums
+            cut = stage_programs(pstep.graph, [0, 1], "1f1b")
+            (t,) = cut.totalled.values()
+            assert [op.attrs["axis"] for op in t.graph.ops if op.name == "all_reduce"] == ["dp"]
+            assert not any(op.name == "all_reduce" and op.inputs[0] in t.inputs
+                           for (_, k), p in cut.programs.items() if k == "F"
+                           for op in p.graph.ops)
         notes = pstep.plan.notes["pipeline"]
         assert notes["batch_counted"] == []
         assert len(notes["counted_globally"]) == (0 if kind == "rows" else 1)

@@ -917,9 +917,11 @@ def test_a_mean_over_targets_divides_by_the_count_over_all_microbatches():
     program C, the targets not equal to ignore_index counted (nll_loss's rule, row_count:
     no logits, nor zeros in their place), whose count the runtime adds up over the
     microbatches (microbatch_sum) before the schedule; the forward program reads the total
-    and keeps none of it; the mean divides by the total / M. The plan lists it as counted
-    over the microbatches, not as each microbatch's own. With data-parallel summing the
-    counts over dp first, refused."""
+    divided by the shares (program T, run once on the sums) and keeps none of it; the mean
+    divides by the total / M. The plan lists it as counted over the microbatches, not as
+    each microbatch's own. With data-parallel summing the counts over dp first, refused;
+    with the pipeline summing them over dp, the all-reduce runs once a step in the stage's
+    program T, on the total, not in each microbatch's F."""
     from diphoma_compile.passes.pipeline_programs import stage_programs
     from diphoma_compile.report.plan import build_plan
     out, ctx = run(traced_gpt(), "dce,pipeline{axis=pp, microbatches=2}")
@@ -938,8 +940,12 @@ def test_a_mean_over_targets_divides_by_the_count_over_all_microbatches():
     assert cut.totals[1] == {total.results[0].name: (total.inputs[0], "sum")}
     assert c.outputs == [total.inputs[0]]
     forward = cut.programs[(1, "F")]
-    assert total.results[0].name in forward.inputs
-    assert not any(op.name == "ne" for op in forward.graph.ops), "the count stays in C"
+    t = cut.totalled[1]             # the total divided by the shares, once a step
+    assert t.inputs == [total.results[0].name] and [op.name for op in t.graph.ops] == [
+        "full", "div"]
+    assert t.outputs[0] in forward.inputs
+    assert not any(op.name in ("ne", "full") for op in forward.graph.ops), \
+        "the count stays in C and T"
     text = build_plan(out, ctx.decisions).to_text()
     assert "divides its sum by the count summed over the microbatches" in text
     assert "divides by its own count" not in text
@@ -947,8 +953,48 @@ def test_a_mean_over_targets_divides_by_the_count_over_all_microbatches():
     with pytest.raises(PassError, match="data-parallel already divides the step's means "
                                         "over counts"):
         run(g, "dce,data-parallel{axis=dp},pipeline{axis=pp, microbatches=2}")
-    run(g, "dce,data-parallel{axis=dp, counts=local},pipeline{axis=pp, microbatches=2}")
+    out, _ = run(g, "dce,data-parallel{axis=dp, counts=local},pipeline{axis=pp, microbatches=2}")
+    # over dp the total is all-reduced once a step, in program T, not in every microbatch's F
+    cut = stage_programs(out, [0, 1], "1f1b")
+    (total,) = [op.results[0].name for op in out.ops if op.name == "microbatch_sum"]
+    t = cut.totalled[1]
+    assert t.inputs == [total]
+    assert [(op.attrs["axis"], op.attrs["op"]) for op in t.graph.ops
+            if op.name == "all_reduce"] == [("dp", "sum")]
+    forward = cut.programs[(1, "F")]
+    assert set(t.outputs) <= set(forward.inputs) | set(cut.programs[(1, "B")].inputs)
+    assert total not in forward.inputs
+    assert not any(op.name == "all_reduce" for op in forward.graph.ops)
 
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_data_parallel_all_reduces_run_once_a_step_on_the_sums(schedule):
+    """Over dp=2 x pp=2 with 2 microbatches the gradients' and the loss's all-reduces over
+    dp run in the update programs, on the sums over the microbatches, not in each
+    microbatch's forward or backward (M times the bytes: the plan counts each collective
+    once a step). What leaves the microbatch is the local gradient, summed; a split
+    backward (zbv: I and W) keeps none either."""
+    from diphoma_compile.passes.pipeline_programs import stage_programs
+    g = traced_gpt(layers=4, mesh={"dp": 2, "pp": 2}, seqs=4)
+    out, _ = run(g, "dce,data-parallel{axis=dp, counts=local},"
+                    f"pipeline{{axis=pp, microbatches=2, schedule={schedule}}}")
+    reduces = {op.results[0].name: op for op in out.ops if op.name == "all_reduce"}
+    cut = stage_programs(out, sorted({op.stage for op in out.ops}), schedule)
+    where = {}
+    for (_, kind), prog in cut.programs.items():
+        where.update((op.results[0].name, kind) for op in prog.graph.ops
+                     if op.name == "all_reduce")
+        if not kind.startswith("U"):
+            assert not set(prog.acc) & set(reduces), "a reduced value summed per microbatch"
+    for prog in cut.totalled.values():
+        where.update((op.results[0].name, "T") for op in prog.graph.ops
+                     if op.name == "all_reduce")
+    # the count's all-reduce runs once in program T; every other one in an update
+    assert where.keys() == reduces.keys()
+    assert sorted(where.values()) == ["T"] + ["U0"] * (len(reduces) - 1)
+    grads = [n for n, op in reduces.items() if op.phase.value == "backward"]
+    assert len(grads) > 10 and all(where[n] == "U0" for n in grads)
 
 def masked_by_draw_step(model, opt, batch):
     """A mean over tokens drawn at random in the step (as BERT's masking), divided by how
