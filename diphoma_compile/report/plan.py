@@ -58,6 +58,10 @@ class CollectivePlan:
     # per value it reads, the tensor that value belongs to: the parameter whose gradient or
     # new value it is, the buffer, "loss", "metric"; None where no one tensor is known
     belongs_to: tuple[str | None, ...] = ()
+    # under a pipeline: the rank on the pipeline axis that runs it, and how many times a
+    # step (M in a program run per microbatch; bytes_per_device counts every run)
+    pp_rank: int | None = None
+    runs: int = 1
 
     @property
     def tensor(self) -> str:
@@ -113,6 +117,9 @@ class Plan:
     idle_axes: dict[str, int] = field(default_factory=dict)
     # flops per step and per device, ops of unknown cost, step time on a device model
     compute: Compute | None = None
+    # under a pipeline, the bytes a device of each pp rank sends per step (the step's
+    # comm_bytes_per_step is the largest); empty otherwise
+    comm_bytes_per_rank: tuple[int, ...] = ()
 
     def decision(self, kind: type[_D]) -> _D | None:
         """What the pass whose record type is ``kind`` decided, or None when it did not run."""
@@ -135,6 +142,7 @@ class Plan:
                 "tensors": tuple(asdict(t) for t in self.tensors),
                 "collectives": tuple(asdict(c) for c in self.collectives),
                 "memory": asdict(self.memory), "comm_bytes_per_step": self.comm_bytes_per_step,
+                "comm_bytes_per_rank": list(self.comm_bytes_per_rank),
                 "notes": self.notes, "param_count": self.param_count,
                 "context": dict(self.context),
                 "compute": self.compute.to_dict() if self.compute else None,
@@ -240,6 +248,9 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
     for d in (decisions or {}).values():
         payloads.update(getattr(d, "payloads", None) or {})
     payloads.update((w, payloads[n]) for w, n in waited.items() if n in payloads)
+    if cuts is None and is_staged(graph):
+        cuts = rank_stage_programs(graph)   # each pp rank's programs
+    runs = _runs_per_step(graph, cuts) if cuts else {}
     collectives = []
     for op in graph.walk():
         d = op_def(op.name)
@@ -260,21 +271,43 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
         belongs = owner.of_op(op)
         if any(paid):
             belongs = tuple(p[0] if p else b for p, b in zip(paid, belongs))
+        rank, times = runs.get(id(op), (None, 1))
+        nbytes = times * d.comm_bytes(op, ins, outs, sizes.get(axis, 1), sizes)
+        if op.name == "send" and rank is not None and op.attrs.get("peer") == rank:
+            nbytes = 0      # to a stage of the same rank (a V's tied weight): no traffic
         collectives.append(CollectivePlan(
-            op.name, axis, value, serves,
-            op.attrs.get("op"), d.comm_bytes(op, ins, outs, sizes.get(axis, 1), sizes),
-            op.phase.value if op.phase else None, belongs))
+            op.name, axis, value, serves, op.attrs.get("op"), nbytes,
+            op.phase.value if op.phase else None, belongs, rank, times))
+    per_rank = tuple(sum(c.bytes_per_device for c in collectives if c.pp_rank == r)
+                     for r in range(len(cuts or ())))
     by_stage = _saved_by_stage(graph, sizes, types)
-    if cuts is None and is_staged(graph):
-        cuts = rank_stage_programs(graph)   # each pp rank's programs
     memory = _memory(graph, sizes, sources, types, in_place, scratch, by_stage, cuts,
                      written)
     params = sum(i.value.type.numel for i in graph.inputs if i.role.kind is InputKind.param)
     decisions = _with_stage_activations(dict(decisions or {}), by_stage)
     return Plan(graph.name, sizes, graph.passes, tuple(tensors), tuple(collectives), memory,
-                sum(c.bytes_per_device for c in collectives), decisions, params,
-                backend=backend, idle_axes=idle_axes(graph),
-                compute=_compute(graph, device_model, cuts))
+                max(per_rank) if per_rank else sum(c.bytes_per_device for c in collectives),
+                decisions, params, backend=backend, idle_axes=idle_axes(graph),
+                compute=_compute(graph, device_model, cuts), comm_bytes_per_rank=per_rank)
+
+
+def _runs_per_step(graph: Graph, cuts: list[StagePrograms]) -> dict[int, tuple[int, int]]:
+    """Each op of a staged graph (by id) -> (the pp rank that runs it, times a step): M in
+    the programs run per microbatch (forward, backward, count programs C), once in the
+    update and T programs; an op in no program (a send, a receive) as its phase says: once a
+    step in the update, else per microbatch."""
+    m = pipeline_of(graph).microbatches
+    rank = {st: r for r, stages in enumerate(rank_stages(graph)) for st in stages}
+    out = {id(op): (rank[op.stage], 1 if op.phase is Phase.update else m)
+           for op in graph.walk() if op.stage is not None}
+    for r, cut in enumerate(cuts):
+        progs = [(k, p) for (_, k), p in cut.programs.items()]
+        progs += [("C", p) for p in cut.counts.values()]
+        progs += [("T", p) for p in cut.totalled.values()]
+        for kind, prog in progs:
+            times = 1 if kind.startswith("U") or kind == "T" else m
+            out.update((id(op), (r, times)) for op in prog.graph.walk())
+    return out
 
 
 def _compute(graph: Graph, model: DeviceModel | str, cuts: list | None) -> Compute:

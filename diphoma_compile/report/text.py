@@ -74,8 +74,11 @@ def _summary(plan: Plan) -> list[str]:
         "  (estimate: forward values kept for backward)",
         f"  total            {human(m.params + m.grads + m.opt_state + m.activations)}",
         _peak_line(m),
-        f"communication per step per device: {human(plan.comm_bytes_per_step)} in "
-        f"{sum(kinds.values())} collectives"
+        f"communication per step per device: {human(plan.comm_bytes_per_step)}"
+        + (" (the fullest pipeline rank; by pp rank: "
+           + ", ".join(human(b) for b in plan.comm_bytes_per_rank) + ", each collective "
+           "as often as its program runs)" if plan.comm_bytes_per_rank else "")
+        + f" in {sum(kinds.values())} collectives"
         + (" (" + ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) + ")"
            if kinds else ""),
     ]

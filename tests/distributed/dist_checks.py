@@ -1617,6 +1617,7 @@ def run_pp_case(rank: int, world: int, axes: dict[str, int], opt_name: str, sche
         losses.append(step(model, opt, b[row * PP_LOCAL:(row + 1) * PP_LOCAL]).item())
         if rank == 0:
             ref_losses.append(step_fn(ref, ref_opt, b).item())
+    sent = step.runner.comm_bytes      # the steps' collectives and sends (ring model)
     full = step.state_dict()           # a collective: every rank
     rec = step.plan.notes["pipeline"]
     out = {"losses": losses, "passes": list(step.graph.passes),
@@ -1626,7 +1627,9 @@ def run_pp_case(rank: int, world: int, axes: dict[str, int], opt_name: str, sche
            "actions": list(step.runner.actions), "nstages": len(rec["stages"]),
            "split": dict(step.runner.split), "rounds": step.runner.nrounds,
            "tied": rec["tied"], "full": torch.cat([v.reshape(-1) for v in full.values()]),
-           "codegen": step.runner.codegen, "compile_s": step.compile_s}
+           "codegen": step.runner.codegen, "compile_s": step.compile_s,
+           "sent": {"counted": sent, "steps": len(batches),
+                    "planned": step.plan.comm_bytes_per_rank[rank % pp]}}
     ref_sd = ref.state_dict() if rank == 0 else None
     if opt_name == "adamw":          # a collective: every rank
         out["ddp_param_abs"] = pp_ddp_distance(rank, world, init, opt_name, batches, ref_sd,
