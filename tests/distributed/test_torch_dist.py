@@ -794,10 +794,10 @@ def test_pipeline_bytes_sent_are_the_plans_for_each_rank(runs):
     update or a count's T), a send to another stage of the same rank (zbv's tied
     embedding) as none. Before, the plan counted each collective once and summed every
     stage's (a dp=2 x pp=2 GPT whose ranks send 5.66 and 5.61 KB a step: 9.74 KB). Not
-    asserted under Inductor: the runtime counts a collective where its Python runs, which
-    in a compiled program is once, when it is traced (3 steps counted 195,840 bytes on
-    rank 0 against the plan's 85,632 a step: the sends, counted by the executor, three
-    times, the collectives once)."""
+    asserted under Inductor, where the runtime's count falls short: it counts a collective
+    where its Python runs, in a compiled program (it seems) only when it is traced (3 steps
+    counted 195,840 bytes on rank 0 against the plan's 85,632 a step, as the sends, which
+    the executor counts, three times and the collectives once would add up to)."""
     if not runs[0]["pp"]:
         pytest.skip("transformers is not installed")
     for case in dist_checks.PP_CASES:
