@@ -73,11 +73,16 @@ class InductorProgram:
     """A GraphModule compiled by Inductor on its first call, with that call's inputs as the
     example (every later call has the same shapes: the runtime checks its arguments)."""
 
-    def __init__(self, gm: fx.GraphModule, label: str = "step") -> None:
+    def __init__(self, gm: fx.GraphModule, label: str = "step",
+                 sent: list[tuple[Any, str, int]] | None = None) -> None:
         self.gm = gm
         self.label = label
         self.compiled: Callable | None = None
         self.compile_s: float | None = None   # seconds the first call spent compiling
+        # (Comm, kind, bytes) of each collective of the program: the compiled code runs
+        # them out of Python's sight, so each call counts them here (and the counts the
+        # trace made while compiling are taken back)
+        self.sent = sent or []
 
     @property
     def code(self) -> str:
@@ -86,8 +91,15 @@ class InductorProgram:
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         if self.compiled is None:
+            comms = {id(c): c for c, _, _ in self.sent}.values()
+            before = [(c, c.calls.copy(), c.bytes_sent) for c in comms]
             self.compile(list(inputs))
-        return self.compiled(*inputs)
+            for c, calls, nbytes in before:     # what tracing counted: nothing ran
+                c.calls, c.bytes_sent = calls, nbytes
+        out = self.compiled(*inputs)
+        for comm, kind, nbytes in self.sent:
+            comm._count(kind, nbytes)
+        return out
 
     def compile(self, inputs: list[torch.Tensor]) -> None:
         """Compile the program for these example inputs (once)."""
@@ -132,4 +144,25 @@ def program(graph: Any, captured: Any, comms: dict | None = None, in_place: bool
         c.functional = True
     gm = build_module(graph, comms, in_place=in_place, device=captured.device,
                       host_reads=False)
-    return InductorProgram(gm, label or graph.name)
+    return InductorProgram(gm, label or graph.name, _collectives_sent(graph, comms or {}))
+
+
+def _collectives_sent(graph: Any, comms: dict) -> list[tuple[Any, str, int]]:
+    """Each collective of ``graph`` as (its Comm, its kind, the bytes this rank sends):
+    the ring formulas of ``OpDef.comm_bytes``, which the fx program's collectives count
+    on the tensors they are passed (equal: tests/distributed)."""
+    from ..ir.ops import Category, op_def
+    from .build import comm_key
+    sizes = dict(graph.mesh.axes)
+    types = graph.value_types()
+    out = []
+    for op in graph.walk():
+        d = op_def(op.name)
+        if d.category is not Category.collective or op.name in ("send", "recv") or \
+                comm_key(op) not in comms:
+            continue
+        nbytes = d.comm_bytes(op, [types[n] for n in op.inputs],
+                              [v.type for v in op.results],
+                              sizes.get(str(op.attrs["axis"]), 1), sizes)
+        out.append((comms[comm_key(op)], op.name, nbytes))
+    return out

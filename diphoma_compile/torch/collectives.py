@@ -45,7 +45,8 @@ class Comm(torch.nn.Module):
         self.blocked_s = 0.0                   # time spent waiting for collectives
         self.force_sync = False                # wait for every collective at once
         # _c10d_functional ops instead of torch.distributed calls, for a code generator
-        # (Inductor) that traces the program: bytes are then counted once, at the trace
+        # (Inductor) that traces the program (codegen.InductorProgram then counts each
+        # call's collectives: the compiled code runs them out of Python's sight)
         self.functional = False
         self.backend: str | None = None        # the group's backend, read on first use
 

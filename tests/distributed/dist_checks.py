@@ -402,13 +402,15 @@ def run_inductor(rank: int, world: int) -> dict:
         if rank == 0:
             ref_losses.append(mlp_clipped_step(ref, ref_opt, *b).item())
     runner = step.runner
+    sent = {"counted": runner.comm_bytes, "steps": runner.calls,
+            "planned": step.plan.comm_bytes_per_step}
     try:        # refused: the compiled program cannot rerun with its collectives waited at once
         step.profile(model, opt, *local(b, rank, world), steps=1)
         refused = ""
     except diphoma_compile.DiphomaError as e:
         refused = str(e)
     out = {"codegen": runner.codegen, "compile_s": step.compile_s, "losses": losses,
-           "profile_refused": refused,
+           "profile_refused": refused, "sent": sent,
            "calls": dict(runner.comm.calls),
            "functional": "_c10d_functional" in _compiled_source(runner.module),
            "overlapped": _overlapped(_compiled_source(runner.module))}

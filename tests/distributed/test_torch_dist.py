@@ -134,6 +134,10 @@ def test_inductor_per_rank_program_matches_single_device(runs):
         # backward) runs while Inductor's kernels compute: its wait_tensor comes later
         assert res["overlapped"] >= 1, res
         assert "Inductor" in res["profile_refused"], res["profile_refused"]
+        # counted per call of the compiled program (its collectives run out of Python's
+        # sight; before, only the trace counted them: twice, then never again)
+        sent = res["sent"]
+        assert sent["counted"] == sent["steps"] * sent["planned"] > 0, sent
     r0 = runs[0]["inductor"]
     for a, b in zip(r0["losses"], r0["ref_losses"]):
         assert abs(a - b) <= 1e-5
@@ -793,16 +797,13 @@ def test_pipeline_bytes_sent_are_the_plans_for_each_rank(runs):
     counted as often as its program runs (M times in a forward or backward, once in an
     update or a count's T), a send to another stage of the same rank (zbv's tied
     embedding) as none. Before, the plan counted each collective once and summed every
-    stage's (a dp=2 x pp=2 GPT whose ranks send 5.66 and 5.61 KB a step: 9.74 KB). Not
-    asserted under Inductor, where the runtime's count falls short: it counts a collective
-    where its Python runs, in a compiled program (it seems) only when it is traced (3 steps
-    counted 195,840 bytes on rank 0 against the plan's 85,632 a step, as the sends, which
-    the executor counts, three times and the collectives once would add up to)."""
+    stage's (a dp=2 x pp=2 GPT whose ranks send 5.66 and 5.61 KB a step: 9.74 KB). Under
+    Inductor too: its programs count their collectives per call (codegen.InductorProgram);
+    before, only the trace counted them (3 steps, 195,840 bytes on rank 0 against the
+    plan's 85,632 a step)."""
     if not runs[0]["pp"]:
         pytest.skip("transformers is not installed")
     for case in dist_checks.PP_CASES:
-        if case.endswith("-inductor"):
-            continue
         for rank, r in enumerate(runs):
             got = r["pp"][case]["sent"]
             assert got["planned"] > 0
