@@ -491,10 +491,14 @@ class _Cut:
         local = self.local
         replaced = updated_buffers(self.g)
         local.update(n for n, k in self.kind.items() if k in _EVERYWHERE
+                     or k in (InputKind.rng, InputKind.microbatch)
                      or (k is InputKind.buffer and n not in replaced))
         for op in self.g.ops:
             d = op_def(op.name)
-            if d.effectful or random_draw(op) or op.regions:
+            # a draw from the step's key (with the microbatch's index: the same numbers on
+            # every stage) is made again where it is read, as the batch's values are; one
+            # from a process's own generator is not
+            if d.effectful or random_draw(op) == "global" or op.regions:
                 continue
             if all(n in local for n in free_inputs(op)):
                 self.free.add(id(op))

@@ -1535,7 +1535,8 @@ def test_a_captured_typed_key_draws_as_under_jit():
 
 
 @pytest.mark.parametrize("mesh, microbatches, early", [
-    ({"dp": 8}, 1, False), ({"dp": 4, "pp": 2}, 2, False), ({"dp": 4, "pp": 2}, 2, True)])
+    ({"dp": 8}, 1, False), ({"dp": 4, "pp": 2}, 2, False), ({"dp": 4, "pp": 2}, 2, True),
+    ({"dp": 4, "pp": 2}, 2, "outside")])
 def test_a_mean_over_a_mask_drawn_from_the_key_matches_the_single_device_step(
         mesh, microbatches, early):
     """The examples picked at random from the step's key (a Bernoulli mask at the
@@ -1548,9 +1549,11 @@ def test_a_mean_over_a_mask_drawn_from_the_key_matches_the_single_device_step(
     and gradients up, NaN where a device picked none; dp=4 x pp=2 was refused. ``early``:
     the mask drawn at the top of the step, before the model runs (a review's
     probe): the cut makes it on the first stage and sends it; the count program makes it
-    again on the loss's stage (an internal error at first). (Its count taken outside the
-    differentiated function, the mask's gradient would be made on the first stage and
-    read on the second: the cut refuses that, a limit of the cut, not of the counts.)"""
+    again on the loss's stage (an internal error at first). ``outside``: drawn and counted
+    at the top, outside the differentiated function: the cut makes the draw again on each
+    stage that reads it, as it does the batch's values (same key, same microbatch index);
+    refused until 2026-12-07 (the backward's product with the mask was placed with the
+    mask on the first stage and read on the second)."""
     model = MLP()
     x = jax.random.normal(jax.random.key(1), (16, 8))
     y = jax.random.randint(jax.random.key(2), (16,), 0, 4)
@@ -1559,10 +1562,13 @@ def test_a_mean_over_a_mask_drawn_from_the_key_matches_the_single_device_step(
 
     def step(params, opt_state, x, y, key):
         drawn = jax.random.bernoulli(key, 0.5, y.shape).astype(jnp.float32)
+        count = jnp.sum(drawn)
 
         def lf(p):
             per = optax.softmax_cross_entropy_with_integer_labels(
                 model.apply({"params": p}, x), y)
+            if early == "outside":
+                return jnp.sum(per * drawn) / count
             if early:
                 return jnp.sum(per * drawn) / jnp.sum(drawn)
             m = jax.random.bernoulli(key, 0.5, per.shape).astype(jnp.float32)
