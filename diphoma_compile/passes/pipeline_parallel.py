@@ -44,6 +44,7 @@ from ..ir.analysis import free_inputs, op_cost
 from ..ir.batch_coupling import BatchSplit, CountedMean, split_batch, split_notes
 from ..ir.core import Attrs, Graph, InputKind, Op, OutputKind, Phase, Value
 from ..ir.device_model import DeviceModel, device_model
+from ..ir.types import DType
 from ..ir.framework_ops import framework_rule
 from ..ir.ops import draws_from_a_key, op_def, random_draw
 from ..ir.rewrite import rename_region
@@ -497,8 +498,11 @@ class _Cut:
             d = op_def(op.name)
             # a draw from the step's key (with the microbatch's index: the same numbers on
             # every stage) is made again where it is read, as the batch's values are; one
-            # from a process's own generator is not
-            if d.effectful or random_draw(op) == "global" or op.regions:
+            # from a process's own generator is not, nor one that reads no key (XLA's
+            # stateful rng_uniform, which JAX's frontend marks as keyed)
+            if d.effectful or op.regions or random_draw(op) == "global" or \
+                    (random_draw(op) and not any(self.types[n].dtype is DType.key
+                                                 for n in op.inputs)):
                 continue
             if all(n in local for n in free_inputs(op)):
                 self.free.add(id(op))

@@ -377,6 +377,9 @@ def _reduce_the_sums(graph: Graph, ops: list[Op], body: dict[str, list[Op]]) -> 
         return
     sent = {op.inputs[0] for op in ops if op.name == "send"}
     returned = {o.name for o in graph.outputs}
+    # a forward value received per microbatch stays with a program run per microbatch
+    received = {op.results[0].name for op in ops if op.name == "recv"
+                and (op.phase or Phase.forward) is Phase.forward}
     reader: dict[str, set[str]] = {}
     for k, b in body.items():
         for op in b:
@@ -394,6 +397,7 @@ def _reduce_the_sums(graph: Graph, ops: list[Op], body: dict[str, list[Op]]) -> 
             res = op.results[0]
             where = reader.get(res.name, set())
             if res.name in sent or not res.type.dtype.is_float or \
+                    any(n in received for n in op.inputs) or \
                     any(not w.startswith("U") for w in where) or \
                     not (where or res.name in returned):
                 continue

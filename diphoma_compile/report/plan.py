@@ -294,20 +294,22 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
 def _runs_per_step(graph: Graph, cuts: list[StagePrograms]) -> dict[int, tuple[int, int]]:
     """Each op of a staged graph (by id) -> (the pp rank that runs it, times a step): M in
     the programs run per microbatch (forward, backward, count programs C), once in the
-    update and T programs; an op in no program (a send, a receive) as its phase says: once a
-    step in the update, else per microbatch."""
+    update and T programs, added up over the programs holding it; an op in no program (a
+    send, a receive) as its phase says: once a step in the update, else per microbatch."""
     m = pipeline_of(graph).microbatches
     rank = {st: r for r, stages in enumerate(rank_stages(graph)) for st in stages}
     out = {id(op): (rank[op.stage], 1 if op.phase is Phase.update else m)
            for op in graph.walk() if op.stage is not None}
+    found: dict[int, tuple[int, int]] = {}
     for r, cut in enumerate(cuts):
         progs = [(k, p) for (_, k), p in cut.programs.items()]
         progs += [("C", p) for p in cut.counts.values()]
         progs += [("T", p) for p in cut.totalled.values()]
         for kind, prog in progs:
             times = 1 if kind.startswith("U") or kind == "T" else m
-            out.update((id(op), (r, times)) for op in prog.graph.walk())
-    return out
+            for op in prog.graph.walk():    # in two programs (a constant copied): both
+                found[id(op)] = (r, found.get(id(op), (r, 0))[1] + times)
+    return {**out, **found}
 
 
 def _compute(graph: Graph, model: DeviceModel | str, cuts: list | None) -> Compute:

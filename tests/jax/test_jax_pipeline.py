@@ -529,3 +529,30 @@ def test_a_masked_mean_under_a_pipeline_divides_by_the_whole_batchs_count():
         assert len(notes["counted_globally"]) == (0 if kind == "rows" else 1)
         totals = [op.attrs["op"] for op in pstep.graph.ops if op.name == "microbatch_sum"]
         assert totals == {"count": ["sum"], "means": ["avg"], "rows": []}[kind]
+
+
+def test_a_stateful_draw_read_on_two_stages_is_drawn_once_and_sent():
+    """jax.lax.rng_uniform (XLA's stateful generator: no key) read on both stages is made
+    once, on the first (what the second reads of it is sent), not drawn again there, as a draw from the step's key
+    is (the same numbers from the same key): a review found the second stage drawing its
+    own noise once key draws were made again where read."""
+    w = {k: jnp.full(s, 0.1) for k, s in (("a", (8, 16)), ("b", (16, 16)),
+                                          ("c", (16, 16)), ("d", (16, 4)))}
+    tx = optax.sgd(0.1)
+
+    def step(params, opt_state, x, y):
+        noise = jax.lax.rng_uniform(0.0, 1.0, (x.shape[0], 16))
+
+        def lf(p):
+            h = jnp.tanh(x @ p["a"]) * noise
+            h = jnp.tanh(jnp.tanh(h @ p["b"]) @ p["c"]) + noise
+            return jnp.mean((h @ p["d"] - y) ** 2)
+        loss, g = jax.value_and_grad(lf)(params)
+        u, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, u), opt_state, loss
+    ps = diphoma_compile.parallelize(step, {"pp": 2}, microbatches=1)
+    ps.trace(w, tx.init(w), jnp.ones((8, 8)), jnp.zeros((8, 4)))
+    draws = [op for op in ps.graph.ops if op.name == "opaque"
+             and "rng_uniform" in str(op.attrs.get("target"))]
+    assert len(draws) == 1 and draws[0].stage == 0
+    assert {op.stage for op in ps.graph.ops if op.name == "recv"} == {0, 1}
