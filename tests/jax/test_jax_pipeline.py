@@ -533,9 +533,9 @@ def test_a_masked_mean_under_a_pipeline_divides_by_the_whole_batchs_count():
 
 def test_a_stateful_draw_read_on_two_stages_is_drawn_once_and_sent():
     """jax.lax.rng_uniform (XLA's stateful generator: no key) read on both stages is made
-    once, on the first (what the second reads of it is sent), not drawn again there, as a draw from the step's key
-    is (the same numbers from the same key): a review found the second stage drawing its
-    own noise once key draws were made again where read."""
+    once, on the first (what the second reads of it is sent), not drawn again there as a
+    draw from the step's key is (the same numbers from the same key): a review found the
+    second stage drawing its own noise once key draws were made again where read."""
     w = {k: jnp.full(s, 0.1) for k, s in (("a", (8, 16)), ("b", (16, 16)),
                                           ("c", (16, 16)), ("d", (16, 4)))}
     tx = optax.sgd(0.1)

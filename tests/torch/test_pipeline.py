@@ -31,14 +31,25 @@ def lm_step(model, opt, batch):
 
 def traced_gpt(layers: int = 2, mesh: dict | None = None, momentum: float = 0.0,
                seqs: int = 2, step=None):
+    key = (layers, momentum, seqs, step or lm_step)
+    if key not in _TRACES:
+        _TRACES[key] = _traced_gpt(*key)
+    return _TRACES[key].replace(mesh=Mesh(mesh or {"pp": 2}))
+
+
+# each traced step once for the module (a Graph is immutable; a trace of the 4-layer GPT
+# takes about a second, and ten tests plan it)
+_TRACES: dict[tuple, object] = {}
+
+
+def _traced_gpt(layers: int, momentum: float, seqs: int, step):
     torch.manual_seed(0)
     model = GPT(vocab=16, d=8, layers=layers, heads=2, block=4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
     g = torch.Generator().manual_seed(3)
     seq = torch.randint(0, 16, (seqs, 5), generator=g)
     batch = {"idx": seq[:, :-1], "targets": seq[:, 1:]}
-    return diphoma_compile.trace(step or lm_step, model, opt, batch).replace(
-        mesh=Mesh(mesh or {"pp": 2}))
+    return diphoma_compile.trace(step, model, opt, batch)
 
 
 def run(graph, spec: str):
