@@ -337,7 +337,7 @@ def _totalled_program(graph: Graph, me: int, ops: list[Op], body: dict[str, list
     t_body = sorted(copies + chosen, key=lambda op: order[id(op)])
     body["F"] = [op for op in body["F"] if id(op) not in moved]
     live = {n for b in body.values() for op in b for n in free_inputs(op)} | sent | returned
-    body["F"] = [op for op in body["F"] if op.name in ("send", "recv") or free_inputs(op)
+    body["F"] = [op for op in body["F"] if free_inputs(op)
                  or any(v.name in live for v in op.results) or not is_pure(op)]
     types = graph.value_types()
     made = {v.name for op in t_body for v in op.results}
