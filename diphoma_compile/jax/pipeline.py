@@ -121,12 +121,18 @@ class JaxPipelineStep(MeasuredRunner):
         self.consumed = {(s, n) for (s, _), names in self.donated.items() for n in names}
         self.fns = {key: self._jit(key, prog) for key, prog in self.cut.programs.items()}
         self.count_fns = {s: self._jit((s, "C"), prog) for s, prog in self.cut.counts.items()}
-        self.totalled_fns = {s: self._jit((s, "T"), prog)
-                             for s, prog in self.cut.totalled.items()}
+        self.once_fns = {s: self._jit((s, "T"), prog) for s, prog in self.cut.once.items()}
         self.reads = {s: {n for (st, _), p in self.cut.programs.items() if st == s
                           for n in p.inputs} |
-                      set(self.cut.counts[s].inputs if s in self.cut.counts else ())
+                      set(self.cut.counts[s].inputs if s in self.cut.counts else ()) |
+                      set(self.cut.once[s].inputs if s in self.cut.once else ())
                       for s in range(self.nstages)}
+        # what T makes that no update reads (the parameters gathered whole): let go once
+        # the schedule is done
+        by_update = {(s, n) for (s, k), p in self.cut.programs.items() if k.startswith("U")
+                     for n in p.inputs}
+        self.once_dropped = [(s, n) for s, p in self.cut.once.items() for n in p.outputs
+                             if (s, n) not in by_update]
         self.batch = {i.name for i in graph.inputs if i.role.kind is InputKind.batch}
         # the microbatch's index, which key draws made for every microbatch read
         # (passes/pipeline_draws.py): the runtime passes it, not the user
@@ -248,18 +254,20 @@ class JaxPipelineStep(MeasuredRunner):
                         # and the donation would delete it)
                         x = jnp.copy(x)
                     placed[(s, i.name)] = jax.device_put(x, sharding)
-        for s, prog in self.cut.counts.items():       # the counts summed over microbatches
-            sums: dict[str, Any] = {}
-            for mb in range(self.m):
-                args = [chunks[n][mb] if n in chunks else self._index(s, mb)
-                        if n == self.index else placed[(s, n)] for n in prog.inputs]
-                for n, v in zip(prog.outputs, self.count_fns[s](*args)):
-                    sums[n] = v if n not in sums else sums[n] + v
-            for total, (n, how) in self.cut.totals[s].items():
-                placed[(s, total)] = sums[n] / self.m if how == "avg" else sums[n]
-            if s in self.cut.totalled:              # what the stage makes of the sums alone
-                prog = self.cut.totalled[s]
-                made = self.totalled_fns[s](*[placed[(s, n)] for n in prog.inputs])
+        for s in range(self.nstages):
+            if s in self.cut.counts:                # the counts summed over microbatches
+                prog = self.cut.counts[s]
+                sums: dict[str, Any] = {}
+                for mb in range(self.m):
+                    args = [chunks[n][mb] if n in chunks else self._index(s, mb)
+                            if n == self.index else placed[(s, n)] for n in prog.inputs]
+                    for n, v in zip(prog.outputs, self.count_fns[s](*args)):
+                        sums[n] = v if n not in sums else sums[n] + v
+                for total, (n, how) in self.cut.totals[s].items():
+                    placed[(s, total)] = sums[n] / self.m if how == "avg" else sums[n]
+            if s in self.cut.once:      # what the stage makes once: of the sums, gathers
+                prog = self.cut.once[s]
+                made = self.once_fns[s](*[placed[(s, n)] for n in prog.inputs])
                 placed.update(((s, n), v) for n, v in zip(prog.outputs, made))
         envs: dict[tuple[int, int], dict[str, Any]] = {}
         mail: dict[tuple[int, int], Any] = {}          # (tag, microbatch) -> value sent
@@ -301,6 +309,8 @@ class JaxPipelineStep(MeasuredRunner):
             if not moved:
                 raise BackendError("the pipeline schedule waits on itself",
                                    hint="this is a bug in the pipeline schedule")
+        for key in self.once_dropped:
+            placed.pop(key, None)
         final = {s: {n: _mean(v, self.m) for n, v in acc[s].items()}
                  for s in range(self.nstages)}
         for r in range(self.cut.nrounds):

@@ -71,6 +71,7 @@ SPLIT_BACKWARD = ("interleaved-zb", "zbv", "dualpipev")
 # what the stages are balanced on: each op's seconds on the device model with its backward
 # and update, or (as before) the forward ops' flops alone
 BALANCE = ("time", "forward-flops")
+GATHER = ("step", "microbatch")
 
 
 def stage_rank(schedule: str, stage: int, stages: int, ranks: int) -> int:
@@ -182,7 +183,11 @@ class PipelineParallel(Pass):
     (twice it for the interleaved schedule, which runs stage s on rank s mod the size).
     ``balance=time`` balances the stages' forward, backward and update seconds on the
     roofline of ``device_model`` (a name in ``ir.device_model.MODELS``);
-    ``balance=forward-flops`` their forward flops alone (passes/pipeline_balance.py)."""
+    ``balance=forward-flops`` their forward flops alone (passes/pipeline_balance.py).
+    ``gather``: where a stage gathers the parameters a rank holds as pieces
+    (``shard_params``): ``step``, once a step before the schedule, kept whole until its
+    last backward (torch's pipelines keep FSDP's so); ``microbatch``, in every
+    microbatch's forward and backward (2M gathers a step, the least memory)."""
 
     name = "pipeline"
     axis: str = "pp"
@@ -191,6 +196,7 @@ class PipelineParallel(Pass):
     schedule: str = "1f1b"
     balance: str = "time"           # or forward-flops
     device_model: str = "h100-nccl"  # whose roofline times the ops for balance=time
+    gather: str = "step"            # or microbatch
 
     def __call__(self, graph: Graph, ctx: PassContext) -> Graph:
         n = require_axis(graph, self.axis, self.name)
@@ -256,6 +262,11 @@ class PipelineParallel(Pass):
             raise PassFailure(f"pipeline: schedule {self.schedule} cannot run "
                               f"{self.microbatches} microbatches on {n} devices: {e}",
                               hint=fit) from None
+        if self.gather not in GATHER:
+            raise PassFailure(f"pipeline: unknown gather {self.gather!r}",
+                              hint="gather=step (each parameter held as pieces gathered "
+                                   "once a step) or gather=microbatch (in every "
+                                   "microbatch's forward and backward: less memory)")
         if self.balance not in BALANCE:
             raise PassFailure(f"pipeline: unknown balance {self.balance!r}",
                               hint=f"one of {', '.join(BALANCE)}")
@@ -475,6 +486,8 @@ class _Cut:
         self.local: set[str] = set()             # names every stage has or computes
         self.home: dict[str, int] = {}           # param -> its home stage
         self.readers: dict[str, set[int]] = defaultdict(set)   # param -> stages reading it
+        # a parameter held as pieces, gathered whole -> the pieces it is gathered from
+        self.gathered: dict[str, tuple[str, ...]] = {}
         self.sizes = dict(graph.mesh.axes)
         self.phase = {id(op): op.phase or Phase.forward for op in graph.ops}
         self._seen: set[tuple[str, int]] = set()     # (free value, stage) cloned there
@@ -496,6 +509,14 @@ class _Cut:
                      or (k is InputKind.buffer and n not in replaced))
         for op in self.g.ops:
             d = op_def(op.name)
+            # a parameter held as pieces (shard_params), gathered whole: each stage that
+            # reads the whole value gathers it from its own pieces (a tied embedding's
+            # on both), rather than receive it from another stage every microbatch
+            if op.name == "all_gather" and not op.attrs.get("async") and \
+                    len(op.results) == 1 and op.inputs and \
+                    all(self.kind.get(n) is InputKind.param for n in op.inputs):
+                self.gathered[op.results[0].name] = op.inputs
+                continue
             # a draw from the step's key (with the microbatch's index: the same numbers on
             # every stage) is made again where it is read, as the batch's values are; one
             # from a process's own generator is not, nor one that reads no key (XLA's
@@ -612,6 +633,8 @@ class _Cut:
             for name in free_inputs(op):
                 if self.kind.get(name) is InputKind.param:
                     self.readers[name].add(self.stage[id(op)])
+                for p in self.gathered.get(name, ()):      # read through its gather
+                    self.readers[p].add(self.stage[id(op)])
         for name, where in self.readers.items():
             self.home[name] = min(where)
 
@@ -704,6 +727,8 @@ class _Cut:
                 for n in free_inputs(op):
                     if self.kind.get(n) is InputKind.param:
                         self.readers[n].add(self.stage[id(op)])
+                    for p in self.gathered.get(n, ()):
+                        self.readers[p].add(self.stage[id(op)])
 
     # 4. the graph with stages, clones of free values, and send/recv pairs
     def rewrite(self) -> Graph:
@@ -723,7 +748,10 @@ class _Cut:
             if got is not None:
                 return got
             op = origin[name]
-            if id(op) in self.free:
+            if id(op) not in self.free and name in self.gathered:
+                # gathered again here from this stage's pieces (named anew)
+                self._seen.update((v.name, self.stage[id(op)]) for v in op.results)
+            if id(op) in self.free or name in self.gathered:
                 clone = self.clone(op, s, names, have, before)
                 out.append(clone)
                 for v, c in zip(op.results, clone.results):

@@ -20,7 +20,10 @@ A ``microbatch_sum`` (a count of the batch summed over the microbatches:
 microbatch before the schedule starts, adding up what C returns; the forward ops that read
 the totals alone (their all-reduce over a data-parallel axis, the division by the shares)
 are a program T run once on the sums, not once per microbatch; the forward and backward
-programs read what T makes, and the totals, as values of the step (``totals``).
+programs read what T makes, and the totals, as values of the step (``totals``). T also
+gathers, once a step, the parameters a rank holds as pieces (``shard_params``; the
+pipeline's ``gather=step``, the default), which each microbatch's forward and backward
+would otherwise gather again.
 
 Framework-neutral: the torch runtime (``torch/pipeline.py``) builds each program with
 ``build.py``, the JAX one (``jax/pipeline.py``) under ``jax.jit`` on the stage's devices."""
@@ -69,9 +72,10 @@ class StagePrograms:
     # stage -> {total: (what of C's it adds up, "sum" or "avg")}: microbatch_sum's results
     counts: dict[int, StageProgram] = field(default_factory=dict)
     totals: dict[int, dict[str, tuple[str, str]]] = field(default_factory=dict)
-    # stage -> its program T, run once on the totals before the schedule (what the stage's
-    # forward did with them alone: a data-parallel all-reduce, a division)
-    totalled: dict[int, StageProgram] = field(default_factory=dict)
+    # stage -> its program T, run once before the schedule: what its forward made of the
+    # totals alone (a data-parallel all-reduce, a division) and, with the pipeline's
+    # gather=step, the whole parameters gathered from the pieces the rank holds
+    once: dict[int, StageProgram] = field(default_factory=dict)
 
     def kinds_of_stage(self) -> list[str]:
         """The program kinds of a stage, in the order they run within a microbatch, then
@@ -82,7 +86,7 @@ class StagePrograms:
     def inputs_read(self) -> set[str]:
         """Every graph input or value some program of these stages reads."""
         return {n for p in (*self.programs.values(), *self.counts.values(),
-                            *self.totalled.values()) for n in p.inputs}
+                            *self.once.values()) for n in p.inputs}
 
 
 def stage_programs(graph: Graph, stages: list[int], schedule: str,
@@ -93,8 +97,10 @@ def stage_programs(graph: Graph, stages: list[int], schedule: str,
     op_round, nrounds = rounds or update_rounds(graph)
     out = StagePrograms("FIWU" if schedule in SPLIT_BACKWARD else "FBU", nrounds)
     input_grad = input_gradient_ops(graph.ops) if "I" in out.kinds else set()
+    opts = pipeline_of(graph)
+    gather = opts.gather if opts is not None else "step"
     for me in stages:
-        _cut_stage(graph, me, out, op_round, input_grad)
+        _cut_stage(graph, me, out, op_round, input_grad, gather)
     _mark_replaced(graph, out, sorted(stages))
     return out
 
@@ -165,7 +171,7 @@ def _mark_replaced(graph: Graph, out: StagePrograms, stages: list[int]) -> None:
 
 
 def _cut_stage(graph: Graph, me: int, out: StagePrograms, op_round: dict[int, int],
-               input_grad: set[int]) -> None:
+               input_grad: set[int], gather: str) -> None:
     types = graph.value_types()
     roles = {i.name: i.role for i in graph.inputs}
     ops = [op for op in graph.ops if op.stage == me]
@@ -188,7 +194,7 @@ def _cut_stage(graph: Graph, me: int, out: StagePrograms, op_round: dict[int, in
     _reduce_the_sums(graph, ops, body)
     _share_invariants(graph, body)
     _count_program(graph, me, ops, body, out)
-    _totalled_program(graph, me, ops, body, out)
+    _once_program(graph, me, ops, body, out, gather)
     readers = {}
     for k, b in body.items():
         made_k = {v.name for op in b for v in op.results}
@@ -307,46 +313,98 @@ def _count_program(graph: Graph, me: int, ops: list[Op], body: dict[str, list[Op
                                            str(op.attrs["op"])) for op in totals}
 
 
-def _totalled_program(graph: Graph, me: int, ops: list[Op], body: dict[str, list[Op]],
-                      out: StagePrograms) -> None:
-    """Stage ``me``'s program T: the forward ops that read its totals and nothing made per
-    microbatch (the sum's all-reduce over a data-parallel axis, its division by the
-    shares; the constants they read are copied), moved out of the forward program, which
-    would run them M times on the same values, into one run once on the sums."""
-    if me not in out.totals:
-        return
+def _once_program(graph: Graph, me: int, ops: list[Op], body: dict[str, list[Op]],
+                  out: StagePrograms, gather: str) -> None:
+    """Stage ``me``'s program T, run once before the schedule: ops of its per-microbatch
+    programs that would make the same values in every microbatch, M times over.
+
+    - The forward ops that read its totals and nothing made per microbatch (the sum's
+      all-reduce over a data-parallel axis, its division by the shares; the constants they
+      read are copied).
+    - With ``gather="step"``, the all-gathers of the parameters the rank holds as pieces
+      (``shard_params``): one gather a step of each, where every microbatch's forward and
+      backward gathered it again (a backward's gather of a parameter the forward gathers
+      is the same value: it goes, its readers read the forward's). The stage's parameters
+      are then whole from before its first forward to after its last backward, as torch's
+      pipelines keep FSDP's (``set_reshard_after_backward(False)`` on all backwards but
+      the last). A gather whose result is sent or returned stays where it is."""
     consts = {v.name: op for op in body["F"] if not free_inputs(op) and not op.regions
               and is_pure(op) for v in op.results}
     sent = {op.inputs[0] for op in ops if op.name == "send"}
     returned = {o.name for o in graph.outputs}
-    have = set(out.totals[me])
     chosen: list[Op] = []
-    for op in body["F"]:
-        ins = free_inputs(op)
-        if ins and not op.regions and random_draw(op) is None and \
-                all(n in have or n in consts for n in ins) and any(n in have for n in ins) \
-                and not any(v.name in sent or v.name in returned for v in op.results):
-            chosen.append(op)
-            have.update(v.name for v in op.results)
+    if me in out.totals:
+        have = set(out.totals[me])
+        for op in body["F"]:
+            ins = free_inputs(op)
+            if ins and not op.regions and random_draw(op) is None and \
+                    all(n in have or n in consts for n in ins) and \
+                    any(n in have for n in ins) and \
+                    not any(v.name in sent or v.name in returned for v in op.results):
+                chosen.append(op)
+                have.update(v.name for v in op.results)
+    rename: dict[str, str] = {}
+    if gather == "step":
+        chosen += _step_gathers(graph, body, sent | returned, rename)
     if not chosen:
         return
     moved = {id(op) for op in chosen}
+    for k, b in body.items():
+        if k.startswith("U"):
+            continue
+        b[:] = [op if not rename or not any(n in rename for n in op.inputs) else
+                op.replace(inputs=tuple(rename.get(n, n) for n in op.inputs))
+                for op in b if id(op) not in moved
+                and not any(v.name in rename for v in op.results)]
     copies = list({id(consts[n]): consts[n] for op in chosen for n in free_inputs(op)
                    if n in consts}.values())
     order = {id(op): k for k, op in enumerate(graph.ops)}
     t_body = sorted(copies + chosen, key=lambda op: order[id(op)])
-    body["F"] = [op for op in body["F"] if id(op) not in moved]
     live = {n for b in body.values() for op in b for n in free_inputs(op)} | sent | returned
     body["F"] = [op for op in body["F"] if free_inputs(op)
                  or any(v.name in live for v in op.results) or not is_pure(op)]
     types = graph.value_types()
+    roles = {i.name: i.role for i in graph.inputs}
     made = {v.name for op in t_body for v in op.results}
     inputs = list(dict.fromkeys(n for op in t_body for n in free_inputs(op) if n not in made))
     outputs = [v.name for op in chosen for v in op.results if v.name in live]
     sub = Graph(f"{graph.name}.stage{me}.T",
-                tuple(Input(Value(n, types[n])) for n in inputs), tuple(t_body),
-                tuple(Output(n) for n in outputs), graph.mesh)
-    out.totalled[me] = StageProgram(sub, inputs, outputs)
+                tuple(Input(Value(n, types[n]), roles.get(n, InputRole())) for n in inputs),
+                tuple(t_body), tuple(Output(n) for n in outputs), graph.mesh)
+    out.once[me] = StageProgram(sub, inputs, outputs)
+
+
+def _step_gathers(graph: Graph, body: dict[str, list[Op]], kept: set[str],
+                  rename: dict[str, str]) -> list[Op]:
+    """The all-gathers of parameter inputs in the per-microbatch programs of ``body`` that
+    program T may run once a step, the first of each; the results of the others (the same
+    parameter gathered again for the backward) go into ``rename`` as the first's. Not one
+    whose result is in ``kept`` (sent, returned), nor one an op with regions reads again
+    (its body would name the value)."""
+    params = {i.name for i in graph.inputs if i.role.kind is InputKind.param}
+    in_regions = {n for b in body.values() for op in b if op.regions
+                  for n in free_inputs(op)}
+    first: dict[tuple, str] = {}
+    chosen: list[Op] = []
+    for k, b in body.items():
+        if k.startswith("U"):
+            continue
+        for op in b:
+            if op.name != "all_gather" or op.regions or op.attrs.get("async") or \
+                    len(op.results) != 1 or not op.inputs or \
+                    not all(n in params for n in op.inputs):
+                continue
+            res = op.results[0]
+            if res.name in kept:
+                continue
+            key = (op.inputs, tuple(sorted((a, str(v)) for a, v in op.attrs.items())),
+                   res.type)
+            if key in first and res.name not in in_regions:
+                rename[res.name] = first[key]
+                continue
+            first.setdefault(key, res.name)
+            chosen.append(op)
+    return chosen
 
 
 def _owned(sub: Graph, kind: str, acc: list[str], made: set[str],

@@ -8,6 +8,9 @@ rank's order (``passes/pipeline_orders.py``) over its programs
 
 - from the start: the graph inputs its programs read (parameters, optimizer state) and
   every batch input, whole (each rank is passed all M microbatches);
+- each stage's program T (run once before the schedule): its peak, then what it makes
+  (the parameters gathered whole, with the pipeline's ``gather=step``) until the last
+  backward, or to the end where an update reads it;
 - a receive's buffer from when it is posted (one action ahead of the program that reads
   it) until that microbatch's values on the stage are dropped;
 - while a program runs, its own liveness peak above its inputs (``peak_memory``);
@@ -187,6 +190,13 @@ class _RankWalk:
     # ------------------------------------------------------------------ the walk
     def run(self, order: tuple[tuple[str, int, int], ...]) -> RankPeak:
         summed: set[str] = set()
+        by_update = {n for (_, k), p in self.cut.programs.items() if k.startswith("U")
+                     for n in p.inputs}
+        for st, prog in sorted(self.cut.once.items()):     # each stage's T, before all
+            extra, op = self.program_peak((st, "T"), prog)
+            self.note(extra, f"rank {self.rank}, stage {st} T: {op or 'no op'}")
+            for b, nbytes in self.owned_outputs(prog).items():
+                self.hold(("once", st, b), nbytes, "end" if b in by_update else "once")
         for k, (kind, mb, st) in enumerate(order):
             prog = self.cut.programs[(st, kind)]
             self.receive(prog, st, mb)
@@ -211,6 +221,7 @@ class _RankWalk:
             self.send(prog, st, mb)
             if kind in "BW":
                 self.drop(("env", st, mb))
+        self.drop("once")               # T's values no update reads: let go here
         stages = sorted({st for st, _ in self.cut.programs})
         for r in range(self.cut.nrounds):
             for st in stages:

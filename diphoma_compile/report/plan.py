@@ -272,6 +272,8 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
         if any(paid):
             belongs = tuple(p[0] if p else b for p, b in zip(paid, belongs))
         rank, times = runs.get(id(op), (None, 1))
+        if times == 0:      # run by no program
+            continue
         nbytes = times * d.comm_bytes(op, ins, outs, sizes.get(axis, 1), sizes)
         if op.name == "send" and rank is not None and op.attrs.get("peer") == rank:
             nbytes = 0      # to a stage of the same rank (a V's tied weight): no traffic
@@ -294,17 +296,20 @@ def build_plan(graph: Graph, decisions: Mapping[str, Decision] | None = None, *,
 def _runs_per_step(graph: Graph, cuts: list[StagePrograms]) -> dict[int, tuple[int, int]]:
     """Each op of a staged graph (by id) -> (the pp rank that runs it, times a step): M in
     the programs run per microbatch (forward, backward, count programs C), once in the
-    update and T programs, added up over the programs holding it; an op in no program (a
-    send, a receive) as its phase says: once a step in the update, else per microbatch."""
+    update and T programs, added up over the programs holding it; a send or a receive
+    (in no program) as its phase says: once a step in the update, else per microbatch;
+    any other op in no program never runs (a backward's gather of a parameter program T
+    gathers once for the step)."""
     m = pipeline_of(graph).microbatches
     rank = {st: r for r, stages in enumerate(rank_stages(graph)) for st in stages}
-    out = {id(op): (rank[op.stage], 1 if op.phase is Phase.update else m)
+    out = {id(op): (rank[op.stage], (1 if op.phase is Phase.update else m)
+                    if op.name in ("send", "recv") else 0)
            for op in graph.walk() if op.stage is not None}
     found: dict[int, tuple[int, int]] = {}
     for r, cut in enumerate(cuts):
         progs = [(k, p) for (_, k), p in cut.programs.items()]
         progs += [("C", p) for p in cut.counts.values()]
-        progs += [("T", p) for p in cut.totalled.values()]
+        progs += [("T", p) for p in cut.once.values()]
         for kind, prog in progs:
             times = 1 if kind.startswith("U") or kind == "T" else m
             for op in prog.graph.walk():    # in two programs (a constant copied): both

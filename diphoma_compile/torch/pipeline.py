@@ -37,7 +37,7 @@ from ..ir.core import Graph, InputKind
 from ..passes.pipeline_parallel import pipeline_of, stage_rank, updated_buffers
 from ..passes.pipeline_programs import rank_stages, stage_programs
 from .codegen import program
-from .dist import TorchDistStep
+from .dist import TorchDistStep, _held
 from .ops import DTYPE_TO_TORCH
 from .pipeline_schedule import schedule_actions
 from .state import Captured, Slot
@@ -89,10 +89,16 @@ class TorchPipelineStep(TorchDistStep):
         self.count_modules = {st: program(prog.graph, captured, self.comms, in_place=False,
                                           label=f"stage {st} C")
                               for st, prog in cut.counts.items()}
-        self.totalled = cut.totalled
-        self.totalled_modules = {st: program(prog.graph, captured, self.comms, in_place=False,
-                                             label=f"stage {st} T")
-                                 for st, prog in cut.totalled.items()}
+        self.once = cut.once
+        self.once_modules = {st: program(prog.graph, captured, self.comms, in_place=False,
+                                         label=f"stage {st} T")
+                             for st, prog in cut.once.items()}
+        # what T makes that no update reads (the parameters gathered whole): dropped once
+        # the last backward is done
+        read_by_update = {n for (_, k), prog in self.segs.items() if k.startswith("U")
+                          for n in prog.inputs}
+        self.once_dropped = [n for prog in cut.once.values() for n in prog.outputs
+                             if n not in read_by_update]
         # the same numbering on every rank: one wire tag per (microbatch, pair)
         self.ntags = 1 + max([int(op.attrs["tag"]) for op in graph.ops
                               if op.name == "send"] + [0])
@@ -231,22 +237,24 @@ class TorchPipelineStep(TorchDistStep):
     def _totals(self, given: dict, chunks: dict) -> dict[str, torch.Tensor]:
         """Each stage's count program run on every microbatch, what it returns added up
         (or averaged): the ``microbatch_sum`` values its programs read; then its program T
-        once on those sums (their all-reduce over the data-parallel axis)."""
+        once (their all-reduce over the data-parallel axis; the parameters it gathers)."""
         out: dict[str, torch.Tensor] = {}
         m = self.microbatches
-        for st, prog in self.counts.items():
+        for st in self.stages:
             t1 = time.perf_counter()
-            sums: dict[str, torch.Tensor] = {}
-            for mb in range(m):
-                args = [chunks[n][mb] if n in chunks else given[n] for n in prog.inputs]
-                for n, v in zip(prog.outputs, self.count_modules[st](*args)):
-                    sums[n] = v.clone() if n not in sums else sums[n] + v
-            for total, (n, how) in self.totals[st].items():
-                out[total] = sums[n] / m if how == "avg" else sums[n]
-            if st in self.totalled:
-                prog = self.totalled[st]
-                out.update(zip(prog.outputs,
-                               self.totalled_modules[st](*[out[n] for n in prog.inputs])))
+            if st in self.counts:
+                prog = self.counts[st]
+                sums: dict[str, torch.Tensor] = {}
+                for mb in range(m):
+                    args = [chunks[n][mb] if n in chunks else given[n] for n in prog.inputs]
+                    for n, v in zip(prog.outputs, self.count_modules[st](*args)):
+                        sums[n] = v.clone() if n not in sums else sums[n] + v
+                for total, (n, how) in self.totals[st].items():
+                    out[total] = sums[n] / m if how == "avg" else sums[n]
+            if st in self.once:
+                prog = self.once[st]
+                args = [out[n] if n in out else given[n] for n in prog.inputs]
+                out.update(zip(prog.outputs, self.once_modules[st](*args)))
             self.compute_s += time.perf_counter() - t1
         return out
 
@@ -282,6 +290,8 @@ class TorchPipelineStep(TorchDistStep):
             # nothing here may keep a dropped microbatch's values alive (the plan's rank
             # peak, report/pipeline_peak.py, counts what the envs and sends hold)
             args = env = None
+        for n in self.once_dropped:       # read by no update: not kept through it
+            given.pop(n, None)
         # the sums become averages in place (each is this executor's own copy): no second
         # copy of the gradients beside them while the update runs
         env = {n: v.div_(m) if v.is_floating_point() else v if m == 1
@@ -327,8 +337,9 @@ class TorchPipelineStep(TorchDistStep):
     # ------------------------------------------------------------------ state
     def state_dict(self, module: int = 0) -> dict[str, torch.Tensor]:
         """The whole state dict on every rank: each parameter broadcast from the lowest
-        stage that holds it, each buffer the step updates from the stage that updates it
-        (a collective: every rank must call it)."""
+        stage that holds it (gathered there first from the pieces its data-parallel ranks
+        hold, under ``shard_params``), each buffer the step updates from the stage that
+        updates it (a collective: every rank must call it)."""
         cap = self.captured
         slots = [s for s in cap.inputs if s.kind == "param"]
         owner = self._owners()
@@ -336,8 +347,11 @@ class TorchPipelineStep(TorchDistStep):
         for pi, slot in enumerate(slots):
             typ = self._param_type[pi]
             p = cap.params[pi]
-            buf = p.detach().clone() if p.numel() else torch.empty(
-                typ.shape, dtype=DTYPE_TO_TORCH[typ.dtype], device=p.device)
+            if owner[slot.name] == self.pp.rank:    # held here: whole, or its pieces
+                buf = self._whole_of(p, typ) if _held(typ) else p.detach().clone()
+            else:
+                buf = torch.empty(typ.shape, dtype=DTYPE_TO_TORCH[typ.dtype],
+                                  device=p.device)
             if self.pp.size > 1:
                 dist.broadcast(buf, src=self.pp.global_rank(owner[slot.name]),
                                group=self.pp.group)

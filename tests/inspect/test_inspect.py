@@ -431,7 +431,7 @@ def test_pipeline_plan_shows_stages_schedule_and_rank_grid(capsys, mesh, grid):
                            "--input", "int64[8,16]<64", "--mesh", mesh)
     assert rc == 0, err
     assert "pipeline{axis=pp, stages=auto, microbatches=2, schedule=1f1b, balance=time, " \
-           "device-model=h100-nccl}" in out
+           "device-model=h100-nccl, gather=step}" in out
     assert "pipeline over pp=2: schedule 1f1b, 2 microbatch(es), bubble 33.3%" in out
     head = next(line for line in out.splitlines() if line.strip().startswith("stage "))
     assert head.split() == ["stage", "layers", "params", "param", "bytes", "flops/microbatch",

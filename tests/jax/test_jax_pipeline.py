@@ -519,7 +519,7 @@ def test_a_masked_mean_under_a_pipeline_divides_by_the_whole_batchs_count():
                    zip(jax.tree.leaves(ref[0]), jax.tree.leaves(ours[0]))) <= 1e-6
         if kind == "count":     # the count's all-reduce over dp runs once, on the sums
             cut = stage_programs(pstep.graph, [0, 1], "1f1b")
-            (t,) = cut.totalled.values()
+            (t,) = cut.once.values()
             assert [op.attrs["axis"] for op in t.graph.ops if op.name == "all_reduce"] == ["dp"]
             assert not any(op.name == "all_reduce" and op.inputs[0] in t.inputs
                            for (_, k), p in cut.programs.items() if k == "F"

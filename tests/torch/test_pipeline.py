@@ -226,7 +226,8 @@ def test_parallelize_picks_the_pipeline_pass_from_the_axis_name():
     names = [p.split("{")[0] for p in step.graph.passes]
     assert names == ["dce", "data-parallel", "weight-update-sharding", "dce", "pipeline"]
     assert step.graph.passes[-1] == "pipeline{axis=pp, stages=auto, microbatches=2, " \
-                                    "schedule=1f1b, balance=time, device-model=cpu-gloo}"
+                                    "schedule=1f1b, balance=time, device-model=cpu-gloo, " \
+                                    "gather=step}"
     batch = [i.value.type.shape for i in step.graph.inputs if i.role.kind.value == "batch"]
     assert batch == [(2, 4), (2, 4)]
     assert "pipeline" in step.plan.notes
@@ -951,7 +952,7 @@ def test_a_mean_over_targets_divides_by_the_count_over_all_microbatches():
     assert cut.totals[1] == {total.results[0].name: (total.inputs[0], "sum")}
     assert c.outputs == [total.inputs[0]]
     forward = cut.programs[(1, "F")]
-    t = cut.totalled[1]             # the total divided by the shares, once a step
+    t = cut.once[1]             # the total divided by the shares, once a step
     assert t.inputs == [total.results[0].name] and [op.name for op in t.graph.ops] == [
         "full", "div"]
     assert t.outputs[0] in forward.inputs
@@ -968,7 +969,7 @@ def test_a_mean_over_targets_divides_by_the_count_over_all_microbatches():
     # over dp the total is all-reduced once a step, in program T, not in every microbatch's F
     cut = stage_programs(out, [0, 1], "1f1b")
     (total,) = [op.results[0].name for op in out.ops if op.name == "microbatch_sum"]
-    t = cut.totalled[1]
+    t = cut.once[1]
     assert t.inputs == [total]
     assert [(op.attrs["axis"], op.attrs["op"]) for op in t.graph.ops
             if op.name == "all_reduce"] == [("dp", "sum")]
@@ -998,7 +999,7 @@ def test_data_parallel_all_reduces_run_once_a_step_on_the_sums(schedule):
                      if op.name == "all_reduce")
         if not kind.startswith("U"):
             assert not set(prog.acc) & set(reduces), "a reduced value summed per microbatch"
-    for prog in cut.totalled.values():
+    for prog in cut.once.values():
         where.update((op.results[0].name, "T") for op in prog.graph.ops
                      if op.name == "all_reduce")
     # the count's all-reduce runs once in program T; every other one in an update
