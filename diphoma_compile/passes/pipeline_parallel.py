@@ -570,8 +570,11 @@ class _Cut:
         for c in cost:
             pre.append(pre[-1] + c)
         # every stage holds a parameter: a forward op of its own that reads one
-        holds = [any(self.kind.get(n) is InputKind.param for n in free_inputs(op))
-                 for op in fwd]
+        # (or the whole value gathered from its pieces, under shard_params: the gather
+        # itself holds nothing, the op reading what it gathers does)
+        holds = [not any(v.name in self.gathered for v in op.results) and
+                 any(self.kind.get(n) is InputKind.param or n in self.gathered
+                     for n in free_inputs(op)) for op in fwd]
         # the narrowest crossing away from the ends (after the loss only a scalar
         # crosses), among the points before the last op reading a parameter: a cut after
         # it would leave the last stage none (the ops there, as optax.MultiSteps' step
@@ -583,8 +586,9 @@ class _Cut:
         # weight matrix (an update weighed on the last layer, as optax.MultiSteps' cond,
         # moved the cost window onto the narrow head; a stage of a bias add alone is not a
         # layer)
-        matrices = [any(self.kind.get(n) is InputKind.param and self.types[n].rank >= 2
-                        for n in free_inputs(op)) for op in fwd]
+        matrices = [h and any((self.kind.get(n) is InputKind.param or n in self.gathered)
+                              and self.types[n].rank >= 2 for n in free_inputs(op))
+                    for h, op in zip(holds, fwd)]
         for inside, need in ((lambda k: lo <= pre[k] <= hi, holds),
                              (lambda k: m / (2 * self.n) <= k <= m * (1 - 1 / (2 * self.n)),
                               matrices)):

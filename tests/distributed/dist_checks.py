@@ -1504,7 +1504,11 @@ PP_CASES = {"pp4-sgdm-1f1b": ({"pp": 4}, "sgdm", "1f1b", 4),
             # forward, grouped-query attention, tied embedding)
             "pp4-sgdm-1f1b-llama": ({"pp": 4}, "sgdm", "1f1b", 4, False, None, "llama"),
             # GPT-NeoX, 2 layers on 4 stages: the first holds the embedding alone
-            "pp4-sgdm-1f1b-neox": ({"pp": 4}, "sgdm", "1f1b", 2, False, None, "neox")}
+            "pp4-sgdm-1f1b-neox": ({"pp": 4}, "sgdm", "1f1b", 2, False, None, "neox"),
+            # parameters held as pieces over dp (shard_params), gathered once a step on
+            # each stage (the tied embedding on both), kept whole through the schedule
+            "dp2-pp2-adamw-1f1b-shard": ({"dp": 2, "pp": 2}, "adamw", "1f1b", 4, False, None,
+                                         "gpt2", True)}
 PP_STEPS, PP_LOCAL, PP_MICRO = 3, 8, 4   # steps; sequences per dp rank; microbatches
 # the pipeline cases' labels ignore (-100) the tokens below this, a quarter of them at
 # random: each microbatch counts its own number of targets, and the loss is the mean
@@ -1599,7 +1603,7 @@ def pp_ddp_distance(rank: int, world: int, model: nn.Module, opt_name: str,
 
 def run_pp_case(rank: int, world: int, axes: dict[str, int], opt_name: str, schedule: str,
                 layers: int, clip: bool = False, codegen: str | None = None,
-                model_name: str = "gpt2") -> dict:
+                model_name: str = "gpt2", shard: bool = False) -> dict:
     import diphoma_compile
     step_fn = pp_lm_step_clipped if clip else pp_lm_step
     dp, pp = axes.get("dp", 1), axes["pp"]
@@ -1613,7 +1617,7 @@ def run_pp_case(rank: int, world: int, axes: dict[str, int], opt_name: str, sche
     row = rank // pp                  # this rank's dp index (ranks laid out row-major)
     step = diphoma_compile.parallelize(step_fn, diphoma_compile.Mesh(axes),
                                        microbatches=PP_MICRO, schedule=schedule,
-                                       codegen=codegen)
+                                       codegen=codegen, shard_params=shard)
     losses, ref_losses = [], []
     for b in batches:
         losses.append(step(model, opt, b[row * PP_LOCAL:(row + 1) * PP_LOCAL]).item())
@@ -1631,7 +1635,10 @@ def run_pp_case(rank: int, world: int, axes: dict[str, int], opt_name: str, sche
            "tied": rec["tied"], "full": torch.cat([v.reshape(-1) for v in full.values()]),
            "codegen": step.runner.codegen, "compile_s": step.compile_s,
            "sent": {"counted": sent, "steps": len(batches),
-                    "planned": step.plan.comm_bytes_per_rank[rank % pp]}}
+                    "planned": step.plan.comm_bytes_per_rank[rank % pp]},
+           # (runs a step, rows) of the plan's all-gathers on this rank's pp rank
+           "gathers": [(c.runs, c.value) for c in step.plan.collectives
+                       if c.kind == "all_gather" and c.pp_rank == rank % pp]}
     ref_sd = ref.state_dict() if rank == 0 else None
     if opt_name == "adamw":          # a collective: every rank
         out["ddp_param_abs"] = pp_ddp_distance(rank, world, init, opt_name, batches, ref_sd,

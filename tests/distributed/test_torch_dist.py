@@ -625,6 +625,22 @@ def test_pipeline_four_stages_hold_under_two_fifths_of_the_parameters(runs):
             assert share <= 0.40, (case, r["pp"][case]["stage"], share)
 
 
+def test_pipeline_parameters_held_as_pieces_are_gathered_once_a_step(runs):
+    """dp=2 x pp=2 with shard_params (the case's parity is checked with the others): each
+    rank holds its stage's parameters as dp pieces, about a quarter of the model (its
+    stage's half, the tied embedding on both stages, halved over dp), and gathers each once
+    a step (the plan's all-gathers each run once; the bytes test matches them to what the
+    rank sent)."""
+    if not runs[0]["pp"]:
+        pytest.skip("transformers is not installed")
+    for r in runs:
+        res = r["pp"]["dp2-pp2-adamw-1f1b-shard"]
+        share = res["memory"]["param_bytes"] / res["whole"]
+        assert share <= 0.30, (res["stage"], share)
+        assert res["gathers"] and {n for n, _ in res["gathers"]} == {1}, res["gathers"]
+        assert len({v for _, v in res["gathers"]}) == len(res["gathers"])
+
+
 def test_pipeline_ranks_run_their_stage_of_the_schedule(runs):
     """Ranks are row-major: in dp=2 x pp=2 ranks 0, 2 run stage 0 and ranks 1, 3 stage 1;
     each runs the schedule's actions for its stage."""

@@ -1139,3 +1139,59 @@ def test_one_microbatch_over_dp_and_pp_sums_counts_over_dp():
     notes = pstep.plan.notes
     assert len(notes["data-parallel"]["counted_globally"]) == 1
     assert notes["pipeline"]["counted_globally"] == []
+
+
+SHARDED = ("dce,data-parallel{axis=dp, counts=local},weight-update-sharding{axis=dp},dce,"
+           "shard-params{axis=dp},dce,pipeline{axis=pp, microbatches=4%s}")
+
+
+def test_parameters_held_as_pieces_are_gathered_once_a_step():
+    """shard_params over dp=2 x pp=2, M = 4: each stage gathers each parameter it reads
+    once a step, in its program T, before the schedule (gather=step, the default); its
+    forward and backward programs gather nothing. The tied embedding is gathered on both
+    stages from their own pieces, never sent whole from one to the other (it was, every
+    microbatch). gather=microbatch keeps the gathers in every microbatch's forward and
+    backward: the plan counts them 4 times, and the step's bytes are higher. The peak
+    counts the whole parameters T holds through the schedule."""
+    from diphoma_compile.passes.pipeline_programs import stage_programs
+    from diphoma_compile.report.plan import build_plan
+    g = traced_gpt(layers=4, mesh={"dp": 2, "pp": 2}, seqs=8)
+    plans, programs = {}, {}
+    for gather in ("step", "microbatch"):
+        out, ctx = run(g, SHARDED % ("" if gather == "step" else ", gather=microbatch"))
+        params = {i.name for i in out.inputs if i.role.kind.value == "param"}
+        whole = {op.results[0].name for op in out.ops if op.name == "all_gather"
+                 and set(op.inputs) <= params}
+        assert not [op for op in out.ops if op.name == "send" and op.inputs[0] in whole]
+        cut = stage_programs(out, [0, 1], "1f1b")
+        programs[gather] = {key: [op.inputs[0] for op in p.graph.ops if op.name == "all_gather"]
+                            for key, p in cut.programs.items()}
+        programs[gather].update({(st, "T"): [op.inputs[0] for op in p.graph.ops
+                                             if op.name == "all_gather"]
+                                 for st, p in cut.once.items()})
+        plans[gather] = build_plan(out, ctx.decisions)
+    got = programs["step"]
+    assert all(not v for (_, kind), v in got.items() if kind != "T"), got
+    for st in (0, 1):
+        assert got[(st, "T")] and len(got[(st, "T")]) == len(set(got[(st, "T")]))
+        assert "tok.weight" in got[(st, "T")]
+    assert set(got[(0, "T")]) | set(got[(1, "T")]) == params
+    old = programs["microbatch"]
+    for st in (0, 1):
+        assert not old.get((st, "T")) and "tok.weight" in old[(st, "F")]
+        assert set(old[(st, "F")]) == set(got[(st, "T")])
+        assert old[(st, "B")]           # gathered again for the backward
+    step, micro = plans["step"], plans["microbatch"]
+    assert {c.runs for c in step.collectives if c.kind == "all_gather"} == {1}
+    assert {c.runs for c in micro.collectives if c.kind == "all_gather"} == {4}
+    assert len([c for c in step.collectives if c.kind == "all_gather"]) == \
+        len(got[(0, "T")]) + len(got[(1, "T")])
+    gathered = [sum(c.bytes_per_device for c in p.collectives
+                    if c.kind == "all_gather" and c.pp_rank == r)
+                for p in (step, micro) for r in (0, 1)]
+    assert gathered[2] > 4 * gathered[0] and gathered[3] > 4 * gathered[1], gathered
+    assert max(step.comm_bytes_per_rank) < max(micro.comm_bytes_per_rank)
+    # the parameters whole all through the schedule: a higher peak than gathered per use
+    assert step.memory.peak > micro.memory.peak
+    with pytest.raises(PassError, match="unknown gather 'never'"):
+        run(g, SHARDED % ", gather=never")
