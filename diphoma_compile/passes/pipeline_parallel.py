@@ -156,6 +156,8 @@ class PipelineRecord:
     # draws from the step's key made for every microbatch, each keeping its rows
     # (passes/pipeline_draws.py), by source line
     random_per_microbatch: tuple[str, ...] = ()
+    # where parameters held as pieces are gathered: once a step, or per microbatch
+    gather: str = "step"
 
     def rank_of(self, stage: int) -> int:
         """The rank (index on the axis) that runs ``stage``."""
@@ -173,7 +175,8 @@ class PipelineRecord:
                 "batch_coupled": list(self.batch_coupled),
                 "batch_counted": list(self.batch_counted),
                 "counted_globally": list(self.counted_globally),
-                "random_per_microbatch": list(self.random_per_microbatch)}
+                "random_per_microbatch": list(self.random_per_microbatch),
+                "gather": self.gather}
 
 
 @register_pass
@@ -289,6 +292,7 @@ class PipelineParallel(Pass):
                    model)
         out = cut.rewrite()
         ctx.decisions[self.name] = replace(cut.record(self.schedule, self.microbatches),
+                                           gather=self.gather,
                                            batch_coupled=notes[0], batch_counted=notes[1],
                                            counted_globally=counted,
                                            random_per_microbatch=drawn)

@@ -154,7 +154,8 @@ def render(plan: Plan, max_rows: int = 60) -> str:
                   "no traffic)"]
     lines += _tensor_parallel_lines(plan.decision(TensorParallelRecord))
     lines += _update_lines(plan.decision(WeightUpdateShardingRecord))
-    lines += _shard_params_lines(plan.decision(ShardParamsRecord))
+    lines += _shard_params_lines(plan.decision(ShardParamsRecord),
+                                 plan.decision(PipelineRecord))
     lines += _data_parallel_lines(plan.decision(DataParallelRecord))
     lines += pipeline_lines(plan.decision(PipelineRecord), plan.mesh)
     lines += _batch_lines(plan.decision(DataParallelRecord), plan.decision(PipelineRecord))
@@ -297,7 +298,8 @@ def _update_lines(wus: WeightUpdateShardingRecord | None) -> list[str]:
     return lines
 
 
-def _shard_params_lines(sp: ShardParamsRecord | None) -> list[str]:
+def _shard_params_lines(sp: ShardParamsRecord | None,
+                        pp: PipelineRecord | None = None) -> list[str]:
     """Which parameters are held as pieces, and where they are gathered."""
     if sp is None:
         return []
@@ -306,6 +308,14 @@ def _shard_params_lines(sp: ShardParamsRecord | None) -> list[str]:
            "once, kept through backward (gathered at the next step's forward)")
     lines = ["", f"parameters held as pieces over {sp.axis}: {len(sp.sharded)} of them, "
                  f"gathered where read, {how}; all-gathers: {where}"]
+    if pp is not None and pp.gather == "step":
+        lines[1] = (f"parameters held as pieces over {sp.axis}: {len(sp.sharded)} of them, "
+                    "gathered once a step on each pipeline stage that reads them, before "
+                    "its first microbatch, and kept whole until its last backward (the "
+                    "pipeline's gather=step; gather=microbatch gathers them in every "
+                    "microbatch's forward and backward)")
+    elif pp is not None:
+        lines[1] += f", in each of the {pp.microbatches} microbatches (gather=microbatch)"
     lines += [f"  kept whole: {p}: {why}" for p, why in sp.whole]
     return lines
 

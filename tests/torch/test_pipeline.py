@@ -1193,5 +1193,8 @@ def test_parameters_held_as_pieces_are_gathered_once_a_step():
     assert max(step.comm_bytes_per_rank) < max(micro.comm_bytes_per_rank)
     # the parameters whole all through the schedule: a higher peak than gathered per use
     assert step.memory.peak > micro.memory.peak
+    assert "gathered once a step on each pipeline stage that reads them" in step.to_text()
+    assert "in each of the 4 microbatches (gather=microbatch)" in micro.to_text()
+    assert step.to_dict()["notes"]["pipeline"]["gather"] == "step"
     with pytest.raises(PassError, match="unknown gather 'never'"):
         run(g, SHARDED % ", gather=never")
