@@ -89,6 +89,13 @@ class StagePrograms:
                             *self.once.values()) for n in p.inputs}
 
 
+def runs_per_step(kind: str, microbatches: int) -> int:
+    """How often a stage's program of ``kind`` runs a step: once for the update rounds
+    (``U0``, ``U1``, ...) and program ``T``, M times for the forward and backward programs
+    (``F``, ``B``, ``I``, ``W``) and the count program ``C``."""
+    return 1 if kind.startswith("U") or kind == "T" else microbatches
+
+
 def stage_programs(graph: Graph, stages: list[int], schedule: str,
                    rounds: tuple[dict[int, int], int] | None = None) -> StagePrograms:
     """The programs of ``stages`` of the staged ``graph`` under ``schedule`` (one that
@@ -544,4 +551,4 @@ def update_rounds(graph: Graph) -> tuple[dict[int, int], int]:
 
 
 __all__ = ["StageProgram", "StagePrograms", "Transfer", "is_staged", "rank_stage_programs",
-           "rank_stages", "stage_programs", "update_rounds"]
+           "rank_stages", "runs_per_step", "stage_programs", "update_rounds"]

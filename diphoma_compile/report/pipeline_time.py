@@ -7,11 +7,14 @@ collectives. Here each stage's programs (``passes/pipeline_programs.py``) are es
 their own (``estimate_compute``: roofline compute, their data-parallel collectives), and:
 
 - ``flops_per_step``: every stage's forward and backward programs M times, the update
-  once; ``flops_per_device``: the same over the stages of the rank that does the most;
-- the step time: the schedule's per-rank orders (``passes/pipeline_orders.py``) laid out
-  in time with each stage's program times (``report/schedule.timeline``), a value sent to
-  another rank arriving after the device model's point-to-point time for its bytes over
-  the pipeline axis's link; then each rank's update. The step ends when the last rank's
+  once (and what runs before the schedule: the count programs C M times, T once);
+  ``flops_per_device``: the same over the stages of the rank that does the most;
+- the step time: what runs before the schedule (C and T: a count's all-reduce, the
+  parameters held as pieces gathered once a step), the longest rank's, then the
+  schedule's per-rank orders (``passes/pipeline_orders.py``) laid out in time with each
+  stage's program times (``report/schedule.timeline``), a value sent to another rank
+  arriving after the device model's point-to-point time for its bytes over the pipeline
+  axis's link; then each rank's update. The step ends when the last rank's
   update does. ``compute`` and ``exposed_comm`` are that rank's own (its programs' compute
   and the stalls on their collectives), ``bubble`` the rest: the time it waits for other
   stages (the schedule's fill and drain, uneven stages, transfers)."""
@@ -24,7 +27,8 @@ from typing import Any
 from ..ir.core import Graph
 from ..ir.device_model import DeviceModel
 from ..passes.pipeline_orders import rank_orders
-from ..passes.pipeline_programs import StageProgram, StagePrograms, rank_stage_programs
+from ..passes.pipeline_programs import (StageProgram, StagePrograms, rank_stage_programs,
+                                        runs_per_step)
 from ..passes.pipeline_timeline import timeline
 from .compute import Compute, estimate_compute
 
@@ -45,17 +49,24 @@ def pipeline_compute(graph: Graph, opts: Any, model: DeviceModel,
         return None
     est: dict[tuple[int, str], Compute] = {}
     progs: dict[tuple[int, str], StageProgram] = {}
+    mine_of: list[list[tuple[int, str]]] = []       # by rank: its programs' keys
     for cut in cuts:
-        for key, prog in cut.programs.items():
+        keys = []
+        for key, prog in [*cut.programs.items(), *(((s, "C"), p) for s, p in cut.counts.items()),
+                          *(((s, "T"), p) for s, p in cut.once.items())]:
             est[key] = estimate_compute(prog.graph, model)
             progs[key] = prog
+            keys.append(key)
+        mine_of.append(keys)
 
-    def times(key: tuple[int, str]) -> int:      # runs per step
-        return 1 if key[1].startswith("U") else m
+    def times(key: tuple[int, str]) -> int:
+        return runs_per_step(key[1], m)
 
     per_step = sum(e.flops_per_step * times(k) for k, e in est.items())
-    per_rank = [sum((est[k].flops_per_device * times(k) for k in cut.programs), Fraction(0))
-                for cut in cuts]
+    per_rank = [sum((est[k].flops_per_device * times(k) for k in keys), Fraction(0))
+                for keys in mine_of]
+    before = max(sum(est[k].total_s * times(k) for k in keys if k[1] in ("C", "T"))
+                 for keys in mine_of)
     unknown = sorted({u for e in est.values() for u in e.unknown_cost_ops})
     types = graph.value_types()
     rank_of = {st: r for r, cut in enumerate(cuts) for st, _ in cut.programs}
@@ -80,9 +91,9 @@ def pipeline_compute(graph: Graph, opts: Any, model: DeviceModel,
     blocks = timeline([list(o) for o in orders], fwd, bwd, share, lag_f, lag_b)
     ends = [max((b.end for b in blocks if b.rank == r), default=0.0) for r in range(ranks)]
     update = [sum(est[k].total_s for k in cut.programs if k[1].startswith("U")) for cut in cuts]
-    finish = [e + u for e, u in zip(ends, update)]
+    finish = [before + e + u for e, u in zip(ends, update)]
     last = max(range(ranks), key=lambda r: finish[r])
-    mine = cuts[last].programs
+    mine = mine_of[last]
     compute = sum(est[k].compute_s * times(k) for k in mine)
     exposed = sum(est[k].exposed_comm_s * times(k) for k in mine)
     return Compute(per_step, max(per_rank), tuple(unknown), model.name, compute, exposed,

@@ -19,7 +19,8 @@ from ..ir.types import TensorType, Varying
 from ..passes.base import Decision, find_decision
 from ..passes.pipeline_orders import rank_orders
 from ..passes.pipeline_parallel import PipelineRecord, pipeline_of
-from ..passes.pipeline_programs import StagePrograms, is_staged, rank_stage_programs, rank_stages
+from ..passes.pipeline_programs import (StagePrograms, is_staged, rank_stage_programs, rank_stages,
+                                        runs_per_step)
 from .compute import DEFAULT_DEVICE_MODEL, Compute, estimate_compute
 from .pipeline_peak import pipeline_peak
 from .pipeline_time import pipeline_compute
@@ -311,7 +312,7 @@ def _runs_per_step(graph: Graph, cuts: list[StagePrograms]) -> dict[int, tuple[i
         progs += [("C", p) for p in cut.counts.values()]
         progs += [("T", p) for p in cut.once.values()]
         for kind, prog in progs:
-            times = 1 if kind.startswith("U") or kind == "T" else m
+            times = runs_per_step(kind, m)
             for op in prog.graph.walk():    # in two programs (a constant copied): both
                 found[id(op)] = (r, found.get(id(op), (r, 0))[1] + times)
     return {**out, **found}

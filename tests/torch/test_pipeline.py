@@ -1156,9 +1156,10 @@ def test_parameters_held_as_pieces_are_gathered_once_a_step():
     from diphoma_compile.passes.pipeline_programs import stage_programs
     from diphoma_compile.report.plan import build_plan
     g = traced_gpt(layers=4, mesh={"dp": 2, "pp": 2}, seqs=8)
-    plans, programs = {}, {}
+    plans, programs, graphs = {}, {}, {}
     for gather in ("step", "microbatch"):
         out, ctx = run(g, SHARDED % ("" if gather == "step" else ", gather=microbatch"))
+        graphs[gather] = out
         params = {i.name for i in out.inputs if i.role.kind.value == "param"}
         whole = {op.results[0].name for op in out.ops if op.name == "all_gather"
                  and set(op.inputs) <= params}
@@ -1196,5 +1197,19 @@ def test_parameters_held_as_pieces_are_gathered_once_a_step():
     assert "gathered once a step on each pipeline stage that reads them" in step.to_text()
     assert "in each of the 4 microbatches (gather=microbatch)" in micro.to_text()
     assert step.to_dict()["notes"]["pipeline"]["gather"] == "step"
+    # the step-time estimate counts T's gathers, once, before the schedule
+    assert 0 < step.compute.exposed_comm_s < micro.compute.exposed_comm_s
+    assert step.compute.total_s < micro.compute.total_s
+    from diphoma_compile.ir.device_model import device_model
+    from diphoma_compile.passes.pipeline_parallel import pipeline_of
+    from diphoma_compile.passes.pipeline_programs import rank_stage_programs
+    from diphoma_compile.report.pipeline_time import pipeline_compute
+    cuts = rank_stage_programs(graphs["step"])
+    model = device_model("h100-nccl")
+    counted = pipeline_compute(graphs["step"], pipeline_of(graphs["step"]), model, cuts)
+    for cut in cuts:
+        cut.once.clear()
+    left_out = pipeline_compute(graphs["step"], pipeline_of(graphs["step"]), model, cuts)
+    assert counted.exposed_comm_s > left_out.exposed_comm_s
     with pytest.raises(PassError, match="unknown gather 'never'"):
         run(g, SHARDED % ", gather=never")
