@@ -15,6 +15,7 @@ from ..ir.analysis import free_inputs, peak_memory, producers, view_bases
 from ..ir.core import Graph, InputKind, Op, OutputKind, Phase
 from ..ir.device_model import DeviceModel, device_model
 from ..ir.ops import Category, op_def
+from ..ir.opdef import is_local
 from ..ir.types import TensorType, Varying
 from ..passes.base import Decision, find_decision
 from ..passes.pipeline_orders import rank_orders
@@ -125,6 +126,17 @@ class Plan:
     def decision(self, kind: type[_D]) -> _D | None:
         """What the pass whose record type is ``kind`` decided, or None when it did not run."""
         return find_decision(self.decisions, kind)
+
+    @property
+    def comm_calls_per_rank(self) -> tuple[int, ...]:
+        """Under a pipeline, the calls a device of each pp rank makes a step: its
+        collectives that move data and its sends to other ranks, each as often as its
+        program runs (receives not counted; a send to another stage of the same rank is a
+        hand-over in memory); empty otherwise."""
+        return tuple(sum(c.runs for c in self.collectives if c.pp_rank == r
+                         and c.kind != "recv" and not is_local(c.kind)
+                         and not (c.kind == "send" and c.bytes_per_device == 0))
+                     for r in range(len(self.comm_bytes_per_rank)))
 
     @property
     def notes(self) -> dict[str, Any]:

@@ -80,7 +80,7 @@ def _summary(plan: Plan) -> list[str]:
            "as often as its program runs)" if plan.comm_bytes_per_rank else "")
         + f" in {sum(kinds.values())} collectives"
         + (" (" + ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) + ")"
-           if kinds else ""),
+           if kinds else "") + _calls_text(plan),
     ]
     lines += _compute_lines(plan)
     if plan.idle_axes:
@@ -296,6 +296,17 @@ def _update_lines(wus: WeightUpdateShardingRecord | None) -> list[str]:
         lines += ["", "gradient outputs left sharded (no full .grad): "
                   + ", ".join(wus.grads_left_sharded)]
     return lines
+
+
+def _calls_text(plan: Plan) -> str:
+    """Under a pipeline, the calls a step the fullest rank makes (a collective in a
+    program run per microbatch calls M times)."""
+    per_rank = plan.comm_bytes_per_rank
+    if not per_rank:
+        return ""
+    r = max(range(len(per_rank)), key=lambda k: per_rank[k])
+    return (f"; pp rank {r} makes {plan.comm_calls_per_rank[r]} calls a step (sends "
+            "included, receives not)")
 
 
 def _shard_params_lines(sp: ShardParamsRecord | None,

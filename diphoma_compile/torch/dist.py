@@ -26,6 +26,7 @@ from ..errors import BackendError, MeshError, no_keywords
 from ..ir.analysis import runs_on_one_device
 from ..ir.core import Graph, InputKind, OutputKind
 from ..ir.ops import OPS, Category
+from ..ir.opdef import is_local
 from ..ir.types import DType, FlatShard, Placement, Replicate, Shard, TensorType, Varying
 from ..mesh import Mesh
 from ..report.memory import MemoryReport
@@ -330,6 +331,13 @@ class TorchDistStep(TorchStep):
                                hint="call the step before destroy_process_group()")
         self.calls += 1
         return super().__call__(*args)
+
+    @property
+    def comm_calls(self) -> int:
+        """Calls this rank made to move data so far: its collectives (not those that move
+        none: a take_shard) and its sends to other pipeline ranks, over every mesh axis."""
+        return sum(n for c in (*self.comms.values(), *self.level_comms.values())
+                   for kind, n in c.calls.items() if not is_local(kind))
 
     @property
     def comm_bytes(self) -> int:

@@ -206,7 +206,7 @@ class TorchPipelineStep(TorchDistStep):
             t = env[name].contiguous()
             self._pending.append((dist.isend(t, dst=self.pp.global_rank(peer),
                                              group=self.pp.group, tag=self._tag(mb, tag)), t))
-            self.pp.bytes_sent += t.numel() * t.element_size()
+            self.pp._count("send", t.numel() * t.element_size())
 
     def _run(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         t0 = time.perf_counter()

@@ -1636,6 +1636,8 @@ def run_pp_case(rank: int, world: int, axes: dict[str, int], opt_name: str, sche
            "codegen": step.runner.codegen, "compile_s": step.compile_s,
            "sent": {"counted": sent, "steps": len(batches),
                     "planned": step.plan.comm_bytes_per_rank[rank % pp]},
+           "calls": {"counted": step.runner.comm_calls, "steps": len(batches),
+                     "planned": step.plan.comm_calls_per_rank[rank % pp]},
            # (runs a step, rows) of the plan's all-gathers on this rank's pp rank
            "gathers": [(c.runs, c.value) for c in step.plan.collectives
                        if c.kind == "all_gather" and c.pp_rank == rank % pp]}

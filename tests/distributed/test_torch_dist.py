@@ -826,6 +826,20 @@ def test_pipeline_bytes_sent_are_the_plans_for_each_rank(runs):
             assert got["counted"] == got["steps"] * got["planned"], (case, rank, got)
 
 
+def test_pipeline_calls_made_are_the_plans_for_each_rank(runs):
+    """Every pipeline case: the calls each rank made to move data in its steps (its
+    collectives, its sends to other ranks) are the plan's for its pp rank
+    (``Plan.comm_calls_per_rank``, which the text prints for the fullest rank), each
+    collective as often as its program runs."""
+    if not runs[0]["pp"]:
+        pytest.skip("transformers is not installed")
+    for case in dist_checks.PP_CASES:
+        for rank, r in enumerate(runs):
+            got = r["pp"][case]["calls"]
+            assert got["planned"] > 0
+            assert got["counted"] == got["steps"] * got["planned"], (case, rank, got)
+
+
 @pytest.mark.parametrize("case", ["wide/default", "wide/shard", "wide/next", "gpt/default",
                                   "gpt/shard", "gpt/next"])
 def test_the_measured_peak_is_the_planned_one(runs, case):

@@ -1031,6 +1031,14 @@ def test_the_plan_counts_each_collective_as_often_as_its_program_runs():
     assert sum(plan.comm_bytes_per_rank) == sum(c.bytes_per_device for c in plan.collectives)
     text = plan.to_text()
     assert "(the fullest pipeline rank; by pp rank: " in text
+    # the calls a step (the distributed check counts them too): forward and backward sends
+    # M times, the update's reductions once
+    calls = plan.comm_calls_per_rank
+    assert len(calls) == 2 and all(n > 0 for n in calls)
+    assert calls[0] == sum(c.runs for c in plan.collectives if c.pp_rank == 0
+                           and c.kind in ("send", "all_reduce", "reduce_scatter", "all_gather"))
+    r = max((0, 1), key=lambda k: plan.comm_bytes_per_rank[k])
+    assert f"pp rank {r} makes {calls[r]} calls a step" in text
     # zbv: stages 0 and 3 on rank 0 hold the tied embedding; what one sends the other is
     # handed over in memory (the distributed check measured it: the plan said 40 KB more)
     out, ctx = run(traced_gpt(layers=4), "dce,pipeline{axis=pp, microbatches=2, schedule=zbv}")
