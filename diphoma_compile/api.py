@@ -385,7 +385,15 @@ def pipeline_settings(mesh: Mesh, passes: str | None, microbatches: int | None,
                                 "its bubble small), or leave it unset")
     if passes is not None:
         found = [p for p in parse_spec(passes) if isinstance(p, PipelineParallel)]
-        return found[-1] if found else None
+        got = found[-1] if found else None
+        if microbatches is not None and microbatches != (got.microbatches if got else 1):
+            raise DiphomaError(
+                f"microbatches={microbatches} was given beside passes=, whose "
+                + (f"pipeline pass says microbatches={got.microbatches}" if got else
+                   "passes have no pipeline pass"),
+                hint="say the microbatches in the pipeline pass of passes= "
+                     "(pipeline{axis=pp, microbatches=M}), or leave microbatches unset")
+        return got
     pp = pipeline_axis(mesh)
     if pp is None or mesh.axis_size(pp) == 1:
         if microbatches not in (None, 1):

@@ -71,6 +71,13 @@ def add_parser(sub: Any) -> None:
                    help="the pipeline schedule with a pp axis (default 1f1b; interleaved, "
                         "looped-bfs, the zero-bubble ones interleaved-zb and zbv, with "
                         "split backward, and dualpipev (M >= 2P) run two stages per rank)")
+    p.add_argument("--microbatches", type=int, default=None, metavar="M",
+                   help="with a pp axis: the microbatches a step is cut into (default: the "
+                        "pp axis size; for dualpipev twice that)")
+    p.add_argument("--shard-params", action="store_true",
+                   help="hold the parameters as pieces over the data axis (FSDP-class), as "
+                        "parallelize(..., shard_params=True) does; under a pipeline each "
+                        "stage gathers its parameters once a step")
     p.add_argument("--plot", metavar="FILE",
                    help="with a pp axis: draw the schedule (ranks x time, forward and "
                         "backward blocks, from the schedule's action lists and the stages' "
@@ -152,11 +159,13 @@ def build_target(args: argparse.Namespace, mesh: Mesh, axis: str) -> Target:
 
 def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump: Any,
                 stream: Any, clock: list | None = None, verify_passes: bool = True,
-                device_model: str = DEFAULT_DEVICE_MODEL, schedule: str = "1f1b"
+                device_model: str = DEFAULT_DEVICE_MODEL, schedule: str = "1f1b",
+                microbatches: int | None = None, shard_params: bool = False
                 ) -> tuple[Any, Any, list]:
     """Trace the step, run the pipeline for ``mesh`` (dumping as asked), and build the
-    plan, as ``ParallelStep.trace()`` does, estimating the step time on ``device_model``;
-    ``clock`` collects (stage, time) pairs.
+    plan, as ``ParallelStep.trace()`` does, estimating the step time on ``device_model``
+    (``microbatches``, ``shard_params``: parallelize's); ``clock`` collects (stage, time)
+    pairs.
 
     The traced graph is checked by the frontend; ``verify_passes`` checks the graph after
     every pass too, which names the pass that broke it, and is what ``trace()`` does.
@@ -167,7 +176,7 @@ def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump:
     from ..ir.verify import verify
     from ..api import pipeline_settings, run_passes, trace_step
     from ..passes import PassContext
-    pipeline = pipeline_settings(mesh, passes, None, schedule)
+    pipeline = pipeline_settings(mesh, passes, microbatches, schedule)
     if pipeline is not None:       # stages balanced on the device model planned for
         pipeline = replace(pipeline, device_model=device_model)
     fw, graph, _, probe = trace_step(target.step, target.args, mesh, axis, None,
@@ -184,7 +193,8 @@ def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump:
         stream(f"# IR after trace\n{print_graph(graph.replace(mesh=mesh))}")
     ctx = PassContext(dump_after=dump, dump_stream=stream, verify=verify_passes)
     graph, plan = run_passes(graph, fw, mesh, axis, passes, ctx, device_model,
-                             pipeline=pipeline, warn=False,     # the plan says it
+                             shard_params=shard_params, pipeline=pipeline,
+                             warn=False,     # the plan says it
                              probe=probe)
     clock.append(("passes", time.perf_counter()))
     if not verify_passes and ctx.records:
@@ -235,6 +245,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     clock = [("start", time.perf_counter())]
     mesh = parse_mesh(args.mesh)
     axis = inspect_axis(mesh, args.axis)
+    if args.shard_params and args.passes is not None:
+        raise InspectError("--shard-params picks the default passes, but --passes was given "
+                           "too", hint="add shard-params{axis=dp} after "
+                                       "weight-update-sharding in --passes instead")
     if args.device_model != "measured":
         device_model(args.device_model)  # an unknown name fails before the file is loaded
     dump: Any = "all" if args.dump_ir_after == "all" else frozenset(
@@ -252,7 +266,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             clock.append(("measure the device", time.perf_counter()))
         graph, plan, records = plan_target(target, mesh, axis, args.passes, dump, stream,
                                            clock, args.verify_passes, args.device_model,
-                                           args.schedule)
+                                           args.schedule, args.microbatches,
+                                           args.shard_params)
     if dump != "all":
         ran = {name.split("{", 1)[0].strip() for name in plan.passes} | {"trace"}
         unknown = sorted(dump - ran)

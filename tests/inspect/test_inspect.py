@@ -422,6 +422,24 @@ def test_collectives_name_the_tensors_they_move(capsys):
     assert len({c["belongs_to"][0] for c in sums}) == len(sums)
 
 
+def test_shard_params_and_microbatches_plan_as_parallelize_does(capsys):
+    """--shard-params and --microbatches: the parameters held as pieces over dp, gathered
+    once a step on each pipeline stage; refused beside --passes, and without a pp axis."""
+    args = (GPT, "--init", TINY_GPT, "--input", "int64[8,16]<64", "--input", "int64[8,16]<64")
+    rc, out, err = inspect(capsys, *args, "--mesh", "dp=2,pp=2", "--shard-params",
+                           "--microbatches", "4")
+    assert rc == 0, err
+    assert "shard-params{axis=dp, backward=regather}" in out
+    assert "microbatches=4, schedule=1f1b" in out and "4 microbatch(es)" in out
+    assert "gathered once a step on each pipeline stage that reads them" in out
+    assert "calls a step (sends included, receives not)" in out
+    rc, out, err = inspect(capsys, *args, "--mesh", "dp=2", "--shard-params", "--passes",
+                           "dce")
+    assert rc != 0 and "--shard-params picks the default passes" in err
+    rc, out, err = inspect(capsys, *args, "--mesh", "dp=2", "--microbatches", "4")
+    assert rc != 0 and "microbatches=4 is for pipeline parallelism" in err
+
+
 @pytest.mark.parametrize("mesh, grid", [("pp=2", ["all: 0 1"]),
                                         ("dp=2,pp=2", ["dp=0: 0 1", "dp=1: 2 3"])])
 def test_pipeline_plan_shows_stages_schedule_and_rank_grid(capsys, mesh, grid):

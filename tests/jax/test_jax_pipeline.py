@@ -272,6 +272,15 @@ def test_microbatches_without_a_pp_axis_are_refused():
     with pytest.raises(diphoma_compile.DiphomaError) as e:
         diphoma_compile.parallelize(step, {"dp": 2}, microbatches=2)
     assert "microbatches=2 is for pipeline parallelism" in str(e.value)
+    # beside passes=, whose pipeline pass says its own (it was ignored without a word)
+    spec = "dce,pipeline{axis=pp, microbatches=2}"
+    with pytest.raises(diphoma_compile.DiphomaError, match="whose pipeline pass says "
+                                                           "microbatches=2"):
+        diphoma_compile.parallelize(step, MESH, passes=spec, microbatches=4)
+    with pytest.raises(diphoma_compile.DiphomaError, match="passes have no pipeline pass"):
+        diphoma_compile.parallelize(step, {"dp": 2}, passes="dce", microbatches=4)
+    assert diphoma_compile.parallelize(step, MESH, passes=spec, microbatches=2).pipeline \
+        .microbatches == 2
 
 
 class DropoutMLP(nn.Module):
