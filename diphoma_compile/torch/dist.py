@@ -241,7 +241,7 @@ class TorchDistStep(TorchStep):
                                    "or its tensor-parallel shard) or not at all (S/F)")
             if slot.kind == "param":
                 p_type = self._param_type_at.get((slot.owner, slot.key[0]))
-                if p_type is None or _held(t) != _held(p_type):
+                if p_type is None or split_axes(t) != split_axes(p_type):
                     raise BackendError(f"the new parameter {slot.name} is placed {t}, but it "
                                        f"is read as {p_type}; parameters are written back as "
                                        "they are held",
@@ -357,7 +357,7 @@ class TorchDistStep(TorchStep):
                     tensors.append(t)
         whole = {id(p): tuple(p.shape) == self._param_type[pi].shape
                  for pi, p in enumerate(self.captured.params) if pi in self._param_type}
-        held = {id(p): _held(self._param_type[pi])
+        held = {id(p): split_axes(self._param_type[pi])
                 for pi, p in enumerate(self.captured.params) if pi in self._param_type}
         with torch.no_grad():
             for a, comm in self.comms.items():
@@ -379,9 +379,9 @@ class TorchDistStep(TorchStep):
         sizes = dict(self.mesh.axes)
         for pi, p in enumerate(self.captured.params):
             typ = self._param_type.get(pi)
-            if typ is None or not _held(typ):
+            if typ is None or not split_axes(typ):
                 continue
-            bad = [f"{a}: {q}" for a, q in _held(typ).items()
+            bad = [f"{a}: {q}" for a, q in split_axes(typ).items()
                    if not isinstance(q, (Shard, FlatShard))]
             if bad:
                 raise BackendError(f"the parameter {self._param_names[pi]} is read placed "
@@ -409,7 +409,7 @@ class TorchDistStep(TorchStep):
         slots = [s for s in cap.inputs if s.kind == "param"]
         for pi, slot in enumerate(slots):
             typ = self._param_type[pi]
-            if slot.owner == module and _held(typ):
+            if slot.owner == module and split_axes(typ):
                 whole[id(cap.params[pi])] = self._whole_of(cap.params[pi], typ)
         # by tensor, not name: a tied parameter (an embedding shared with the LM head)
         # appears under every name it has
@@ -524,7 +524,7 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def _held(t: TensorType) -> dict[str, Placement]:
+def split_axes(t: TensorType) -> dict[str, Placement]:
     """The axes a value is not replicated over, and how it is placed on each."""
     return {a: p for a, p in t.placements if not isinstance(p, Replicate)}
 

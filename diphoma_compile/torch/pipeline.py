@@ -37,7 +37,7 @@ from ..ir.core import Graph, InputKind
 from ..passes.pipeline_parallel import pipeline_of, stage_rank, updated_buffers
 from ..passes.pipeline_programs import rank_stages, stage_programs
 from .codegen import program
-from .dist import TorchDistStep, _held
+from .dist import TorchDistStep, split_axes
 from .ops import DTYPE_TO_TORCH
 from .pipeline_schedule import schedule_actions
 from .state import Captured, Slot
@@ -348,7 +348,7 @@ class TorchPipelineStep(TorchDistStep):
             typ = self._param_type[pi]
             p = cap.params[pi]
             if owner[slot.name] == self.pp.rank:    # held here: whole, or its pieces
-                buf = self._whole_of(p, typ) if _held(typ) else p.detach().clone()
+                buf = self._whole_of(p, typ) if split_axes(typ) else p.detach().clone()
             else:
                 buf = torch.empty(typ.shape, dtype=DTYPE_TO_TORCH[typ.dtype],
                                   device=p.device)
