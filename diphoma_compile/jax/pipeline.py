@@ -131,8 +131,15 @@ class JaxPipelineStep(MeasuredRunner):
         # the schedule is done
         by_update = {(s, n) for (s, k), p in self.cut.programs.items() if k.startswith("U")
                      for n in p.inputs}
+        # (stage, name, the stage whose T makes it): a parameter gathered once for the
+        # stages of a rank, read by a later one of them (stage_programs)
+        made_by = {n: s for s, p in self.cut.once.items() for n in p.outputs}
+        self.once_shared = [(s, n, made_by[n]) for s in range(self.nstages)
+                            for n in sorted(self.reads[s])
+                            if n in made_by and made_by[n] != s]
         self.once_dropped = [(s, n) for s, p in self.cut.once.items() for n in p.outputs
-                             if (s, n) not in by_update]
+                             if (s, n) not in by_update] + \
+            [(s, n) for s, n, _ in self.once_shared if (s, n) not in by_update]
         self.batch = {i.name for i in graph.inputs if i.role.kind is InputKind.batch}
         # the microbatch's index, which key draws made for every microbatch read
         # (passes/pipeline_draws.py): the runtime passes it, not the user
@@ -269,6 +276,8 @@ class JaxPipelineStep(MeasuredRunner):
                 prog = self.cut.once[s]
                 made = self.once_fns[s](*[placed[(s, n)] for n in prog.inputs])
                 placed.update(((s, n), v) for n, v in zip(prog.outputs, made))
+        for s, n, maker in self.once_shared:    # the same devices: the same array
+            placed[(s, n)] = placed[(maker, n)]
         envs: dict[tuple[int, int], dict[str, Any]] = {}
         mail: dict[tuple[int, int], Any] = {}          # (tag, microbatch) -> value sent
         acc: dict[int, dict[str, Any]] = {s: {} for s in range(self.nstages)}

@@ -106,8 +106,14 @@ def stage_programs(graph: Graph, stages: list[int], schedule: str,
     input_grad = input_gradient_ops(graph.ops) if "I" in out.kinds else set()
     opts = pipeline_of(graph)
     gather = opts.gather if opts is not None else "step"
-    for me in stages:
-        _cut_stage(graph, me, out, op_round, input_grad, gather)
+    rank_of = {s: r for r, held in enumerate(rank_stages(graph)) for s in held} \
+        if opts is not None else {}
+    # by rank: the parameters an earlier stage of the rank gathers in its program T, which
+    # its later stages read from there (a tied embedding on both ends of zbv's V)
+    gathered: dict[int, dict[tuple, str]] = {}
+    for me in sorted(stages):
+        _cut_stage(graph, me, out, op_round, input_grad, gather,
+                   gathered.setdefault(rank_of.get(me, me), {}))
     _mark_replaced(graph, out, sorted(stages))
     return out
 
@@ -178,7 +184,7 @@ def _mark_replaced(graph: Graph, out: StagePrograms, stages: list[int]) -> None:
 
 
 def _cut_stage(graph: Graph, me: int, out: StagePrograms, op_round: dict[int, int],
-               input_grad: set[int], gather: str) -> None:
+               input_grad: set[int], gather: str, gathered: dict[tuple, str]) -> None:
     types = graph.value_types()
     roles = {i.name: i.role for i in graph.inputs}
     ops = [op for op in graph.ops if op.stage == me]
@@ -201,7 +207,7 @@ def _cut_stage(graph: Graph, me: int, out: StagePrograms, op_round: dict[int, in
     _reduce_the_sums(graph, ops, body)
     _share_invariants(graph, body)
     _count_program(graph, me, ops, body, out)
-    _once_program(graph, me, ops, body, out, gather)
+    _once_program(graph, me, ops, body, out, gather, gathered)
     readers = {}
     for k, b in body.items():
         made_k = {v.name for op in b for v in op.results}
@@ -321,7 +327,7 @@ def _count_program(graph: Graph, me: int, ops: list[Op], body: dict[str, list[Op
 
 
 def _once_program(graph: Graph, me: int, ops: list[Op], body: dict[str, list[Op]],
-                  out: StagePrograms, gather: str) -> None:
+                  out: StagePrograms, gather: str, gathered: dict[tuple, str]) -> None:
     """Stage ``me``'s program T, run once before the schedule: ops of its per-microbatch
     programs that would make the same values in every microbatch, M times over.
 
@@ -334,7 +340,11 @@ def _once_program(graph: Graph, me: int, ops: list[Op], body: dict[str, list[Op]
       is the same value: it goes, its readers read the forward's). The stage's parameters
       are then whole from before its first forward to after its last backward, as torch's
       pipelines keep FSDP's (``set_reshard_after_backward(False)`` on all backwards but
-      the last). A gather whose result is sent or returned stays where it is."""
+      the last). A gather whose result is sent or returned stays where it is. A
+      parameter an earlier stage of the same rank gathers in its T (``gathered``: by the
+      gather's inputs, attributes and type, the value made) is not gathered again: this
+      stage's programs read that stage's value (both runtimes keep every T's results for
+      the rank's stages), so a rank holds one whole copy."""
     consts = {v.name: op for op in body["F"] if not free_inputs(op) and not op.regions
               and is_pure(op) for v in op.results}
     sent = {op.inputs[0] for op in ops if op.name == "send"}
@@ -352,8 +362,8 @@ def _once_program(graph: Graph, me: int, ops: list[Op], body: dict[str, list[Op]
                 have.update(v.name for v in op.results)
     rename: dict[str, str] = {}
     if gather == "step":
-        chosen += _step_gathers(graph, body, sent | returned, rename)
-    if not chosen:
+        chosen += _step_gathers(graph, body, sent | returned, rename, gathered)
+    if not chosen and not rename:
         return
     moved = {id(op) for op in chosen}
     for k, b in body.items():
@@ -370,6 +380,8 @@ def _once_program(graph: Graph, me: int, ops: list[Op], body: dict[str, list[Op]
     live = {n for b in body.values() for op in b for n in free_inputs(op)} | sent | returned
     body["F"] = [op for op in body["F"] if free_inputs(op)
                  or any(v.name in live for v in op.results) or not is_pure(op)]
+    if not chosen:                  # every gather it reads is another stage's
+        return
     types = graph.value_types()
     roles = {i.name: i.role for i in graph.inputs}
     made = {v.name for op in t_body for v in op.results}
@@ -382,12 +394,13 @@ def _once_program(graph: Graph, me: int, ops: list[Op], body: dict[str, list[Op]
 
 
 def _step_gathers(graph: Graph, body: dict[str, list[Op]], kept: set[str],
-                  rename: dict[str, str]) -> list[Op]:
+                  rename: dict[str, str], gathered: dict[tuple, str]) -> list[Op]:
     """The all-gathers of parameter inputs in the per-microbatch programs of ``body`` that
     program T may run once a step, the first of each; the results of the others (the same
-    parameter gathered again for the backward) go into ``rename`` as the first's. Not one
-    whose result is in ``kept`` (sent, returned), nor one an op with regions reads again
-    (its body would name the value)."""
+    parameter gathered again for the backward, or already in ``gathered`` by another stage
+    of the rank) go into ``rename`` as the first's. Not one whose result is in ``kept``
+    (sent, returned), nor one an op with regions reads (its body would name the value).
+    The chosen ones are added to ``gathered``."""
     params = {i.name for i in graph.inputs if i.role.kind is InputKind.param}
     in_regions = {n for b in body.values() for op in b if op.regions
                   for n in free_inputs(op)}
@@ -406,11 +419,14 @@ def _step_gathers(graph: Graph, body: dict[str, list[Op]], kept: set[str],
                 continue
             key = (op.inputs, tuple(sorted((a, str(v)) for a, v in op.attrs.items())),
                    res.type)
-            if key in first and res.name not in in_regions:
-                rename[res.name] = first[key]
+            known = first.get(key, gathered.get(key))
+            if known is not None and res.name not in in_regions:
+                rename[res.name] = known
                 continue
             first.setdefault(key, res.name)
             chosen.append(op)
+    for key, name in first.items():
+        gathered.setdefault(key, name)
     return chosen
 
 

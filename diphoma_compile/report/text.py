@@ -321,10 +321,11 @@ def _shard_params_lines(sp: ShardParamsRecord | None,
                  f"gathered where read, {how}; all-gathers: {where}"]
     if pp is not None and pp.gather == "step":
         lines[1] = (f"parameters held as pieces over {sp.axis}: {len(sp.sharded)} of them, "
-                    "gathered once a step on each pipeline stage that reads them, before "
-                    "its first microbatch, and kept whole until its last backward (the "
-                    "pipeline's gather=step; gather=microbatch gathers them in every "
-                    "microbatch's forward and backward)")
+                    "gathered once a step on each pipeline stage that reads them (once "
+                    "for the stages of a rank), before its first microbatch, and kept "
+                    "whole until its last backward (the pipeline's gather=step; "
+                    "gather=microbatch gathers them in every microbatch's forward and "
+                    "backward)")
     elif pp is not None:
         lines[1] += f", in each of the {pp.microbatches} microbatches (gather=microbatch)"
     lines += [f"  kept whole: {p}: {why}" for p, why in sp.whole]

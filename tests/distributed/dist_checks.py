@@ -1508,7 +1508,11 @@ PP_CASES = {"pp4-sgdm-1f1b": ({"pp": 4}, "sgdm", "1f1b", 4),
             # parameters held as pieces over dp (shard_params), gathered once a step on
             # each stage (the tied embedding on both), kept whole through the schedule
             "dp2-pp2-adamw-1f1b-shard": ({"dp": 2, "pp": 2}, "adamw", "1f1b", 4, False, None,
-                                         "gpt2", True)}
+                                         "gpt2", True),
+            # the same under zbv: rank 0 holds the first and the last stage, which both
+            # read the tied embedding; it gathers it once, for both
+            "dp2-pp2-sgdm-zbv-shard": ({"dp": 2, "pp": 2}, "sgdm", "zbv", 4, False, None,
+                                       "gpt2", True)}
 PP_STEPS, PP_LOCAL, PP_MICRO = 3, 8, 4   # steps; sequences per dp rank; microbatches
 # the pipeline cases' labels ignore (-100) the tokens below this, a quarter of them at
 # random: each microbatch counts its own number of targets, and the loss is the mean

@@ -593,3 +593,26 @@ def test_parameters_held_as_pieces_are_gathered_once_a_step():
     assert set(once[0]) & set(once[3]), "the tied embedding gathered on both its stages"
     gathers = [c for c in pp.plan.collectives if c.kind == "all_gather"]
     assert gathers and {c.runs for c in gathers} == {1}
+
+
+def test_a_column_gathers_the_tied_embedding_its_two_stages_read_once():
+    """zbv over dp=4 x pp=2 with shard_params: the first device column runs stages 0 and 3,
+    both reading the tied embedding; stage 0's program T gathers it and stage 3 reads that
+    array (it gathered it again, and held a second whole copy). The same parity with the
+    single-device step."""
+    from diphoma_compile.passes.pipeline_programs import rank_stage_programs
+    tx = optax.sgd(0.1, momentum=0.9)
+    step, params, batches = _case(tx)
+    ref_state, ref_losses = _train(jax.jit(step), params, tx, batches)
+    pp = diphoma_compile.parallelize(step, {"dp": 4, "pp": 2}, microbatches=4,
+                                     schedule="zbv", shard_params=True)
+    state, losses = _train(pp, params, tx, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    largest = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(ref_state[0]))
+    assert _distance(pp.user_shapes(state[0], 0), ref_state[0]) <= 1e-5 * largest
+    for cut in rank_stage_programs(pp.graph):
+        read = [op.inputs[0] for p in cut.once.values() for op in p.graph.ops
+                if op.name == "all_gather"]
+        assert len(read) == len(set(read)), sorted(read)
+    [(stage, name, maker)] = pp.runner.once_shared
+    assert (stage, maker) == (3, 0) and "Embed_0/embedding" in name

@@ -1202,7 +1202,7 @@ def test_parameters_held_as_pieces_are_gathered_once_a_step():
     assert max(step.comm_bytes_per_rank) < max(micro.comm_bytes_per_rank)
     # the parameters whole all through the schedule: a higher peak than gathered per use
     assert step.memory.peak > micro.memory.peak
-    assert "gathered once a step on each pipeline stage that reads them" in step.to_text()
+    assert "gathered once a step on each pipeline stage that reads them (once" in step.to_text()
     assert "in each of the 4 microbatches (gather=microbatch)" in micro.to_text()
     assert step.to_dict()["notes"]["pipeline"]["gather"] == "step"
     # the step-time estimate counts T's gathers, once, before the schedule
@@ -1221,3 +1221,34 @@ def test_parameters_held_as_pieces_are_gathered_once_a_step():
     assert counted.exposed_comm_s > left_out.exposed_comm_s
     with pytest.raises(PassError, match="unknown gather 'never'"):
         run(g, SHARDED % ", gather=never")
+
+
+def test_a_rank_gathers_a_parameter_two_of_its_stages_read_once():
+    """zbv over dp=2 x pp=2: rank 0 runs the first and the last of the 4 stages, and both
+    read the tied embedding. The first's program T gathers it; the last stage's programs
+    read that value, and the rank gathers nothing twice (it gathered the embedding on each
+    stage, and held two whole copies through the schedule). The plan counts one gather of
+    it on pp rank 0, and the text says so."""
+    from diphoma_compile.passes.pipeline_programs import rank_stage_programs
+    from diphoma_compile.report.plan import build_plan
+    g = traced_gpt(layers=4, mesh={"dp": 2, "pp": 2}, seqs=8)
+    out, ctx = run(g, SHARDED % ", schedule=zbv")
+    cuts = rank_stage_programs(out)
+    assert sorted(cuts[0].once) == [0, 3] and sorted(cuts[1].once) == [1, 2]
+    for cut in cuts:
+        gathered = [op.inputs[0] for p in cut.once.values() for op in p.graph.ops
+                    if op.name == "all_gather"]
+        assert len(gathered) == len(set(gathered)), sorted(gathered)
+        for key, prog in cut.programs.items():
+            assert not any(op.name == "all_gather" for op in prog.graph.ops), key
+    first = cuts[0].once[0]
+    whole = next(op.results[0].name for op in first.graph.ops
+                 if op.name == "all_gather" and op.inputs[0] == "tok.weight")
+    assert whole in first.outputs
+    assert whole in cuts[0].programs[(3, "F")].inputs     # the LM head reads stage 0's
+    assert not any(op.name == "all_gather" and op.inputs[0] == "tok.weight"
+               for op in cuts[0].once[3].graph.ops)
+    plan = build_plan(out, ctx.decisions)
+    emb = [c for c in plan.collectives if c.kind == "all_gather" and c.value == "tok.weight"]
+    assert [(c.pp_rank, c.runs) for c in emb] == [(0, 1)]
+    assert "(once for the stages of a rank)" in plan.to_text()
