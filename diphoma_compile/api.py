@@ -172,7 +172,17 @@ class ParallelStep:
                                              pipeline=pipeline,
                                              compression=self.compression, local=self.local,
                                              probe=probe)
-        if self._plan.idle_axes and self.framework == "torch":
+        idle = self._plan.idle_axes
+        if self.axis in idle and self.framework != "torch":
+            # the trace cut the batch into this axis's shares: a step that no pass makes
+            # data parallel would train each device on its share alone
+            raise MeshError(
+                f"mesh axis {self.axis}={idle[self.axis]}, over which the batch is split, "
+                "is used by no pass: each device would run the step on its share of the "
+                "batch alone, and no gradient would be averaged over it",
+                hint="let passes= hold a data-parallel pass (the default passes do; "
+                     "inspect --passes shows a list's plan), or drop the axis from the mesh")
+        if idle and self.framework == "torch":
             # (one JAX controller passes the global batch: an idle axis repeats the same
             # work on the same data; torch's ranks each pass their own)
             axes = ", ".join(f"{a}={n}" for a, n in self._plan.idle_axes.items())

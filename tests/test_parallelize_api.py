@@ -241,3 +241,85 @@ def test_microbatches_that_are_not_a_count_are_refused(bad):
     """microbatches=0 crashed with a ZeroDivisionError deep in the JAX batch check."""
     with pytest.raises(DiphomaError, match="whole number of at least 1"):
         parallelize(lambda *a: a, {"dp": 2, "pp": 2}, microbatches=bad)
+
+
+def _class_prior_case():
+    """A flax classifier whose batch dict holds a per-class log prior beside the examples."""
+    import flax.linen as nn
+    import optax
+    model, tx = nn.Dense(8), optax.sgd(0.1)
+
+    def step(params, opt_state, batch, *prior):
+        def loss_fn(p):
+            logits = model.apply(p, batch["x"]) + (prior[0] if prior else batch["log_prior"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    key = jax.random.PRNGKey(0)
+    x = jax.random.normal(key, (16, 8))
+    batch = {"x": x, "y": jax.random.randint(key, (16,), 0, 8),
+             "log_prior": jnp.log(jnp.arange(1.0, 9.0) / 36)}
+    params = model.init(key, x[:1])
+    return step, params, tx.init(params), batch
+
+
+def test_a_batch_leaf_that_is_not_a_row_per_example_is_refused():
+    """A per-class log prior f32[4] inside the batch dict beside x f32[16, 8] was split over
+    dp=4 like the examples: each device added its one class's prior to every class (it
+    broadcasts), and the loss came out 1.468 where jax.jit's is 1.604, without a word (a
+    reviewer's probe on 4 devices, 2026-12-07; here 8 classes over dp=8). Refused now,
+    naming the leaf; passed as an argument of its own, outside the batch (as the hint
+    says), it runs and matches jax.jit."""
+    step, params, state, batch = _class_prior_case()
+    with pytest.raises(MeshError, match=r"batch/log_prior \(8 rows\), where batch/x, "
+                                        r"batch/y have 16") as e:
+        parallelize(step, {"dp": 8})(params, state, batch)
+    assert "batch_argnums=(2,)" in e.value.hint
+    with pytest.raises(MeshError, match=r"batch/log_prior \(8 rows\)"):
+        parallelize(step, {"dp": 2, "pp": 2}, microbatches=2).trace(params, state, batch)
+    prior = batch.pop("log_prior")
+    want = jax.jit(step)(params, state, batch, prior)[2]
+    got = parallelize(step, {"dp": 8}, batch_argnums=(2,))(params, state, batch, prior)[2]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_torch_pipeline_refuses_tensor_arguments_that_are_not_rows_of_the_batch():
+    """Under a pipeline every tensor argument is cut into microbatches: a per-class weight
+    f32[4] beside a batch of 16 was cut to one row per microbatch at M = 4 (it broadcasts)
+    or failed in aten at M = 2 with no word of the cut; a 0-d tensor got a hint about
+    the local batch's rows."""
+    import torch
+    import torch.nn.functional as F
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(model, opt, x, y, w):
+        loss = F.cross_entropy(model(x), y, weight=w)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    with pytest.raises(MeshError, match=r"argument 4 \(4 rows\), where argument 2, argument "
+                                        r"3 have 16") as e:
+        parallelize(step, {"pp": 2}, microbatches=4).trace(model, opt, x, y, torch.ones(4))
+    assert "register_buffer" in e.value.hint
+    with pytest.raises(MeshError, match="step argument 4 is a 0-d tensor"):
+        parallelize(step, {"pp": 2}, microbatches=4).trace(model, opt, x, y, torch.tensor(1.))
+
+
+def test_jax_refuses_a_data_axis_no_pass_uses():
+    """passes="" over {"dp": 8}: the batch was still cut into 8 shares for the trace, so the
+    step wanted a global batch of 2 rows (the error said "call it with the global arrays
+    of the shapes it was parallelized for"), and given them each device trained on the
+    same 2 rows, no gradient averaged. Refused now, as torch refuses an idle axis."""
+    step, params, state, batch = _class_prior_case()
+    batch.pop("log_prior")
+
+    def plain(params, opt_state, batch):
+        return step(params, opt_state, batch, jnp.zeros(8))
+    for passes in ("", "dce"):
+        with pytest.raises(MeshError, match="mesh axis dp=8, over which the batch is split, "
+                                            "is used by no pass"):
+            parallelize(plain, {"dp": 8}, passes=passes).trace(params, state, batch)
