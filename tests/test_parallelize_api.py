@@ -323,3 +323,26 @@ def test_jax_refuses_a_data_axis_no_pass_uses():
         with pytest.raises(MeshError, match="mesh axis dp=8, over which the batch is split, "
                                             "is used by no pass"):
             parallelize(plain, {"dp": 8}, passes=passes).trace(params, state, batch)
+
+
+def test_jax_step_that_returns_no_loss_is_refused_saying_so():
+    """A step returning (params, opt_state), or per-example logits as its one metric, was
+    refused with "the new value of %params/... is computed from the batch outside backward
+    (the optimizer reads a forward value ...)", which it does not: with no loss among its
+    results its ops had no phases. compile() runs it."""
+    step, params, state, batch = _class_prior_case()
+    prior = batch.pop("log_prior")
+
+    def no_loss(params, opt_state, batch):
+        return step(params, opt_state, batch, prior)[:2]
+
+    def logits(params, opt_state, batch):
+        new = step(params, opt_state, batch, prior)[:2]
+        return (*new, batch["x"] @ params["params"]["kernel"])
+    for fn in (no_loss, logits):
+        with pytest.raises(DiphomaError, match="the step returns no loss") as e:
+            parallelize(fn, {"dp": 8}).trace(params, state, batch)
+        assert "(params, opt_state, loss, *metrics)" in str(e.value)
+    new, _ = diphoma_compile.compile(no_loss, params, state, batch)(params, state, batch)
+    want, _ = jax.jit(no_loss)(params, state, batch)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), new, want))

@@ -685,6 +685,13 @@ class _Follow:
                                                 self.found[-1], summing[0]))
             return
         if not _has_strategies(op, ins, outs):
+            if random_draw(op) is None and any(isinstance(a, Partial) for a in actual):
+                # a sum or mean over the batch into an op of no rule (eigh, cholesky, a
+                # solve: a covariance penalty): nothing says it is linear in it
+                self.report(op, _NONLINEAR + " (an op of no known rule: not shown linear)",
+                            certain=True)
+                self.set(op, [_UNKNOWN] * len(outs))
+                return
             self.set(op, _unjudged(actual, ins, outs))
             return
         if op.name == "concat" and int(op.attrs["dim"]) == 0 and self.reorders(op):
@@ -1110,7 +1117,8 @@ def _unjudged(actual: Sequence[object], ins: Sequence[TensorType],
     """What an op without strategies makes from split rows (a random draw of their shape,
     an indexing op picking a position per row): taken as rows again where its result keeps
     the batch's rows as its first dimension, not followed otherwise. Not judging the op
-    itself, this can only move a finding later, never make one."""
+    itself, this can only move a finding later, never make one. (One that reads a sum or
+    mean over the batch is reported before this: ``place``.)"""
     if any(_split(a) and a != Shard(0) for a in actual):
         return [_UNKNOWN] * len(outs)
     rows = {t.shape[0] for a, t in zip(actual, ins) if _split(a)}

@@ -555,6 +555,14 @@ class _Split:
                          "jax.value_and_grad traced), or across calls with "
                          "optax.MultiSteps, or take one value_and_grad of the whole batch "
                          "(data parallelism already splits it)")
+            if not any(out.role.kind is OutputKind.loss for out in self.graph.outputs):
+                raise PassFailure(
+                    "data-parallel: the step returns no loss (a scalar float among its "
+                    "results), so its ops cannot be told apart into forward, backward and "
+                    f"update, nor the gradients reaching %{o.role.target} found to average",
+                    hint="return the loss the gradients are of after the new parameters "
+                         "and optimizer state, (params, opt_state, loss, *metrics): the "
+                         "first scalar float, or one named loss in a dict of metrics")
             raise PassFailure(f"data-parallel: the new value of %{o.role.target} is "
                               "computed from the batch outside backward (the optimizer "
                               "reads a forward value or the batch itself)",

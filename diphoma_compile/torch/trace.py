@@ -60,6 +60,15 @@ def explain(exc: Exception) -> FrontendError:
                              hint="register a fake (meta) implementation for custom ops "
                                   "(torch.library.register_fake)")
     op = _failing_op(exc)
+    if op is not None and "_linalg_check_errors" in op:
+        return FrontendError(
+            f"the step calls a torch.linalg function that checks its result on the host{at} "
+            "(aten._linalg_check_errors raises for a matrix that is singular or not "
+            "positive-definite), which a traced program cannot do",
+            hint="use its _ex form, which returns the error code as a tensor instead of "
+                 "raising: torch.linalg.cholesky_ex, inv_ex, solve_ex, ldl_factor_ex, "
+                 "lu_factor_ex (take [0], the result; check info outside the step if you "
+                 "need to)")
     if op is not None:
         return FrontendError(
             f"tracing the step failed{at}, in {op}: {name}: {text}",

@@ -175,6 +175,14 @@ ACROSS_ROWS = {
     "peak": (lambda h, y: F.mse_loss(h / h.abs().max(), y), "div"),
     "median loss": (lambda h, y: (h - y).abs().median(), "aten.median.default"),
     "halves": (lambda h, y: (h.chunk(2)[0] - h.chunk(2)[1]).pow(2).mean(), "sub"),
+    # linear algebra on the batch's covariance (whitening, VICReg-style penalties): ops of
+    # no rule reading a sum over the rows (silent before, 2026-12-07)
+    "eigvalsh": (lambda h, y: F.mse_loss(h, y) + torch.linalg.eigvalsh(h.T @ h / 8).max(),
+                 "aten._linalg_eigh.default"),
+    "svdvals": (lambda h, y: F.mse_loss(h, y) + torch.linalg.svdvals(h.T @ h / 8).max(),
+                "aten._linalg_svd.default"),
+    "logdet": (lambda h, y: F.mse_loss(h, y) + torch.logdet(h.T @ h / 8 + torch.eye(4)),
+               "aten._linalg_slogdet.default"),
 }
 
 

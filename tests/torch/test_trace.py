@@ -253,6 +253,45 @@ def test_sizes_that_depend_on_tensor_data_are_named(case):
     assert "test_trace.py:" in msg and "reduction='none') * keep).sum()" in msg
 
 
+@pytest.mark.parametrize("fn", ["inv", "cholesky", "solve"])
+def test_linalg_functions_that_raise_on_the_host_are_named_with_their_ex_form(fn):
+    """torch.linalg.inv, cholesky and solve check their result on the host
+    (aten._linalg_check_errors, an ordered effect to make_fx): tracing failed with torch's
+    "Could not find a token for effect" and a hint about fake kernels and Hugging Face
+    experts (a reviewer's probe, 2026-12-07). Now the error says what the op does and
+    names the _ex forms, which trace and match eager bit for bit."""
+    calls = {"inv": lambda a: torch.linalg.inv(a), "cholesky": torch.linalg.cholesky,
+             "solve": lambda a: torch.linalg.solve(a, torch.ones(4))}
+    ex = {"inv": lambda a: torch.linalg.inv_ex(a)[0],
+          "cholesky": lambda a: torch.linalg.cholesky_ex(a)[0],
+          "solve": lambda a: torch.linalg.solve_ex(a, torch.ones(4))[0]}
+
+    def make(f):
+        def step(model, opt, batch):
+            w = model.fc2.weight            # 4 x 16: a positive-definite 4 x 4 below
+            loss = F.cross_entropy(model(batch["x"]), batch["y"]) + \
+                0.01 * f(w @ w.T + torch.eye(4)).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        return step
+    torch.manual_seed(0)
+    model = MLP(d_out=4)
+    opt = OPTIMIZERS["sgd"](model.parameters(), True)
+    batch = {"x": torch.randn(8, 8), "y": torch.randint(0, 4, (8,))}
+    with pytest.raises(FrontendError, match="checks its result on the host") as e:
+        diphoma_compile.trace(make(calls[fn]), model, opt, batch)
+    assert f"{fn}_ex" in e.value.hint and "test_trace.py" in str(e.value)
+    ref = copy.deepcopy(model)
+    ref_opt = OPTIMIZERS["sgd"](ref.parameters(), True)
+    step = diphoma_compile.compile(make(ex[fn]), model, opt, batch)
+    for _ in range(2):
+        assert torch.equal(step(model, opt, batch), make(ex[fn])(ref, ref_opt, batch))
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_a_second_update_in_one_step_is_refused_by_name():
     """A GAN's step (the discriminator's update, then the generator's backward and update)
     failed with the IR verifier's internal error (an update op relabelled forward); now a
