@@ -38,7 +38,7 @@ from .passes.base import PassContext, find_decision
 from .passes.data_parallel import DataParallelRecord
 from .passes.defaults import COMPRESSION, default_passes
 from .passes.pipeline import Pipeline
-from .passes.pipeline_parallel import PipelineParallel, PipelineRecord
+from .passes.pipeline_parallel import SCHEDULES, PipelineParallel, PipelineRecord
 from .passes.pipeline_programs import is_staged, rank_stage_programs
 from .passes.spec import parse_spec
 from .report.compute import DEFAULT_DEVICE_MODEL
@@ -104,7 +104,7 @@ class ParallelStep:
                  batch_argnums: int | Iterable[int] | None = None,
                  donate: bool | None = None, shard_params: bool = False,
                  codegen: str | None = None, microbatches: int | None = None,
-                 schedule: str = "1f1b", compression: str | None = None,
+                 schedule: str | None = None, compression: str | None = None,
                  device_model: str | DeviceModel | None = None) -> None:
         if shard_params and passes is not None:
             raise DiphomaError("shard_params=True picks the default pipeline's passes, but "
@@ -113,8 +113,8 @@ class ParallelStep:
                                     "in your passes instead")
         self.step_fn = step_fn
         self.codegen = codegen
-        self.donate = None if donate is None else bool(donate)   # None: the backend's default
-        self.shard_params = bool(shard_params)
+        self.donate = None if donate is None else flag("donate", donate)  # None: the default
+        self.shard_params = flag("shard_params", shard_params)
         self.user_mesh = mesh
         self.mesh = Mesh.of(mesh)
         self.axis = data_axis(self.mesh, axis)
@@ -381,18 +381,33 @@ def chosen_device_model(model: str | DeviceModel | None) -> str | DeviceModel | 
     return device_model(model).name
 
 
+def flag(name: str, value: Any) -> bool:
+    """``value`` of the option ``name``, which must be True or False: a string such as
+    "False" or "no" is truthy, and would turn the option on."""
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and
+                                   type(value).__name__ in ("bool", "bool_")):   # numpy's
+        return bool(value)
+    raise DiphomaError(f"{name}={value!r}: the option is True or False",
+                       hint=f"pass {name}=True or {name}=False")
+
+
 def pipeline_settings(mesh: Mesh, passes: str | None, microbatches: int | None,
-                      schedule: str) -> PipelineParallel | None:
+                      schedule: str | None) -> PipelineParallel | None:
     """The pipeline pass a plan will run: the one ``passes`` names, or, by default, one
     over the mesh's pipeline axis (named pp, pipe or pipeline) when it has several devices,
     with ``microbatches`` (default: the axis size; for dualpipev twice that, the stages,
-    the fewest it takes) and ``schedule``; None without one."""
+    the fewest it takes) and ``schedule`` (default 1f1b); None without one. A schedule or
+    microbatches given where no pipeline runs, or beside ``passes`` that say otherwise, is
+    refused: either would be ignored."""
     if microbatches is not None and (isinstance(microbatches, bool) or
                                      not isinstance(microbatches, int) or microbatches < 1):
         raise DiphomaError(f"microbatches={microbatches!r}: the number of microbatches is a "
                            "whole number of at least 1",
                            hint="microbatches=M with M >= 1 (M >= the pipeline's stages keeps "
                                 "its bubble small), or leave it unset")
+    if schedule is not None and schedule not in SCHEDULES:
+        raise DiphomaError(f"unknown schedule {schedule!r}",
+                           hint="one of " + ", ".join(SCHEDULES))
     if passes is not None:
         found = [p for p in parse_spec(passes) if isinstance(p, PipelineParallel)]
         got = found[-1] if found else None
@@ -403,6 +418,13 @@ def pipeline_settings(mesh: Mesh, passes: str | None, microbatches: int | None,
                    "passes have no pipeline pass"),
                 hint="say the microbatches in the pipeline pass of passes= "
                      "(pipeline{axis=pp, microbatches=M}), or leave microbatches unset")
+        if schedule is not None and schedule != (got.schedule if got else None):
+            raise DiphomaError(
+                f"schedule={schedule!r} was given beside passes=, whose "
+                + (f"pipeline pass says schedule={got.schedule}" if got else
+                   "passes have no pipeline pass"),
+                hint="say the schedule in the pipeline pass of passes= "
+                     "(pipeline{axis=pp, schedule=...}), or leave schedule unset")
         return got
     pp = pipeline_axis(mesh)
     if pp is None or mesh.axis_size(pp) == 1:
@@ -411,7 +433,13 @@ def pipeline_settings(mesh: Mesh, passes: str | None, microbatches: int | None,
                                "and the mesh has no pipeline axis of several devices",
                                hint="add a pp axis to the mesh (Mesh({'dp': 2, 'pp': 2})), "
                                     "or leave microbatches unset")
+        if schedule is not None:
+            raise DiphomaError(f"schedule={schedule!r} is for pipeline parallelism, and the "
+                               "mesh has no pipeline axis of several devices",
+                               hint="add a pp axis to the mesh (Mesh({'dp': 2, 'pp': 2})), "
+                                    "or leave schedule unset")
         return None
+    schedule = "1f1b" if schedule is None else schedule
     m = microbatches if microbatches is not None else \
         mesh.axis_size(pp) * (2 if schedule == "dualpipev" else 1)
     return PipelineParallel(axis=pp, microbatches=m, schedule=schedule)
@@ -518,7 +546,7 @@ def parallelize(step_fn: Callable, mesh: Any, *, passes: str | None = None,
                 batch_argnums: int | Iterable[int] | None = None,
                 donate: bool | None = None, shard_params: bool = False,
                 codegen: str | None = None, microbatches: int | None = None,
-                schedule: str = "1f1b", compression: str | None = None,
+                schedule: str | None = None, compression: str | None = None,
                 device_model: str | DeviceModel | None = None) -> ParallelStep:
     """``step_fn`` as a distributed step over ``mesh`` (a diphoma Mesh, a dict of axis
     sizes, a torch DeviceMesh or a jax.sharding.Mesh). By default: tensor parallelism

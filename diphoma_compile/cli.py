@@ -60,6 +60,14 @@ def cmd_ir(args: argparse.Namespace) -> int:
     ctx = PassContext(verify=True, dump_after=dump,
                       dump_stream=lambda s: sys.stdout.write(s))
     pipeline = Pipeline.from_spec(args.passes) if args.passes else Pipeline()
+    if dump != "all":       # checked before the passes run (they may take a while)
+        names = {p.spec().split("{", 1)[0].strip() for p in pipeline.passes}
+        unknown = sorted(dump - names)
+        if unknown:
+            raise DiphomaError(f"--dump-ir-after {','.join(unknown)}: no pass of that name is "
+                               "in --passes" + (f" (it has {', '.join(sorted(names))})"
+                                                if names else " (none given)"),
+                               hint="name passes of --passes, or all")
     graph = pipeline.run(graph, ctx)
     out = print_graph(graph)
     if args.stats:

@@ -21,7 +21,14 @@ class Mesh:
 
     def __init__(self, axes: Mapping[str, int] | tuple[tuple[str, int], ...] | None = None,
                  **kw: int) -> None:
-        items = list(dict(axes).items()) if isinstance(axes, Mapping) else list(axes or ())
+        if axes is not None and not isinstance(axes, Mapping) and \
+                (not isinstance(axes, (tuple, list)) or
+                 not all(isinstance(a, (tuple, list)) and len(a) == 2 for a in axes)):
+            raise MeshError(f"cannot read mesh axes from {axes!r}",
+                            hint="give a dict of axis sizes, Mesh({'dp': 4}), or (name, "
+                                 "size) pairs, Mesh((('dp', 4),))")
+        items = list(dict(axes).items()) if isinstance(axes, Mapping) else \
+            [tuple(a) for a in axes or ()]
         items += list(kw.items())
         seen: set[str] = set()
         for name, size in items:

@@ -48,6 +48,14 @@ def test_errors_are_messages_not_tracebacks(tmp_path, capsys):
     assert "Errno" not in err
     assert main(["ir", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
+    # a pass that does not run was dumped after silently (inspect refused it)
+    assert main(["ir", EXAMPLE, "--passes", "dce", "--dump-ir-after", "nopass"]) == 2
+    assert "--dump-ir-after nopass: no pass of that name is in --passes (it has dce)" in \
+        capsys.readouterr().err
+    # a graph with no mesh: the hint says where a mesh comes from
+    assert main(["ir", EXAMPLE, "--passes", "data-parallel{axis=dp}"]) == 2
+    err = capsys.readouterr().err
+    assert "a graph with no mesh runs on one device" in err and "mesh[dp=N]" in err
 
 
 def test_list_passes_and_ops(capsys):

@@ -41,6 +41,11 @@ def test_of_torch_device_mesh_without_process_group():
 def test_bad_meshes():
     with pytest.raises(MeshError, match="cannot read a mesh from int"):
         Mesh.of(4)
+    # not (name, size) pairs: a ValueError from unpacking, or a TypeError, before
+    for bad in ("dp", [("dp",)], [("dp", 2, 3)], 5):
+        with pytest.raises(MeshError, match="cannot read mesh axes from"):
+            Mesh(bad)
+    assert Mesh([("dp", 2), ["tp", 2]]) == Mesh({"dp": 2, "tp": 2})
     with pytest.raises(MeshError, match=r"has 8 devices but there are 4 processes"):
         Mesh({"dp": 2, "tp": 4}).check_world(4)
     Mesh({"dp": 4}).check_world(4)

@@ -346,3 +346,40 @@ def test_jax_step_that_returns_no_loss_is_refused_saying_so():
     new, _ = diphoma_compile.compile(no_loss, params, state, batch)(params, state, batch)
     want, _ = jax.jit(no_loss)(params, state, batch)
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), new, want))
+
+
+def test_options_of_the_wrong_kind_or_for_no_pipeline_are_refused():
+    """shard_params="no" and donate="False" were taken as True (bool() of a string);
+    schedule= with no pipeline axis, or beside passes= that hold another, was ignored;
+    passes= of a list or a number raised Python's own AttributeError or TypeError."""
+    from diphoma_compile.errors import PassSpecError
+
+    def step(*a):
+        return a
+    for key, value in (("shard_params", "no"), ("donate", "False"), ("shard_params", 1)):
+        with pytest.raises(DiphomaError, match=f"{key}={value!r}: the option is True or "
+                                               "False"):
+            parallelize(step, {"dp": 2}, **{key: value})
+    assert parallelize(step, {"dp": 2}, shard_params=np.bool_(True)).shard_params is True
+    with pytest.raises(DiphomaError, match="schedule='gpipe' is for pipeline parallelism"):
+        parallelize(step, {"dp": 2}, schedule="gpipe")
+    with pytest.raises(DiphomaError, match="unknown schedule 'gpip'") as e:
+        parallelize(step, {"dp": 2, "pp": 2}, schedule="gpip")
+    assert "interleaved-zb" in e.value.hint
+    with pytest.raises(DiphomaError, match="whose pipeline pass says schedule=1f1b"):
+        parallelize(step, {"pp": 2}, passes="pipeline{axis=pp}", schedule="gpipe")
+    assert parallelize(step, {"pp": 2}, passes="pipeline{axis=pp, schedule=gpipe}",
+                       schedule="gpipe").pipeline.schedule == "gpipe"
+    assert parallelize(step, {"dp": 2, "pp": 2}).pipeline.schedule == "1f1b"
+    for passes in (3, ["dce"]):
+        with pytest.raises(PassSpecError, match="a pass spec is a string of passes"):
+            parallelize(step, {"dp": 2}, passes=passes)
+
+
+def test_data_parallel_twice_over_one_axis_is_refused_by_name():
+    """The second data-parallel{axis=dp} failed in the IR verifier ("all_reduce on axis
+    'dp' gives R, but its result is declared V") with an IR dump."""
+    step, (params, state, batch) = J.make_case("mlp", "linen", "sgd")
+    twice = "dce,data-parallel{axis=dp},data-parallel{axis=dp}"
+    with pytest.raises(DiphomaError, match="the graph is data parallel over 'dp' already"):
+        parallelize(step, {"dp": 8}, passes=twice).trace(params, state, batch)

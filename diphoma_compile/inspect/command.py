@@ -65,7 +65,7 @@ def add_parser(sub: Any) -> None:
                         + ", ".join(MODELS) + f" (default {DEFAULT_DEVICE_MODEL}, whatever "
                         "this machine has: inspect needs no devices), or measured: this "
                         "machine's first GPU, else its CPU, measured now")
-    p.add_argument("--schedule", default="1f1b",
+    p.add_argument("--schedule", default=None,
                    choices=("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv",
                             "looped-bfs", "dualpipev"),
                    help="the pipeline schedule with a pp axis (default 1f1b; interleaved, "
@@ -159,7 +159,7 @@ def build_target(args: argparse.Namespace, mesh: Mesh, axis: str) -> Target:
 
 def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump: Any,
                 stream: Any, clock: list | None = None, verify_passes: bool = True,
-                device_model: str = DEFAULT_DEVICE_MODEL, schedule: str = "1f1b",
+                device_model: str = DEFAULT_DEVICE_MODEL, schedule: str | None = None,
                 microbatches: int | None = None, shard_params: bool = False
                 ) -> tuple[Any, Any, list]:
     """Trace the step, run the pipeline for ``mesh`` (dumping as asked), and build the

@@ -20,6 +20,8 @@ the record lists those places (``ir/batch_coupling.py``) and ``parallelize`` war
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -43,9 +45,13 @@ def require_axis(graph: Graph, axis: str, pass_name: str) -> int:
     sizes = dict(graph.mesh.axes)
     if axis not in sizes:
         have = ", ".join(f"{a}={n}" for a, n in graph.mesh.axes) or "no mesh"
+        hint = (f"give the mesh an axis {axis!r}, or name the axis: {pass_name}{{axis=...}}"
+                if graph.mesh.axes else
+                f"a graph with no mesh runs on one device (compile() makes one): plan it "
+                f"over a mesh with parallelize(step, {{{axis!r}: N}}, passes=...), or, for "
+                f"IR text, give its graph header a mesh[{axis}=N]")
         raise PassFailure(f"{pass_name}: the mesh has no axis {axis!r} (it has {have})",
-                          hint=f"give the mesh an axis {axis!r}, or name the axis: "
-                               f"{pass_name}{{axis=...}}")
+                          hint=hint)
     return sizes[axis]
 
 
@@ -207,6 +213,12 @@ class DataParallel(Pass):
 
     def __call__(self, graph: Graph, ctx: PassContext) -> Graph:
         require_axis(graph, self.axis, self.name)
+        done = [p for p in graph.passes if p.split("{", 1)[0].strip() == self.name
+                and re.search(rf"\baxis={re.escape(self.axis)}\b", p)]
+        if done:
+            raise PassFailure(f"data-parallel: the graph is data parallel over "
+                              f"{self.axis!r} already (its passes hold {done[0]})",
+                              hint="run data-parallel once for an axis")
         if self.counts not in ("global", "local"):
             raise PassFailure(f"data-parallel: counts={self.counts!r}",
                               hint="counts=global (the batch's count) or counts=local "

@@ -37,6 +37,10 @@ def _coerce(pass_cls: type[Pass], key: str, raw: str) -> Any:
 
 def parse_spec(spec: str) -> list[Pass]:
     """``"dce,cse,comm-fusion{bucket-mb=25}"`` -> pass instances, options typed."""
+    if not isinstance(spec, str):
+        raise PassSpecError(f"a pass spec is a string of passes, not {type(spec).__name__} "
+                            f"{spec!r}", hint="e.g. passes=\"dce,data-parallel{axis=dp}\"; "
+                                             "join a list with ','.join(...)")
     toks: list[tuple[str, str, int]] = []
     pos = 0
     while pos < len(spec):

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import BackendError, MeshError, no_keywords
+from ..errors import BackendError, DiphomaError, MeshError, no_keywords
 from ..ir.analysis import runs_on_one_device
 from ..ir.core import Graph, InputKind, OutputKind
 from ..ir.ops import OPS, Category
@@ -442,8 +442,9 @@ class TorchDistStep(TorchStep):
                 for c in self.comms.values():
                     c.force_sync = False
             return _median(walls), _median(blocked)
-        if steps < 1:
-            raise ValueError("profile needs at least one step")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise DiphomaError(f"profile(steps={steps!r}): the steps to time are a whole "
+                               "number of at least 1", hint="profile(*args, steps=5)")
         if self.codegen == "inductor" and not self.alone:
             raise BackendError(
                 "profile() splits a step into computation and communication by running it "

@@ -66,7 +66,7 @@ def probe(model: torch.nn.Module, xs: list[torch.Tensor], kw: dict[str, torch.Te
     inputs are all on the meta device and its forward runs there, else on fake tensors
     (shapes only); a FrontendError naming the construct when the forward cannot run that
     way."""
-    from .trace import explain
+    from .trace import explain, quiet_shape_rules
     state = [*model.named_parameters(), *model.named_buffers()]
     if all(t.is_meta for t in [*(t for _, t in state), *xs, *kw.values()]):
         # meta kernels are called straight from C++, with no Python dispatch in between:
@@ -82,7 +82,8 @@ def probe(model: torch.nn.Module, xs: list[torch.Tensor], kw: dict[str, torch.Te
     fake = FakeTensorMode()
     tensors = {n: _fake(fake, t.detach()) for n, t in state}
     try:
-        with _reparametrize_module(model, tensors, tie_weights=True), fake, torch.no_grad():
+        with _reparametrize_module(model, tensors, tie_weights=True), fake, torch.no_grad(), \
+                quiet_shape_rules():
             return model(*[_fake(fake, x) for x in xs],
                          **{k: _fake(fake, x) for k, x in kw.items()})
     except DiphomaError:

@@ -5,10 +5,11 @@ become FrontendErrors that name the construct and the line of the user's code.""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -73,7 +74,8 @@ def explain(exc: Exception) -> FrontendError:
         return FrontendError(
             f"tracing the step failed{at}, in {op}: {name}: {text}",
             hint=f"{op}'s shape and dtype rules (its fake kernel, which tracing runs) refused "
-                 "these inputs; if the eager step runs, its kernel for this device is less "
+                 "these inputs: check the shapes and dtypes the step is given (inspect: "
+                 "--input); if the eager step runs, its kernel for this device is less "
                  "strict: use another implementation of the layer that calls it (Hugging "
                  "Face mixture-of-experts: experts_implementation=\"batched_mm\"), or cast "
                  "its inputs as the message asks; the chained exception has the traceback")
@@ -150,9 +152,31 @@ def trace_torch(step_fn: Callable, *example_args: Any, codegen: str | None = Non
     return graph, cap
 
 
+class _ShapeRuleTraceback(logging.Filter):
+    """Drops FakeTensor's log of an op's shape rules refusing its inputs (a traceback of
+    some twenty lines on stderr): the error the trace raises names the op and the user's
+    line (``explain``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != "failed while attempting to run meta for %s"
+
+
+@contextlib.contextmanager
+def quiet_shape_rules() -> Iterator[None]:
+    """While tracing: no FakeTensor traceback on stderr for an op refusing its inputs."""
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    quiet = _ShapeRuleTraceback()
+    fake_log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        fake_log.removeFilter(quiet)
+
+
 def _trace(step_fn: Callable, example_args: tuple, codegen: str) -> tuple[Graph, Captured]:
     try:
-        cap = capture(step_fn, *example_args, codegen=codegen)
+        with quiet_shape_rules():
+            cap = capture(step_fn, *example_args, codegen=codegen)
     except DiphomaError as e:
         raise _for_inductor(e, codegen) from e
     except Exception as e:  # torch raises many types while tracing; name the user's line

@@ -562,3 +562,20 @@ def test_layer_groups_fold_torch_and_flax_names():
     assert _layer_groups(("params/Block_0/Dense_0/kernel", "params/Block_0/LayerNorm_1/scale",
                           "params/Embed_0/embedding", "params/LayerNorm_0/scale",
                           "params/head/kernel")) == "Block_0, Embed_0, LayerNorm_0, head"
+
+
+def test_a_wrong_input_shape_prints_the_error_without_torchs_traceback(tmp_path):
+    """An --input the model refuses (9 features where it takes 8): the error named the op
+    and the line, after twenty lines of FakeTensor's own logged traceback on stderr. (A
+    process of its own: torch's log handlers write to the stderr they found at import.)"""
+    model = tmp_path / "mlp.py"
+    model.write_text("import torch\nfrom torch import nn\n\n\nclass M(nn.Module):\n"
+                     "    def __init__(self):\n        super().__init__()\n"
+                     "        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)\n\n"
+                     "    def forward(self, x):\n"
+                     "        return self.b(torch.relu(self.a(x)))\n")
+    r = subprocess.run([sys.executable, "-m", "diphoma_compile", "inspect", str(model),
+                        "--input", "f32[8,9]"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "error: tracing the step failed" in r.stderr, r.stderr
+    assert "fake_tensor.py" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "--input" in r.stderr
