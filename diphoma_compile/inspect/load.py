@@ -195,6 +195,18 @@ def _origin(dotted: str) -> Path:
     return Path(getattr(module, "__file__", None) or dotted).resolve()
 
 
+def example_args(made: Any, fn: Callable) -> tuple:
+    """What a file's example-inputs function ``fn`` returned, as the step's arguments: a
+    tuple or list of them; InspectError naming ``fn`` for anything else (None: a function
+    that forgot its return)."""
+    if isinstance(made, (tuple, list)) and made:
+        return tuple(made)
+    name = getattr(fn, "__name__", "example_inputs")
+    raise InspectError(f"{name}() returned {made!r:.80}, not the step's example arguments",
+                       hint=f"make {name}() return them as a tuple, e.g. return model, opt, "
+                            "batch (PyTorch) or params, opt_state, batch (JAX)")
+
+
 def _inputs_fn(module: ModuleType, step: str) -> Callable | None:
     for n in (f"{step}_inputs", f"{step}_example_inputs", *INPUT_FUNCS):
         fn = getattr(module, n, None)

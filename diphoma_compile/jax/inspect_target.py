@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ..inspect.load import Candidate, construct, evaluate, user_error
+from ..inspect.load import Candidate, construct, evaluate, example_args, user_error
 from ..inspect.optimizer import choose_optimizer
 from ..inspect.loss import LossChoice, choose, expr_loss, get
 from ..inspect.spec import InputDescription, InspectError, Target, describe_inputs, local_shape, \
@@ -137,7 +137,7 @@ def step_target(cand: Candidate, label: str, n: int, axis: str) -> Target:
         args = jax.eval_shape(cand.inputs_fn)
     except Exception:    # non-array leaves (a function, a config): call it for real
         args = cand.inputs_fn()
-    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    args = example_args(args, cand.inputs_fn)
     shapes = []
     if len(args) > 2:
         for path, x in jax.tree_util.tree_flatten_with_path(args[2])[0]:

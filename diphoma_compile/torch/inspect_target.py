@@ -18,7 +18,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from ..errors import DiphomaError
-from ..inspect.load import Candidate, construct, evaluate
+from ..inspect.load import Candidate, construct, evaluate, example_args
 from ..inspect.loss import LossChoice, choose, expr_loss, get
 from ..inspect.optimizer import choose_optimizer
 from ..inspect.spec import (InputBinding, InputDescription, InspectError, Target, bind_inputs,
@@ -188,7 +188,7 @@ def step_target(cand: Candidate, label: str, n: int, axis: str) -> Target:
     meta device); batch tensors are the global batch, and each rank traces its share."""
     assert cand.inputs_fn is not None
     args, meta = on_meta(cand.inputs_fn, f"{cand.inputs_fn.__name__}()")
-    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    args = example_args(args, cand.inputs_fn)
     state = (torch.nn.Module, torch.optim.Optimizer)
     leaves, spec = pytree.tree_flatten_with_path(args, is_leaf=lambda x: isinstance(x, state))
     try:

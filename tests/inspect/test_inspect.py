@@ -579,3 +579,17 @@ def test_a_wrong_input_shape_prints_the_error_without_torchs_traceback(tmp_path)
     assert r.returncode == 2 and "error: tracing the step failed" in r.stderr, r.stderr
     assert "fake_tensor.py" not in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert "--input" in r.stderr
+
+
+def test_example_inputs_that_return_nothing_are_named(tmp_path, capsys):
+    """An example_inputs() that forgot its return: the error said no PyTorch module was
+    among the example arguments, not which function gave none."""
+    model = tmp_path / "steps.py"
+    model.write_text("import torch\n\n\ndef train_step(model, opt, x):\n"
+                     "    loss = model(x).sum()\n    loss.backward()\n    opt.step()\n"
+                     "    return loss\n\n\ndef example_inputs():\n"
+                     "    model = torch.nn.Linear(4, 2)\n"
+                     "    opt = torch.optim.SGD(model.parameters(), lr=0.1)\n")
+    rc, out, err = inspect(capsys, f"{model}:train_step")
+    assert rc == 2 and "example_inputs() returned None, not the step's example arguments" \
+        in err, err
