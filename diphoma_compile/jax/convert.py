@@ -18,6 +18,18 @@ from .ops import BY_PRIMITIVE, DERIVED_PARAMS, INLINE, KEYED_RANDOM, EqnView
 from .params import OPAQUE_RESERVED, EncodingError, encode
 
 _CONTROL = ("cond", "while", "scan")
+
+
+def _default_branch(platforms: Any) -> int:
+    """The branch of jax.lax.platform_dependent that no platform names (its default): the
+    IR is made for any device. (The others are one backend's kernels: a Pallas TPU one.)"""
+    default = [k for k, p in enumerate(platforms) if p is None]
+    if not default:
+        raise UnsupportedOpError(
+            f"jax.lax.platform_dependent with no default implementation (every branch names "
+            f"its platforms: {platforms})",
+            hint="give it a default= implementation, or keep it out of the step")
+    return default[0]
 _SCAN_PARAMS = {"reverse", "length", "jaxpr", "num_consts", "num_carry", "unroll", "linear",
                 "_split_transpose"}
 
@@ -81,6 +93,8 @@ class JaxprConverter:
         # name stack says transpose(jvp(...))): the backward pass, as JAX itself knows it
         self.transposed: set[str] = set()
         self._in_transpose = False
+        # platform_index's constants (the default branch of jax.lax.platform_dependent)
+        self._platform: dict[str, int] = {}
 
     # ------------------------------------------------------------------ entry
     def convert(self, closed: ClosedJaxpr, inputs: list[str]) -> tuple[list[Op], list[str]]:
@@ -191,6 +205,27 @@ class JaxprConverter:
                 outs = self._inline(inner, [], ins, block)
             self._bind_outs(eqn.outvars, outs, env)
             return
+        if prim == "platform_index":
+            # jax.lax.platform_dependent's branch index (its cond, and a differentiated
+            # step's backward cond, read it): the default implementation's, a constant
+            default = _default_branch(eqn.params["platforms"])
+            (env[eqn.outvars[0]],) = self._emit(block, "full", [], {"value": default},
+                                                [ir_type(eqn.outvars[0].aval, "an index")],
+                                                "c")
+            self._platform[env[eqn.outvars[0]]] = default
+            return
+        if prim == "custom_linear_solve":
+            # jax.lax.custom_linear_solve (jnp.linalg.solve, and slogdet's gradient): its
+            # value is its solve jaxpr's on the solve's constants and b (JAX's own impl);
+            # its custom derivatives are already written out in a differentiated step
+            ins = [self._read(v, env, block) for v in eqn.invars]
+            lengths = eqn.params["const_lengths"]
+            at = lengths.matvec + lengths.vecmat
+            solve = eqn.params["jaxprs"].solve
+            outs = self._inline(solve.jaxpr, list(solve.consts),
+                                ins[at:at + lengths.solve] + ins[sum(lengths):], block)
+            self._bind_outs(eqn.outvars, outs, env)
+            return
         if prim in _CONTROL:
             self._bind_outs(eqn.outvars, getattr(self, f"_{prim}")(eqn, env, block), env)
             return
@@ -255,12 +290,29 @@ class JaxprConverter:
                 f"frontend does not know (expected only {', '.join(sorted(known))})")
 
     def _cond(self, eqn, env: dict, block: _Block) -> list[str]:
+        if "branches_platforms" in eqn.params:
+            return self._platform_cond(eqn, env, block)
         self._check_params(eqn, {"branches"})
+        index = self._read(eqn.invars[0], env, block)
+        if index in self._platform:     # a backward cond on a platform_dependent's index
+            branch = eqn.params["branches"][self._platform[index]]
+            ins = [self._read(v, env, block) for v in eqn.invars[1:]]
+            return self._inline(branch.jaxpr, list(branch.consts), ins, block)
         ins = [self._read(v, env, block) for v in eqn.invars]
         regions = tuple(self._region(f"branch{i}", br, [])
                         for i, br in enumerate(eqn.params["branches"]))
         out_types = [ir_type(v.aval, "a cond result") for v in eqn.outvars]
         return self._emit(block, "cond", ins, {}, out_types, "cond", self._loc(eqn), regions)
+
+    def _platform_cond(self, eqn, env: dict, block: _Block) -> list[str]:
+        """``jax.lax.platform_dependent`` (``jnp.diagonal``, so ``slogdet``, ``trace``):
+        one implementation per platform of the same math, picked when XLA lowers it. The IR
+        is made for any device, so it holds the default one (the branch no platform names;
+        the others are kernels for one backend, such as a Pallas TPU one)."""
+        self._check_params(eqn, {"branches", "branches_platforms"})
+        branch = eqn.params["branches"][_default_branch(eqn.params["branches_platforms"])]
+        ins = [self._read(v, env, block) for v in eqn.invars[1:]]   # [0]: the index
+        return self._inline(branch.jaxpr, list(branch.consts), ins, block)
 
     def _while(self, eqn, env: dict, block: _Block) -> list[str]:
         p = eqn.params
