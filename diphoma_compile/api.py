@@ -106,6 +106,7 @@ class ParallelStep:
                  codegen: str | None = None, microbatches: int | None = None,
                  schedule: str | None = None, compression: str | None = None,
                  device_model: str | DeviceModel | None = None) -> None:
+        shard_params = flag("shard_params", shard_params)
         if shard_params and passes is not None:
             raise DiphomaError("shard_params=True picks the default pipeline's passes, but "
                                f"passes={passes!r} was given too",
@@ -114,7 +115,7 @@ class ParallelStep:
         self.step_fn = step_fn
         self.codegen = codegen
         self.donate = None if donate is None else flag("donate", donate)  # None: the default
-        self.shard_params = flag("shard_params", shard_params)
+        self.shard_params = shard_params
         self.user_mesh = mesh
         self.mesh = Mesh.of(mesh)
         self.axis = data_axis(self.mesh, axis)
@@ -397,8 +398,8 @@ def pipeline_settings(mesh: Mesh, passes: str | None, microbatches: int | None,
     over the mesh's pipeline axis (named pp, pipe or pipeline) when it has several devices,
     with ``microbatches`` (default: the axis size; for dualpipev twice that, the stages,
     the fewest it takes) and ``schedule`` (default 1f1b); None without one. A schedule or
-    microbatches given where no pipeline runs, or beside ``passes`` that say otherwise, is
-    refused: either would be ignored."""
+    microbatches other than the defaults (1f1b, 1) given where no pipeline runs, or beside
+    ``passes`` that say otherwise, is refused: either would be ignored."""
     if microbatches is not None and (isinstance(microbatches, bool) or
                                      not isinstance(microbatches, int) or microbatches < 1):
         raise DiphomaError(f"microbatches={microbatches!r}: the number of microbatches is a "
@@ -418,10 +419,10 @@ def pipeline_settings(mesh: Mesh, passes: str | None, microbatches: int | None,
                    "passes have no pipeline pass"),
                 hint="say the microbatches in the pipeline pass of passes= "
                      "(pipeline{axis=pp, microbatches=M}), or leave microbatches unset")
-        if schedule is not None and schedule != (got.schedule if got else None):
+        if schedule is not None and schedule != (got.schedule if got else "1f1b"):
             raise DiphomaError(
                 f"schedule={schedule!r} was given beside passes=, whose "
-                + (f"pipeline pass says schedule={got.schedule}" if got else
+                + (f"pipeline pass runs schedule={got.schedule}" if got else
                    "passes have no pipeline pass"),
                 hint="say the schedule in the pipeline pass of passes= "
                      "(pipeline{axis=pp, schedule=...}), or leave schedule unset")
@@ -433,7 +434,7 @@ def pipeline_settings(mesh: Mesh, passes: str | None, microbatches: int | None,
                                "and the mesh has no pipeline axis of several devices",
                                hint="add a pp axis to the mesh (Mesh({'dp': 2, 'pp': 2})), "
                                     "or leave microbatches unset")
-        if schedule is not None:
+        if schedule not in (None, "1f1b"):      # the default, as microbatches=1 is
             raise DiphomaError(f"schedule={schedule!r} is for pipeline parallelism, and the "
                                "mesh has no pipeline axis of several devices",
                                hint="add a pp axis to the mesh (Mesh({'dp': 2, 'pp': 2})), "

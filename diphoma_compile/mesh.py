@@ -13,6 +13,18 @@ from .errors import MeshError
 _AXIS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
+def _pairs(axes: Any) -> list[tuple[Any, Any]] | None:
+    """``axes`` (any iterable: a list, ``dict.items()``, a ``zip``) as (name, size) pairs;
+    None when it is not iterable or holds anything else."""
+    try:
+        got = list(axes)
+    except TypeError:
+        return None
+    if not all(isinstance(a, (tuple, list)) and len(a) == 2 for a in got):
+        return None
+    return [tuple(a) for a in got]
+
+
 @dataclass(frozen=True)
 class Mesh:
     """An ordered set of named mesh axes, e.g. ``Mesh({"dp": 4, "tp": 2})``."""
@@ -21,14 +33,14 @@ class Mesh:
 
     def __init__(self, axes: Mapping[str, int] | tuple[tuple[str, int], ...] | None = None,
                  **kw: int) -> None:
-        if axes is not None and not isinstance(axes, Mapping) and \
-                (not isinstance(axes, (tuple, list)) or
-                 not all(isinstance(a, (tuple, list)) and len(a) == 2 for a in axes)):
-            raise MeshError(f"cannot read mesh axes from {axes!r}",
-                            hint="give a dict of axis sizes, Mesh({'dp': 4}), or (name, "
-                                 "size) pairs, Mesh((('dp', 4),))")
-        items = list(dict(axes).items()) if isinstance(axes, Mapping) else \
-            [tuple(a) for a in axes or ()]
+        if axes is not None and not isinstance(axes, Mapping):
+            pairs = None if isinstance(axes, (str, bytes)) else _pairs(axes)
+            if pairs is None:
+                raise MeshError(f"cannot read mesh axes from {axes!r}",
+                                hint="give a dict of axis sizes, Mesh({'dp': 4}), or (name, "
+                                     "size) pairs, Mesh((('dp', 4),))")
+            axes = pairs
+        items = list(dict(axes).items()) if isinstance(axes, Mapping) else list(axes or ())
         items += list(kw.items())
         seen: set[str] = set()
         for name, size in items:

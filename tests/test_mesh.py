@@ -46,6 +46,8 @@ def test_bad_meshes():
         with pytest.raises(MeshError, match="cannot read mesh axes from"):
             Mesh(bad)
     assert Mesh([("dp", 2), ["tp", 2]]) == Mesh({"dp": 2, "tp": 2})
+    sizes = {"dp": 2, "tp": 4}        # any iterable of pairs, as before
+    assert Mesh(sizes.items()) == Mesh(zip(sizes, sizes.values())) == Mesh(sizes)
     with pytest.raises(MeshError, match=r"has 8 devices but there are 4 processes"):
         Mesh({"dp": 2, "tp": 4}).check_world(4)
     Mesh({"dp": 4}).check_world(4)

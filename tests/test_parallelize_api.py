@@ -272,11 +272,12 @@ def test_a_batch_leaf_that_is_not_a_row_per_example_is_refused():
     naming the leaf; passed as an argument of its own, outside the batch (as the hint
     says), it runs and matches jax.jit."""
     step, params, state, batch = _class_prior_case()
-    with pytest.raises(MeshError, match=r"batch/log_prior \(8 rows\), where batch/x, "
-                                        r"batch/y have 16") as e:
+    with pytest.raises(MeshError, match=r"batch leaf batch/log_prior has 8 rows, where the "
+                                        r"batch has 16 \(batch/log_prior: 8; batch/x, "
+                                        r"batch/y: 16\)") as e:
         parallelize(step, {"dp": 8})(params, state, batch)
     assert "batch_argnums=(2,)" in e.value.hint
-    with pytest.raises(MeshError, match=r"batch/log_prior \(8 rows\)"):
+    with pytest.raises(MeshError, match=r"batch leaf batch/log_prior has 8 rows"):
         parallelize(step, {"dp": 2, "pp": 2}, microbatches=2).trace(params, state, batch)
     prior = batch.pop("log_prior")
     want = jax.jit(step)(params, state, batch, prior)[2]
@@ -301,8 +302,8 @@ def test_torch_pipeline_refuses_tensor_arguments_that_are_not_rows_of_the_batch(
         opt.zero_grad()
         return loss
     x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
-    with pytest.raises(MeshError, match=r"argument 4 \(4 rows\), where argument 2, argument "
-                                        r"3 have 16") as e:
+    with pytest.raises(MeshError, match=r"step argument 4 has 4 rows, where the batch has "
+                                        r"16") as e:
         parallelize(step, {"pp": 2}, microbatches=4).trace(model, opt, x, y, torch.ones(4))
     assert "register_buffer" in e.value.hint
     with pytest.raises(MeshError, match="step argument 4 is a 0-d tensor"):
@@ -366,8 +367,12 @@ def test_options_of_the_wrong_kind_or_for_no_pipeline_are_refused():
     with pytest.raises(DiphomaError, match="unknown schedule 'gpip'") as e:
         parallelize(step, {"dp": 2, "pp": 2}, schedule="gpip")
     assert "interleaved-zb" in e.value.hint
-    with pytest.raises(DiphomaError, match="whose pipeline pass says schedule=1f1b"):
+    with pytest.raises(DiphomaError, match="whose pipeline pass runs schedule=1f1b"):
         parallelize(step, {"pp": 2}, passes="pipeline{axis=pp}", schedule="gpipe")
+    # the default named where no pipeline runs (a config that always passes it, pp=1)
+    assert parallelize(step, {"dp": 4, "pp": 1}, schedule="1f1b").pipeline is None
+    with pytest.raises(DiphomaError, match="shard_params='False': the option is True or"):
+        parallelize(step, {"dp": 2}, passes="dce", shard_params="False")
     assert parallelize(step, {"pp": 2}, passes="pipeline{axis=pp, schedule=gpipe}",
                        schedule="gpipe").pipeline.schedule == "gpipe"
     assert parallelize(step, {"dp": 2, "pp": 2}).pipeline.schedule == "1f1b"
@@ -383,3 +388,31 @@ def test_data_parallel_twice_over_one_axis_is_refused_by_name():
     twice = "dce,data-parallel{axis=dp},data-parallel{axis=dp}"
     with pytest.raises(DiphomaError, match="the graph is data parallel over 'dp' already"):
         parallelize(step, {"dp": 8}, passes=twice).trace(params, state, batch)
+
+
+def test_batch_leaves_of_k_rows_per_example_split_with_it_and_ties_are_named():
+    """A leaf of k rows per example in example order (two views of each example here,
+    (32, 8) beside x (16, 8) and its targets) splits with the batch as before, and matches
+    jax.jit; with as many leaves of each of two row counts the batch's rows are not known,
+    and the error names them rather than guessing which one to move out."""
+    import optax
+    tx = optax.sgd(0.1)
+
+    def step(params, opt_state, batch):
+        def loss_of(p):
+            views = batch["views"].reshape(batch["x"].shape[0], 2, 8).mean(1)
+            return jnp.mean((batch["x"] @ p["w"] - views @ p["w"] - batch["y"]) ** 2)
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    params = {"w": jnp.linspace(-1.0, 1.0, 32).reshape(8, 4)}
+    batch = {"x": jnp.linspace(0.0, 1.0, 128).reshape(16, 8),
+             "views": jnp.linspace(1.0, 0.0, 256).reshape(32, 8),
+             "y": jnp.linspace(0.0, 2.0, 64).reshape(16, 4)}
+    want = jax.jit(step)(params, tx.init(params), batch)
+    got = parallelize(step, {"dp": 8})(params, tx.init(params), batch)
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-6)
+    tie = {"a_table": jnp.ones(8), "x": batch["x"]}
+    with pytest.raises(MeshError, match=r"\(batch/a_table: 8; batch/x: 16\), as many of each, "
+                                        "so the batch.s rows are not known"):
+        parallelize(step, {"dp": 8}).trace(params, tx.init(params), tie)

@@ -685,9 +685,11 @@ class _Follow:
                                                 self.found[-1], summing[0]))
             return
         if not _has_strategies(op, ins, outs):
-            if random_draw(op) is None and any(isinstance(a, Partial) for a in actual):
-                # a sum or mean over the batch into an op of no rule (eigh, cholesky, a
-                # solve: a covariance penalty): nothing says it is linear in it
+            if random_draw(op) is None and any(isinstance(a, Partial) and t.rank >= 2
+                                               for a, t in zip(actual, ins)):
+                # a matrix summed over the batch into an op of no rule (eigh, cholesky,
+                # an LU or a solve: a covariance penalty): nothing says it is linear in
+                # it (a scalar mean into one, nan_to_num of the loss, is let through)
                 self.report(op, _NONLINEAR + " (an op of no known rule: not shown linear)",
                             certain=True)
                 self.set(op, [_UNKNOWN] * len(outs))

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..batch_rows import check_batch_rows
 from ..errors import BackendError, FrontendError, MeshError
 from ..ir.analysis import runs_on_one_device
 from ..ir.core import Graph
@@ -175,32 +176,16 @@ def _resized(args: tuple, nums: Sequence[int], size: Callable[[str, Any], Any]) 
 
 
 def _check_rows_within(args: tuple, nums: Sequence[int], among: str) -> None:
-    """MeshError unless every array leaf of each batch argument has the same number of rows
-    (dim 0): the split cuts each leaf along dim 0, so a leaf of other rows (a per-class
-    table beside the examples) would be cut too, and each device would compute with a
-    slice of it, without a word (broadcasting hides the shapes). The error names the
-    leaves whose rows are not the most common."""
+    """MeshError for a leaf of a batch argument that cannot be split with it
+    (``batch_rows.check_batch_rows``: a per-class table in the batch dict)."""
     sig = StepSignature(batch_argnums=tuple(nums))
     for k in nums:
-        by_rows: dict[int, list[str]] = {}
-        for path, x in jax.tree_util.tree_leaves_with_path(args[k]):
-            if np.ndim(x) >= 1:
-                by_rows.setdefault(int(np.shape(x)[0]), []).append(
-                    path_name(sig.prefix(k), path))
-        if len(by_rows) < 2:
-            continue
-        rows = max(by_rows, key=lambda r: len(by_rows[r]))     # the first of the most
-        odd = [(r, n) for r, names in by_rows.items() if r != rows for n in names]
-        listed = ", ".join(f"{n} ({r} rows)" for r, n in odd)
-        raise MeshError(
-            f"the batch leaves have different numbers of rows: {listed}, where "
-            f"{', '.join(by_rows[rows][:3])}{' ...' if len(by_rows[rows]) > 3 else ''} "
-            f"have {rows}; the batch is split along its first dimension among {among}, "
-            "and a leaf that is not one row per example (a per-class table) would be "
-            "split with it",
-            hint=f"pass {odd[0][1]} as an argument of its own after the batch, with "
-                 f"batch_argnums=({k},) (an argument outside the batch is whole on every "
-                 "device); or give it the batch's rows")
+        check_batch_rows(
+            [(path_name(sig.prefix(k), path), int(np.shape(x)[0]))
+             for path, x in jax.tree_util.tree_leaves_with_path(args[k]) if np.ndim(x) >= 1],
+            among, f"pass {{name}} as an argument of its own after the batch, with "
+                   f"batch_argnums=({k},) (an argument outside the batch is whole on every "
+                   "device)")
 
 
 def local_args(args: tuple, n: int, axis: str, batch_argnums: Sequence[int] = (2,),

@@ -399,8 +399,9 @@ def _step_gathers(graph: Graph, body: dict[str, list[Op]], kept: set[str],
     program T may run once a step, the first of each; the results of the others (the same
     parameter gathered again for the backward, or already in ``gathered`` by another stage
     of the rank) go into ``rename`` as the first's. Not one whose result is in ``kept``
-    (sent, returned), nor one an op with regions reads (its body would name the value).
-    The chosen ones are added to ``gathered``."""
+    (sent, returned); one an op with regions reads is moved into T as it is, not renamed
+    (the region's body would name the value). The chosen ones are added to
+    ``gathered``."""
     params = {i.name for i in graph.inputs if i.role.kind is InputKind.param}
     in_regions = {n for b in body.values() for op in b if op.regions
                   for n in free_inputs(op)}

@@ -223,11 +223,13 @@ def first_tensor(args: tuple) -> torch.Tensor | None:
 def microbatch_args(args: tuple, microbatches: int) -> tuple:
     """``args`` with every tensor cut to its first 1/M rows (one microbatch, to trace);
     MeshError when a tensor's rows do not divide into M, when it has none (a 0-d tensor),
-    or when the tensors have different rows: every tensor argument is cut along dim 0, so
-    one that is not a row per example (a per-class weight) would be cut with the batch,
-    and each microbatch computed with a slice of it, without a word where it broadcasts."""
+    or when its rows are not a whole multiple of the batch's (``batch_rows.py``): every
+    tensor argument is cut along dim 0, so one that is not rows per example (a per-class
+    weight) would be cut with the batch, and each microbatch computed with a slice of it,
+    without a word where it broadcasts."""
     from torch.utils import _pytree as pytree
 
+    from ..batch_rows import check_batch_rows
     from ..errors import MeshError
 
     leaves, _ = pytree.tree_flatten_with_path(list(args))
@@ -241,21 +243,10 @@ def microbatch_args(args: tuple, microbatches: int) -> tuple:
                             "along its first dimension",
                             hint="pass it as a Python number, or keep it in the model (a "
                                  "buffer) or the optimizer")
-    by_rows: dict[int, list[str]] = {}
-    for name, x in tensors:
-        by_rows.setdefault(x.shape[0], []).append(name)
-    if len(by_rows) > 1:
-        rows = max(by_rows, key=lambda r: len(by_rows[r]))    # the first of the most
-        odd = [(r, n) for r, names in by_rows.items() if r != rows for n in names]
-        listed = ", ".join(f"{n} ({r} rows)" for r, n in odd)
-        raise MeshError(f"the step's tensor arguments have different numbers of rows: "
-                        f"{listed}, where {', '.join(by_rows[rows][:3])} have {rows}; under "
-                        f"a pipeline every tensor argument is the batch, cut into "
-                        f"{microbatches} microbatches along its first dimension, and one "
-                        "that is not a row per example (a per-class weight) would be cut "
-                        "with it",
-                        hint="keep such a tensor in the model (register_buffer) or make it "
-                             "inside the step; or give it the batch's rows")
+    check_batch_rows([(name, x.shape[0]) for name, x in tensors],
+                     f"{microbatches} microbatches (under a pipeline every tensor argument is "
+                     "the batch)", "keep such a tensor in the model (register_buffer) or make "
+                     "it inside the step", noun="step")
 
     def cut(x: Any) -> Any:
         if not isinstance(x, torch.Tensor) or isinstance(x, torch.nn.Parameter):

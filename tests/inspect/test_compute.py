@@ -256,5 +256,5 @@ def test_the_device_model_can_be_measured_on_this_machine(capsys):
     c = inspect_json(capsys, step, "--mesh", "dp=4", "--device-model", "measured")["compute"]
     assert c["device_model"] == "measured-cpu-gloo"
     m = device_model("measured-cpu-gloo")
-    assert 1e9 < m.flops_per_s < 1e14
+    assert 1e8 < m.flops_per_s < 1e14      # the order, not a timing
     assert c["estimated_step_s"]["compute"] > 0

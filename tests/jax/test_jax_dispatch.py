@@ -83,5 +83,7 @@ def test_the_first_device_is_measured_and_the_plan_costed_on_it():
         params, opt_state, batch)
     m = device_model("measured-cpu")
     assert ps.plan.compute.device_model == "measured-cpu"
-    assert 1e9 < m.flops_per_s < 1e14 and 1e9 < m.mem_bytes_per_s < 1e13
+    # figures of the right order, not a timing (a copy measured 0.73 GB/s on 2 loaded
+    # cores, 2026-12-07, where 1e9 had been the floor): a unit slip is a factor of 1e3
+    assert 1e8 < m.flops_per_s < 1e14 and 1e7 < m.mem_bytes_per_s < 1e13
     assert m.link == device_model("cpu-gloo").link

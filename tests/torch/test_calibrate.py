@@ -28,8 +28,10 @@ def test_the_cpu_is_measured_into_a_registered_model():
     from diphoma_compile.torch.calibrate import measure_device
     m = measure_device("cpu", repeat=2)
     assert m.name == "measured-cpu-gloo"
-    assert 1e9 < m.flops_per_s < 1e14
-    assert 1e9 < m.mem_bytes_per_s < 1e13
+    # figures of the right order, not a timing (a loaded 2-core machine measured a copy
+    # at 0.73 GB/s): a unit slip is a factor of 1e3
+    assert 1e8 < m.flops_per_s < 1e14
+    assert 1e7 < m.mem_bytes_per_s < 1e13
     assert m.link == device_model("cpu-gloo").link
     assert device_model("measured-cpu-gloo") is m
     torch.manual_seed(5)                         # it draws no random numbers of the user's
