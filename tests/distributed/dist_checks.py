@@ -409,8 +409,13 @@ def run_inductor(rank: int, world: int) -> dict:
         refused = ""
     except diphoma_compile.DiphomaError as e:
         refused = str(e)
+    try:        # refused before anything runs (a ValueError before 2026-12-07)
+        step.profile(model, opt, *local(b, rank, world), steps=0)
+        no_steps = ""
+    except diphoma_compile.DiphomaError as e:
+        no_steps = str(e)
     out = {"codegen": runner.codegen, "compile_s": step.compile_s, "losses": losses,
-           "profile_refused": refused, "sent": sent,
+           "profile_refused": refused, "profile_no_steps": no_steps, "sent": sent,
            "calls": dict(runner.comm.calls),
            "functional": "_c10d_functional" in _compiled_source(runner.module),
            "overlapped": _overlapped(_compiled_source(runner.module))}

@@ -134,6 +134,8 @@ def test_inductor_per_rank_program_matches_single_device(runs):
         # backward) runs while Inductor's kernels compute: its wait_tensor comes later
         assert res["overlapped"] >= 1, res
         assert "Inductor" in res["profile_refused"], res["profile_refused"]
+        assert "profile(steps=0): the steps to time are a whole number" in \
+            res["profile_no_steps"], res["profile_no_steps"]
         # counted per call of the compiled program (its collectives run out of Python's
         # sight; before, only the trace counted them: twice, then never again)
         sent = res["sent"]
