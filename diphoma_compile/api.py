@@ -183,6 +183,14 @@ class ParallelStep:
                 "batch alone, and no gradient would be averaged over it",
                 hint="let passes= hold a data-parallel pass (the default passes do; "
                      "inspect --passes shows a list's plan), or drop the axis from the mesh")
+        if idle and self.framework != "torch":
+            # one JAX controller passes the global batch: the devices along such an axis
+            # repeat the same work on the same data (not wrong, but wasted)
+            axes = ", ".join(f"{a}={n}" for a, n in idle.items())
+            warnings.warn(f"mesh axis {axes} is used by no pass: every device along it "
+                          "repeats the same step on the same data (name the axis for what "
+                          "it does: dp, data or batch; pp; tp; or drop it from the mesh)",
+                          DiphomaWarning, stacklevel=2)
         if idle and self.framework == "torch":
             # (one JAX controller passes the global batch: an idle axis repeats the same
             # work on the same data; torch's ranks each pass their own)
@@ -501,7 +509,12 @@ def run_passes(graph: Graph, fw: Framework, mesh: Mesh, axis: str, passes: str |
     else:
         parts = []
         if tp is not None and tp != axis and mesh.axis_size(tp) > 1:
-            parts.append(f"dce,tensor-parallel{{axis={tp}}}")
+            if compression is not None:
+                raise DiphomaError(f"compression={compression!r} is not lowered beside "
+                                   f"tensor parallelism yet (the mesh's axis {tp}: the "
+                                   "quantized collectives take whole-parameter pieces)",
+                                   hint=f"drop the {tp} axis, or leave compression unset")
+            parts.append(f"dce,tensor-parallel{{axis={tp}, device-model={device_model}}}")
         data = pipeline is None or axis != pipeline.axis
         if compression is not None and mesh.axis_size(axis) > 1 and pipeline is not None:
             raise DiphomaError(f"compression={compression!r} is not lowered for pipelines "

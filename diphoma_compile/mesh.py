@@ -172,6 +172,14 @@ def fold_nodes(mesh: Mesh, axis: str) -> tuple[Mesh, int]:
     if node is None or mesh.axis_size(node) == 1:
         return mesh, 0
     names = list(mesh.names)
+    if axis == node:
+        # the batch split over the node axis itself: no devices within a node to split
+        # it further, so the quantized collectives have one hop
+        raise MeshError(f"the data axis is the node axis {node!r} itself; compression's "
+                        f"node axis splits a data axis into nodes of several devices each",
+                        hint=f"name the devices within a node as the data axis, e.g. "
+                             f"{{{node!r}: K, 'dp': devices per node}}, or rename the axis "
+                             f"to dp when each node has one device")
     if axis not in names or names.index(axis) != names.index(node) + 1:
         raise MeshError(f"the mesh axis {node!r} must come just before the data axis "
                         f"{axis!r}: it splits the data axis into nodes (found "

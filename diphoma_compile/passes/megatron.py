@@ -140,16 +140,22 @@ def find_pairs(graph: Graph, n: int) -> Pairs:
         return all(i in skip or s.inputs[i] == REPLICATE or op.inputs[i] in free
                    for i in range(len(op.inputs)))
 
+    def contracts(op: Op, w: _Weight) -> bool:
+        # splitting the weight along with an activation can leave partial sums, whether or
+        # not that dimension divides n (a column split never splits it: an input width of
+        # 5 under tp=4 is no reason to refuse the pair)
+        return any(isinstance(s.inputs[w.position], Shard) and s.outputs[:1] ==
+                   (Partial("sum"),)
+                   for s in strategies_of(op, [types[x] for x in op.inputs],
+                                          [v.type for v in op.results], groups))
+
     # the column options of each matmul-like op with a weight: weight split, activations
-    # whole, result split (an op is matmul-like when splitting the weight along with an
-    # activation can leave partial sums: a contraction)
+    # whole, result split (an op is matmul-like when it contracts the weight)
     options: dict[int, list[tuple[Strategy, _Weight]]] = {}
     for k, ws in weights.items():
         op = graph.ops[k]
         for w in ws:
-            if types[op.inputs[w.position]].rank < 2 or not any(
-                    isinstance(s.inputs[w.position], Shard) and s.outputs[:1] ==
-                    (Partial("sum"),) for s in menu(k)):
+            if types[op.inputs[w.position]].rank < 2 or not contracts(op, w):
                 continue
             for s in menu(k):
                 if (isinstance(s.inputs[w.position], Shard) and len(s.outputs) >= 1
