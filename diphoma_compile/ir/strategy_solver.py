@@ -133,9 +133,14 @@ def solve(graph: Graph, menus: Sequence[Sequence[Strategy]],
     free = dict(free or {})
     for op in graph.ops:
         if op.regions:
-            raise IRError(f"sharding propagation does not enter nested regions yet "
-                          f"({op.name} has {len(op.regions)})",
-                          hint="trace the step without control flow (unroll scans)")
+            where = f" at {op.loc}" if op.loc else ""
+            phase = f", in the step's {op.phase.value}" if op.phase else ""
+            raise IRError(f"sharding propagation does not enter nested regions yet: a "
+                          f"{op.name} with {len(op.regions)} regions{where}{phase}",
+                          hint="trace the step without control flow (unroll scans; "
+                               "optax.MultiSteps and apply_if_finite branch with lax.cond "
+                               "in the update: accumulate gradients outside the step, or "
+                               "run it without the tp axis)")
     prog = _Program()
     x: list[list[int]] = []
     for k, menu in enumerate(menus):

@@ -203,7 +203,41 @@ def opt_state_links(params: Any, opt_state: Any) -> list[tuple[int | None, str |
             links.extend((k, last or "state") for k in range(nparams))
         else:
             links.append((None, last))
+    if nparams and all(of is None for of, _ in links):
+        return _links_by_path(params, opt_state) or links
     return links
+
+
+def _keys(path: Any) -> tuple[str, ...]:
+    return tuple(keystr((k,), simple=True, separator="/") for k in path)
+
+
+def _links_by_path(params: Any, opt_state: Any) -> list[tuple[int | None, str | None]]:
+    """``opt_state_links`` where no subtree of the state has the parameters' tree structure
+    (flax.nnx: the parameters are ``Param`` variables of the model, object 0 of the split,
+    the state ``OptState`` variables under the optimizer, object 1): a state leaf links to
+    the parameter whose path is the longest end of its own path naming one parameter alone,
+    of the same shape (``.../mu/fc1/kernel/value`` to ``0/fc1/kernel/value``); the key
+    before that end is the slot. None when no leaf links."""
+    owner: dict[tuple[str, ...], int | None] = {}
+    shapes = []
+    for k, (path, leaf) in enumerate(tree_flatten_with_path(params)[0]):
+        keys = _keys(path)
+        shapes.append(np.shape(leaf))
+        for a in range(len(keys)):
+            end = keys[a:]
+            owner[end] = k if end not in owner else None     # None: several parameters
+    links: list[tuple[int | None, str | None]] = []
+    for path, leaf in tree_flatten_with_path(opt_state)[0]:
+        keys = _keys(path)
+        found = None
+        for a in range(len(keys)):          # the longest end first
+            k = owner.get(keys[a:])
+            if k is not None and shapes[k] == np.shape(leaf) and a > 0:
+                found = (k, keys[a - 1])
+                break
+        links.append(found or (None, keys[-1] if keys else None))
+    return links if any(of is not None for of, _ in links) else []
 
 
 def flax_state(params: Any) -> list[bool]:

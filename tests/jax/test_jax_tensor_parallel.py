@@ -306,3 +306,30 @@ def test_an_mlp_whose_input_width_does_not_divide_tp_is_still_split(width):
     assert "tp=4: 1 layer pair(s)" in ps.plan.to_text()
     for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0])):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_an_optimizer_that_branches_under_tp_is_named_with_its_line():
+    """optax.MultiSteps under {"dp": 2, "tp": 4}: refused with "sharding propagation does
+    not enter nested regions yet (cond has 2)" and a hint to unroll scans, for a cond the
+    user did not write. Now the error says where the cond is and what makes one."""
+    import jax.numpy as jnp
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8, name="down")(nn.relu(nn.Dense(16, name="up")(x)))
+    model, tx = MLP(), optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
+
+    def step(params, opt_state, batch):
+        x, y = batch
+        loss, grads = jax.value_and_grad(
+            lambda p: jnp.mean((model.apply(p, x) - y) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    x, y = jnp.ones((8, 8)), jnp.ones((8, 8))
+    params = model.init(jax.random.PRNGKey(0), x)
+    with pytest.raises(DiphomaError, match=r"a cond with 2 regions at \S+\.py:\d+, in the "
+                                           r"step's update") as e:
+        diphoma_compile.parallelize(step, {"dp": 2, "tp": 4}).trace(
+            params, tx.init(params), (x, y))
+    assert "optax.MultiSteps" in str(e.value)

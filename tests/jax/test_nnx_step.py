@@ -94,6 +94,31 @@ def test_parallelize_of_an_nnx_step_with_dropout_matches_one_device():
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+def test_an_nnx_optimizers_state_is_linked_to_its_parameters_and_split():
+    """nnx.Optimizer's state (OptState variables under the optimizer) has no subtree with
+    the parameters' tree structure (Param variables under the model), so no state leaf was
+    linked to its parameter: Adam's moments stayed whole on every device at dp=8 (21.6 KB
+    each, a reviewer's probe, 2026-12-07) and did not follow a tp-split kernel. They link
+    by path now (.../mu/l1/kernel to l1/kernel) and are split 1/8."""
+    (m1, o1), (m2, o2) = _pair(batch_norm=False)
+    x, y = _data()
+    pstep = diphoma_compile.parallelize(train_step, {"dp": 8})
+    ref = nnx.jit(train_step)
+    for _ in range(STEPS):
+        np.testing.assert_allclose(float(pstep(m1, o1, x, y)), float(ref(m2, o2, x, y)),
+                                   rtol=1e-5)
+    assert _max_dev(m1, m2) <= 1e-6
+    roles = {i.name: i.role for i in pstep.graph.inputs}
+    moments = {n: r for n, r in roles.items() if r.kind.value == "opt_state" and
+               r.slot in ("mu", "nu")}
+    assert len(moments) == 8, sorted(roles)     # 4 parameters, 2 moments each
+    assert all(r.of is not None and roles[r.of].kind.value == "param"
+               for r in moments.values())
+    m = pstep.plan.memory
+    assert m.opt_state <= m.single_device_opt_state / 7
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 def test_an_nnx_batch_norm_under_data_parallelism_is_warned_of():
     (m1, o1), _ = _pair(batch_norm=True)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
