@@ -60,11 +60,15 @@ def shard_placement(t: TensorType, n: int, layout: str) -> tuple[Placement, str]
             return Shard(d), ""
     if layout == "dims-or-flat" and not t.placements:
         return FLAT, ""
+    what = f"no dimension of {list(t.shape)} divides {n}"
+    if split:       # the dims that do are another axis's already (tensor parallelism)
+        axes = ", ".join(a for a, p in t.placements if isinstance(p, Shard))
+        what = (f"no dimension of {list(t.shape)} that {axes} leaves whole divides {n} "
+                f"(dimension {', '.join(str(d) for d in sorted(split))} is split over {axes})")
     if layout == "dims-or-flat":
-        return REPLICATE, (f"no dimension of {list(t.shape)} divides {n}, and a flat piece of "
-                           "a tensor split over another axis is not laid out")
-    return REPLICATE, (f"no dimension of {list(t.shape)} divides {n} and layout=dims needs "
-                       "even splits")
+        return REPLICATE, (f"{what}, and a flat piece of a tensor split over another axis is "
+                           "not laid out")
+    return REPLICATE, f"{what} and layout=dims needs even splits"
 
 
 def linked_placement(t: TensorType, param: TensorType, n: int,

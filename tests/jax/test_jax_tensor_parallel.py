@@ -333,3 +333,30 @@ def test_an_optimizer_that_branches_under_tp_is_named_with_its_line():
         diphoma_compile.parallelize(step, {"dp": 2, "tp": 4}).trace(
             params, tx.init(params), (x, y))
     assert "optax.MultiSteps" in str(e.value)
+
+
+def test_a_state_leaf_kept_whole_over_dp_says_tp_splits_its_dimension():
+    """dp=2 x tp=4: a column layer's bias [32] is split over tp (8 a device), and dp cannot
+    split it again; the plan said "no dimension of [32] divides 2", which 32 does."""
+    import jax.numpy as jnp
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8, name="down")(nn.relu(nn.Dense(32, name="up")(x)))
+    model, tx = MLP(), optax.adam(1e-2)
+
+    def step(params, opt_state, batch):
+        x, y = batch
+        loss, grads = jax.value_and_grad(
+            lambda p: jnp.mean((model.apply(p, x) - y) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    x, y = jnp.ones((8, 8)), jnp.ones((8, 8))
+    params = model.init(jax.random.PRNGKey(0), x)
+    ps = diphoma_compile.parallelize(step, {"dp": 2, "tp": 4}).trace(
+        params, tx.init(params), (x, y))
+    reasons = dict(ps.plan.notes["weight-update-sharding"]["replicated"])
+    why = reasons["opt_state/0/mu/params/up/bias"]
+    assert "no dimension of [32] that tp leaves whole divides 2 (dimension 0 is split over " \
+           "tp)" in why, reasons
