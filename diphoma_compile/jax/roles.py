@@ -203,8 +203,6 @@ def opt_state_links(params: Any, opt_state: Any) -> list[tuple[int | None, str |
             links.extend((k, last or "state") for k in range(nparams))
         else:
             links.append((None, last))
-    if nparams and all(of is None for of, _ in links):
-        return _links_by_path(params, opt_state) or links
     return links
 
 
@@ -266,6 +264,9 @@ def step_inputs(args: Sequence[Any], sig: StepSignature) -> list[Input]:
         state = [False] * len(state)
     elif any(state):
         links = opt_state_links(params["params"], opt_state)
+    else:
+        # no subtree mirrors the parameters (flax.nnx's OptState beside its Params)
+        links = _links_by_path(params, opt_state) or links
     param_names = [n for (n, _), st in zip(leaves[sig.params_argnum], state) if not st]
     names = NameSupply(set())
     inputs = []
