@@ -278,19 +278,21 @@ def test_a_global_norm_under_dp_by_tp_matches_one_device(tx_name):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("width", [5, 8])
-def test_an_mlp_whose_input_width_does_not_divide_tp_is_still_split(width):
-    """Dense(16) then Dense(4) on inputs of 5 features over {"dp": 2, "tp": 4}: refused with
-    "no column/row layer pair to split", though a column split never splits the input
-    width (the pair finder asked for a strategy splitting it to tell a matmul; a
-    reviewer's probe, 2026-12-07). Split now, and as jax.jit computes it."""
-    import jax.numpy as jnp
+class _MLP(nn.Module):
+    """Dense(hidden) then Dense(out): one column/row layer pair."""
 
-    class MLP(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return nn.Dense(4, name="down")(nn.relu(nn.Dense(16, name="up")(x)))
-    model, tx = MLP(), optax.adam(1e-2)
+    hidden: int
+    out: int
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(self.out, name="down")(nn.relu(nn.Dense(self.hidden, name="up")(x)))
+
+
+def _mlp_case(hidden: int, out: int, tx, x):
+    """(step, params) of a squared-error step over _MLP(hidden, out) with ``tx``."""
+    import jax.numpy as jnp
+    model = _MLP(hidden, out)
 
     def step(params, opt_state, batch):
         x, y = batch
@@ -298,8 +300,19 @@ def test_an_mlp_whose_input_width_does_not_divide_tp_is_still_split(width):
             lambda p: jnp.mean((model.apply(p, x) - y) ** 2))(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
+    return step, model.init(jax.random.PRNGKey(0), x)
+
+
+@pytest.mark.parametrize("width", [5, 8])
+def test_an_mlp_whose_input_width_does_not_divide_tp_is_still_split(width):
+    """Dense(16) then Dense(4) on inputs of 5 features over {"dp": 2, "tp": 4}: refused with
+    "no column/row layer pair to split", though a column split never splits the input
+    width (the pair finder asked for a strategy splitting it to tell a matmul; a
+    reviewer's probe, 2026-12-07). Split now, and as jax.jit computes it."""
+    import jax.numpy as jnp
+    tx = optax.adam(1e-2)
     x, y = jnp.linspace(0.0, 1.0, 8 * width).reshape(8, width), jnp.ones((8, 4))
-    params = model.init(jax.random.PRNGKey(0), x)
+    step, params = _mlp_case(16, 4, tx, x)
     want = jax.jit(step)(params, tx.init(params), (x, y))
     ps = diphoma_compile.parallelize(step, {"dp": 2, "tp": 4})
     got = ps(params, tx.init(params), (x, y))
@@ -313,21 +326,9 @@ def test_an_optimizer_that_branches_under_tp_is_named_with_its_line():
     not enter nested regions yet (cond has 2)" and a hint to unroll scans, for a cond the
     user did not write. Now the error says where the cond is and what makes one."""
     import jax.numpy as jnp
-
-    class MLP(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return nn.Dense(8, name="down")(nn.relu(nn.Dense(16, name="up")(x)))
-    model, tx = MLP(), optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
-
-    def step(params, opt_state, batch):
-        x, y = batch
-        loss, grads = jax.value_and_grad(
-            lambda p: jnp.mean((model.apply(p, x) - y) ** 2))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    tx = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
     x, y = jnp.ones((8, 8)), jnp.ones((8, 8))
-    params = model.init(jax.random.PRNGKey(0), x)
+    step, params = _mlp_case(16, 8, tx, x)
     with pytest.raises(DiphomaError, match=r"a cond with 2 regions at \S+\.py:\d+, in the "
                                            r"step's update") as e:
         diphoma_compile.parallelize(step, {"dp": 2, "tp": 4}).trace(
@@ -339,21 +340,9 @@ def test_a_state_leaf_kept_whole_over_dp_says_tp_splits_its_dimension():
     """dp=2 x tp=4: a column layer's bias [32] is split over tp (8 a device), and dp cannot
     split it again; the plan said "no dimension of [32] divides 2", which 32 does."""
     import jax.numpy as jnp
-
-    class MLP(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return nn.Dense(8, name="down")(nn.relu(nn.Dense(32, name="up")(x)))
-    model, tx = MLP(), optax.adam(1e-2)
-
-    def step(params, opt_state, batch):
-        x, y = batch
-        loss, grads = jax.value_and_grad(
-            lambda p: jnp.mean((model.apply(p, x) - y) ** 2))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    tx = optax.adam(1e-2)
     x, y = jnp.ones((8, 8)), jnp.ones((8, 8))
-    params = model.init(jax.random.PRNGKey(0), x)
+    step, params = _mlp_case(32, 8, tx, x)
     ps = diphoma_compile.parallelize(step, {"dp": 2, "tp": 4}).trace(
         params, tx.init(params), (x, y))
     reasons = dict(ps.plan.notes["weight-update-sharding"]["replicated"])
