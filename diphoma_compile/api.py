@@ -173,28 +173,19 @@ class ParallelStep:
                                              pipeline=pipeline,
                                              compression=self.compression, local=self.local,
                                              probe=probe)
-        idle = self._plan.idle_axes
-        if self.axis in idle and self.framework != "torch":
-            # the trace cut the batch into this axis's shares: a step that no pass makes
-            # data parallel would train each device on its share alone
-            raise MeshError(
-                f"mesh axis {self.axis}={idle[self.axis]}, over which the batch is split, "
-                "is used by no pass: each device would run the step on its share of the "
-                "batch alone, and no gradient would be averaged over it",
-                hint="let passes= hold a data-parallel pass (the default passes do; "
-                     "inspect --passes shows a list's plan), or drop the axis from the mesh")
-        if idle and self.framework != "torch":
-            # one JAX controller passes the global batch: the devices along such an axis
-            # repeat the same work on the same data (not wrong, but wasted)
-            axes = ", ".join(f"{a}={n}" for a, n in idle.items())
-            warnings.warn(f"mesh axis {axes} is used by no pass: every device along it "
-                          "repeats the same step on the same data (name the axis for what "
-                          "it does: dp, data or batch; pp; tp; or drop it from the mesh)",
-                          DiphomaWarning, stacklevel=2)
-        if idle and self.framework == "torch":
-            # (one JAX controller passes the global batch: an idle axis repeats the same
-            # work on the same data; torch's ranks each pass their own)
-            axes = ", ".join(f"{a}={n}" for a, n in self._plan.idle_axes.items())
+        self._refuse_idle_axes(self._plan.idle_axes)
+        return self
+
+    def _refuse_idle_axes(self, idle: dict[str, int]) -> None:
+        """Mesh axes of several devices that no pass uses: refused under torch (each rank
+        passes its own data, and ranks along such an axis would drift apart) and, under
+        JAX, where the trace split the batch over it (each device would train on its share
+        alone); otherwise warned of (one JAX controller passes the global batch: the
+        devices along the axis repeat the same work on the same data)."""
+        if not idle:
+            return
+        axes = ", ".join(f"{a}={n}" for a, n in idle.items())
+        if self.framework == "torch":
             raise MeshError(
                 f"mesh axis {axes} is used by no pass: every rank along it would repeat "
                 "the same step, and ranks along it given other data (each rank passes its "
@@ -202,7 +193,17 @@ class ParallelStep:
                 hint="name each axis for what it does (dp, data or batch: data parallelism; "
                      "pp, pipe or pipeline: pipeline stages; tp, tensor or model: tensor "
                      "parallelism), drop it from the mesh, or pass passes= that use it")
-        return self
+        if self.axis in idle:
+            raise MeshError(
+                f"mesh axis {self.axis}={idle[self.axis]}, over which the batch is split, "
+                "is used by no pass: each device would run the step on its share of the "
+                "batch alone, and no gradient would be averaged over it",
+                hint="let passes= hold a data-parallel pass (the default passes do; "
+                     "inspect --passes shows a list's plan), or drop the axis from the mesh")
+        warnings.warn(f"mesh axis {axes} is used by no pass: every device along it repeats "
+                      "the same step on the same data (name the axis for what it does: dp, "
+                      "data or batch; pp; tp; or drop it from the mesh)",
+                      DiphomaWarning, stacklevel=3)
 
     def _auto(self) -> str | None:
         # the framework picks the code generator by the step's size for the plans checked

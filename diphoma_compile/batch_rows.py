@@ -38,7 +38,9 @@ def check_batch_rows(leaves: Sequence[tuple[str, int]], among: str, hint: str,
                              f"for some k (shaped (batch, k, ...) or flattened in example "
                              f"order); {hint.format(name='a leaf that is not the batch')}")
     (rows,) = common
-    odd = [(r, n) for r, names in by_rows.items() if r % rows for n in names]
+    # (a batch of no rows has no multiples: every other count is odd)
+    odd = [(r, n) for r, names in by_rows.items() if r != rows and (rows == 0 or r % rows)
+           for n in names]
     if odd:
         r, name = odd[0]
         raise MeshError(f"{noun} {name} has {r} rows, where the batch has {rows} ({listed})"

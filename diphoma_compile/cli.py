@@ -61,7 +61,7 @@ def cmd_ir(args: argparse.Namespace) -> int:
                       dump_stream=lambda s: sys.stdout.write(s))
     pipeline = Pipeline.from_spec(args.passes) if args.passes else Pipeline()
     if dump != "all":       # checked before the passes run (they may take a while)
-        names = {p.spec().split("{", 1)[0].strip() for p in pipeline.passes}
+        names = {p.name for p in pipeline.passes}
         unknown = sorted(dump - names)
         if unknown:
             raise DiphomaError(f"--dump-ir-after {','.join(unknown)}: no pass of that name is "

@@ -308,6 +308,8 @@ def test_torch_pipeline_refuses_tensor_arguments_that_are_not_rows_of_the_batch(
     assert "register_buffer" in e.value.hint
     with pytest.raises(MeshError, match="step argument 4 is a 0-d tensor"):
         parallelize(step, {"pp": 2}, microbatches=4).trace(model, opt, x, y, torch.tensor(1.))
+    with pytest.raises(MeshError, match=r"shape \(0,\) cannot be cut into 4 equal"):
+        parallelize(step, {"pp": 2}, microbatches=4).trace(model, opt, x, y, torch.ones(0))
 
 
 def test_jax_refuses_a_data_axis_no_pass_uses():

@@ -30,6 +30,8 @@ def _default_branch(platforms: Any) -> int:
             f"its platforms: {platforms})",
             hint="give it a default= implementation, or keep it out of the step")
     return default[0]
+
+
 _SCAN_PARAMS = {"reverse", "length", "jaxpr", "num_consts", "num_carry", "unroll", "linear",
                 "_split_transpose"}
 
@@ -290,29 +292,22 @@ class JaxprConverter:
                 f"frontend does not know (expected only {', '.join(sorted(known))})")
 
     def _cond(self, eqn, env: dict, block: _Block) -> list[str]:
-        if "branches_platforms" in eqn.params:
-            return self._platform_cond(eqn, env, block)
-        self._check_params(eqn, {"branches"})
         index = self._read(eqn.invars[0], env, block)
-        if index in self._platform:     # a backward cond on a platform_dependent's index
+        if index in self._platform:
+            # jax.lax.platform_dependent (jnp.diagonal, so slogdet), or a differentiated
+            # step's backward cond on its index: one implementation per platform of the
+            # same math, picked when XLA lowers it. The IR is made for any device, so it
+            # holds the default one, inlined (the others are one backend's kernels)
+            self._check_params(eqn, {"branches", "branches_platforms"})
             branch = eqn.params["branches"][self._platform[index]]
             ins = [self._read(v, env, block) for v in eqn.invars[1:]]
             return self._inline(branch.jaxpr, list(branch.consts), ins, block)
+        self._check_params(eqn, {"branches"})
         ins = [self._read(v, env, block) for v in eqn.invars]
         regions = tuple(self._region(f"branch{i}", br, [])
                         for i, br in enumerate(eqn.params["branches"]))
         out_types = [ir_type(v.aval, "a cond result") for v in eqn.outvars]
         return self._emit(block, "cond", ins, {}, out_types, "cond", self._loc(eqn), regions)
-
-    def _platform_cond(self, eqn, env: dict, block: _Block) -> list[str]:
-        """``jax.lax.platform_dependent`` (``jnp.diagonal``, so ``slogdet``, ``trace``):
-        one implementation per platform of the same math, picked when XLA lowers it. The IR
-        is made for any device, so it holds the default one (the branch no platform names;
-        the others are kernels for one backend, such as a Pallas TPU one)."""
-        self._check_params(eqn, {"branches", "branches_platforms"})
-        branch = eqn.params["branches"][_default_branch(eqn.params["branches_platforms"])]
-        ins = [self._read(v, env, block) for v in eqn.invars[1:]]   # [0]: the index
-        return self._inline(branch.jaxpr, list(branch.consts), ins, block)
 
     def _while(self, eqn, env: dict, block: _Block) -> list[str]:
         p = eqn.params

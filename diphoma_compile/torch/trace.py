@@ -232,10 +232,12 @@ def microbatch_args(args: tuple, microbatches: int) -> tuple:
     from ..batch_rows import check_batch_rows
     from ..errors import MeshError
 
-    leaves, _ = pytree.tree_flatten_with_path(list(args))
+    leaves, spec = pytree.tree_flatten_with_path(list(args))
+
+    def batch(x: Any) -> bool:
+        return isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)
     tensors = [(f"argument {pytree.keystr(path[:1]).strip('[]')}" +
-                pytree.keystr(path[1:]), x) for path, x in leaves
-               if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)]
+                pytree.keystr(path[1:]), x) for path, x in leaves if batch(x)]
     for name, x in tensors:
         if x.dim() == 0:
             raise MeshError(f"step {name} is a 0-d tensor; under a pipeline every tensor "
@@ -249,16 +251,16 @@ def microbatch_args(args: tuple, microbatches: int) -> tuple:
                      "it inside the step", noun="step")
 
     def cut(x: Any) -> Any:
-        if not isinstance(x, torch.Tensor) or isinstance(x, torch.nn.Parameter):
+        if not batch(x):
             return x
         rows = x.shape[0]
-        if rows % microbatches:
+        if rows == 0 or rows % microbatches:
             raise MeshError(f"a batch tensor of shape {tuple(x.shape)} cannot be cut into "
                             f"{microbatches} equal microbatches along its first dimension",
                             hint=f"pass a local batch whose rows divide by {microbatches}, "
                                  "or choose microbatches= that divides them")
         return x[: rows // microbatches]
-    return tuple(pytree.tree_map(cut, list(args)))
+    return tuple(pytree.tree_unflatten([cut(x) for _, x in leaves], spec))
 
 
 def repeated_args(args: tuple, times: int) -> tuple:
