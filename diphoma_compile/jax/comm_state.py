@@ -16,6 +16,7 @@ from ..errors import BackendError
 from ..ir.core import Graph, InputKind, OutputKind
 from ..ir.types import DType, TensorType
 from .compile import user_leaves
+from .trees import check_argument_trees
 from .parallel import JaxParallelStep
 
 
@@ -48,6 +49,7 @@ class JaxCommStateStep(JaxParallelStep):
         """(the program's input leaves: the user's, with the held state where the graph
         takes it; the treedef of each user argument)."""
         user, treedefs = user_leaves(args)
+        check_argument_trees(self.user_graph, treedefs)
         want = len(self.graph.inputs) - len(self.state_names)
         if len(user) != want:
             raise BackendError(f"the step was called with {len(user)} array leaves; it "

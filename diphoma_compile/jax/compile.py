@@ -18,7 +18,7 @@ from .dtypes import numpy_dtype
 from .ops import SCATTERS, emitter
 from .params import OPAQUE_RESERVED, decode
 from .roles import number_as_array
-from .trees import output_tree
+from .trees import check_argument_trees, output_tree
 
 Env = MutableMapping[str, Any]
 
@@ -205,6 +205,7 @@ class JaxStep:
     def leaves(self, args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         """(input leaves, the treedef of each argument); as many leaves as graph inputs."""
         leaves, treedefs = user_leaves(args)
+        check_argument_trees(self.graph, treedefs)
         # (a pipeline's microbatch index is an input its runtime passes, not the user)
         given = sum(1 for i in self.graph.inputs if i.role.kind is not InputKind.microbatch)
         if len(leaves) != given:

@@ -187,5 +187,5 @@ def trace_jax_with_tree(step_fn: Callable, *example_args: Any, params_argnum: in
     backward = {mapping.get(n, n) for n in converter.transposed}
     graph = verify(assign_phases(graph, backward))
     tree = jax.tree.structure(out_shape)
-    remember_tree(graph, tree)
+    remember_tree(graph, tree, tuple(jax.tree.structure(a) for a in example_args))
     return graph, tree

@@ -158,8 +158,12 @@ def test_call_with_other_shapes_fails(control_graph):
     step = compile_jax(control_graph)
     with pytest.raises(BackendError, match=r"params/w is float32\[5\]; the graph expects f32\[4\]"):
         step({"w": jnp.zeros(5)}, *ARGS[1:])
-    with pytest.raises(BackendError, match="called with 3 array leaves; the graph takes 4"):
+    with pytest.raises(BackendError, match="traced with 4 arguments and is called with 3"):
         step(*ARGS[:3])
+    # a graph with no traced trees (rewritten by hand) still counts the leaves
+    hand = compile_jax(control_graph.replace(name="by_hand"))
+    with pytest.raises(BackendError, match="called with 3 array leaves; the graph takes 4"):
+        hand(*ARGS[:3])
 
 
 HAND_WRITTEN = """

@@ -73,6 +73,36 @@ def test_look_alike_steps_keep_their_own_output_trees():
     assert same_bits(b(P, s, X), jax.jit(boxed)(P, s, X))
 
 
+@pytest.mark.parametrize("mesh", [None, {"dp": 8}, {"dp": 4, "pp": 2}])
+def test_a_call_with_other_dict_keys_is_refused_not_fed_to_the_wrong_inputs(mesh):
+    """Leaves reach the program by position and dict keys sort: a batch traced as
+    {"inp", "tgt"} and called as {"x", "tgt"} (same shapes) had its two arrays swapped, and
+    the step returned another loss with no word. A tuple where a list was, or a FrozenDict
+    where a dict was, keeps every leaf's path and runs."""
+    from flax.core import FrozenDict
+    from diphoma_compile.errors import BackendError
+    step, tx = sgd_step(lambda p, b: jnp.mean((jnp.tanh(b["inp"] @ p["w"]) @ p["v"]
+                                               - b["tgt"]) ** 2))
+    params = {"w": jnp.arange(9.0).reshape(3, 3) / 9, "v": jnp.eye(3)}
+    opt = tx.init(params)
+    x, y = jnp.linspace(-1, 1, 48).reshape(16, 3), jnp.cos(jnp.arange(48.0)).reshape(16, 3)
+    ours = (diphoma_compile.compile(step, params, opt, {"inp": x, "tgt": y}) if mesh is None
+            else diphoma_compile.parallelize(step, diphoma_compile.Mesh(mesh)))
+    want = jax.jit(step)(params, opt, {"inp": x, "tgt": y})[2]
+    assert np.allclose(ours(params, opt, {"inp": x, "tgt": y})[2], want, rtol=1e-6)
+    with pytest.raises(BackendError, match=r"argument 2 .* leaves were \['inp'\], \['tgt'\] "
+                                           r"and are \['tgt'\], \['x'\]"):
+        ours(params, opt, {"x": x, "tgt": y})
+    with pytest.raises(BackendError, match="traced with 3 arguments and is called with 4"):
+        ours(params, opt, {"inp": x}, y)
+    assert np.allclose(ours(FrozenDict(params), opt, {"inp": x, "tgt": y})[2], want, rtol=1e-6)
+
+    def listed(params, opt_state, batch):
+        return step(params, opt_state, {"inp": batch[0], "tgt": batch[1]})
+    ours = diphoma_compile.compile(listed, params, opt, (x, y))
+    assert np.allclose(ours(params, opt, [x, y])[2], want, rtol=1e-6)
+
+
 def test_roles_fallback_with_an_empty_optimizer_state():
     step, tx = sgd_step(lambda p, x: jnp.sum((x @ p["w"].T) ** 2) + jnp.sum(p["b"]))
     s = tx.init(P)
