@@ -16,10 +16,13 @@ placement a consumer needs. An op none of whose strategies takes its inputs as t
 combines examples: each share's result is not a slice, nor a part of a sum, of the whole
 batch's. Ops without strategies (a framework op with no rule, a random draw) are not
 judged: what they make from rows is taken as rows where it keeps the batch's first
-dimension (``_unjudged``), and not followed otherwise, so the analysis reports only what
-the strategies show. Ops that take some of the rows or join pieces of rows (slices or chunks
-of the batch for gradient accumulation, ``_rows_kept``) keep rows: each row is still one
-example (one example picked out, ``x[0]``, drops the rows' dimension and is found)."""
+dimension (``_unjudged``); one that makes anything else from rows (a loss of no rule summed
+over them, a count) is reported, since nothing shows its devices' results average to the
+batch's; a sum or mean over the batch read by one is reported where it is a matrix (a
+covariance into eigh) and let through where it is a scalar (``nan_to_num`` of the loss).
+Ops that take some of the rows or join pieces of rows (slices or chunks of the batch for
+gradient accumulation, ``_rows_kept``) keep rows: each row is still one example (one
+example picked out, ``x[0]``, drops the rows' dimension and is found)."""
 
 from __future__ import annotations
 
@@ -694,7 +697,16 @@ class _Follow:
                             certain=True)
                 self.set(op, [_UNKNOWN] * len(outs))
                 return
-            self.set(op, _unjudged(actual, ins, outs))
+            placed = _unjudged(actual, ins, outs)
+            if random_draw(op) is None and any(isinstance(a, Shard) for a in actual) and \
+                    any(p is _UNKNOWN and t.numel for p, t in zip(placed, outs)):
+                # rows into an op of no known rule that does not keep them (a loss summed
+                # over the batch, a count, a product): nothing says the devices' results
+                # average to the batch's
+                self.report(op, "reduces or rearranges the batch's rows in an op of no "
+                                "known rule: not shown to be a mean over examples",
+                            certain=True)
+            self.set(op, placed)
             return
         if op.name == "concat" and int(op.attrs["dim"]) == 0 and self.reorders(op):
             self.report(op, "joins windows of the batch's rows in another order (a roll of "
@@ -957,7 +969,7 @@ class _Follow:
         flows through it, and a numerator that is a sum or a mean over the rows."""
         how = self.state(numerator)
         if not isinstance(how, Partial) or how.op not in ("sum", "avg") or \
-                not self.types[count].dtype.is_float or self.reads_param(count):
+                not self.types[count].dtype.is_float or self.differentiates_param(count):
             return
         if self.from_windows(count):
             # a count over a window of the rows (gradient accumulation inside the step):
@@ -1006,6 +1018,15 @@ class _Follow:
         return self.walk_back(
             name, lambda n: n not in self.producer and
             self.kinds.get(n) in (InputKind.param, InputKind.opt_state), lambda n: True)
+
+    def differentiates_param(self, name: str) -> bool:
+        """Whether a gradient can flow from ``name`` back to a parameter: a parameter
+        reaches it through float values alone (a count of ``isnan(loss)``, as ``nanmean``
+        counts, reads the parameters through a boolean: no gradient flows through it)."""
+        return self.walk_back(
+            name, lambda n: n not in self.producer and
+            self.kinds.get(n) in (InputKind.param, InputKind.opt_state),
+            lambda n: self.types[n].dtype.is_float)
 
     def walk_back(self, name: str, hit: Callable[[str], bool],
                   through: Callable[[str], bool]) -> bool:

@@ -70,6 +70,11 @@ class PerDeviceLowering(Lowering):
             return [lax.reshape(x, outs[0].shape) for x in emitter(op)(op, ins, outs)]
         elif op.name in ("literal", "iota") and any(v.type.placements for v in op.results):
             return self._sharded_constant(op)
+        elif outs and any(isinstance(p, FlatShard) for _, p in op.results[0].type.placements):
+            # a flat piece (1-D) with a whole value of one element broadcast to it, of the
+            # tensor's own rank (u / sqrt(sum(u * u, keepdims=True)): muon's normalization)
+            ins = [lax.reshape(x, ()) if np.ndim(x) not in (0, len(outs[0].shape)) and
+                   np.size(x) == 1 else x for x in ins]
         return emitter(op)(op, ins, outs)
 
     def _narrow(self, op: Op, ins: list) -> Any:

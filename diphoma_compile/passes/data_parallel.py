@@ -115,9 +115,9 @@ def _varying(t: TensorType, axis: str) -> bool:
 
 
 def _sums_contributions(op: Op, ins: list[TensorType], axis: str) -> bool:
-    """An update-phase sum of two per-device values: two contributions to one gradient (a
-    tied embedding). Averaging commutes with it, so it stays per device and the gradient is
-    averaged once, after it."""
+    """An update-phase sum of two per-device values (the caller checks both are gradients):
+    two contributions to one gradient (a tied embedding). Averaging commutes with it, so it
+    stays per device and the gradient is averaged once, after it."""
     return op.name in ("add", "sub") and len(ins) == 2 and all(_varying(t, axis) for t in ins)
 
 
@@ -360,7 +360,9 @@ class _Split:
     def phase_of(self, op: Op, ins: list[TensorType]) -> Op:
         """The op in the phase it runs in: gradient-part sums and late metrics are per device."""
         ax = self.ax
-        if op.phase is Phase.update and _sums_contributions(op, ins, ax):
+        if op.phase is Phase.update and _sums_contributions(op, ins, ax) and \
+                all(self.made_in.get(n) is Phase.backward for n in op.inputs):
+            # (not a metric of the new parameters on the batch: f(new, x) - y)
             op = op.replace(phase=Phase.backward)
         if op.phase is Phase.update:
             # the loss or a metric the update reads (Polyak step sizes, plateau
@@ -380,6 +382,14 @@ class _Split:
 
     def read_synced(self, op: Op, ins: list[TensorType]) -> None:
         """An update op reads the averaged value of every per-device value it reads."""
+        if op.regions and any(n in self.batch for n in free_inputs(op)):
+            raise PassFailure(
+                f"data-parallel: the optimizer update runs {op.name} over the batch (a "
+                "line search, as optax.lbfgs's, evaluates the loss again inside it for each "
+                "step size it tries): the update runs on values averaged over the devices, "
+                "and cannot evaluate the model on each device's share there", op=op,
+                hint="use an update that does not evaluate the model (optax.lbfgs("
+                     "linesearch=None) with a step size), or run the step on one device")
         for n, t in zip(op.inputs, ins):
             if n in self.batch:
                 raise PassFailure(f"data-parallel: the optimizer update reads the "

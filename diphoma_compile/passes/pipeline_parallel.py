@@ -153,6 +153,9 @@ class PipelineRecord:
     # means over counts of the batch divided by the count summed over the microbatches
     # (and the data-parallel devices): the single-device step's (passes/global_counts.py)
     counted_globally: tuple[str, ...] = ()
+    # of those means' counts, the constants added to them (sum(mask) + 1) that the sum
+    # over the shares adds once: exact, whatever data-parallel listed (not in the plan)
+    shifted_globally: tuple[str, ...] = ()
     # draws from the step's key made for every microbatch, each keeping its rows
     # (passes/pipeline_draws.py), by source line
     random_per_microbatch: tuple[str, ...] = ()
@@ -280,6 +283,7 @@ class PipelineParallel(Pass):
                               "diphoma_compile.ir.device_model.MODELS") from None
         notes: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         counted: tuple[str, ...] = ()
+        shifted: tuple[str, ...] = ()
         if self.microbatches > 1:
             _refuse_summed_over_devices(ctx.decision(DataParallelRecord), self.microbatches)
             _refuse_summed(traced, split, self.microbatches)
@@ -288,6 +292,7 @@ class PipelineParallel(Pass):
             exact = {id(x) for c in made for x in (c.coupling, *c.shifts)}
             notes = split_notes([c for c in split.couplings if id(c) not in exact])
             counted = tuple(dict.fromkeys(str(c.coupling) for c in made))
+            shifted = tuple(dict.fromkeys(str(x) for c in made for x in c.shifts))
         cut = _Cut(graph, s, self.axis, n, self.schedule, self.microbatches, self.balance,
                    model)
         out = cut.rewrite()
@@ -295,6 +300,7 @@ class PipelineParallel(Pass):
                                            gather=self.gather,
                                            batch_coupled=notes[0], batch_counted=notes[1],
                                            counted_globally=counted,
+                                           shifted_globally=shifted,
                                            random_per_microbatch=drawn)
         return out
 

@@ -28,7 +28,8 @@ from ..ir.rewrite import rename_uses
 from ..ir.opdef import Category, is_view, op_def
 from ..ir.shape_rules import TypeRuleError, region_types
 from ..ir.sharding_rules import propagate
-from ..ir.types import REPLICATE, Placement, TensorType, dim_attr, fits
+from ..ir.types import (FLAT, FLAT_DIRTY, REPLICATE, Placement, TensorType, dim_attr,
+                        fits)
 from .base import Pass, PassContext, PassFailure, register_pass
 from .data_parallel import require_axis
 
@@ -172,7 +173,8 @@ class ShardParams(Pass):
                     p, chain = views[src]
                     views[op.results[0].name] = (p, chain + (op,))
         ops = _retype(list(rename_uses(tuple(ops), alias)),
-                      {i.name: i.value.type for i in inputs}, ax)
+                      {i.name: i.value.type for i in inputs}, ax, graph.mesh.axis_size(ax),
+                      names)
         outputs = tuple(type(o)(returned.get(o.name, o.name), o.role) for o in graph.outputs)
         ctx.decisions[self.name] = ShardParamsRecord(
             ax, {p: str(q) for p, q in sharded.items()}, tuple(whole), counts, self.backward)
@@ -198,13 +200,28 @@ def _check_regions(op: Op, ins: list[TensorType], res: list[TensorType],
                           ) from None
 
 
-def _retype(ops: list[Op], types: dict[str, TensorType], axis: str) -> list[Op]:
+def _retype(ops: list[Op], types: dict[str, TensorType], axis: str, n: int,
+            names: Any) -> list[Op]:
     """The ops with their results' placements on ``axis`` derived again from their inputs'
     (a piece held with padding of unknown value, ``Fx``, makes the update math on it
-    ``Fx`` too); PassFailure naming an op that cannot run on what it now reads."""
+    ``Fx`` too); PassFailure naming an op that cannot run on what it now reads. A sum
+    over such a piece (LAMB's norm of a parameter) reads it gathered and cut again, with
+    zero padding (``F``): one more all-gather of that value."""
     out = []
     for op in ops:
         ins = [types[x] for x in op.inputs]
+        if op_def(op.name).category is Category.reduce and ins and \
+                ins[0].placement(axis) == FLAT_DIRTY and ins[0].numel % n:
+            x, t = op.inputs[0], ins[0]
+            whole = Value(names(f"{x}.whole"), t.with_placement(axis, REPLICATE))
+            piece = Value(names(f"{x}.clean"), t.with_placement(axis, FLAT))
+            out += [Op("all_gather", (x,), (whole,), Attrs(axis=axis, dim="flat"),
+                       phase=op.phase, loc=op.loc),
+                    Op("take_shard", (whole.name,), (piece,), Attrs(axis=axis, dim="flat"),
+                       phase=op.phase, loc=op.loc)]
+            types.update({whole.name: whole.type, piece.name: piece.type})
+            op = op.replace(inputs=(piece.name, *op.inputs[1:]))
+            ins[0] = piece.type
         res = [v.type for v in op.results]
         if op.regions:
             # control flow keeps its body's placements: a scan over per-device values reads

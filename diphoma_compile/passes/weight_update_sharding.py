@@ -71,6 +71,19 @@ def shard_placement(t: TensorType, n: int, layout: str) -> tuple[Placement, str]
     return REPLICATE, f"{what} and layout=dims needs even splits"
 
 
+def _in_result(p: Placement, t: TensorType, res: TensorType) -> Placement | None:
+    """Placement ``p`` of an operand of type ``t`` carried to the op's result ``res``,
+    their dims aligned from the last; None where it does not line up (a flat piece of
+    another shape, a split dim the result lacks or has of another size)."""
+    if t.shape == res.shape:
+        return p
+    if not isinstance(p, Shard):
+        return None
+    d = p.dim + res.rank - t.rank
+    return Shard(d, p.groups) if 0 <= d < res.rank and res.shape[d] == t.shape[p.dim] \
+        else None
+
+
 def linked_placement(t: TensorType, param: TensorType, n: int,
                      layout: str) -> tuple[Placement, str]:
     """Where optimizer state of another shape than its parameter is stored: a factored
@@ -252,6 +265,19 @@ class _Rewrite:
     def gather(self, name: str, at: Op | None) -> str:
         t = self.types[name]
         p = t.placement(self.ax)
+        if isinstance(p, Shard) and p.groups > 1 and \
+                not any(isinstance(q, Shard) for a, q in t.placements if a != self.ax):
+            # k groups laid end to end, each split (a tensor split along dim 1, raveled:
+            # S(0,k)): viewed as [k, size/k] it is split along the second, gathered there
+            d, k = p.dim, p.groups
+            shape = (*t.shape[:d], k, t.shape[d] // k, *t.shape[d + 1:])
+            view = self.emit("reshape", (name,), TensorType(shape, t.dtype, t.placements)
+                             .with_placement(self.ax, Shard(d + 1)), {}, at,
+                             f"{name}.groups")
+            whole = self.emit("all_gather", (view,), self.types[view].with_placement(
+                self.ax, REPLICATE), {"axis": self.ax, "dim": d + 1}, at, f"{view}.full")
+            return self.emit("reshape", (whole,), t.with_placement(self.ax, REPLICATE), {},
+                             at, f"{name}.full")
         return self.emit("all_gather", (name,), t.with_placement(self.ax, REPLICATE),
                          {"axis": self.ax, "dim": dim_attr(p)}, at, f"{name}.full")
 
@@ -371,9 +397,13 @@ class _Rewrite:
                 # an op with regions (cond, while): its operands are unrelated tensors, and
                 # it runs on whole values anyway
                 tried_slice = True
-                pieces = {t.placement(self.ax) for t in types
+                # each piece's placement in the result's dims, aligned from the last as
+                # broadcasting aligns them (a [24] bias split S(0) written into a [10, 24]
+                # history is S(1) there); None where it does not line up
+                res = op.results[0].type
+                pieces = {_in_result(t.placement(self.ax), t, res) for t in types
                           if not isinstance(t.placement(self.ax), Replicate)}
-                if len(pieces) == 1:
+                if len(pieces) == 1 and None not in pieces:
                     piece = pieces.pop()
                     whole = [k for k, t in enumerate(types) if t.numel > 1 and
                              isinstance(t.placement(self.ax), Replicate) and

@@ -396,8 +396,9 @@ def _shares(dp: DataParallelRecord | None, pp: PipelineRecord | None, field: str
 def _places(dp: DataParallelRecord | None, pp: PipelineRecord | None, field: str
             ) -> list[str]:
     """The places both records list under ``field`` (batch_coupled, batch_counted), once;
-    not the counts the pipeline sums over the microbatches and the devices."""
-    exact = set(pp.counted_globally) if pp else set()
+    not the counts the pipeline sums over the microbatches and the devices, nor the
+    constants added to them there (``sum(mask) + 1``: added once to the summed count)."""
+    exact = set(pp.counted_globally) | set(pp.shifted_globally) if pp else set()
     return [w for w in dict.fromkeys((getattr(dp, field) if dp else ()) +
                                      (getattr(pp, field) if pp else ())) if w not in exact]
 

@@ -321,7 +321,7 @@ def _masked_fill(c: _Call) -> list:
 def _dims_named(c: _Call, name: str = "dim") -> set[int]:
     """The operand dims an argument names (None or empty: every dim)."""
     rank = c.t("self").rank
-    dims = c[name]
+    dims = c.args.get(name)       # prod.default names none
     if dims is None or (isinstance(dims, (list, tuple)) and not dims):
         return set(range(rank))
     dims = dims if isinstance(dims, (list, tuple)) else (dims,)
@@ -552,26 +552,50 @@ def _nll_backward(c: _Call) -> list:
     return menu
 
 
-def _mse(c: _Call) -> list:
-    """Any dim splits: per element (none), into partial sums (sum), or into partial means
-    (mean: the pieces have one size)."""
+def _pointwise_loss(c: _Call) -> list:
+    """A loss of each element then reduced (mse, smooth L1, Huber, soft margin, binary
+    cross-entropy with or without logits): any dim splits, its other tensors (target,
+    weight, pos_weight) broadcast along it: per element (none), into partial sums (sum),
+    or into partial means (mean: a plain mean of the elements, weighted or not, and the
+    pieces have one size)."""
     x = c.t("self")
     res = {_NONE: None, _SUM: _P, _MEAN: Partial("avg")}[c["reduction"]]
-    return [c.strategy({"self": _along(x, x, d), "target": _along(c.t("target"), x, d)},
+    others = [n for n, v in c.args.items() if isinstance(v, _T) and n != "self"]
+    return [c.strategy({"self": _along(x, x, d), **{n: _along(c.t(n), x, d) for n in others}},
                        Shard(d) if res is None else res, "split")
             for d in range(x.rank)]
 
 
-def _mse_backward(c: _Call) -> list:
+def _pointwise_loss_backward(c: _Call) -> list:
     """Any dim splits under none and sum (a mean's backward divides by the local count);
     linear in grad_output."""
     x = c.t("self")
     menu = [c.strategy({"grad_output": _P}, _P, "partial")]
     if c["reduction"] != _MEAN:
-        g = c.t("grad_output")
-        menu += [c.strategy({"grad_output": _along(g, x, d), "self": Shard(d),
-                             "target": _along(c.t("target"), x, d)}, Shard(d), "split")
+        others = [n for n, v in c.args.items() if isinstance(v, _T) and n != "self"]
+        menu += [c.strategy({"self": Shard(d), **{n: _along(c.t(n), x, d) for n in others}},
+                            Shard(d), "split")
                  for d in range(x.rank)]
+    return menu
+
+
+def _multi_margin(c: _Call) -> list:
+    """Rows (dim 0 of a [N, C] input, with their targets) split: per row (none), into
+    partial sums (sum) or partial means of equal pieces (mean)."""
+    if c.t("self").rank != 2:
+        return []
+    res = {_NONE: Shard(0), _SUM: _P, _MEAN: Partial("avg")}[c["reduction"]]
+    return [c.strategy({"self": Shard(0), "target": Shard(0)}, res, "batch")]
+
+
+def _multi_margin_backward(c: _Call) -> list:
+    """Rows split under none and sum (a mean's backward divides by the local rows);
+    linear in grad_output."""
+    menu = [c.strategy({"grad_output": _P}, _P, "partial")]
+    if c.t("self").rank == 2 and c["reduction"] != _MEAN:
+        g = Shard(0) if c["reduction"] == _NONE else _R
+        menu.append(c.strategy({"grad_output": g, "self": Shard(0), "target": Shard(0)},
+                               Shard(0), "batch"))
     return menu
 
 
@@ -729,6 +753,12 @@ def _batch_norm(c: _Call) -> list:
     if not c.args.get("training", False):
         menu.append(c.strategy({"input": Shard(0)}, (Shard(0), _R, _R, _R, _R), "batch"))
     return menu
+
+
+def _batch_norm_channels(c: _Call) -> list:
+    """A batch norm with no running statistics (``F.instance_norm`` runs one over the
+    examples' channels laid side by side): channels split everything per channel."""
+    return _batch_norm(c)[:1]
 
 
 def _batch_norm_backward(c: _Call) -> list:
@@ -996,18 +1026,33 @@ _register("_softmax.default _safe_softmax.default", _per_out(5), _softmax)
 _register("_log_softmax.default", _per_out(4), _softmax)
 _register("_softmax_backward_data.default", _per_out(4), _softmax_backward)
 _register("_log_softmax_backward_data.default", _per_out(3), _softmax_backward)
-_register("nll_loss_forward.default", lambda c: max(_numel(c.t("target")), 1), _nll_forward,
+_register("nll_loss_forward.default nll_loss2d_forward.default",
+          lambda c: max(_numel(c.t("target")), 1), _nll_forward,
           lambda c: (_nbytes(c.t("target")) + _numel(c.t("target")) * c.t("self").dtype.itemsize
                      + _nbytes(c.t("weight")) + _written(c)),
           row_mean="a mean over the targets it counts (those not equal to ignore_index, "
                    "weighted by the class weights when given)",
           row_weighted=lambda c: c.t("weight") is not None, row_sum=_nll_summed,
           row_count=_nll_count)
-_register("nll_loss_backward.default", lambda c: max(_numel(c.t("target")), 1), _nll_backward,
+_register("nll_loss_backward.default nll_loss2d_backward.default",
+          lambda c: max(_numel(c.t("target")), 1), _nll_backward,
           lambda c: (_nbytes(c.t("grad_output")) + _nbytes(c.t("target"))
                      + _nbytes(c.t("weight")) + _nbytes(c.t("total_weight")) + _written(c)))
-_register("mse_loss.default", _per_in(3), _mse)
-_register("mse_loss_backward.default", lambda c: 3 * c.t("self").numel, _mse_backward)
+_register("mse_loss.default", _per_in(3), _pointwise_loss)
+_register("mse_loss_backward.default", lambda c: 3 * c.t("self").numel,
+          _pointwise_loss_backward)
+_register("smooth_l1_loss.default huber_loss.default soft_margin_loss.default",
+          _per_in(4), _pointwise_loss)
+_register("smooth_l1_loss_backward.default huber_loss_backward.default "
+          "soft_margin_loss_backward.default", lambda c: 4 * c.t("self").numel,
+          _pointwise_loss_backward)
+_register("binary_cross_entropy.default binary_cross_entropy_with_logits.default",
+          _per_in(6), _pointwise_loss)
+_register("binary_cross_entropy_backward.default", lambda c: 5 * c.t("self").numel,
+          _pointwise_loss_backward)
+_register("multi_margin_loss.default", lambda c: 4 * c.t("self").numel, _multi_margin)
+_register("multi_margin_loss_backward.default", lambda c: 4 * c.t("self").numel,
+          _multi_margin_backward)
 _register("argmax.default", _per_in(1), _argmax)
 # reductions over named dims (every dim when none is named), sorts and scans along one
 _register("var.correction std.correction var_mean.correction std_mean.correction",
@@ -1015,7 +1060,9 @@ _register("var.correction std.correction var_mean.correction std_mean.correction
 _register("logsumexp.default", _per_in(3), _reduce())
 _register("norm.ScalarOpt_dim linalg_vector_norm.default", _per_in(2), _reduce())
 _register("max.dim min.dim median.dim nanmedian.dim kthvalue.default mode.default any.dim "
-          "all.dim any.dims all.dims prod.dim_int", _per_in(1), _reduce())
+          "all.dim any.dims all.dims prod.dim_int prod.default", _per_in(1), _reduce())
+# a count of the nonzero elements is a sum: a split of a counted dim leaves partial counts
+_register("count_nonzero.default count_nonzero.dim_IntList", _per_in(1), _reduce(sums=True))
 _register("nansum.default", _per_in(1), _reduce(sums=True))
 _register("max.default", _per_in(1), _extreme("max"))
 _register("min.default", _per_in(1), _extreme("min"))
@@ -1036,8 +1083,9 @@ _register("index.Tensor", _zero, _index, lambda c: sum(_nbytes(t) for t in c.ins
           + 2 * _written(c), row_picks=_index_picks)
 # elementwise ops the importer keeps opaque
 _register("add.Scalar sub.Scalar rsub.Scalar isnan.default logical_not.default "
-          "ceil.default floor.default round.default trunc.default sign.default",
-          _per_out(1), _elementwise())
+          "ceil.default floor.default round.default trunc.default sign.default sgn.default "
+          "fill.Scalar", _per_out(1), _elementwise())
+_register("sigmoid_backward.default", _per_out(2), _elementwise(("grad_output",)))
 _register("xlogy.Tensor", _per_out(2), _elementwise())
 _register("_foreach_norm.Scalar", lambda c: 2 * sum(t.numel for t in c.ins))
 
@@ -1058,7 +1106,8 @@ _register("native_layer_norm_backward.default", _norm_backward_flops, _layer_nor
 _register("_native_batch_norm_legit_functional.default", _norm_flops, _batch_norm,
           batch_stats=True)
 _register("_native_batch_norm_legit_no_training.default", _norm_flops, _batch_norm)
-_register("_native_batch_norm_legit.no_stats", _norm_flops, batch_stats=True)
+_register("_native_batch_norm_legit.no_stats", _norm_flops, _batch_norm_channels,
+          batch_stats=True)
 _register("native_batch_norm_backward.default", _norm_backward_flops, _batch_norm_backward)
 _register("native_group_norm.default", _norm_flops, _group_norm, regroup=False)
 _register("native_group_norm_backward.default", _norm_backward_flops, _group_norm_backward,

@@ -616,6 +616,66 @@ def run_differentiated(rank: int, world: int) -> dict:
     return out
 
 
+def bce_sum_step(model, opt, batch):
+    """Binary cross-entropy with logits summed over the batch (an aten op the trace keeps
+    whole), and a count of positive logits (``count_nonzero``, as a float)."""
+    out = model(batch["x"])
+    loss = F.binary_cross_entropy_with_logits(out, F.one_hot(batch["y"], 3).float(),
+                                              reduction="sum")
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss, torch.count_nonzero(out.detach() > 0).float()
+
+
+def smooth_l1_sum_step(model, opt, batch):
+    loss = F.smooth_l1_loss(model(batch["x"]), F.one_hot(batch["y"], 3).float(),
+                            reduction="sum")
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return (loss,)
+
+
+def segmentation_step(model, opt, batch):
+    """Cross-entropy over a (N, C, H, W) map (aten's nll_loss2d) ignoring label 2: a mean
+    over the labelled pixels, which differ in number from share to share."""
+    out = model(batch["x"]).reshape(-1, 3, 1, 1)
+    target = batch["y"].masked_fill(batch["y"] == 2, 255).reshape(-1, 1, 1)
+    loss = F.cross_entropy(out, target, ignore_index=255)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return (loss,)
+
+
+def nanmean_step(model, opt, batch):
+    """A mean over the unmasked examples written as ``nanmean`` (its count reads the loss
+    through ``isnan``: no gradient flows through it)."""
+    each = F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
+    loss = each.masked_fill(batch["y"] == 0, float("nan")).nanmean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return (loss,)
+
+
+@check("rule_losses")
+def run_rule_losses(rank: int, world: int) -> dict:
+    """parallelize on losses aten keeps whole (a sum of binary cross-entropy or smooth L1,
+    a segmentation map's cross-entropy) and on nanmean, against the global batch: before
+    (2026-12-07) the first two were averaged (1/N of the loss and gradients), the others
+    divided by each device's own count, all with no word."""
+    out = {}
+    for fn in (bce_sum_step, smooth_l1_sum_step, segmentation_step, nanmean_step):
+        step, got, want, param = sgdm_side_by_side(fn, rank, world)
+        notes = step.plan.notes["data-parallel"]
+        out[fn.__name__] = {"got": got, "want": want, "gradients": notes["gradients"],
+                            "combined": list(notes["combined"].values()),
+                            "counted": len(notes["counted_globally"]), "param": param}
+    return out
+
+
 class AvgLossMLP(OddMLP):
     """OddMLP with a running average of the loss kept in a buffer."""
 

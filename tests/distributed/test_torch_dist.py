@@ -199,6 +199,24 @@ def test_the_gradients_combine_as_the_value_backpropagated(runs):
             {k: v["got"] for k, v in r0.items()}
 
 
+def test_losses_aten_keeps_whole_and_nanmean_match_the_single_device_step(runs):
+    """Sums of binary cross-entropy and smooth L1 add up across the ranks, as does a
+    count_nonzero metric; a segmentation cross-entropy with ignored pixels and a nanmean
+    divide by the batch's count (each was averaged, or divided by the rank's own count)."""
+    r0 = runs[0]["rule_losses"]
+    assert {k: (v["gradients"], v["combined"], v["counted"]) for k, v in r0.items()} == {
+        "bce_sum_step": ("sum", ["sum", "sum"], 0), "smooth_l1_sum_step": ("sum", ["sum"], 0),
+        "segmentation_step": ("avg", [], 1), "nanmean_step": ("avg", [], 1)}
+    for name, r in r0.items():
+        for got, want in zip(r["got"], r["want"]):
+            for a, b in zip(got, want):
+                assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (name, got, want)
+        assert r["param"]["rel"] <= 1e-5, (name, r["param"])
+    for r in runs:
+        assert {k: v["got"] for k, v in r["rule_losses"].items()} == \
+            {k: v["got"] for k, v in r0.items()}
+
+
 def test_metrics_and_buffers_computed_after_the_optimizer_step(runs):
     """The loss scaled after opt.step(), a count from the batch alone, a running average of
     the loss in a buffer: as on one device (they failed to verify or were refused)."""

@@ -358,3 +358,47 @@ def test_layout_flat_with_buckets_runs_on_jax_too():
     assert all(leaf.ndim == 1 and leaf.sharding.spec == P("dp")
                for leaf in jax.tree.leaves(stored_s))
     assert any(len(op.inputs) > 1 and op.attrs.get("dim") == "flat" for op in pstep.graph.ops)
+
+
+class Narrow(nn.Module):
+    """Kernels (7, 24), (24, 3), (3, 5): no dimension 8 divides in (24, 3)'s state, which
+    is stored flat."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(24)(x))
+        return nn.Dense(5)(nn.tanh(nn.Dense(3)(h)))
+
+
+@pytest.mark.parametrize("opt", ["muon", "normalized sgd"])
+def test_a_whole_reduction_kept_to_the_tensors_rank_divides_a_flat_piece(opt):
+    """optax.contrib.muon divides each update by its norm kept to the tensor's rank
+    (``sum(u * u, keepdims=True)``: a [1, 1] value); on a tensor stored flat (a 1-D piece
+    per device) the backend's division met a rank-2 operand and JAX raised a TypeError
+    from inside the program (a review's probe, 2026-12-07). The [1, 1] value is now taken
+    as the one number it is, and the step matches jax.jit."""
+    rng = np.random.default_rng(0)
+    module = Narrow()
+    x = jnp.asarray(rng.standard_normal((16, 7)).astype(np.float32))
+    y = jnp.asarray(rng.standard_normal((16, 5)).astype(np.float32))
+    tx = optax.contrib.muon(1e-2) if opt == "muon" else optax.sgd(0.1, momentum=0.9)
+
+    def step(params, opt_state, batch):
+        def loss_of(p):
+            return jnp.mean((module.apply({"params": p}, batch[0]) - batch[1]) ** 2)
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        if opt != "muon":
+            grads = jax.tree.map(
+                lambda g: g / (jnp.sqrt(jnp.sum(g * g, keepdims=True)) + 1e-7), grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    params = _init(module, x, rng)
+    opt_state = jax.jit(tx.init)(params)
+    pstep = parallelize(step, mesh8())
+    ref_p, ref_s, ref_l = run(jax.jit(step), params, opt_state, (x, y))
+    our_p, stored_s, our_l = run(pstep, params, opt_state, (x, y))
+    np.testing.assert_allclose(our_l, ref_l, rtol=1e-5)
+    assert max_dev((ref_p, ref_s), (our_p, pstep.user_shapes(stored_s))) <= 1e-5
+    flat = [n for n, how in pstep.plan.notes["weight-update-sharding"]["sharded"].items()
+            if how == "F"]
+    assert any(n.endswith("Dense_1/kernel") for n in flat), flat     # (24, 3)

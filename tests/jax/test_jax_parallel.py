@@ -246,6 +246,38 @@ def test_shard_params_holds_parameters_sharded_and_matches_the_single_device_ste
     assert pstep.memory_report().param_bytes < single / 2
 
 
+@pytest.mark.parametrize("opt", ["lamb", "adafactor"])
+def test_shard_params_with_an_update_that_sums_over_a_flat_parameter(opt):
+    """LAMB's trust ratio takes each parameter's norm, Adafactor its RMS: under
+    shard_params a (5,) bias is held as a flat piece whose padding the update leaves of
+    unknown value (Fx), and the sum over it was left in the graph, which then did not
+    verify (a review's probe, 2026-12-07). The sum now reads that piece gathered and cut
+    again (zero padding): the step matches jax.jit."""
+    rng = np.random.default_rng(0)
+
+    def r(*shape):
+        return jnp.asarray(rng.standard_normal(shape).astype(np.float32) * 0.4)
+    params = {"w": r(7, 16), "b": r(16), "v": r(16, 5), "c": r(5)}
+    batch = (r(16, 7), r(16, 5))
+    tx = optax.lamb(1e-2) if opt == "lamb" else optax.adafactor(1e-2)
+
+    def step(params, opt_state, batch):
+        def loss_of(p):
+            return jnp.mean((jnp.tanh(batch[0] @ p["w"] + p["b"]) @ p["v"] + p["c"]
+                             - batch[1]) ** 2)
+        loss, g = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    opt_state = jax.jit(tx.init)(params)
+    pstep = parallelize(step, jax_mesh((8,)), axis="data", shard_params=True)
+    ref_p, ref_s, ref_l = run(jax.jit(step), params, opt_state, batch)
+    stored_p, stored_s, our_l = run(pstep, params, opt_state, batch)
+    np.testing.assert_allclose(our_l, ref_l, rtol=1e-5)
+    assert max_rel_dev((ref_p, ref_s), (pstep.user_shapes(stored_p, 0),
+                                        pstep.user_shapes(stored_s, 1))) <= 1e-5
+    assert pstep.plan.notes["shard-params"]["sharded"]["params/c"].startswith("F")
+
+
 # ------------------------------------------------------------------ collectives, one by one
 
 def collectives_ir(mesh: str, n: int) -> str:
@@ -544,6 +576,8 @@ def _masked_mean_step(tx, count="clamp"):
                 return jnp.sum(err * batch[2]) / (jnp.sum(batch[2] > 0) + 1e-6)
             if count == "plain":
                 return jnp.sum(err * batch[2]) / jnp.sum(batch[2])
+            if count == "nanmean":          # its count, of ~isnan(loss), reads the params
+                return jnp.nanmean(jnp.where(batch[2] > 0, err, jnp.nan))
             if count == "reciprocal":       # times the clamped count's reciprocal
                 return jnp.sum(err * batch[2]) * (1.0 / jnp.maximum(jnp.sum(batch[2]), 1.0))
             return jnp.sum(err * batch[2]) / jnp.maximum(jnp.sum(batch[2]), 1.0)
@@ -553,7 +587,7 @@ def _masked_mean_step(tx, count="clamp"):
     return step
 
 
-@pytest.mark.parametrize("count", ["clamp", "int + eps", "reciprocal"])
+@pytest.mark.parametrize("count", ["clamp", "int + eps", "reciprocal", "nanmean"])
 def test_a_mean_over_a_count_of_the_batch_divides_by_the_devices_summed_count(count):
     """sum(err * mask) / max(sum(mask), 1) with a mask that counts differently on each of 8
     devices (some count none): each device divides by the count summed over the devices,
@@ -563,7 +597,10 @@ def test_a_mean_over_a_count_of_the_batch_divides_by_the_devices_summed_count(co
     (``sum(mask > 0) + 1e-6``) adds the constant once, to the summed count (it was added
     on every device, 8x the loss, when a review probed it). A sum times the count's
     reciprocal (``* (1 / max(sum(mask), 1))``) is the same mean (warned of as combining
-    examples, and left each device's own, before 2026-12-06)."""
+    examples, and left each device's own, before 2026-12-06). So is ``jnp.nanmean`` of the
+    masked-out errors set to NaN: its count, of ``~isnan``, reads the parameters through a
+    boolean, which no gradient flows through (it was left each device's own, and a device
+    counting none returned NaN, until 2026-12-07)."""
     tx = optax.adam(0.05)
     step = _masked_mean_step(tx, count)
     k = jax.random.split(jax.random.key(0), 4)
@@ -1610,3 +1647,121 @@ def test_a_mean_over_a_mask_drawn_from_the_key_matches_the_single_device_step(
     assert max_rel_dev(ref[0], ours[0]) <= 1e-5
     summed = pstep.plan.notes["pipeline" if microbatches > 1 else "data-parallel"]
     assert len(summed["counted_globally"]) == 1
+
+
+@pytest.mark.parametrize("update", ["ravel_pytree norm", "median threshold"])
+def test_an_update_that_ravels_a_split_gradient_gathers_it_and_matches_jax_jit(update):
+    """A (7, 24) gradient split along its second dimension over 8 devices, raveled
+    (``jax.flatten_util.ravel_pytree`` of the gradients, or ``ravel()`` for a sort's
+    median): its 168 elements are 7 groups of 24 each split (S(0,7)), which the gather
+    weight-update sharding inserted could not take, and the pass left a graph that did not
+    verify (a review's probe, 2026-12-07). Viewed as (7, 24) again it is gathered there."""
+    from jax.flatten_util import ravel_pytree
+    rng = np.random.default_rng(0)
+
+    def r(*shape):
+        return jnp.asarray(rng.standard_normal(shape).astype(np.float32) * 0.4)
+    params = {"w": r(7, 24), "b": r(24), "v": r(24, 5), "c": r(5)}
+    batch = (r(16, 7), r(16, 5))
+    tx = optax.sgd(0.1, momentum=0.9)
+
+    def step(params, opt_state, batch):
+        def loss_of(p):
+            out = jnp.tanh(batch[0] @ p["w"] + p["b"]) @ p["v"] + p["c"]
+            return jnp.mean((out - batch[1]) ** 2)
+        loss, g = jax.value_and_grad(loss_of)(params)
+        if update == "ravel_pytree norm":
+            flat, unravel = ravel_pytree(g)
+            g = unravel(flat / (jnp.linalg.norm(flat) + 1e-6))
+        else:
+            g = jax.tree.map(lambda u: jnp.where(
+                jnp.abs(u) >= jnp.sort(jnp.abs(u).ravel())[u.size // 2], u, 0.0), g)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    pstep = parallelize(step, jax_mesh((8,)), axis="data")
+    rp, rs, op, os_ = params, tx.init(params), params, tx.init(params)
+    for _ in range(3):
+        rp, rs, rl = jax.jit(step)(rp, rs, batch)
+        op, os_, ol = pstep(op, os_, batch)
+        assert abs(float(ol) - float(rl)) <= 1e-5 * abs(float(rl)), (float(ol), float(rl))
+    assert max_rel_dev(rp, op) <= 1e-5
+    sharded = pstep.plan.notes["weight-update-sharding"]["sharded"]
+    assert [how for name, how in sharded.items() if name.endswith("/w")] == ["S(1)"], sharded
+
+
+def test_a_metric_of_the_new_parameters_on_the_batch_runs_under_data_parallel():
+    """A step returning the loss of its new parameters on the same batch: the model run
+    again in the update phase, ``f(new, x) - y`` a difference of two per-device values,
+    was taken for two contributions to one gradient and moved into backward, reading a
+    value the update makes: the pass left a graph that did not verify (a review's probe,
+    2026-12-07). Under data parallelism alone it matches jax.jit; weight-update sharding
+    refuses it, as docs/data-parallel.md says."""
+    rng = np.random.default_rng(0)
+
+    def r(*shape):
+        return jnp.asarray(rng.standard_normal(shape).astype(np.float32) * 0.4)
+    params = {"w": r(7, 24), "b": r(24), "v": r(24, 5), "c": r(5)}
+    batch = (r(16, 7), r(16, 5))
+    tx = optax.adam(1e-2)
+
+    def loss_of(p, b):
+        return jnp.mean((jnp.tanh(b[0] @ p["w"] + p["b"]) @ p["v"] + p["c"] - b[1]) ** 2)
+
+    def step(params, opt_state, batch):
+        loss, g = jax.value_and_grad(loss_of)(params, batch)
+        updates, opt_state = tx.update(g, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, loss, loss_of(params, batch)
+    pstep = parallelize(step, jax_mesh((8,)), axis="data",
+                        passes="dce,data-parallel{axis=data},dce")
+    rp, rs, op, os_ = params, tx.init(params), params, tx.init(params)
+    for _ in range(3):
+        rp, rs, rl, rafter = jax.jit(step)(rp, rs, batch)
+        op, os_, ol, oafter = pstep(op, os_, batch)
+        for a, b in ((ol, rl), (oafter, rafter)):
+            assert abs(float(a) - float(b)) <= 1e-5 * abs(float(b)), (float(a), float(b))
+    assert max_rel_dev(rp, op) <= 1e-5
+    with pytest.raises(DiphomaError, match="runs the model on the batch again after the "
+                                           "optimizer step"):
+        parallelize(step, jax_mesh((8,)), axis="data").trace(params, tx.init(params), batch)
+
+
+def test_lbfgs_runs_without_a_line_search_and_is_refused_clearly_with_one():
+    """optax.lbfgs keeps a history of parameter and gradient differences, [10, 24] for a
+    [24] bias: weight-update sharding wrote the bias's piece (S(0)) into it by cutting the
+    history along its dim 0 as well (10 rows over 8 devices), and the graph did not
+    verify; a piece's split is carried to the result's aligned dimension now (dim 1), and
+    the step matches jax.jit. Its default zoom line search evaluates the loss on the
+    batch inside a while loop in the update: refused, saying so (a verifier's list of
+    fifty types before, 2026-12-07)."""
+    rng = np.random.default_rng(0)
+
+    def r(*shape):
+        return jnp.asarray(rng.standard_normal(shape).astype(np.float32) * 0.4)
+    params = {"w": r(7, 24), "b": r(24), "v": r(24, 5), "c": r(5)}
+    batch = (r(16, 7), r(16, 5))
+
+    def make(tx):
+        def step(params, opt_state, batch):
+            def loss_of(p):
+                return jnp.mean((jnp.tanh(batch[0] @ p["w"] + p["b"]) @ p["v"] + p["c"]
+                                 - batch[1]) ** 2)
+            loss, g = jax.value_and_grad(loss_of)(params)
+            updates, opt_state = tx.update(g, opt_state, params, value=loss, grad=g,
+                                           value_fn=loss_of)
+            return optax.apply_updates(params, updates), opt_state, loss
+        return step
+    tx = optax.lbfgs(learning_rate=0.1, linesearch=None)
+    step = make(tx)
+    pstep = parallelize(step, jax_mesh((8,)), axis="data")
+    ref = jax.jit(step)
+    rp, rs, op, os_ = params, tx.init(params), params, tx.init(params)
+    for _ in range(3):
+        rp, rs, rl = ref(rp, rs, batch)
+        op, os_, ol = pstep(op, os_, batch)
+        assert abs(float(ol) - float(rl)) <= 1e-5 * abs(float(rl)), (float(ol), float(rl))
+    assert max_rel_dev(rp, op) <= 1e-5
+    searching = optax.lbfgs()
+    with pytest.raises(DiphomaError, match="a line search, as optax.lbfgs's"):
+        parallelize(make(searching), jax_mesh((8,)), axis="data").trace(
+            params, searching.init(params), batch)

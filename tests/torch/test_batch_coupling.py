@@ -817,3 +817,75 @@ def test_a_mean_over_a_mask_drawn_in_the_step_is_a_mean_not_a_sum(count_first):
     dp = pstep.plan.notes["data-parallel"]
     assert dp["gradients"] == "avg" and dp["combined"] == {}, dp
     assert len(dp["batch_counted"]) == 1 and dp["counted_globally"] == [], dp
+
+
+_ROW_LOSSES = {
+    "bce with logits": lambda o, y: F.binary_cross_entropy_with_logits(
+        o, (y > 0).float(), reduction="sum"),
+    "bce": lambda o, y: F.binary_cross_entropy(torch.sigmoid(o), (y > 0).float(),
+                                               reduction="sum"),
+    "smooth l1": lambda o, y: F.smooth_l1_loss(o, y, reduction="sum"),
+    "huber": lambda o, y: F.huber_loss(o, y, reduction="sum"),
+    "soft margin": lambda o, y: F.soft_margin_loss(o, torch.sign(y), reduction="sum"),
+    "multi margin": lambda o, y: F.multi_margin_loss(o, y.argmax(-1), reduction="sum"),
+    "segmentation": lambda o, y: F.cross_entropy(o.reshape(-1, 4, 1, 1),
+                                                 y.argmax(-1).reshape(-1, 1, 1),
+                                                 reduction="sum"),
+}
+
+
+@pytest.mark.parametrize("loss", list(_ROW_LOSSES))
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_losses_aten_keeps_whole_combine_as_their_reduction(loss, reduction):
+    """Losses the trace keeps as one aten op (binary cross-entropy, smooth L1, Huber, soft
+    and multi margin, cross-entropy over a (N, C, H, W) map): summed, the devices'
+    gradients add up; as means, they average, with nothing to warn of. Before
+    (2026-12-07) they had no rule: every such loss was averaged, a sum coming out 1/N of
+    the single-device step's, with no word."""
+    torch.manual_seed(0)
+    mlp = MLP(8, 16, 4)
+    fn = _ROW_LOSSES[loss]
+
+    def step(model, opt, x, y):
+        out = fn(model(x), y)
+        out = out if reduction == "sum" else out / x.shape[0]
+        out.backward()
+        opt.step()
+        opt.zero_grad()
+        return out
+    pstep = diphoma_compile.parallelize(step, {"dp": 2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DiphomaWarning)
+        pstep.trace(mlp, _sgd(mlp), torch.randn(8, 8), torch.randn(8, 4))
+    dp = pstep.plan.notes["data-parallel"]
+    assert dp["gradients"] == ("sum" if reduction == "sum" else "avg"), dp
+    assert dp["batch_coupled"] == [] and dp["batch_counted"] == [], dp
+
+
+def test_an_op_of_no_rule_that_reduces_the_rows_is_warned_of():
+    """A value made from the batch's rows by an aten op of no sharding rule (here
+    ``torch.dist``, a norm over every row, returned as a metric) is reported: each
+    device's result averaged is not the batch's, and before (2026-12-07) nothing said so.
+    A count of nonzero elements adds up over the devices; a product over the rows is
+    reported (it had no rule either)."""
+    torch.manual_seed(0)
+    mlp = MLP(8, 16, 4)
+
+    def step(model, opt, x, y):
+        out = model(x)
+        loss = F.mse_loss(out, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        d = out.detach()
+        return loss, torch.count_nonzero(d > 0).float(), torch.dist(d, y), \
+            (1 + 0.01 * d).prod()
+    pstep = diphoma_compile.parallelize(step, {"dp": 2})
+    with pytest.warns(DiphomaWarning, match="combines examples of its batch"):
+        pstep.trace(mlp, _sgd(mlp), torch.randn(8, 8), torch.randn(8, 4))
+    dp = pstep.plan.notes["data-parallel"]
+    found = " ".join(dp["batch_coupled"])
+    assert "aten.dist.default" in found and "no known rule" in found, dp
+    assert "aten.prod.default" in found, dp
+    assert "count_nonzero" not in found and len(dp["batch_coupled"]) == 2, dp
+    assert sorted(dp["combined"].values()) == ["sum"], dp      # the count

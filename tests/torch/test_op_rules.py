@@ -246,7 +246,8 @@ def run_strategy(target, op, tensors, whole, s, g):
         elif isinstance(p, Partial) and p.op in ("max", "min"):
             got = getattr(torch.stack(pieces), f"a{p.op}")(0)
         elif isinstance(p, Partial):
-            got = sum(pieces) / (N if p.op == "avg" else 1)
+            got = sum(pieces)       # (an integer count's partial sums stay integers)
+            got = got / N if p.op == "avg" else got
         else:
             for piece in pieces:
                 _same(target, piece, w, f"{s}: result {j} on a device")
@@ -366,6 +367,29 @@ def _nll(reduction: int, weighted: bool, backward: bool):
         if not backward:
             return [x, t, w, reduction, -100], {}
         return [r(*out.shape), x, t, w, reduction, -100, total], {}
+    return sample
+
+
+def _nll2d(reduction: int, weighted: bool, backward: bool):
+    def sample(r):
+        x = aten._log_softmax(r(4, 6, 2, 3), 1, False)
+        t = r.ints(6, 4, 2, 3)
+        t[1, 0] = -100
+        w = r(6).abs() if weighted else None
+        out, total = aten.nll_loss2d_forward(x, t, w, reduction, -100)
+        if not backward:
+            return [x, t, w, reduction, -100], {}
+        return [r(*out.shape), x, t, w, reduction, -100, total], {}
+    return sample
+
+
+def _margin(reduction: int, weighted: bool, backward: bool):
+    def sample(r):
+        x, t, w = r(4, 6), r.ints(6, 4), (r(6).abs() if weighted else None)
+        if not backward:
+            return [x, t, 1, 1.0, w, reduction], {}
+        g = r(4) if reduction == 0 else r()
+        return [g, x, t, 1, 1.0, w, reduction], {}
     return sample
 
 
@@ -532,6 +556,42 @@ SAMPLES: dict[str, list] = {
     "nll_loss_backward.default": [_nll(red, w, True) for red in (0, 1, 2) for w in (0, 1)],
     "mse_loss.default": [_one((2, 4), (2, 4), extra=[red]) for red in (0, 1, 2)],
     "mse_loss_backward.default": [_mse_backward(red) for red in (0, 1, 2)],
+    "nll_loss2d_forward.default": [_nll2d(red, w, False) for red in (0, 1, 2) for w in (0, 1)],
+    "nll_loss2d_backward.default": [_nll2d(red, w, True) for red in (0, 1, 2) for w in (0, 1)],
+    # losses of each element then reduced: (self, target, reduction, beta or delta)
+    **{t: [lambda r, red=red: ([r(4, 6), r(4, 6), red, 0.5], {}) for red in (0, 1, 2)]
+       for t in ("smooth_l1_loss.default", "huber_loss.default")},
+    **{t: [lambda r, red=red: ([r(4, 6) if red == 0 else r(), r(4, 6), r(4, 6), red, 0.5], {})
+           for red in (0, 1, 2)]
+       for t in ("smooth_l1_loss_backward.default", "huber_loss_backward.default")},
+    "soft_margin_loss.default": [lambda r, red=red: ([r(4, 6), r(4, 6).sign(), red], {})
+                                 for red in (0, 1, 2)],
+    "soft_margin_loss_backward.default": [
+        lambda r, red=red: ([r(4, 6) if red == 0 else r(), r(4, 6), r(4, 6).sign(), red], {})
+        for red in (0, 1, 2)],
+    # (self, target, weight, reduction); the weight broadcast along the rows or whole
+    "binary_cross_entropy.default": [
+        lambda r, red=red, w=w: ([r(4, 6).sigmoid(), r(4, 6).sigmoid(), w(r), red], {})
+        for red in (0, 1, 2) for w in (lambda r: None, lambda r: r(6).abs(),
+                                       lambda r: r(4, 6).abs())],
+    "binary_cross_entropy_backward.default": [
+        lambda r, red=red, w=w: ([r(4, 6) if red == 0 else r(), r(4, 6).sigmoid(),
+                                  r(4, 6).sigmoid(), w(r), red], {})
+        for red in (0, 1, 2) for w in (lambda r: None, lambda r: r(6).abs())],
+    # (self, target, weight, pos_weight, reduction)
+    "binary_cross_entropy_with_logits.default": [
+        lambda r, red=red, w=w, pw=pw: ([r(4, 6), r(4, 6).sigmoid(), w(r), pw(r), red], {})
+        for red in (0, 1, 2) for w, pw in ((lambda r: None, lambda r: None),
+                                           (lambda r: r(4, 6).abs(), lambda r: r(6).abs()))],
+    "multi_margin_loss.default": [_margin(red, w, False) for red in (0, 1, 2) for w in (0, 1)],
+    "multi_margin_loss_backward.default": [_margin(red, w, True) for red in (0, 1, 2)
+                                           for w in (0, 1)],
+    "count_nonzero.default": [lambda r: ([r(2, 4, 6).relu()], {})],
+    "count_nonzero.dim_IntList": [lambda r: ([r(2, 4, 6).relu(), [0, 2]], {}),
+                                  lambda r: ([r(2, 4, 6).relu(), [1]], {})],
+    "prod.default": [_one((2, 4, 6))],
+    "sigmoid_backward.default": [_one((2, 4), (2, 4))],
+    "fill.Scalar": [_one((2, 4), extra=[3.0])],
     "argmax.default": [_one((2, 4, 6), extra=[1]), _one((2, 4, 6), extra=[2, True])],
     # reductions over named dims, sorts and scans along them (the batch analysis's
     # couplings: tests/torch/test_batch_coupling.py)
@@ -578,7 +638,7 @@ SAMPLES: dict[str, list] = {
                      lambda r: ([r(2, 4, 6), [None, r.ints(4, 4, 2)]], {}),
                      lambda r: ([r(4, 6, 2), [r.ints(4, 4), r.ints(6, 4)]], {})],
     **{f"{t}.default": [_one((2, 4))]
-       for t in ("isnan", "logical_not", "ceil", "floor", "round", "trunc", "sign")},
+       for t in ("isnan", "logical_not", "ceil", "floor", "round", "trunc", "sign", "sgn")},
     "add.Scalar": [_one((2, 4), extra=[3.0])],
     "sub.Scalar": [_one((2, 4), extra=[3.0])],
     "rsub.Scalar": [_one((2, 4), extra=[3.0])],
@@ -600,6 +660,9 @@ SAMPLES: dict[str, list] = {
     "native_layer_norm_backward.default": [_layer_norm_backward([True, True, True], True),
                                            _layer_norm_backward([True, False, False], False)],
     "_native_batch_norm_legit_functional.default": [_batch_norm(True), _batch_norm(False)],
+    "_native_batch_norm_legit.no_stats": [
+        lambda r: ([r(4, 6, 2, 2), r(6), r(6), True, 0.1, 1e-5], {}),
+        lambda r: ([r(1, 6, 2, 2), None, None, True, 0.1, 1e-5], {})],
     "_native_batch_norm_legit_no_training.default": [
         lambda r: ([r(4, 6, 2, 2), r(6), r(6), r(6), r(6).abs(), 0.1, 1e-5], {})],
     "native_batch_norm_backward.default": [_batch_norm_backward(True, [True, True, True]),
@@ -634,8 +697,10 @@ def _sample(target: str, i: int):
     return make_op(target, args, kwargs)
 
 
-# judged, never split: every result of a pairwise distance reads two rows
-WHOLE = {"aten._pdist_forward.default", "aten.median.default", "aten.nanmedian.default"}
+# judged, never split: every result of a pairwise distance reads two rows; a median or a
+# product of every element is no combination of pieces' medians or products
+WHOLE = {"aten._pdist_forward.default", "aten.median.default", "aten.nanmedian.default",
+         "aten.prod.default"}
 
 
 def test_every_target_with_strategies_has_a_sample_that_splits():
