@@ -281,6 +281,7 @@ class _Builder:
     def op(self, op: Op) -> None:
         if self.host(op):
             return
+        op = self.one_element_beside_flat(op)
         emit = _EMIT.get(op.name)
         if emit is None:
             raise UnsupportedOpError(f"the torch backend cannot run IR op {op.name!r}",
@@ -288,6 +289,28 @@ class _Builder:
         out = emit(self, op)
         if out is not _DONE:
             self.bind(op, out)
+
+    def one_element_beside_flat(self, op: Op) -> Op:
+        """``op`` reading, in place of a whole value of one element and rank >= 2 beside a
+        flat piece (``g.pow(2).sum(dims, keepdim=True)``, a [1, 1] a custom update divides
+        the gradient by), that value as a 0-d tensor: torch broadcasting would make the
+        piece's [k] a [1, k] and the in-place update refuse it."""
+        if not op.results or not any(isinstance(p, FlatShard)
+                                     for _, p in op.results[0].type.placements) or \
+                (op_def(op.name).category not in _ELEMENTWISE and op.name not in _OWN_MATH):
+            return op
+        inputs = list(op.inputs)
+        for k, name in enumerate(inputs):
+            t = self.g_types.get(name)
+            if t is None or t.numel != 1 or t.rank < 2 or name in self.scalars or \
+                    t.placements:
+                continue
+            alias = f"{name}.as_0d"
+            if alias not in self.env:
+                self.env[alias] = self.call(aten.reshape.default, [self.node(name), []])
+                self.g_types[alias] = TensorType((), t.dtype)
+            inputs[k] = alias
+        return op.replace(inputs=tuple(inputs)) if inputs != list(op.inputs) else op
 
     def bind(self, op: Op, out: Any) -> None:
         if _makes_storage(op):
@@ -772,6 +795,10 @@ _QUANT: dict[str, Callable[[_Builder, Op], Any]] = {
 # ------------------------------------------------------------------ the table
 
 _Emit = Callable[[_Builder, Op], Any]
+
+# elementwise math: a value of one element beside a flat piece is read as a 0-d tensor
+_ELEMENTWISE = (Category.unary, Category.binary, Category.ternary)
+_OWN_MATH = ("add", "sub", "pow", "square", "addcmul", "addcdiv")
 
 # IR ops with a form of their own
 _OWN: dict[str, _Emit] = {

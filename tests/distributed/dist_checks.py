@@ -676,6 +676,28 @@ def run_rule_losses(rank: int, world: int) -> dict:
     return out
 
 
+def normalized_step(model, opt, batch):
+    """Each gradient divided by its norm kept to the tensor's rank (a [1, 1] for a
+    matrix), before SGD: under weight-update sharding's flat layout the division met a
+    1-D piece, which torch broadcast to [1, k], and the in-place update refused it."""
+    F.cross_entropy(model(batch["x"]), batch["y"]).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            dims = tuple(range(p.grad.dim()))
+            p.grad /= p.grad.pow(2).sum(dim=dims, keepdim=True).sqrt() + 1e-7
+    opt.step()
+    opt.zero_grad()
+    return ()
+
+
+@check("normalized_grads")
+def run_normalized_grads(rank: int, world: int) -> dict:
+    step, got, want, param = sgdm_side_by_side(normalized_step, rank, world)
+    return {"param": param, "flat": sorted(
+        n for n, how in step.plan.notes["weight-update-sharding"]["sharded"].items()
+        if how.startswith("F"))}
+
+
 class AvgLossMLP(OddMLP):
     """OddMLP with a running average of the loss kept in a buffer."""
 

@@ -217,6 +217,15 @@ def test_losses_aten_keeps_whole_and_nanmean_match_the_single_device_step(runs):
             {k: v["got"] for k, v in r0.items()}
 
 
+def test_a_gradient_divided_by_its_norm_kept_to_its_rank_matches_the_single_device_step(
+        runs):
+    """``g / g.pow(2).sum(dims, keepdim=True).sqrt()`` under weight-update sharding's flat
+    pieces: the [1, 1] norm is read as a 0-d tensor (it raised torch's "output with shape
+    [18] doesn't match the broadcast shape [1, 18]" until 2026-12-07)."""
+    r0 = runs[0]["normalized_grads"]
+    assert r0["flat"] and r0["param"]["rel"] <= 1e-5, r0
+
+
 def test_metrics_and_buffers_computed_after_the_optimizer_step(runs):
     """The loss scaled after opt.step(), a count from the batch alone, a running average of
     the loss in a buffer: as on one device (they failed to verify or were refused)."""
