@@ -357,26 +357,16 @@ def _softmax_backward_sample(log: bool):
     return sample
 
 
-def _nll(reduction: int, weighted: bool, backward: bool):
+def _nll(reduction: int, weighted: bool, backward: bool, spatial: tuple[int, ...] = ()):
+    """nll_loss (rows of 6 classes) or, with ``spatial`` dims, nll_loss2d over a map."""
+    forward = aten.nll_loss2d_forward if spatial else aten.nll_loss_forward
+
     def sample(r):
-        x = aten._log_softmax(r(4, 6), 1, False)
-        t = r.ints(6, 4)
+        x = aten._log_softmax(r(4, 6, *spatial), 1, False)
+        t = r.ints(6, 4, *spatial)
         t[1] = -100
         w = r(6).abs() if weighted else None
-        out, total = aten.nll_loss_forward(x, t, w, reduction, -100)
-        if not backward:
-            return [x, t, w, reduction, -100], {}
-        return [r(*out.shape), x, t, w, reduction, -100, total], {}
-    return sample
-
-
-def _nll2d(reduction: int, weighted: bool, backward: bool):
-    def sample(r):
-        x = aten._log_softmax(r(4, 6, 2, 3), 1, False)
-        t = r.ints(6, 4, 2, 3)
-        t[1, 0] = -100
-        w = r(6).abs() if weighted else None
-        out, total = aten.nll_loss2d_forward(x, t, w, reduction, -100)
+        out, total = forward(x, t, w, reduction, -100)
         if not backward:
             return [x, t, w, reduction, -100], {}
         return [r(*out.shape), x, t, w, reduction, -100, total], {}
@@ -556,8 +546,10 @@ SAMPLES: dict[str, list] = {
     "nll_loss_backward.default": [_nll(red, w, True) for red in (0, 1, 2) for w in (0, 1)],
     "mse_loss.default": [_one((2, 4), (2, 4), extra=[red]) for red in (0, 1, 2)],
     "mse_loss_backward.default": [_mse_backward(red) for red in (0, 1, 2)],
-    "nll_loss2d_forward.default": [_nll2d(red, w, False) for red in (0, 1, 2) for w in (0, 1)],
-    "nll_loss2d_backward.default": [_nll2d(red, w, True) for red in (0, 1, 2) for w in (0, 1)],
+    "nll_loss2d_forward.default": [_nll(red, w, False, (2, 3)) for red in (0, 1, 2)
+                                   for w in (0, 1)],
+    "nll_loss2d_backward.default": [_nll(red, w, True, (2, 3)) for red in (0, 1, 2)
+                                    for w in (0, 1)],
     # losses of each element then reduced: (self, target, reduction, beta or delta)
     **{t: [lambda r, red=red: ([r(4, 6), r(4, 6), red, 0.5], {}) for red in (0, 1, 2)]
        for t in ("smooth_l1_loss.default", "huber_loss.default")},
