@@ -239,7 +239,14 @@ class ParallelStep:
             self._runner = self._fw.parallel_runner(self._graph, self._extra, self.user_mesh,
                                                     self.mesh, self.axis, self.donate)
         if self._adapter is not None:
-            return self._adapter.result(self._runner(*self._adapter.args(args)), args)
+            out = self._runner(*self._adapter.args(args))
+            if getattr(self._adapter, "writes_back", False) and \
+                    hasattr(self._runner, "user_shapes"):
+                # the user's own objects (flax.nnx's model and optimizer) receive the new
+                # state: in their own shapes, not the runner's flat, padded storage
+                out = (self._runner.user_shapes(out[0], 0),
+                       self._runner.user_shapes(out[1], 1), *out[2:])
+            return self._adapter.result(out, args)
         return self._runner(*args)
 
     @property

@@ -155,8 +155,14 @@ def data_axis(mesh: Mesh, axis: str | None) -> str:
     for n in DATA_AXIS_NAMES:
         if n in names:
             return n
+    known = {"pp", "tp", *TENSOR_AXIS_NAMES}
+    hint = "pass axis='...' to parallelize"
+    if names and all(n in known for n in names):
+        # pp and tp only (Mesh({"pp": 2, "tp": 4})): the batch is not split at all
+        hint = ("add a data axis of size 1, e.g. {'dp': 1, " +
+                ", ".join(f"'{n}': {mesh.axis_size(n)}" for n in names) + "}, or " + hint)
     raise MeshError(f"cannot tell which of the mesh axes {', '.join(names) or '(none)'} is "
-                    "the data axis", hint="pass axis='...' to parallelize")
+                    "the data axis", hint=hint)
 
 
 NODE_AXIS_NAMES = ("node", "nodes")

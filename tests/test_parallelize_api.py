@@ -25,6 +25,11 @@ def test_data_axis_choice():
         data_axis(Mesh({"a": 2, "b": 4}), None)
     with pytest.raises(MeshError, match="the mesh has no axis 'dp' \\(it has a, b\\)"):
         data_axis(Mesh({"a": 2, "b": 4}), "dp")
+    # pipeline and tensor axes alone: the hint says to add a data axis of one device (it
+    # said only axis=..., and neither pp nor tp is one; a review, 2026-12-07)
+    with pytest.raises(MeshError, match=r"add a data axis of size 1, e.g. \{'dp': 1, "
+                                        r"'pp': 2, 'tp': 4\}"):
+        data_axis(Mesh({"pp": 2, "tp": 4}), None)
 
 
 def test_default_passes_per_framework():

@@ -34,7 +34,7 @@ from .analysis import free_inputs
 from .core import Graph, InputKind, Op, OutputKind, Phase
 from .framework_ops import FrameworkOpRule, framework_rule
 from .grad_seed import differentiated
-from .opdef import is_view, op_def, random_draw
+from .opdef import Category, is_view, op_def, random_draw
 from .row_probe import RowProbe
 from .strategies import (Strategy, group_counts, no_strategies, replicate_only,
                          strategies_of)
@@ -698,11 +698,14 @@ class _Follow:
                 self.set(op, [_UNKNOWN] * len(outs))
                 return
             placed = _unjudged(actual, ins, outs)
-            if random_draw(op) is None and any(isinstance(a, Shard) for a in actual) and \
+            if random_draw(op) is None and \
+                    op_def(op.name).category is not Category.collective and \
+                    any(isinstance(a, Shard) for a in actual) and \
                     any(p is _UNKNOWN and t.numel for p, t in zip(placed, outs)):
                 # rows into an op of no known rule that does not keep them (a loss summed
                 # over the batch, a count, a product): nothing says the devices' results
-                # average to the batch's
+                # average to the batch's (a collective an earlier pass placed, tensor
+                # parallelism's all-reduce of a MoE's experts, is its own: not reported)
                 self.report(op, "reduces or rearranges the batch's rows in an op of no "
                                 "known rule: not shown to be a mean over examples",
                             certain=True)

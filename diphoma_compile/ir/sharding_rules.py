@@ -122,6 +122,12 @@ def collective(op: Op, ins, outs, axis: str):
         # layout for the backends to guess (they guessed differently: a gradient-norm
         # clip under dp x tp came back with its pieces out of order); whole here first
         return None
+    if op.attrs.get("dim", "flat") != "flat" and \
+            any(isinstance(t.placement(axis), FlatShard) for t in ins):
+        # a collective along a dimension of a value held flat on this axis: each device
+        # holds a 1-D chunk, which has no such dimension (a tp gather of a gradient that
+        # weight-update sharding reduce-scattered flat over dp): whole here first
+        return None
     if len(ins) == len(outs):
         return tuple(t.placement(axis) for t in ins)
     return tuple(ins[0].placement(axis) for _ in outs)

@@ -7,6 +7,7 @@ Or the file's own step with its example inputs, also evaluated as shapes."""
 from __future__ import annotations
 
 from collections.abc import Callable
+import inspect
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -136,7 +137,12 @@ def step_target(cand: Candidate, label: str, n: int, axis: str) -> Target:
     try:
         args = jax.eval_shape(cand.inputs_fn)
     except Exception:    # non-array leaves (a function, a config): call it for real
-        args = cand.inputs_fn()
+        try:
+            args = cand.inputs_fn()
+        except Exception as e:      # its own error, from its own line (not a traceback)
+            what = f"{cand.inputs_fn.__name__}()"
+            raise user_error(e, Path(inspect.getfile(cand.inputs_fn)).resolve(), what) \
+                from e
     args = example_args(args, cand.inputs_fn)
     shapes = []
     if len(args) > 2:

@@ -46,6 +46,10 @@ class NnxStep:
     """``step_fn(model, optimizer, ..., *rest)`` as the traced convention; ``args`` and
     ``result`` convert a call's arguments and the program's results."""
 
+    # the program's new state goes into the user's objects, which must hold it in the
+    # user's shapes (``ParallelStep`` gives stored flat leaves their shapes back first)
+    writes_back = True
+
     def __init__(self, step_fn: Callable, args: tuple) -> None:
         self.step_fn, self.k = step_fn, leading_objects(args)
         objects = args[:self.k]

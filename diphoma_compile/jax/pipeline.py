@@ -51,7 +51,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import BackendError, MeshError, no_keywords
 from ..ir.core import Graph, InputKind, OutputKind
-from ..ir.types import Varying
+from ..ir.types import Partial, Varying
 from ..passes.pipeline_orders import ORDERED, rank_orders
 from ..passes.pipeline_parallel import pipeline_of, stage_rank
 from ..passes.pipeline_programs import StageProgram, stage_programs
@@ -385,11 +385,12 @@ __all__ = ["JaxPipelineStep", "schedule_orders"]
 
 def _own_scalar(t: Any) -> tuple[str, ...]:
     """The axes along which a scalar is each device's own (made from its share of the
-    batch alone: a mask's count dividing a masked mean, read by a later stage program);
-    () for any other value."""
+    batch alone: a mask's count dividing a masked mean, read by a later stage program; or
+    its part of a sum over another axis: a tensor-parallel stage's part of a global
+    gradient norm, summed where the last part arrives); () for any other value."""
     if t.rank:
         return ()
-    return tuple(a for a, p in t.placements if isinstance(p, Varying))
+    return tuple(a for a, p in t.placements if isinstance(p, (Varying, Partial)))
 
 
 def _own_scalars_as_rows(fn: Any, ins: Sequence[bool], outs: Sequence[bool]) -> Any:

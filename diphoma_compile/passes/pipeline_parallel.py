@@ -285,7 +285,8 @@ class PipelineParallel(Pass):
         counted: tuple[str, ...] = ()
         shifted: tuple[str, ...] = ()
         if self.microbatches > 1:
-            _refuse_summed_over_devices(ctx.decision(DataParallelRecord), self.microbatches)
+            _refuse_summed_over_devices(ctx.decision(DataParallelRecord), self.microbatches,
+                                        graph)
             _refuse_summed(traced, split, self.microbatches)
             graph, made = _count_over_shares(graph, split, ctx.decision(DataParallelRecord),
                                              self.microbatches)
@@ -336,6 +337,11 @@ def _refuse_summed(graph: Graph, split: BatchSplit, microbatches: int) -> None:
     come out 1/M of the single-device step's."""
     summed = [o for o in graph.outputs if split.combine.get(o.name) == "sum"
               and o.role.kind in (OutputKind.loss, OutputKind.metric)]
+    extreme = [o for o in graph.outputs if split.combine.get(o.name) in ("max", "min")
+               and o.role.kind in (OutputKind.loss, OutputKind.metric)]
+    if extreme:
+        _refuse_extreme(graph, extreme[0].name, split.combine[extreme[0].name],
+                        microbatches)
     if summed or split.gradients == "sum":
         if not summed:
             what = "the value the step differentiates"
@@ -351,13 +357,34 @@ def _refuse_summed(graph: Graph, split: BatchSplit, microbatches: int) -> None:
                  "reduction='mean'), or microbatches=1")
 
 
-def _refuse_summed_over_devices(dp: DataParallelRecord | None, microbatches: int) -> None:
+def _refuse_extreme(graph: Graph, name: str, how: str, microbatches: int,
+                    over: str = "") -> None:
+    """A returned maximum or minimum over the batch: the runtimes average the
+    microbatches' metrics, which would give the mean of the microbatches' maxima (a
+    review found it returned with no word, 2026-12-07)."""
+    op = next((o for o in graph.ops if name in (v.name for v in o.results)), None)
+    at = f" at {op.loc}" if op is not None and op.loc else ""
+    word, words = ("maximum", "maxima") if how == "max" else ("minimum", "minima")
+    raise PassFailure(
+        f"pipeline: a metric the step returns{at} is a {word} over the batch{over}; over "
+        f"{microbatches} microbatches the pipeline averages the microbatches' metrics, "
+        f"which would give the mean of their {words}, not the batch's",
+        hint="compute it in a separate evaluation step (or from the outputs outside the "
+             "step), or microbatches=1")
+
+
+def _refuse_summed_over_devices(dp: DataParallelRecord | None, microbatches: int,
+                                graph: Graph) -> None:
     """``_refuse_summed`` where data parallelism ran first: it has added up the devices'
-    sums, so the graph this pass reads returns whole values; its record says which were
-    sums over the batch (the loss, where the gradients are added up; metrics such as a
-    count of correct answers)."""
+    sums (and taken their maxima), so the graph this pass reads returns whole values; its
+    record says which were sums over the batch (the loss, where the gradients are added
+    up; metrics such as a count of correct answers), maxima or minima."""
     if dp is None:
         return
+    extreme = sorted(n for n, how in dp.combined.items() if how in ("max", "min"))
+    if extreme:
+        _refuse_extreme(graph, extreme[0], dp.combined[extreme[0]], microbatches,
+                        f" (over the {dp.axis} devices too)")
     summed = sorted(n for n, how in dp.combined.items() if how == "sum")
     if dp.gradients == "sum" or summed:
         what = "loss" if dp.gradients == "sum" else \

@@ -348,7 +348,10 @@ class TorchPipelineStep(TorchDistStep):
             typ = self._param_type[pi]
             p = cap.params[pi]
             if owner[slot.name] == self.pp.rank:    # held here: whole, or its pieces
-                buf = self._whole_of(p, typ) if split_axes(typ) else p.detach().clone()
+                # (gathered along dim 1 the whole is a view of another layout: broadcast
+                # sends storage, and the others would read it in theirs)
+                buf = self._whole_of(p, typ).contiguous() if split_axes(typ) else \
+                    p.detach().clone()
             else:
                 buf = torch.empty(typ.shape, dtype=DTYPE_TO_TORCH[typ.dtype],
                                   device=p.device)

@@ -965,6 +965,94 @@ def run_tp_case(rank: int, axes: dict[str, int], opt_name: str) -> dict:
     return out
 
 
+class ResidualMLPs(nn.Module):
+    """Four residual MLP blocks (24 -> 32 -> 24): each a tensor-parallel pair, its second
+    layer's weight split along dim 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.ModuleList(nn.Linear(24, 32) for _ in range(4))
+        self.b = nn.ModuleList(nn.Linear(32, 24) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for a, b in zip(self.a, self.b):
+            x = x + b(F.relu(a(x)))
+        return x
+
+
+def regression_step(model, opt, x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@check("pp_tp")
+def run_pp_tp(rank: int, world: int) -> dict:
+    """pp=2 x tp=2, two microbatches, SGD, two steps: the losses, and state_dict() on
+    every rank, against the single-device step (each rank computes it). A row layer's
+    weight, gathered along dim 1 on its stage, was broadcast from a view of another
+    layout, and the other stage's ranks read it scrambled (1.7x its largest value off;
+    a review's probe, 2026-12-07)."""
+    import diphoma_compile
+    torch.manual_seed(0)
+    model = ResidualMLPs()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(4, 6, 24, generator=g), torch.randn(4, 6, 24, generator=g))
+               for _ in range(2)]
+    step = diphoma_compile.parallelize(regression_step, diphoma_compile.Mesh(
+        {"dp": 1, "pp": 2, "tp": 2}), microbatches=2)
+    losses = [step(model, opt, *b).item() for b in batches]
+    ref_losses = [regression_step(ref, ref_opt, *b).item() for b in batches]
+    full = step.state_dict()
+    return {"losses": losses, "ref_losses": ref_losses,
+            "param_abs": {k: max_abs(full[k], v) for k, v in ref.state_dict().items()}}
+
+
+def clipped_regression_step(model, opt, x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@check("tp_clip_3d")
+def run_tp_clip_3d(rank: int, world: int) -> dict:
+    """dp=2 x tp=2, a tensor-parallel MLP pair on (batch, seq, feature) activations with
+    a global gradient-norm clip, SGD and AdamW (with shard_params), two steps, against the
+    single-device step: the second layer's gradient, reduce-scattered flat over dp, was
+    gathered along its dim 1 over tp for the norm, and the runtime's 1-D piece had no dim
+    1 (IndexError; a review's probe, 2026-12-07)."""
+    import diphoma_compile
+    out = {}
+    for opt_name, shard in (("sgd", False), ("adamw", True)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        ref = copy.deepcopy(model)
+        make = (lambda p: torch.optim.SGD(p, lr=0.1)) if opt_name == "sgd" else \
+            (lambda p: torch.optim.AdamW(p, lr=1e-2))
+        opt, ref_opt = make(model.parameters()), make(ref.parameters())
+        g = torch.Generator().manual_seed(9)
+        batches = [(torch.randn(8, 4, 8, generator=g), torch.randn(8, 4, 8, generator=g))
+                   for _ in range(2)]
+        row = rank // 2
+        step = diphoma_compile.parallelize(clipped_regression_step, diphoma_compile.Mesh(
+            {"dp": 2, "tp": 2}), shard_params=shard)
+        losses = [step(model, opt, x[row * 4:(row + 1) * 4], y[row * 4:(row + 1) * 4]).item()
+                  for x, y in batches]
+        ref_losses = [clipped_regression_step(ref, ref_opt, *b).item() for b in batches]
+        full = step.state_dict()
+        out[opt_name] = {"losses": losses, "ref_losses": ref_losses, "param_abs": max(
+            max_abs(full[k], v) for k, v in ref.state_dict().items())}
+    return out
+
+
 @check("tp_hf")
 def run_tensor_parallel_hf(rank: int, world: int) -> dict:
     """A Hugging Face OPT model (separate q/k/v projections, as people bring it) under

@@ -226,6 +226,20 @@ def test_a_gradient_divided_by_its_norm_kept_to_its_rank_matches_the_single_devi
     assert r0["flat"] and r0["param"]["rel"] <= 1e-5, r0
 
 
+def test_pipeline_with_tensor_parallel_stages_gives_every_rank_the_whole_model(runs):
+    for r in runs:
+        got = r["pp_tp"]
+        assert max(abs(a - b) for a, b in zip(got["losses"], got["ref_losses"])) <= 1e-5
+        assert max(got["param_abs"].values()) <= 1e-6, got["param_abs"]
+
+
+def test_a_clipped_tensor_parallel_mlp_on_sequences_matches_the_single_device_step(runs):
+    for r in runs:
+        for name, got in r["tp_clip_3d"].items():
+            assert max(abs(a - b) for a, b in zip(got["losses"], got["ref_losses"])) <= 1e-5
+            assert got["param_abs"] <= 1e-5, (name, got)
+
+
 def test_metrics_and_buffers_computed_after_the_optimizer_step(runs):
     """The loss scaled after opt.step(), a count from the batch alone, a running average of
     the loss in a buffer: as on one device (they failed to verify or were refused)."""

@@ -593,3 +593,16 @@ def test_example_inputs_that_return_nothing_are_named(tmp_path, capsys):
     rc, out, err = inspect(capsys, f"{model}:train_step")
     assert rc == 2 and "example_inputs() returned None, not the step's example arguments" \
         in err, err
+
+
+def test_example_inputs_that_raise_are_named_with_their_line(tmp_path, capsys):
+    """An example_inputs() that raises (its data missing): a raw traceback and status 1
+    before (a review's probe, 2026-12-07); now the error, its line, status 2."""
+    model = tmp_path / "steps.py"
+    model.write_text("import torch\n\n\ndef train_step(model, opt, x):\n"
+                     "    loss = model(x).sum()\n    loss.backward()\n    opt.step()\n"
+                     "    return loss\n\n\ndef example_inputs():\n"
+                     "    raise RuntimeError('dataset not found')\n")
+    rc, out, err = inspect(capsys, f"{model}:train_step")
+    assert rc == 2 and "example_inputs() raised RuntimeError: dataset not found" in err, err
+    assert "steps.py:12" in err, err

@@ -625,3 +625,39 @@ def test_a_column_gathers_the_tied_embedding_its_two_stages_read_once():
         assert len(read) == len(set(read)), sorted(read)
     [(stage, name, maker)] = pp.runner.once_shared
     assert (stage, maker) == (3, 0) and "Embed_0/embedding" in name
+
+
+def test_a_global_norm_over_tensor_parallel_stages_matches_jax_jit():
+    """dp=1 x pp=2 x tp=4 with optax.clip_by_global_norm and the norm returned: each
+    stage's part of the norm is a partial sum over tp (each device's own), sent to the
+    next stage before it is summed there; the runtime refused it ("a partial value must
+    be reduced first", a review's probe, 2026-12-07). It is carried as each device's own
+    scalar, as a mask's count is, and three steps match jax.jit."""
+    class Residual(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(4):
+                x = x + nn.Dense(16)(nn.relu(nn.Dense(32)(x)))
+            return nn.Dense(4)(x)
+    model = Residual()
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((8, 16)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((8, 4)), jnp.float32)
+    params = model.init(jax.random.key(0), x)["params"]
+    tx = optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1))
+
+    def step(params, opt_state, x, y):
+        def loss_of(p):
+            return jnp.mean((model.apply({"params": p}, x) - y) ** 2)
+        loss, g = jax.value_and_grad(loss_of)(params)
+        u, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, u), opt_state, loss, optax.global_norm(g)
+    pstep = diphoma_compile.parallelize(step, {"dp": 1, "pp": 2, "tp": 4}, microbatches=2)
+    ref = ours = (params, tx.init(params))
+    for _ in range(3):
+        *ref, want, want_norm = jax.jit(step)(*ref, x, y)
+        *ours, got, got_norm = pstep(*ours, x, y)
+        np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+        np.testing.assert_allclose(float(got_norm), float(want_norm), rtol=1e-5)
+    assert max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in
+               zip(jax.tree.leaves(ref[0]), jax.tree.leaves(ours[0]))) <= 1e-5
