@@ -197,6 +197,7 @@ def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump:
                              warn=False,     # the plan says it
                              probe=probe)
     clock.append(("passes", time.perf_counter()))
+    _check_schedule(plan, fw)
     if not verify_passes and ctx.records:
         try:
             verify(graph)
@@ -209,6 +210,18 @@ def plan_target(target: Target, mesh: Mesh, axis: str, passes: str | None, dump:
         clock.append(("verify (final graph)", time.perf_counter()))
     clock.append(("plan", time.perf_counter()))
     return graph, plan, ctx.records
+
+
+def _check_schedule(plan: Any, fw: Any) -> None:
+    """A BackendError where the framework's pipeline runtime would refuse the plan's
+    schedule (torch's 1F1B with fewer microbatches than ranks): the plan of a step that
+    cannot run says so here, as the run would (a review found 1F1B at M = 1 planned with a
+    50% bubble, 2026-12-07)."""
+    from ..passes.pipeline_parallel import PipelineRecord
+    rec = plan.decision(PipelineRecord)
+    if rec is not None:
+        stages = len(rec.stages)
+        fw.pipeline_actions(rec.schedule, stages, rec.microbatches, rec.ranks or stages)
 
 
 def plot_schedule(plan: Any, framework: str, path: str) -> None:

@@ -549,7 +549,9 @@ class _Split:
                 self.combine_output(o, roles, made_by)
         for n, how in self.need.items():
             if how == "avg" and not self.types[n].dtype.is_float:
-                raise PassFailure(f"data-parallel: the {self.types[n].dtype} value %{n} is "
+                at = made_by.get(n)
+                at = f" (made at {at.loc})" if at is not None and at.loc else ""
+                raise PassFailure(f"data-parallel: the {self.types[n].dtype} value %{n}{at} is "
                                   "computed from the batch and leaves the per-device part of "
                                   "the step; only floating-point values can be averaged "
                                   "across devices",

@@ -230,14 +230,27 @@ class PipelineParallel(Pass):
         stats = _batch_statistics(graph)
         if self.microbatches > 1 and stats:
             more = f" and {len(stats) - 3} more" if len(stats) > 3 else ""
+            # buffers a forward writes with no batch norm in it: a counter, an average
+            buffers = not any((op.phase or Phase.forward) is Phase.forward
+                              and op.name == "opaque"
+                              and getattr(framework_rule(op), "batch_stats", False)
+                              for op in graph.ops)
             raise PassFailure(
-                f"pipeline: the step's forward normalizes over the batch "
-                f"({', '.join(stats[:3])}{more}: BatchNorm in training mode); over "
-                f"{self.microbatches} microbatches each forward would normalize a "
-                "microbatch, not the batch, and the step would differ from the "
-                "single-device one",
+                (f"pipeline: the step's forward writes buffers ({', '.join(stats[:3])}"
+                 f"{more}: running statistics, a counter); over {self.microbatches} "
+                 "microbatches each forward would write them once per microbatch (a "
+                 f"statistic of a microbatch, not the batch; a count {self.microbatches} "
+                 "times)"
+                 if buffers else
+                 f"pipeline: the step's forward normalizes over the batch "
+                 f"({', '.join(stats[:3])}{more}: BatchNorm in training mode); over "
+                 f"{self.microbatches} microbatches each forward would normalize a "
+                 "microbatch, not the batch") +
+                ", and the step would differ from the single-device one",
                 hint="microbatches=1 (schedule=gpipe), a norm without batch statistics "
-                     "(LayerNorm, GroupNorm), or those layers in eval mode")
+                     "(LayerNorm, GroupNorm), or those layers in eval mode" if not buffers
+                else "microbatches=1 (schedule=gpipe), or update such buffers outside the "
+                     "step (after it returns)")
         traced = graph      # the step as traced: what its batch analysis judges
         split = split_batch(traced, ctx.batch_probe, ctx.traced)
         graph, kept, drawn = microbatch_draws(graph, self.microbatches, split.rows)
@@ -348,13 +361,20 @@ def _refuse_summed(graph: Graph, split: BatchSplit, microbatches: int) -> None:
         elif summed[0].role.kind is OutputKind.loss:
             what = "the step's loss"
         else:
-            what = f"the step's metric %{summed[0].name}"
+            what = f"the step's metric %{summed[0].name}{_made_at(graph, summed[0].name)}"
         raise PassFailure(
             f"pipeline: {what} is a sum over the batch; over {microbatches} "
             "microbatches the pipeline averages the microbatches' losses and gradients, "
             f"which would give 1/{microbatches} of the single-device step's",
             hint="make it a mean over the batch (divide by the batch's size, "
                  "reduction='mean'), or microbatches=1")
+
+
+def _made_at(graph: Graph, name: str) -> str:
+    """`` (made at file:line)`` of the op making ``name``, where the trace recorded it: an
+    IR name alone (%516) tells the user nothing."""
+    op = next((o for o in graph.ops if name in (v.name for v in o.results)), None)
+    return f" (made at {op.loc})" if op is not None and op.loc else ""
 
 
 def _refuse_extreme(graph: Graph, name: str, how: str, microbatches: int,
@@ -388,7 +408,8 @@ def _refuse_summed_over_devices(dp: DataParallelRecord | None, microbatches: int
     summed = sorted(n for n, how in dp.combined.items() if how == "sum")
     if dp.gradients == "sum" or summed:
         what = "loss" if dp.gradients == "sum" else \
-            f"metric{'s' if len(summed) > 1 else ''} {', '.join('%' + n for n in summed)}"
+            f"metric{'s' if len(summed) > 1 else ''} " + \
+            ", ".join(f"%{n}{_made_at(graph, n)}" for n in summed)
         raise PassFailure(
             f"pipeline: the step's {what} is a sum over the batch (added up over the "
             f"{dp.axis} devices); over {microbatches} microbatches the pipeline averages "

@@ -438,6 +438,10 @@ def test_shard_params_and_microbatches_plan_as_parallelize_does(capsys):
     assert rc != 0 and "--shard-params picks the default passes" in err
     rc, out, err = inspect(capsys, *args, "--mesh", "dp=2", "--microbatches", "4")
     assert rc != 0 and "microbatches=4 is for pipeline parallelism" in err
+    # a schedule the runtime refuses is refused in the plan too (1F1B planned at M = 1 on
+    # two ranks with a 50% bubble, then refused by the run: a review, 2026-12-07)
+    rc, out, err = inspect(capsys, *args, "--mesh", "pp=2", "--microbatches", "1")
+    assert rc == 2 and "1F1B schedule refuses 1 microbatches on 2 ranks" in err, err
 
 
 @pytest.mark.parametrize("mesh, grid", [("pp=2", ["all: 0 1"]),

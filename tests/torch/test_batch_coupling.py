@@ -889,3 +889,23 @@ def test_an_op_of_no_rule_that_reduces_the_rows_is_warned_of():
     assert "aten.prod.default" in found, dp
     assert "count_nonzero" not in found and len(dp["batch_coupled"]) == 2, dp
     assert sorted(dp["combined"].values()) == ["sum"], dp      # the count
+
+
+def test_a_refused_metric_is_named_by_its_line_not_only_its_ir_name():
+    """An integer metric that is not a sum (the index of the largest logit) cannot be
+    averaged: the refusal named only the IR value (%516, a review found it unhelpful,
+    2026-12-07); it names the line that made it too."""
+    torch.manual_seed(0)
+    mlp = MLP(8, 16, 4)
+
+    def step(model, opt, x, y):
+        out = model(x)
+        loss = F.mse_loss(out, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss, out.detach().argmax()
+    pstep = diphoma_compile.parallelize(step, {"dp": 2})
+    with pytest.raises(diphoma_compile.DiphomaError,
+                       match=r"the i64 value %\S+ \(made at test_batch_coupling.py:\d+"):
+        pstep.trace(mlp, _sgd(mlp), torch.randn(8, 8), torch.randn(8, 4))

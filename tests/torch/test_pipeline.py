@@ -593,6 +593,37 @@ def traced_normed_pp2(pp: int = 2, **kw):
     return g.replace(mesh=Mesh({"pp": pp}))
 
 
+class Counting(torch.nn.Module):
+    """Four residual layers and a buffer counting the forwards (no batch norm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        self.calls.add_(1)
+        return x
+
+
+def test_a_buffer_a_forward_writes_is_refused_over_microbatches_in_its_own_words():
+    """A counter the forward increments would count once per microbatch: refused, as a
+    batch norm's statistics are, but the message spoke of BatchNorm and its hint of
+    LayerNorm (a review found it, 2026-12-07); it names the buffer as one the forward
+    writes now."""
+    torch.manual_seed(0)
+    model = Counting()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = diphoma_compile.trace(mse_step, model, opt, torch.randn(8, 16))
+    with pytest.raises(PassError, match=r"writes buffers \(calls: running statistics, a "
+                                        r"counter\).*a count 2 times") as e:
+        run(g.replace(mesh=Mesh({"pp": 2})),
+            "dce,pipeline{axis=pp, microbatches=2, schedule=gpipe}")
+    assert "LayerNorm" not in str(e.value)
+
+
 def test_a_batch_norm_without_running_statistics_is_not_microbatched_either():
     with pytest.raises(PassError, match=r"normalizes over the batch \(a batch norm at "):
         run(traced_normed_pp2(track=False), "dce,pipeline{axis=pp, microbatches=2, schedule=gpipe}")
