@@ -45,6 +45,7 @@ from models import hf_lm_step  # noqa: E402
 from models import NormedMLP, frozen_mlp, mse_step, trainable  # noqa: E402
 from test_propagation_torch import Block  # noqa: E402
 from test_propagation_torch import step as squares_step  # noqa: E402
+from test_comm_passes import step as regression_step  # noqa: E402
 
 from diphoma_compile.torch import collectives  # noqa: E402
 from diphoma_compile.torch.dist import TorchDistStep  # noqa: E402
@@ -978,14 +979,6 @@ class ResidualMLPs(nn.Module):
         for a, b in zip(self.a, self.b):
             x = x + b(F.relu(a(x)))
         return x
-
-
-def regression_step(model, opt, x, y):
-    loss = F.mse_loss(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
 
 
 @check("pp_tp")

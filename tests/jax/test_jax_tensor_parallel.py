@@ -381,26 +381,21 @@ def test_a_mixture_of_experts_under_tensor_parallelism_is_not_warned_of():
     found the same day, 2026-12-07). The step matches jax.jit, with no warning."""
     import warnings
     from diphoma_compile.errors import DiphomaWarning
+    from tests.jax_steps import _train_step, _xent
     model = _ExpertNet()
     rng = np.random.default_rng(0)
-    x = np.asarray(rng.standard_normal((16, 4, 8)), np.float32)
-    y = np.asarray(rng.integers(0, 3, 16), np.int32)
-    params = model.init(jax.random.key(0), x)["params"]
+    batch = {"x": np.asarray(rng.standard_normal((16, 4, 8)), np.float32),
+             "labels": np.asarray(rng.integers(0, 3, 16), np.int32)}
+    params = model.init(jax.random.key(0), batch["x"])["params"]
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9))
-
-    def step(params, opt_state, x, y):
-        def loss_of(p):
-            return optax.softmax_cross_entropy_with_integer_labels(
-                model.apply({"params": p}, x), y).mean()
-        loss, g = jax.value_and_grad(loss_of)(params)
-        u, opt_state = tx.update(g, opt_state, params)
-        return optax.apply_updates(params, u), opt_state, loss
+    step = _train_step(lambda p, x: model.apply({"params": p}, x), _xent,
+                       lambda b: b["x"], tx)
     pstep = diphoma_compile.parallelize(step, {"dp": 2, "tp": 4})
     ref = ours = (params, tx.init(params))
     with warnings.catch_warnings():
         warnings.simplefilter("error", DiphomaWarning)
         for _ in range(2):
-            *ref, want = jax.jit(step)(*ref, x, y)
-            *ours, got = pstep(*ours, x, y)
+            *ref, want = jax.jit(step)(*ref, batch)
+            *ours, got = pstep(*ours, batch)
             np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
     assert pstep.plan.notes["data-parallel"]["batch_coupled"] == []

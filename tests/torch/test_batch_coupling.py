@@ -862,27 +862,36 @@ def test_losses_aten_keeps_whole_combine_as_their_reduction(loss, reduction):
     assert dp["batch_coupled"] == [] and dp["batch_counted"] == [], dp
 
 
-def test_an_op_of_no_rule_that_reduces_the_rows_is_warned_of():
-    """A value made from the batch's rows by an aten op of no sharding rule (here
-    ``torch.dist``, a norm over every row, returned as a metric) is reported: each
-    device's result averaged is not the batch's, and before (2026-12-07) nothing said so.
-    A count of nonzero elements adds up over the devices; a product over the rows is
-    reported (it had no rule either)."""
-    torch.manual_seed(0)
-    mlp = MLP(8, 16, 4)
-
+def _with_metrics(metrics):
+    """An MSE step returning the loss and ``metrics(outputs, targets)`` of the batch."""
     def step(model, opt, x, y):
         out = model(x)
         loss = F.mse_loss(out, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        d = out.detach()
-        return loss, torch.count_nonzero(d > 0).float(), torch.dist(d, y), \
-            (1 + 0.01 * d).prod()
-    pstep = diphoma_compile.parallelize(step, {"dp": 2})
+        return (loss, *metrics(out.detach(), y))
+    return step
+
+
+def _trace_mlp(pstep) -> None:
+    """``pstep`` traced on an 8-16-4 MLP with SGD, a batch of 8."""
+    torch.manual_seed(0)
+    mlp = MLP(8, 16, 4)
+    pstep.trace(mlp, _sgd(mlp), torch.randn(8, 8), torch.randn(8, 4))
+
+
+def test_an_op_of_no_rule_that_reduces_the_rows_is_warned_of():
+    """A value made from the batch's rows by an aten op of no sharding rule (here
+    ``torch.dist``, a norm over every row, returned as a metric) is reported: each
+    device's result averaged is not the batch's, and before (2026-12-07) nothing said so.
+    A count of nonzero elements adds up over the devices; a product over the rows is
+    reported (it had no rule either)."""
+    pstep = diphoma_compile.parallelize(_with_metrics(lambda d, y: (
+        torch.count_nonzero(d > 0).float(), torch.dist(d, y), (1 + 0.01 * d).prod())),
+        {"dp": 2})
     with pytest.warns(DiphomaWarning, match="combines examples of its batch"):
-        pstep.trace(mlp, _sgd(mlp), torch.randn(8, 8), torch.randn(8, 4))
+        _trace_mlp(pstep)
     dp = pstep.plan.notes["data-parallel"]
     found = " ".join(dp["batch_coupled"])
     assert "aten.dist.default" in found and "no known rule" in found, dp
@@ -895,17 +904,8 @@ def test_a_refused_metric_is_named_by_its_line_not_only_its_ir_name():
     """An integer metric that is not a sum (the index of the largest logit) cannot be
     averaged: the refusal named only the IR value (%516, a review found it unhelpful,
     2026-12-07); it names the line that made it too."""
-    torch.manual_seed(0)
-    mlp = MLP(8, 16, 4)
-
-    def step(model, opt, x, y):
-        out = model(x)
-        loss = F.mse_loss(out, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss, out.detach().argmax()
-    pstep = diphoma_compile.parallelize(step, {"dp": 2})
+    pstep = diphoma_compile.parallelize(_with_metrics(lambda d, y: (d.argmax(),)),
+                                        {"dp": 2})
     with pytest.raises(diphoma_compile.DiphomaError,
                        match=r"the i64 value %\S+ \(made at test_batch_coupling.py:\d+"):
-        pstep.trace(mlp, _sgd(mlp), torch.randn(8, 8), torch.randn(8, 4))
+        _trace_mlp(pstep)
