@@ -74,7 +74,12 @@ class JaxFramework:
         # the global batch is cut into the data axis's shares, each into M microbatches
         n = (1 if staged and axis == pp else mesh.axis_size(axis)) * microbatches
         if batch_argnums is None:
-            nums = infer_batch_argnums(args, state=_state_argnums(step_fn, args))
+            state = _state_argnums(step_fn, args)
+            if getattr(step_fn, "held", False):
+                # flax.nnx's model state (a BatchNorm's statistics), the adapter's last
+                # argument: never batch, whatever its rows (BatchNorm(16) at a batch of 16)
+                state = (*state, len(args) - 1)
+            nums = infer_batch_argnums(args, state=state)
             check_rows_pair(step_fn, args, nums, n)
         else:
             nums = tuple(batch_argnums)

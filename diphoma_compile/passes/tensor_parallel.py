@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..ir.core import Graph, InputKind
+from ..ir.core import Graph, InputKind, Phase
 from ..errors import IRError
 from ..ir.device_model import device_model
 from ..ir.opdef import is_view
@@ -70,15 +70,22 @@ class TensorParallel(Pass):
         if not pairs:
             sizes = "; ".join(f"{p} {list(shape)}: dim {d} ({shape[d]}) does not divide "
                               f"{n}" for p, shape, d in whole[:4])
+            # layers scanned over (flax nn.scan, a lax.scan over stacked weights): their
+            # matmuls are inside the scan's body, where the pair finder does not look
+            scanned = any(op.name == "scan" and (op.phase or Phase.forward) is Phase.forward
+                          for op in graph.ops)
             raise PassFailure(
                 f"{self.name}: no column/row layer pair to split over {self.axis}={n}"
-                + (f" ({sizes})" if sizes else ""),
+                + (f" ({sizes})" if sizes else "")
+                + ("; the step's layers run inside a lax.scan (flax nn.scan), which "
+                   "tensor parallelism does not look into yet" if scanned else ""),
                 hint="tensor parallelism splits matmul pairs (an MLP, attention's "
                      "projections) on dimensions the axis divides, with nothing between the "
                      "two but elementwise math (a dropout between them keeps the pair whole: "
                      "a random draw runs whole only): make the heads and hidden sizes "
                      "multiples of it, move the dropout after the pair, use a smaller axis, "
-                     "or drop it")
+                     "or drop it" + ("; unroll the scanned layers (a Python loop) to split "
+                                     "them" if scanned else ""))
         params = [i.name for i in graph.inputs
                   if i.role.kind is InputKind.param and i.name not in seeds]
         model = device_model(self.device_model)

@@ -156,6 +156,29 @@ def test_a_model_with_no_layer_pair_is_a_clear_error():
         _plan(_Linear(), optax.sgd(0.1), {"tp": 2}, "tensor-parallel{axis=tp}")
 
 
+class _ScannedMLPs(nn.Module):
+    """Three MLP blocks under flax's nn.scan (stacked weights, a lax.scan over them)."""
+
+    @nn.compact
+    def __call__(self, x):
+        class Block(nn.Module):
+            @nn.compact
+            def __call__(self, h, _):
+                return h + nn.Dense(DIM)(nn.gelu(nn.Dense(4 * DIM)(h))), None
+        x, _ = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                       length=3)()(x, None)
+        return x
+
+
+def test_layers_under_a_scan_are_named_as_why_no_pair_was_found():
+    """The pair finder does not look inside a lax.scan: the refusal spoke only of sizes
+    that divide (a review's probe on a flax nn.scan stack, 2026-12-07); it says the layers
+    are scanned, and the hint says to unroll them."""
+    with pytest.raises(DiphomaError, match=r"run inside a lax.scan \(flax nn.scan\)") as e:
+        _plan(_ScannedMLPs(), optax.sgd(0.1), {"tp": 4}, "tensor-parallel{axis=tp}")
+    assert "unroll the scanned layers" in str(e.value)
+
+
 class _Stack(nn.Module):
     """Two pre-norm transformer blocks with four heads (a flax transformer without its
     embedding: continuous inputs)."""
