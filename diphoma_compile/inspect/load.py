@@ -82,6 +82,12 @@ def user_error(exc: BaseException, path: Path, what: str) -> InspectError:
                         hint="fix the code (or the expression), then run inspect again")
 
 
+def inputs_fn_error(exc: BaseException, fn: Callable) -> InspectError:
+    """``user_error`` for an exception the file's example-inputs function ``fn`` raised,
+    naming it and its line."""
+    return user_error(exc, Path(inspect.getfile(fn)).resolve(), f"{fn.__name__}()")
+
+
 def package_module(path: Path) -> tuple[Path, str] | None:
     """For a file inside a package (its folder has an ``__init__.py``, and so on up): the
     folder above the outermost package and the file's dotted module name, e.g.

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from .core import Op
-from .opdef import op_def
+from .opdef import Category, op_def
 from .strategies import group_counts, linear_collective, strategies_of
 from .types import (FLAT, FLAT_DIRTY, REPLICATE, VARYING, FlatShard, Partial, Placement,
                     Replicate, Shard, TensorType, Varying)
@@ -89,6 +89,15 @@ def reduce(op: Op, ins, outs, axis: str):
     (Fx) is harmless only when nothing is padded (the verifier checks the size)."""
     full = len(tuple(op.attrs.get("dims", ()))) == ins[0].rank
     return (Partial("sum"),) if op_def(op.name).partial == "sum" and full else None
+
+
+def sums_dirty_padding(op: Op, ins: Sequence[TensorType], axis: str, n: int) -> bool:
+    """Whether ``op`` reduces a flat piece on ``axis`` (of ``n`` devices) whose padding may
+    hold anything (``Fx``: math before it may have made the zeros nonzero, exp(0) = 1)
+    where there is padding: what ``reduce`` leaves to the size, which the verifier refuses
+    and the passes avoid by gathering first."""
+    return op_def(op.name).category is Category.reduce and bool(ins) and \
+        ins[0].placement(axis) == FLAT_DIRTY and ins[0].numel % n != 0
 
 
 def reshape(op: Op, ins, outs, axis: str):

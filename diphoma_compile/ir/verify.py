@@ -13,8 +13,8 @@ from .core import Graph, InputKind, Op, OutputKind, Phase
 from .ops import Category, check_attr, op_def
 from .printer import format_name, format_op_head
 from .shape_rules import TypeRuleError, region_types
-from .sharding_rules import expected_collective, propagate
-from .types import FLAT_DIRTY, Replicate, Shard, TensorType, Varying, fits
+from .sharding_rules import expected_collective, propagate, sums_dirty_padding
+from .types import Replicate, Shard, TensorType, Varying, fits
 
 _PHASE_RANK = {Phase.forward: 0, Phase.backward: 1, Phase.update: 2}
 
@@ -221,8 +221,7 @@ class _Verifier:
                         self.fail(f"{op.name} on axis {axis!r} gives {want}, but its result"
                                   f"{which} is declared {got}", **where)
                 continue
-            if d.category is Category.reduce and ins and \
-                    ins[0].placement(axis) == FLAT_DIRTY and ins[0].numel % self.sizes[axis]:
+            if sums_dirty_padding(op, ins, axis, self.sizes[axis]):
                 # math before the reduction may have made the padding nonzero (exp(0) = 1)
                 self.fail(f"{op.name} reduces a flat shard whose padding may be nonzero (Fx) "
                           f"on axis {axis!r} ({ins[0].numel} elements over "

@@ -6,6 +6,8 @@ program returns for it, as the PyTorch runtime holds it in ``TorchDistStep.comm_
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,7 +18,7 @@ from ..errors import BackendError
 from ..ir.core import Graph, InputKind, OutputKind
 from ..ir.types import DType, TensorType
 from .compile import user_leaves
-from .trees import check_argument_trees
+from .trees import check_argument_trees, input_trees
 from .parallel import JaxParallelStep
 
 
@@ -45,11 +47,16 @@ class JaxCommStateStep(JaxParallelStep):
     def _is_state(self, o: Any) -> bool:
         return o.role.kind is OutputKind.replaces and o.role.target in self.state_names
 
+    @functools.cached_property
+    def traced_trees(self) -> tuple | None:
+        """The user's argument structures (the graph's less the held state), looked up once."""
+        return input_trees(self.user_graph)
+
     def leaves(self, args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         """(the program's input leaves: the user's, with the held state where the graph
         takes it; the treedef of each user argument)."""
         user, treedefs = user_leaves(args)
-        check_argument_trees(self.user_graph, treedefs)
+        check_argument_trees(self.traced_trees, treedefs)
         want = len(self.graph.inputs) - len(self.state_names)
         if len(user) != want:
             raise BackendError(f"the step was called with {len(user)} array leaves; it "

@@ -3,6 +3,8 @@ user's pytrees."""
 
 from __future__ import annotations
 
+import functools
+
 from collections import ChainMap
 from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
@@ -18,7 +20,7 @@ from .dtypes import numpy_dtype
 from .ops import SCATTERS, emitter
 from .params import OPAQUE_RESERVED, decode
 from .roles import number_as_array
-from .trees import check_argument_trees, output_tree
+from .trees import check_argument_trees, input_trees, output_tree
 
 Env = MutableMapping[str, Any]
 
@@ -202,10 +204,15 @@ class JaxStep:
         self._tree_jit = (jax.jit(self._tree_fn)
                           if not donate and self.out_tree is not None else None)
 
+    @functools.cached_property
+    def traced_trees(self) -> tuple | None:
+        """The argument structures the step was traced with (looked up once)."""
+        return input_trees(self.graph)
+
     def leaves(self, args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         """(input leaves, the treedef of each argument); as many leaves as graph inputs."""
         leaves, treedefs = user_leaves(args)
-        check_argument_trees(self.graph, treedefs)
+        check_argument_trees(self.traced_trees, treedefs)
         # (a pipeline's microbatch index is an input its runtime passes, not the user)
         given = sum(1 for i in self.graph.inputs if i.role.kind is not InputKind.microbatch)
         if len(leaves) != given:

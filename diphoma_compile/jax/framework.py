@@ -76,8 +76,9 @@ class JaxFramework:
         if batch_argnums is None:
             state = _state_argnums(step_fn, args)
             if getattr(step_fn, "held", False):
-                # flax.nnx's model state (a BatchNorm's statistics), the adapter's last
-                # argument: never batch, whatever its rows (BatchNorm(16) at a batch of 16)
+                # an adapter's model state (flax.nnx's BatchNorm statistics, a TrainState's
+                # batch_stats), its last argument: never batch, whatever its rows
+                # (BatchNorm(16) at a batch of 16)
                 state = (*state, len(args) - 1)
             nums = infer_batch_argnums(args, state=state)
             check_rows_pair(step_fn, args, nums, n)

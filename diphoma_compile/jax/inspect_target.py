@@ -7,7 +7,6 @@ Or the file's own step with its example inputs, also evaluated as shapes."""
 from __future__ import annotations
 
 from collections.abc import Callable
-import inspect
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -16,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ..inspect.load import Candidate, construct, evaluate, example_args, user_error
+from ..inspect.load import (Candidate, construct, evaluate, example_args,
+                            inputs_fn_error, user_error)
 from ..inspect.optimizer import choose_optimizer
 from ..inspect.loss import LossChoice, choose, expr_loss, get
 from ..inspect.spec import InputDescription, InspectError, Target, describe_inputs, local_shape, \
@@ -140,9 +140,7 @@ def step_target(cand: Candidate, label: str, n: int, axis: str) -> Target:
         try:
             args = cand.inputs_fn()
         except Exception as e:      # its own error, from its own line (not a traceback)
-            what = f"{cand.inputs_fn.__name__}()"
-            raise user_error(e, Path(inspect.getfile(cand.inputs_fn)).resolve(), what) \
-                from e
+            raise inputs_fn_error(e, cand.inputs_fn) from e
     args = example_args(args, cand.inputs_fn)
     shapes = []
     if len(args) > 2:

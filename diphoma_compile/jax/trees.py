@@ -51,14 +51,20 @@ def remember_tree(graph: Graph, tree: Any, in_trees: tuple = ()) -> None:
         table[key] = t if old == t else _AMBIGUOUS
 
 
-def check_argument_trees(graph: Graph, treedefs: list[Any]) -> None:
-    """BackendError if the arguments' structures differ from those ``graph`` (or the step it
-    was rewritten from) was traced with, beyond the container's kind (a list where a tuple
-    was: their leaves are found by the same indices). Leaves are matched to the program's
-    inputs by position, so a dict whose keys changed would feed the wrong arrays (keys sort:
-    a batch traced as {"inp", "tgt"} and called as {"x", "tgt"} swaps its two leaves)."""
+def input_trees(graph: Graph) -> tuple | None:
+    """The argument PyTreeDefs ``graph`` (or the step it was rewritten from) was traced
+    with; None when unknown or ambiguous. A runner looks them up once, not per call."""
     traced = IN_TREES.get(_input_names(graph))
-    if traced is None or traced is _AMBIGUOUS or tuple(treedefs) == traced:
+    return None if traced is _AMBIGUOUS else traced
+
+
+def check_argument_trees(traced: tuple | None, treedefs: list[Any]) -> None:
+    """BackendError if the arguments' structures differ from the ``traced`` ones
+    (``input_trees``), beyond the container's kind (a list where a tuple was: their leaves
+    are found by the same indices). Leaves are matched to the program's inputs by
+    position, so a dict whose keys changed would feed the wrong arrays (keys sort: a batch
+    traced as {"inp", "tgt"} and called as {"x", "tgt"} swaps its two leaves)."""
+    if traced is None or tuple(treedefs) == traced:
         return
     if len(treedefs) != len(traced):
         raise BackendError(f"the step was traced with {len(traced)} arguments and is called "

@@ -227,14 +227,11 @@ class PipelineParallel(Pass):
             raise PassFailure("pipeline: microbatches must be at least 1",
                               hint="microbatches=M with M >= 1 (M >= stages keeps the "
                                    "bubble small)")
-        stats = _batch_statistics(graph)
+        norms = _batch_norms(graph)
+        stats = _written_buffers(graph) or norms
         if self.microbatches > 1 and stats:
             more = f" and {len(stats) - 3} more" if len(stats) > 3 else ""
-            # buffers a forward writes with no batch norm in it: a counter, an average
-            buffers = not any((op.phase or Phase.forward) is Phase.forward
-                              and op.name == "opaque"
-                              and getattr(framework_rule(op), "batch_stats", False)
-                              for op in graph.ops)
+            buffers = not norms     # a counter, an average: no batch norm writes them
             raise PassFailure(
                 (f"pipeline: the step's forward writes buffers ({', '.join(stats[:3])}"
                  f"{more}: running statistics, a counter); over {self.microbatches} "
@@ -370,11 +367,17 @@ def _refuse_summed(graph: Graph, split: BatchSplit, microbatches: int) -> None:
                  "reduction='mean'), or microbatches=1")
 
 
-def _made_at(graph: Graph, name: str) -> str:
-    """`` (made at file:line)`` of the op making ``name``, where the trace recorded it: an
-    IR name alone (%516) tells the user nothing."""
+def _loc(graph: Graph, name: str) -> str | None:
+    """The source line (file:line) of the op making ``name``, where the trace recorded it."""
     op = next((o for o in graph.ops if name in (v.name for v in o.results)), None)
-    return f" (made at {op.loc})" if op is not None and op.loc else ""
+    return op.loc if op is not None and op.loc else None
+
+
+def _made_at(graph: Graph, name: str) -> str:
+    """`` (made at file:line)`` of the op making ``name``, or nothing: an IR name alone
+    (%516) tells the user nothing."""
+    loc = _loc(graph, name)
+    return f" (made at {loc})" if loc else ""
 
 
 def _refuse_extreme(graph: Graph, name: str, how: str, microbatches: int,
@@ -382,8 +385,8 @@ def _refuse_extreme(graph: Graph, name: str, how: str, microbatches: int,
     """A returned maximum or minimum over the batch: the runtimes average the
     microbatches' metrics, which would give the mean of the microbatches' maxima (a
     review found it returned with no word, 2026-12-07)."""
-    op = next((o for o in graph.ops if name in (v.name for v in o.results)), None)
-    at = f" at {op.loc}" if op is not None and op.loc else ""
+    loc = _loc(graph, name)
+    at = f" at {loc}" if loc else ""
     word, words = ("maximum", "maxima") if how == "max" else ("minimum", "minima")
     raise PassFailure(
         f"pipeline: a metric the step returns{at} is a {word} over the batch{over}; over "
@@ -449,18 +452,20 @@ def _forward_after_backward(graph: Graph) -> str | None:
     return None
 
 
-def _batch_statistics(graph: Graph) -> list[str]:
-    """What in the step's forward depends on the whole batch at once: the buffers it writes
-    a new value of (running statistics), and batch norms in training mode (by source line)
-    that keep none."""
+def _written_buffers(graph: Graph) -> list[str]:
+    """The buffers the step's forward writes a new value of (running statistics, a
+    counter): written once per microbatch under a pipeline."""
     phase = {v.name: op.phase or Phase.forward for op in graph.ops for v in op.results}
-    out = [b for b, new in updated_buffers(graph).items()
-           if phase.get(new, Phase.update) is Phase.forward]
-    if not out:
-        out = [f"a batch norm at {op.loc or '?'}" for op in graph.ops
-               if (op.phase or Phase.forward) is Phase.forward and op.name == "opaque"
-               and getattr(framework_rule(op), "batch_stats", False)]
-    return out
+    return [b for b, new in updated_buffers(graph).items()
+            if phase.get(new, Phase.update) is Phase.forward]
+
+
+def _batch_norms(graph: Graph) -> list[str]:
+    """The batch norms in training mode in the step's forward (by source line): each
+    normalizes over the whole batch at once, with running statistics or none."""
+    return [f"a batch norm at {op.loc or '?'}" for op in graph.ops
+            if (op.phase or Phase.forward) is Phase.forward and op.name == "opaque"
+            and getattr(framework_rule(op), "batch_stats", False)]
 
 
 def _keyed_draws_on_the_batch(graph: Graph, kept: set[str] = frozenset()) -> list[str]:

@@ -27,9 +27,8 @@ from ..ir.core import Attrs, Graph, Input, InputKind, Op, OutputKind, Phase, Val
 from ..ir.rewrite import rename_uses
 from ..ir.opdef import Category, is_view, op_def
 from ..ir.shape_rules import TypeRuleError, region_types
-from ..ir.sharding_rules import propagate
-from ..ir.types import (FLAT, FLAT_DIRTY, REPLICATE, Placement, TensorType, dim_attr,
-                        fits)
+from ..ir.sharding_rules import propagate, sums_dirty_padding
+from ..ir.types import FLAT, REPLICATE, Placement, TensorType, dim_attr, fits
 from .base import Pass, PassContext, PassFailure, register_pass
 from .data_parallel import require_axis
 
@@ -210,8 +209,7 @@ def _retype(ops: list[Op], types: dict[str, TensorType], axis: str, n: int,
     out = []
     for op in ops:
         ins = [types[x] for x in op.inputs]
-        if op_def(op.name).category is Category.reduce and ins and \
-                ins[0].placement(axis) == FLAT_DIRTY and ins[0].numel % n:
+        if sums_dirty_padding(op, ins, axis, n):
             x, t = op.inputs[0], ins[0]
             whole = Value(names(f"{x}.whole"), t.with_placement(axis, REPLICATE))
             piece = Value(names(f"{x}.clean"), t.with_placement(axis, FLAT))

@@ -34,9 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..ir.core import Attrs, Graph, Input, InputKind, Op, OutputKind, Phase, Value
-from ..ir.opdef import Category
 from ..ir.ops import op_def
-from ..ir.sharding_rules import propagate
+from ..ir.sharding_rules import propagate, sums_dirty_padding
 from ..ir.types import (FLAT, FLAT_DIRTY, REPLICATE, Partial, Placement, Replicate,
                         Shard, TensorType, Varying, dim_attr, fits)
 from .base import Pass, PassContext, PassFailure, register_pass
@@ -370,8 +369,7 @@ class _Rewrite:
             outs = [v.type for v in op.results]
             got = None if op.regions and any(t.placements for t in types) else \
                 propagate(op, types, outs, self.ax, d.sharding_rule)
-            dirty_sum = got is not None and d.category is Category.reduce and types and \
-                types[0].placement(self.ax) == FLAT_DIRTY and types[0].numel % self.n != 0
+            dirty_sum = got is not None and sums_dirty_padding(op, types, self.ax, self.n)
             if got is not None and not dirty_sum:
                 break
             split = any(not isinstance(t.placement(self.ax), Replicate) for t in types)

@@ -6,7 +6,6 @@ the file's own step with its example inputs."""
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
 import sys
 from collections.abc import Callable
 from types import ModuleType
@@ -19,7 +18,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from ..errors import DiphomaError
-from ..inspect.load import Candidate, construct, evaluate, example_args, user_error
+from ..inspect.load import (Candidate, construct, evaluate, example_args,
+                            inputs_fn_error)
 from ..inspect.loss import LossChoice, choose, expr_loss, get
 from ..inspect.optimizer import choose_optimizer
 from ..inspect.spec import (InputBinding, InputDescription, InspectError, Target, bind_inputs,
@@ -188,11 +188,10 @@ def step_target(cand: Candidate, label: str, n: int, axis: str) -> Target:
     """The file's own step with the arguments its example-inputs function makes (on the
     meta device); batch tensors are the global batch, and each rank traces its share."""
     assert cand.inputs_fn is not None
-    what = f"{cand.inputs_fn.__name__}()"
     try:
-        args, meta = on_meta(cand.inputs_fn, what)
+        args, meta = on_meta(cand.inputs_fn, f"{cand.inputs_fn.__name__}()")
     except Exception as e:       # its own error, from its own line (not a traceback)
-        raise user_error(e, Path(inspect.getfile(cand.inputs_fn)).resolve(), what) from e
+        raise inputs_fn_error(e, cand.inputs_fn) from e
     args = example_args(args, cand.inputs_fn)
     state = (torch.nn.Module, torch.optim.Optimizer)
     leaves, spec = pytree.tree_flatten_with_path(args, is_leaf=lambda x: isinstance(x, state))
