@@ -819,6 +819,17 @@ def test_a_mean_over_a_mask_drawn_in_the_step_is_a_mean_not_a_sum(count_first):
     assert len(dp["batch_counted"]) == 1 and dp["counted_globally"] == [], dp
 
 
+def _planned_without_warning(step, model, *batch, graph: bool = False):
+    """The data-parallel notes of ``step`` planned over dp=2 with SGD, any DiphomaWarning an
+    error (and, with ``graph``, the placed graph too)."""
+    pstep = diphoma_compile.parallelize(step, {"dp": 2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DiphomaWarning)
+        pstep.trace(model, _sgd(model), *batch)
+    dp = pstep.plan.notes["data-parallel"]
+    return (dp, pstep.graph) if graph else dp
+
+
 _ROW_LOSSES = {
     "bce with logits": lambda o, y: F.binary_cross_entropy_with_logits(
         o, (y > 0).float(), reduction="sum"),
@@ -853,11 +864,7 @@ def test_losses_aten_keeps_whole_combine_as_their_reduction(loss, reduction):
         opt.step()
         opt.zero_grad()
         return out
-    pstep = diphoma_compile.parallelize(step, {"dp": 2})
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DiphomaWarning)
-        pstep.trace(mlp, _sgd(mlp), torch.randn(8, 8), torch.randn(8, 4))
-    dp = pstep.plan.notes["data-parallel"]
+    dp = _planned_without_warning(step, mlp, torch.randn(8, 8), torch.randn(8, 4))
     assert dp["gradients"] == ("sum" if reduction == "sum" else "avg"), dp
     assert dp["batch_coupled"] == [] and dp["batch_counted"] == [], dp
 
@@ -909,3 +916,23 @@ def test_a_refused_metric_is_named_by_its_line_not_only_its_ir_name():
     with pytest.raises(diphoma_compile.DiphomaError,
                        match=r"the i64 value %\S+ \(made at test_batch_coupling.py:\d+"):
         _trace_mlp(pstep)
+
+
+@pytest.mark.parametrize("problem", ["multi_label_classification", "regression"])
+def test_hugging_face_losses_aten_keeps_whole_are_means_over_the_batch(problem):
+    """Hugging Face's BERT for multi-label classification takes BCEWithLogitsLoss (aten's
+    binary_cross_entropy_with_logits), for regression MSELoss: means over the batch, whose
+    gradients average across devices with nothing to warn of. The first had no rule until
+    2026-12-07 (a sum of it was averaged; a mean passed unjudged): with its rule it is
+    judged a mean, and the report of ops of no rule added that day stays quiet here."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(
+        num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+        vocab_size=64, num_labels=3 if problem != "regression" else 1, problem_type=problem))
+    labels = (torch.rand(4, 3) > 0.5).float() if problem != "regression" else torch.randn(4)
+    dp, graph = _planned_without_warning(hf_labelled_step, model,
+                                         torch.randint(0, 64, (4, 8)), labels, graph=True)
+    assert dp["gradients"] == "avg" and dp["batch_coupled"] == [], dp
+    target = "binary_cross_entropy_with_logits" if problem != "regression" else "mse_loss"
+    assert target in diphoma_compile.ir.print_graph(graph)
