@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from .core import Graph, Op, walk_ops
+from .core import Graph, Op, Phase, walk_ops
 from .ops import Category, is_view, op_def
 from .types import TensorType
 
@@ -48,6 +48,11 @@ def _dedupe(ops: list[Op]) -> list[Op]:
             seen.add(id(op))
             res.append(op)
     return res
+
+
+def differentiates(graph: Graph) -> bool:
+    """The step computes gradients: it has a backward op, nested ones included."""
+    return any(op.phase is Phase.backward for op in graph.walk())
 
 
 def free_inputs(op: Op) -> list[str]:

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..ir.core import (Attrs, Graph, Input, InputKind, InputRole, Op, Output, OutputKind, Phase,
                        Value)
-from ..ir.analysis import free_inputs
+from ..ir.analysis import differentiates, free_inputs
 from ..ir.batch_coupling import split_batch, split_notes
 from ..ir.framework_ops import framework_rule
 from ..ir.ops import draws_from_a_key, op_def, random_draw
@@ -185,6 +185,8 @@ class DataParallelRecord:
     # means over counts found on that trace with no match in the step that runs (its
     # code branches on the batch's size): each device's own, and the batch not judged
     batch_unmatched: tuple[str, ...] = ()
+    # False: the step has no backward (it computes no gradient), so none is averaged
+    differentiates: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's ``notes["data-parallel"]`` (docs/plan.md)."""
@@ -196,7 +198,8 @@ class DataParallelRecord:
                 "random_per_row": list(self.random_per_row),
                 "counted_globally": list(self.counted_globally),
                 "batch_judged": self.batch_judged, "batch_probed": self.batch_probed,
-                "batch_unmatched": list(self.batch_unmatched)}
+                "batch_unmatched": list(self.batch_unmatched),
+                "differentiates": self.differentiates}
 
 
 @register_pass
@@ -660,4 +663,5 @@ class _Split:
                       and n in returned},
             random_per_device=tuple(sorted(set(self.random_ops))),
             batch_coupled=coupled, batch_counted=counted, gradients=self.grads,
-            random_per_row=tuple(sorted(set(self.pieces))))
+            random_per_row=tuple(sorted(set(self.pieces))),
+            differentiates=self.gradients_in_a_scan() or differentiates(self.graph))

@@ -11,7 +11,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeVar
 
-from ..ir.analysis import free_inputs, peak_memory, producers, view_bases
+from ..ir.analysis import differentiates, free_inputs, peak_memory, producers, view_bases
 from ..ir.core import Graph, InputKind, Op, OutputKind, Phase
 from ..ir.device_model import DeviceModel, device_model
 from ..ir.ops import Category, op_def
@@ -443,7 +443,8 @@ def _memory(graph: Graph, sizes: dict[str, int], grads: dict[str, str],
             whole[k] += i.value.type.nbytes
     g_local = sum(types[n].local_nbytes(sizes) for n in grads)
     g_whole = sum(types[n].nbytes for n in grads)
-    if not grads:   # an untransformed step: a gradient per trainable parameter
+    if not grads and differentiates(graph):
+        # an untransformed step: a gradient per trainable parameter
         g_local = g_whole = per["param"]
     act_local, act_whole = saved_activations(graph, sizes, types)
     opts = pipeline_of(graph)

@@ -337,6 +337,11 @@ def _data_parallel_lines(dp: DataParallelRecord | None) -> list[str]:
     if dp is None:
         return []
     lines = []
+    if not dp.differentiates:
+        lines += ["", "the step computes no gradient (it has no backward): the devices split "
+                      "the batch and combine what the step returns, and no gradient is "
+                      "averaged. If it should train, call backward (torch) or take the "
+                      "gradient (jax.grad) inside the step"]
     if dp.gradients == "sum":
         lines += ["", "the loss is a sum over the batch: the devices' losses and gradients "
                       "are added up, not averaged (each device's share holds a part of it)"]

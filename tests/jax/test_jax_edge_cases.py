@@ -178,3 +178,20 @@ def test_platform_dependent_code_and_linear_solves_trace(fn):
     assert jnp.array_equal(got[0]["w"], want[0]["w"]) and jnp.array_equal(got[2], want[2])
     par = diphoma_compile.parallelize(step, {"dp": 8})(params, tx.init(params), x)
     np.testing.assert_allclose(par[0]["w"], want[0]["w"], rtol=1e-6, atol=1e-7)
+
+
+def test_a_step_without_a_gradient_plans_and_runs_over_the_batch():
+    """No jax.grad in the step (a decay of the parameters, a loss on the batch): over dp=8
+    it returns the single-device step's values and its plan says that no gradient is
+    averaged, counting no gradient memory."""
+    def step(params, opt_state, batch):
+        loss = jnp.mean((batch @ params["w"].T) ** 2)
+        return jax.tree.map(lambda p: 0.9 * p, params), opt_state, loss
+
+    x = jnp.linspace(-2, 2, 48).reshape(16, 3)
+    ps = diphoma_compile.parallelize(step, {"dp": 8}).trace(P, {}, x)
+    assert "computes no gradient (it has no backward)" in ps.plan.to_text()
+    assert ps.plan.memory.grads == 0
+    got, want = ps(P, {}, x), jax.jit(step)(P, {}, x)
+    assert same_bits(got[0], want[0])
+    assert np.allclose(got[2], want[2], rtol=1e-6)

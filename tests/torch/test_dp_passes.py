@@ -289,3 +289,25 @@ def test_golden_a_sum_times_a_counts_reciprocal_divides_by_the_summed_count(gold
     assert len(ctx.decisions["data-parallel"].counted_globally) == 1
     (recip,) = [op for op in out.ops if op.name == "reciprocal"]
     assert recip.inputs[0].endswith(".v")               # the summed, clamped count
+
+
+def forward_only_step(model, opt, batch):
+    """A step that forgot ``loss.backward()``: the optimizer finds no gradient."""
+    loss = torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+    opt.step()
+    return loss
+
+
+def test_a_step_without_backward_is_planned_as_one_and_said_so():
+    """No backward: the plan counts no gradient memory (it once counted one per parameter)
+    and says that no gradient is averaged, with what to do if the step should train; a
+    step with a backward says nothing of the kind."""
+    g, ctx = run(traced("sgd", step=forward_only_step), default_passes("dp"))
+    plan = build_plan(g, ctx.decisions)
+    assert plan.memory.grads == plan.memory.single_device_grads == 0
+    assert not ctx.decision(DataParallelRecord).differentiates
+    assert plan.notes["data-parallel"]["differentiates"] is False
+    assert "computes no gradient (it has no backward)" in plan.to_text()
+    g, ctx = run(traced("sgd"), default_passes("dp"))
+    plan = build_plan(g, ctx.decisions)
+    assert plan.memory.single_device_grads > 0 and "no backward" not in plan.to_text()
