@@ -354,12 +354,13 @@ def trace_step(step_fn: Callable, args: tuple, mesh: Mesh, axis: str,
             probe = batch_probe(fw, graph, step_fn, args, mesh, axis, batch_argnums, kw)
         if scaled and probe is None:
             warnings.warn(
-                f"the step divides a sum over its batch's rows by as many as it sums "
-                f"({', '.join(scaled[:3])}), and could not be traced at more rows per "
-                "device to tell whether that is the batch's size or a number that equals "
-                "it at this share's size (sum() / 2 at 2 rows): it is taken for a mean, "
-                "the devices' gradients averaged, where a sum divided by a number wants "
-                "them added up (to have the two told apart, let the step trace at any "
+                f"the step divides a sum over its batch's rows by as many as it sums, or "
+                f"multiplies a mean by that many ({', '.join(scaled[:3])}), and could not "
+                "be traced at more rows per device to tell whether that is the batch's "
+                "size or a number that equals it at this share's size (sum() / 2 at 2 "
+                "rows): it is taken for the size, the quotient a mean (the devices' "
+                "gradients averaged) and the product a sum (added up); a number there "
+                "wants the other (to have the two told apart, let the step trace at any "
                 "batch size: no size fixed in its code, as x.view(2, -1) does)",
                 DiphomaWarning, stacklevel=3)
     return fw, graph, extra, probe

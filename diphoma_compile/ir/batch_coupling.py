@@ -131,9 +131,9 @@ def split_batch(graph: Graph, probe: RowProbe | None = None,
             return BatchSplit((), {}, judged=False)
         return _kept_in(split_batch(probe.graph), graph, probe)
     follow, found = _followed(graph)
-    sums = _unscaled(follow.scaled, probe) if probe is not None else frozenset()
-    if sums:
-        follow, found = _followed(graph, sums)
+    chance = _by_chance(follow.scaled, probe) if probe is not None else frozenset()
+    if chance:
+        follow, found = _followed(graph, chance)
     combine = {o.name: s.op for o in graph.outputs
                if isinstance(s := follow.state(o.name), Partial)
                and s.op in ("sum", "avg", "max", "min")}
@@ -144,21 +144,21 @@ def split_batch(graph: Graph, probe: RowProbe | None = None,
     if values is None and traced is not None and traced is not graph:
         values = differentiated(traced)
         if values:
-            before, _ = _followed(traced, sums)
+            before, _ = _followed(traced, chance)
             gradients = _gradients(values, before)
     return BatchSplit(found, combine, rows, tuple(follow.counted), gradients=gradients)
 
 
-def _followed(graph: Graph, sums: frozenset[str] = frozenset()
+def _followed(graph: Graph, by_chance: frozenset[str] = frozenset()
               ) -> tuple[_Follow, tuple[Coupling, ...]]:
     """The analysis of ``graph`` run, and what it found. Where random draws took the
     placement of a later use (``_Follow.commit_draws``), it runs again with them placed
     so from the start: a use before that one (the mask's count taken first,
     ``n = m.sum()``, then ``(l * m).sum() / n``) sees them as the rows they are."""
-    follow = _Follow(graph, sums)
+    follow = _Follow(graph, by_chance)
     found = tuple(follow.run())
     if follow.commits:
-        follow = _Follow(graph, sums, follow.commits)
+        follow = _Follow(graph, by_chance, follow.commits)
         found = tuple(follow.run())
     return follow, found
 
@@ -182,22 +182,24 @@ def _gradients(values: Sequence[str] | None, follow: _Follow) -> str | None:
 
 def scaled_by_rows(graph: Graph) -> list[str]:
     """Where (source lines) the batch analysis of ``graph`` takes a sum over the rows
-    divided by a constant for a mean, the constant being as many as the elements summed:
-    a sum divided by a number that only equals them here (``sum() / 2`` at 2 rows a
-    share) looks the same, and only the step traced at more rows tells them apart
-    (``split_batch``'s probe). A division the frontend made as a mean of the rows' own
-    sum (``div{mean=true}``: jnp.mean) is not listed: it is a mean at any rows."""
+    divided by a constant for a mean, or a mean times a constant for a sum, the constant
+    being as many as the elements summed: a sum divided by a number that only equals them
+    here (``sum() / 2`` at 2 rows a share) looks the same, and only the step traced at
+    more rows tells them apart (``split_batch``'s probe). A division the frontend made as
+    a mean of the rows' own sum (``div{mean=true}``: jnp.mean) is not listed: it is a
+    mean at any rows."""
     follow, _ = _followed(graph)
     ops = [follow.producer[n] for n, mean in follow.scaled.items()
            if mean and n not in follow.certain]
     return list(dict.fromkeys(op.loc or follow.near(op) or op.name for op in ops))
 
 
-def _unscaled(scaled: Mapping[str, bool], probe: RowProbe) -> frozenset[str]:
-    """The divisions ``scaled`` takes for means (a sum over the rows over their number)
-    that, in ``probe`` (the step traced at more rows per share), divide by the same kind
-    of constant no longer equal to the elements summed: sums scaled by a number that
-    equalled the rows by coincidence. A division with no match there stays a mean."""
+def _by_chance(scaled: Mapping[str, bool], probe: RowProbe) -> frozenset[str]:
+    """The divisions ``scaled`` takes for means (a sum over the rows over their number),
+    and the products it takes for sums (a mean times that number), that in ``probe`` (the
+    step traced at more rows per share) scale by the same kind of constant no longer equal
+    to the elements summed: a number that equalled the rows by coincidence, so a sum (a
+    mean) scaled. One with no match there is taken as it was."""
     theirs, _ = _followed(probe.graph)
     ours = {v: k for k, v in probe.names.items()}
     return frozenset(n for n, mean in scaled.items()
@@ -319,19 +321,20 @@ def _split(p: object) -> bool:
 
 
 class _Follow:
-    def __init__(self, graph: Graph, sums: frozenset[str] = frozenset(),
+    def __init__(self, graph: Graph, by_chance: frozenset[str] = frozenset(),
                  committed: Mapping[str, Placement] | None = None) -> None:
         self.graph = graph
         # random draws placed by a later use (``commit_draws``): name -> placement, those
         # found on a first run (``committed``) and those this run finds (``commits``)
         self.committed = dict(committed or {})
         self.commits: dict[str, Placement] = {}
-        # a sum over the rows divided by a constant -> whether the constant is as many as
-        # the elements summed (a mean: ``jnp.mean``, ``sum() / x.shape[0]``); ``sums``:
-        # those known to stay sums whatever the rows (``sum() / 2`` at 2 rows a share,
-        # found on the step traced at more: ``_unscaled``)
+        # a sum over the rows divided by a constant, or a mean over them multiplied by
+        # one -> whether the constant is as many as the elements summed (a mean:
+        # ``jnp.mean``, ``sum() / x.shape[0]``; a sum: ``mean * len(x)``); ``by_chance``:
+        # those whose constant only equals them at these rows (``sum() / 2`` at 2 rows a
+        # share, found on the step traced at more: ``_by_chance``)
         self.scaled: dict[str, bool] = {}
-        self.known_sums = sums
+        self.by_chance = by_chance
         # sums made by summing the split rows themselves (a reduce over dim 0 of a value
         # split by rows), and the divisions of ``scaled`` the frontend made as means of
         # such a sum (``div{mean=true}``, jnp.mean's): means at any rows, no probe needed
@@ -351,9 +354,11 @@ class _Follow:
         self.batch_rows = rows.pop() if len(rows) == 1 else None
         self.producer = {v.name: op for op in graph.ops for v in op.results}
         # a value split by rows or summed over them -> the sizes of the other dims summed
-        # into it; a sum over the rows -> (its rows, those sizes): what a mean divides by
+        # into it; a sum over the rows -> its ``_Count``: what a mean divides by; a mean
+        # over them -> the ``_Count`` it divided by
         self.extra: dict[str, tuple[int, ...]] = {}
-        self.summed: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self.summed: dict[str, _Count] = {}
+        self.meaned: dict[str, _Count] = {}
         self.found: list[Coupling] = []
         self.counts: set[int] = set()     # scalars of sums divided by: counts (ids of ops)
         # a value split by rows -> the windows of its rows that slices read, with their ops
@@ -396,6 +401,12 @@ class _Follow:
                 late.update(v.name for v in op.results)
             else:
                 later += free_inputs(op)
+                if op.phase is Phase.update and self.share_sized(op):
+                    self.report(op, "multiplies the batch's mean, averaged over the devices "
+                                    "first, by this device's share of the batch's size, not "
+                                    "the batch's (return the loss times its size from "
+                                    "before the optimizer step, or scale it outside the "
+                                    "step)", certain=True)
         # a scalar of sums made by nonlinear math that the step returns, or that backward
         # differentiates (a loss whose square root is backpropagated, another returned)
         made = {id(s.made_by): s.made_by for n in later + [o.name for o in self.graph.outputs]
@@ -670,6 +681,9 @@ class _Follow:
                     self.summed[v.name] = self.summed[summed[0]]
                 self.set(op, [Partial("sum")] * len(outs))
                 return
+            meaned = [n for n, st in zip(op.inputs, states) if st == Partial("avg")]
+            if meaned and meaned[0] in self.meaned and op.name not in ("add", "sub"):
+                self.meaned.update((v.name, self.meaned[meaned[0]]) for v in op.results)
             self.set(op, [Partial("avg")] * len(outs))
             return
         if rule is not None and rule.row_mean and \
@@ -681,6 +695,10 @@ class _Follow:
                                               "their shares are not the batch's"
                                               if weighted else ""), certain=weighted)
             self.set(op, [Partial("avg")] * len(outs))
+            n, t = next((n, t) for n, a, t in zip(op.inputs, actual, ins) if a == Shard(0))
+            # what it may have counted: the rows and some of the other dims' elements
+            self.meaned.update((v.name, _Count(t.shape[0], tuple(t.shape[1:]),
+                                               self.window_rows(n))) for v in op.results)
             summing = _row_sum(op, ins, outs)
             if summing is not None and not any(self.from_windows(x) for x in op.inputs):
                 made, count = (op.results[k].name for k in summing[1:])
@@ -754,18 +772,22 @@ class _Follow:
                     self.extra[v.name] = extra + more
         if _norm(out) != Partial("sum"):
             return out
-        if out == Partial("avg") and op.name != "div":     # reduce_mean, a loss's mean
-            return out
         row_split = [(n, t) for n, a, t in split if a == Shard(0)]
         if row_split:           # summing rows (and maybe other dims) of a split value
             n, t = row_split[0]
-            dims = tuple(op.attrs.get("dims", range(t.rank))) if op.name == "reduce_sum" \
-                else tuple(range(t.rank))
-            others = extra + tuple(t.shape[d] for d in dims if d != 0)
+            dims = tuple(op.attrs.get("dims", range(t.rank))) \
+                if op.name in ("reduce_sum", "reduce_mean") else tuple(range(t.rank))
+            count = _Count(t.shape[0], extra + tuple(t.shape[d] for d in dims if d != 0),
+                           self.window_rows(n))
+            if out == Partial("avg") and op.name != "div":     # reduce_mean, a loss's mean
+                self.meaned.update((v.name, count) for v in op.results)
+                return out
             for v in op.results:
-                self.summed[v.name] = (t.shape[0], others)
+                self.summed[v.name] = count
                 self.row_sums.add(v.name)
             return Partial("sum")
+        if out == Partial("avg") and op.name != "div":
+            return out
         parts = {s.op for s in states if isinstance(s, Partial)}
         if parts == {"sum"} and op.name in ("div", "mul") and len(split) == 1:
             # the constant divided by, or multiplied by on either side
@@ -775,11 +797,12 @@ class _Follow:
             counted = self.summed.get(split[0][0])
             if scale is not None and counted is not None:
                 n = scale if op.name == "div" else (1 / scale if scale else None)
-                mean = n is not None and _is_count(n, *counted, self.batch_rows)
+                mean = n is not None and counted.counts(n, self.batch_rows)
                 self.scaled[op.results[0].name] = mean
                 if mean and op.attrs.get("mean") and self.sums_rows(split[0][0]):
                     self.certain.add(op.results[0].name)
-                if mean and op.results[0].name not in self.known_sums:
+                if mean and op.results[0].name not in self.by_chance:
+                    self.meaned.update((v.name, counted) for v in op.results)
                     return Partial("avg")
             if counted is not None:
                 for v in op.results:
@@ -788,12 +811,63 @@ class _Follow:
         if parts == {"sum"} and len(split) == 1 and split[0][0] in self.summed:
             for v in op.results:                 # -sum, a cast of a sum
                 self.summed[v.name] = self.summed[split[0][0]]
+        if parts == {"sum"} and op.name == "add" and len(split) == 2 and \
+                (both := self.summed_apart(split[0][0], split[1][0])) is not None:
+            self.summed.update((v.name, both) for v in op.results)   # two pieces' sums
+        if parts == {"avg"} and len(split) == 1 and split[0][0] in self.meaned:
+            counted = self.meaned[split[0][0]]
+            other = [n for n in op.inputs if n != split[0][0]]
+            scale = self.constant(other[0]) if op.name == "mul" and len(other) == 1 \
+                else None
+            if scale is not None:
+                # a mean times as many as it averaged (``mean * len(x)``) is their sum
+                total = counted.counts(scale, self.batch_rows)
+                self.scaled[op.results[0].name] = total
+                if total and op.results[0].name not in self.by_chance:
+                    self.summed.update((v.name, counted) for v in op.results)
+                    return Partial("sum")
+            elif op.name not in ("mul", "div"):     # -mean, a cast or a copy of a mean
+                self.meaned.update((v.name, counted) for v in op.results)
         if parts == {"avg", "sum"}:
             self.report(op, "adds a mean over the batch and a sum over it: the devices' "
                             "values neither average nor add up to the single-device one",
                         certain=True)
             return Partial("avg")
         return _mean_kept(out, states)
+
+    def share_sized(self, op: Op) -> bool:
+        """A product of a mean over the batch by as many as it averaged (``loss *
+        len(x)``), where the mean is one that data parallelism averages over the devices
+        before ``op`` reads it (a returned loss read after the optimizer step): the
+        share's size, not the batch's, multiplies the batch's mean."""
+        if op.name != "mul" or len(op.inputs) != 2:
+            return False
+        for k in (0, 1):
+            mean, scale = op.inputs[k], self.constant(op.inputs[1 - k])
+            count = self.meaned.get(mean)
+            if self.state(mean) == Partial("avg") and count is not None and \
+                    scale is not None and count.counts(scale, self.batch_rows):
+                return True
+        return False
+
+    def summed_apart(self, a: str, b: str) -> _Count | None:
+        """What two sums over the rows added together sum (``loss(x[:k]).sum() +
+        loss(x[k:]).sum()``, the pieces of a share): their rows added, where they sum the
+        same other dims of windows of the same rows; else None."""
+        ca, cb = self.summed.get(a), self.summed.get(b)
+        if ca is None or cb is None or ca.others != cb.others or ca.whole != cb.whole:
+            return None
+        return _Count(ca.rows + cb.rows, ca.others, ca.whole)
+
+    def window_rows(self, name: str) -> int | None:
+        """The rows of the value that ``name``'s rows are a window of (``x.chunk(2)``,
+        ``x[:k]``, and the values of rows made from them), where there is one such value;
+        else None."""
+        got = {src for src, _ in self.tags.get(name, ())}
+        if name in self.window_of:
+            got.add(self.window_of[name][0])
+        rows = {self.types[src].shape[0] for src in got}
+        return rows.pop() if len(rows) == 1 else None
 
     def sums_rows(self, name: str) -> bool:
         """Whether ``name`` is a sum over the split rows made by the reduce that sums them
@@ -1154,18 +1228,31 @@ def _unjudged(actual: Sequence[object], ins: Sequence[TensorType],
     return [Shard(0) if t.rank and t.shape[0] == b else _UNKNOWN for t in outs]
 
 
-def _is_count(n: float, rows: int, others: tuple[int, ...],
-              batch_rows: int | None = None) -> bool:
-    """Whether ``n`` is the number of elements a sum over ``rows`` rows (and some of the
-    dims of sizes ``others``) added up, or the share's ``batch_rows`` where ``rows`` is a
-    multiple of them (the rows merged with other dims: a sum over the tokens of
-    ``logits.reshape(-1, V)`` divided by the sequences): a mean divides by it."""
-    counts = {rows}
-    if batch_rows and rows > batch_rows and rows % batch_rows == 0:
-        counts.add(batch_rows)
-    for d in others:
-        counts |= {c * d for c in counts}
-    return any(abs(n - c) <= 1e-6 * c for c in counts)
+@dataclass(frozen=True)
+class _Count:
+    """What a sum over the rows added up: ``rows`` rows and the dims of sizes ``others``;
+    ``whole``: the rows of the value its rows are a window of (gradient accumulation's
+    pieces, ``x.chunk(2)``), None for all of them."""
+
+    rows: int
+    others: tuple[int, ...]
+    whole: int | None = None
+
+    def counts(self, n: float, batch_rows: int | None = None) -> bool:
+        """Whether ``n`` is the number of elements the sum added up (the rows and some of
+        the other dims), or the share's ``batch_rows`` where the rows are a multiple of
+        them (the rows merged with other dims: a sum over the tokens of
+        ``logits.reshape(-1, V)`` divided by the sequences), or the rows the window was
+        taken from (a piece's sum over the share's size: its part of the share's mean): a
+        mean divides by it."""
+        counts = {self.rows}
+        if batch_rows and self.rows > batch_rows and self.rows % batch_rows == 0:
+            counts.add(batch_rows)
+        if self.whole:
+            counts.add(self.whole)
+        for d in self.others:
+            counts |= {c * d for c in counts}
+        return any(abs(n - c) <= 1e-6 * c for c in counts)
 
 
 def _first_fit(menu: Sequence[Strategy], actual: Sequence[object]) -> Strategy | None:

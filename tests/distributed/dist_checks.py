@@ -677,6 +677,44 @@ def run_rule_losses(rank: int, world: int) -> dict:
     return out
 
 
+def pieces_over_rows_step(model, opt, batch):
+    """Gradient accumulation weighted by size: each piece's summed loss over the whole
+    batch's rows, backpropagated piece by piece."""
+    x, y = batch["x"], batch["y"]
+    total = 0
+    for xs, ys in zip(x.chunk(2), y.chunk(2)):
+        part = F.cross_entropy(model(xs), ys, reduction="sum") / x.shape[0]
+        part.backward()
+        total = total + part.detach()
+    opt.step()
+    opt.zero_grad()
+    return (total,)
+
+
+def mean_times_rows_step(model, opt, batch):
+    """A sum over the batch written as the mean times the batch's size."""
+    loss = F.cross_entropy(model(batch["x"]), batch["y"]) * len(batch["x"])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return (loss,)
+
+
+@check("scaled_losses")
+def run_scaled_losses(rank: int, world: int) -> dict:
+    """parallelize on a sum over pieces of the batch divided by its rows (a mean), and a
+    mean times its rows (a sum), against the global batch: before (2026-12-07) the first
+    was added up over the ranks (N times the loss) and the second averaged (1/N), with no
+    word."""
+    out = {}
+    for fn in (pieces_over_rows_step, mean_times_rows_step):
+        step, got, want, param = sgdm_side_by_side(fn, rank, world)
+        notes = step.plan.notes["data-parallel"]
+        out[fn.__name__] = {"got": got, "want": want, "gradients": notes["gradients"],
+                            "combined": list(notes["combined"].values()), "param": param}
+    return out
+
+
 def normalized_step(model, opt, batch):
     """Each gradient divided by its norm kept to the tensor's rank (a [1, 1] for a
     matrix), before SGD: under weight-update sharding's flat layout the division met a

@@ -217,6 +217,22 @@ def test_losses_aten_keeps_whole_and_nanmean_match_the_single_device_step(runs):
             {k: v["got"] for k, v in r0.items()}
 
 
+def test_losses_scaled_by_the_rows_match_the_single_device_step(runs):
+    """Pieces' sums over the batch's rows average across the ranks (they were added up:
+    N times the loss); a mean times the rows adds up (it was averaged: 1/N)."""
+    r0 = runs[0]["scaled_losses"]
+    assert {k: (v["gradients"], v["combined"]) for k, v in r0.items()} == {
+        "pieces_over_rows_step": ("avg", []), "mean_times_rows_step": ("sum", ["sum"])}
+    for name, r in r0.items():
+        for got, want in zip(r["got"], r["want"]):
+            for a, b in zip(got, want):
+                assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (name, got, want)
+        assert r["param"]["rel"] <= 1e-5, (name, r["param"])
+    for r in runs:
+        assert {k: v["got"] for k, v in r["scaled_losses"].items()} == \
+            {k: v["got"] for k, v in r0.items()}
+
+
 def test_a_gradient_divided_by_its_norm_kept_to_its_rank_matches_the_single_device_step(
         runs):
     """``g / g.pow(2).sum(dims, keepdim=True).sqrt()`` under weight-update sharding's flat

@@ -195,3 +195,29 @@ def test_a_step_without_a_gradient_plans_and_runs_over_the_batch():
     got, want = ps(P, {}, x), jax.jit(step)(P, {}, x)
     assert same_bits(got[0], want[0])
     assert np.allclose(got[2], want[2], rtol=1e-6)
+
+
+@pytest.mark.parametrize("form, gradients", [
+    ("mean * rows", "sum"), ("pieces' sums / rows", "avg"), ("mean * size", "sum")])
+def test_sums_and_means_scaled_by_the_rows_match_the_global_batch(form, gradients):
+    """A mean times the share's rows (or its elements) is a sum; two pieces' sums over the
+    rows divided by them, a mean. Over dp=8 the first and last were averaged (1/8 of the
+    loss and gradients) and the second added up (8x), with no word, until 2026-12-07."""
+    def loss_fn(p, b):
+        x, y = b
+        n, e = x.shape[0], (x @ p["w"] - y) ** 2
+        if form == "mean * rows":
+            return jnp.mean(e) * n
+        if form == "mean * size":
+            return jnp.mean(e) * e.size
+        h = n // 2
+        return (jnp.sum(e[:h]) + jnp.sum(e[h:])) / n
+    step, tx = sgd_step(loss_fn, optax.sgd(0.01))
+    params = {"w": jnp.arange(6.0).reshape(3, 2) / 6}
+    batch = (jnp.linspace(-1, 1, 48).reshape(16, 3), jnp.cos(jnp.arange(32.0)).reshape(16, 2))
+    ps = diphoma_compile.parallelize(step, {"dp": 8})
+    got = ps(params, tx.init(params), batch)
+    want = jax.jit(step)(params, tx.init(params), batch)
+    assert ps.plan.notes["data-parallel"]["gradients"] == gradients
+    assert np.allclose(got[2], want[2], rtol=1e-5)
+    assert np.allclose(got[0]["w"], want[0]["w"], rtol=1e-5, atol=1e-7)

@@ -936,3 +936,72 @@ def test_hugging_face_losses_aten_keeps_whole_are_means_over_the_batch(problem):
     assert dp["gradients"] == "avg" and dp["batch_coupled"] == [], dp
     target = "binary_cross_entropy_with_logits" if problem != "regression" else "mse_loss"
     assert target in diphoma_compile.ir.print_graph(graph)
+
+
+@pytest.mark.parametrize("form, gradients", [
+    ("pieces' sums / rows", "avg"), ("uneven pieces' sums / rows", "avg"),
+    ("two pieces' sums added / rows", "avg"), ("mean * rows", "sum"),
+    ("mse mean * numel", "sum"), ("mean * 3", "avg"), ("mean * 4 (the rows)", "avg"),
+    ("mean * rows / rows", "avg")])
+def test_sums_and_means_scaled_by_the_rows(form, gradients):
+    """Gradient accumulation weighted by size divides each piece's sum by the share's
+    rows (``sum(piece) / x.shape[0]``): its part of a mean. It was planned as a sum, the
+    ranks' gradients added up (N times the single-device step's, a review found,
+    2026-12-07): the pieces' sums counted only their own rows. A mean times as many as it
+    averages (``mean * len(x)``, a VAE's ``mse * numel``) is a sum; it was averaged (1/N).
+    A literal that equals the rows only here (``* 4`` at 4 rows) stays a scale: the step
+    is traced again at more rows, where it is no longer the rows."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 3)
+
+    def step(model, opt, x, y):
+        n = x.shape[0]
+        if "pieces" in form:
+            k = 1 if form.startswith("uneven") else n // 2
+            parts = [F.cross_entropy(model(x[a:b]), y[a:b], reduction="sum") / n
+                     for a, b in ((0, k), (k, n))]
+            if form.startswith("two"):
+                loss = (parts[0] * n + parts[1] * n) / n
+                loss.backward()
+            else:
+                for p in parts:
+                    p.backward(retain_graph=True)
+                loss = parts[0].detach() + parts[1].detach()
+        elif form == "mse mean * numel":
+            out = model(x)
+            loss = F.mse_loss(out, F.one_hot(y, 3).float()) * out.numel()
+            loss.backward()
+        else:
+            scale = {"mean * 3": 3, "mean * 4 (the rows)": 4}.get(form, n)
+            loss = F.cross_entropy(model(x), y) * scale
+            if form == "mean * rows / rows":
+                loss = loss / n
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    pstep = diphoma_compile.parallelize(step, {"dp": 2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DiphomaWarning)
+        pstep.trace(lin, _sgd(lin), torch.randn(4, 8), torch.randint(0, 3, (4,)))
+    dp = pstep.plan.notes["data-parallel"]
+    combined = ["sum"] if gradients == "sum" else []
+    assert dp["gradients"] == gradients and list(dp["combined"].values()) == combined, dp
+
+
+def test_a_returned_mean_times_the_share_size_after_the_step_is_warned_of():
+    """``loss.detach() * x.shape[0]`` after the optimizer step, the loss returned too: data
+    parallelism averages the loss over the devices first, and the share's size then
+    multiplies the batch's mean; it was returned with no word (a review, 2026-12-07)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 3)
+
+    def step(model, opt, x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss, loss.detach() * x.shape[0]
+    pstep = diphoma_compile.parallelize(step, {"dp": 2})
+    with pytest.warns(DiphomaWarning, match="by this device's share of the batch's size"):
+        pstep.trace(lin, _sgd(lin), torch.randn(4, 8), torch.randint(0, 3, (4,)))
