@@ -91,15 +91,19 @@ def key_draws_per_row(graph: Graph, rows: Mapping[str, int]
             last[id(src[op.inputs[0]])] = op.results[0].name
             continue
         drawn = [n for n in op.inputs if n in src]
-        split = [n for n in op.inputs if n in rows]
+        # (a draw the analysis placed by rows for its use is not yet the batch's rows)
+        split = [n for n in op.inputs if n in rows and n not in src]
         if drawn and split:
             shape, dim = types[split[0]].shape, rows[split[0]]
             for n in drawn:
                 draw = src[n]
-                made = types[last[id(draw)]].shape
-                if types[n].shape == shape and \
-                        (made == shape or dim == 0 and made == (shape[0],)):
-                    found.setdefault(id(draw), (dim if made == shape else 0, last[id(draw)]))
+                made, got = types[last[id(draw)]].shape, types[n].shape
+                # the value's shape, or broadcast to it along other dims than the rows
+                # (``x * uniform(key, (B, 1))``: a number per example)
+                fits = got == shape or len(got) == len(shape) and shape[dim] > 1 and \
+                    got[dim] == shape[dim] and all(a in (b, 1) for a, b in zip(got, shape))
+                if fits and (made == got or dim == 0 and made == (shape[0],)):
+                    found.setdefault(id(draw), (dim if made == got else 0, last[id(draw)]))
         elif drawn:
             src.update((v.name, src[drawn[0]]) for v in op.results)
     return found

@@ -37,6 +37,7 @@ from .codegen import check_codegen
 from .effects import INTERNAL_PATHS, HostWatch, StaleValue
 from .library_hooks import tracing_known_to_libraries
 from .ops import draws_random
+from .pystate import module_scalars, read_now, step_reads
 from .state import (LR_DTYPE, Captured, Slot, StateKey, hyper_value, is_state, settings_of,
                     sign)
 
@@ -974,6 +975,7 @@ def capture(step_fn: Callable, *args: Any, codegen: str | None = "fx") -> Captur
         step.arg_slots
     live = frozenset((s.owner, s.key[1], s.key[2]) for s in step.hyper_slots
                      if s.key[1] != "lr")
+    reads = step_reads(step_fn)
     return Captured(gm, slots, outputs, step.user_spec, modules, opts, step.params,
                     step.state_keys, rec.phase, rec.loc, getattr(step_fn, "__name__", "step"),
                     settings_of(modules, opts, live), step.cleared_first, effects,
@@ -981,5 +983,7 @@ def capture(step_fn: Callable, *args: Any, codegen: str | None = "fx") -> Captur
                     grads_zeroed=step.grads_zeroed, arg_spec=step.arg_spec,
                     arg_fixed=tuple((i, leaf, "args" + pytree.keystr(path))
                                     for i, (path, leaf) in enumerate(step.arg_paths)
-                                    if not isinstance(leaf, torch.Tensor)))
+                                    if not isinstance(leaf, torch.Tensor)),
+                    reads=reads, read_values=read_now(reads),
+                    module_attrs=module_scalars(modules))
 

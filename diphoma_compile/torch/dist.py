@@ -34,6 +34,7 @@ from . import collectives
 from .codegen import program
 from .groups import coordinates, new_axis_groups, new_level_groups
 from .runtime import TorchStep
+from .shard_marks import mark_module, mark_optimizer
 from .state import Captured, Slot
 
 
@@ -109,6 +110,7 @@ class TorchDistStep(TorchStep):
         if sync_module_states:
             self._broadcast_module_states()
         self._shard_params()
+        self._mark_shards()
 
     def _program(self, graph: Graph, captured: Captured) -> Any:
         """This rank's program: a callable from the graph's inputs to its outputs (fx, or
@@ -399,6 +401,23 @@ class TorchDistStep(TorchStep):
             with torch.no_grad():
                 p.data = self._shard_of(p.data, typ).clone()
             p.grad = None
+
+    def _mark_shards(self) -> None:
+        """Hook the state dicts of the optimizers whose state, and of the modules whose
+        parameters, this rank holds as shards: one rank's, refused on another
+        (``shard_marks.py``)."""
+        if self.alone:
+            return
+        rank, world = dist.get_rank(), dist.get_world_size()
+        owners = {s.owner for s in self.captured.inputs if s.kind == "opt_state"
+                  and split_axes(self._state_type[s.key])}
+        for k in sorted(owners):
+            mark_optimizer(self.captured.optimizers[k], rank, world)
+        held = {s.owner for pi, s in enumerate(s for s in self.captured.inputs
+                                               if s.kind == "param")
+                if split_axes(self._param_type[pi])}
+        for k in sorted(held):
+            mark_module(self.captured.modules[k], rank, world)
 
     def state_dict(self, module: int = 0) -> dict[str, torch.Tensor]:
         """The whole state dict of the step's ``module``-th module (parameters gathered from

@@ -1,14 +1,25 @@
-"""The Python values a torch step can reach, noted before it is traced, compared and put
-back afterwards.
+"""The Python values a torch step can reach: noted before it is traced, compared and put
+back afterwards; and those it reads, watched between calls.
 
 A step that changes a Python value (``self.steps += 1``, a closure's dict, a list it appends
 to, a new attribute on its trainer or a module) would change it once, while traced, and
 never in the compiled step. ``PythonState`` notes those values (scalars by value, tensors and
 other objects by identity, containers and plain objects a few levels down), and after the
-trace says what changed and puts it back; ``changed_error`` is the refusal."""
+trace says what changed and puts it back; ``changed_error`` is the refusal.
+
+A trace also holds the numbers the step's Python code reads (a KL weight, a temperature, a
+dropout probability) as constants. Changed between calls, they would change the eager step
+and not the compiled one, so each call compares them with their values at trace time
+(``step_reads``, ``module_scalars``): the plain values (numbers, strings, dicts, lists and
+tuples of them) the step function names from its globals or closure, whose change is an
+error, since its own code reads them; and the modules' scalar attributes (``model.temp``,
+``nn.Dropout.p``), whose change is warned of, since nothing shows the forward reads that
+one (a counter kept on the model). Values read through other functions' globals are not
+seen."""
 
 from __future__ import annotations
 
+import dis
 import inspect
 import types
 from collections.abc import Callable
@@ -240,3 +251,69 @@ def changed_error(changes: list[tuple[_Entry, Any, Any]]) -> FrontendError:
         "happen once, at trace time, and never in the compiled step (it has been put back)",
         hint="keep such values outside the step (count calls around it), or in tensors the "
              "step's modules hold (register_buffer), which are traced state")
+
+
+def _plain(v: Any, depth: int = 0) -> bool:
+    """A scalar, or a dict, list or tuple of them (two levels deep at most)."""
+    if isinstance(v, _SCALARS):
+        return True
+    if depth >= 2 or type(v) not in (dict, list, tuple):
+        return False
+    items = list(v.items()) if type(v) is dict else list(enumerate(v))
+    return all(isinstance(k, _SCALARS) and _plain(x, depth + 1) for k, x in items)
+
+
+def _globals_loaded(code: types.CodeType) -> list[str]:
+    """The global names ``code`` loads, its nested functions' and comprehensions' too (not
+    the attribute names ``co_names`` also holds)."""
+    names = [i.argval for i in dis.get_instructions(code)
+             if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")]
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names += _globals_loaded(c)
+    return names
+
+
+def step_reads(fn: Callable) -> tuple[tuple[str, Callable[[], Any]], ...]:
+    """(name, a getter of its value) for each plain value the step function ``fn`` (a
+    bound method's function, a ``functools.partial``'s) names from its globals or closure,
+    in the order its code names them."""
+    fn = getattr(fn, "func", fn)
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if not isinstance(code, types.CodeType):
+        return ()
+    got: list[tuple[str, Callable[[], Any]]] = []
+    glb = getattr(fn, "__globals__", None)
+    if isinstance(glb, dict):
+        got += [(f"global {n}", _global_getter(glb, n))
+                for n in dict.fromkeys(_globals_loaded(code)) if _plain(glb.get(n, _MISSING))]
+    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+        if _plain(_cell_getter(cell)()):
+            got.append((f"closure variable {name}", _cell_getter(cell)))
+    return tuple(got)
+
+
+def read_now(reads: tuple[tuple[str, Callable[[], Any]], ...]) -> tuple[str, ...]:
+    """The values of ``reads`` as text (a dict changed in place shows)."""
+    return tuple(_short(get()) if get() is _MISSING else repr(get()) for _, get in reads)
+
+
+def module_scalars(modules: list[torch.nn.Module]) -> dict[str, str]:
+    """``"model.sub.attr"`` -> repr for each public scalar attribute of each module
+    (``training`` is checked with the modes)."""
+    out: dict[str, str] = {}
+    for k, top in enumerate(modules):
+        head = "model" if len(modules) == 1 else f"module{k}"
+        for path, sub in top.named_modules():
+            for attr, v in vars(sub).items():
+                if not attr.startswith("_") and attr != "training" and \
+                        isinstance(v, _SCALARS):
+                    out[f"{head}{'.' + path if path else ''}.{attr}"] = repr(v)
+    return out
+
+
+def changed_values(before: dict[str, str], now: dict[str, str]) -> list[str]:
+    """``"name: old -> new"`` for each entry of ``before`` whose value differs in ``now``."""
+    return [f"{k}: {v} -> {now.get(k, '(unset)')}" for k, v in before.items()
+            if now.get(k, "(unset)") != v]

@@ -5,14 +5,16 @@ eager step runs them relative to its tensor math."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..errors import DiphomaError, no_keywords
+from ..errors import DiphomaError, DiphomaWarning, no_keywords
 from ..ir.core import Graph
+from .pystate import changed_values, module_scalars, read_now
 from .codegen import program
 from .live_memory import MeasuredPeak, measure_peak
 from .state import LR_DTYPE, Captured, Slot, hyper_value, is_state, settings_of, sign
@@ -37,6 +39,10 @@ class TorchStep:
                            if s is not None and s.kind == "grad"}
         # id(param) -> (id, version) of the zeros this runtime left in its .grad
         self._zeros_left: dict[int, tuple[int, int]] = {}
+        self._module_attrs = dict(captured.module_attrs)    # as last seen (pystate.py)
+        # (qualified name, module index) of each parameter, in cap.params' order
+        self._param_keys = [(s.key[0], s.owner) for s in captured.inputs
+                             if s.kind == "param"]
         read = {n for op in graph.walk() for n in op.inputs}
         # parameters whose optimizer state the step reads before writing it: a fresh
         # optimizer's starting values matter for these
@@ -115,7 +121,48 @@ class TorchStep:
                 hint="trace the step again (only the learning rate may change between "
                      "calls, e.g. by a scheduler; momentum terms too where a OneCycleLR or "
                      "CyclicLR scheduler was made before tracing)")
+        self._check_baked()
+        self._check_params()
         return tensors
+
+    def _check_params(self) -> None:
+        """Refuse a call after a parameter was replaced (a new head assigned, a parameter
+        set anew): the optimizer holds the traced tensors, and the program would train the
+        new one (eager trains neither: the optimizer's are not in the model any more)."""
+        cap = self.captured
+        for (name, owner), p in zip(self._param_keys, cap.params):
+            if _get_attr(cap.modules[owner], name) is not p:
+                raise DiphomaError(
+                    f"the parameter {name} is another tensor than the one the step was "
+                    "traced with (a module or parameter replaced since); the optimizer "
+                    "holds the old one",
+                    hint="build the optimizer over the new parameters and trace the step "
+                         "again (or copy new values into the old parameter in place: "
+                         "with torch.no_grad(): p.copy_(new))")
+
+    def _check_baked(self) -> None:
+        """Refuse a call after a plain value the step's code reads changed (its trace
+        holds the old one); warn once of a module's scalar attribute changed."""
+        cap = self.captured
+        now = read_now(cap.reads)
+        if now != cap.read_values:
+            diff = [f"{name}: {old} -> {new}" for (name, _), old, new
+                    in zip(cap.reads, cap.read_values, now) if old != new]
+            raise DiphomaError(
+                f"{', '.join(diff)} changed since the step was traced; the trace holds the "
+                "value it read then",
+                hint="pass a value that changes between calls as a tensor argument of the "
+                     "step (torch.tensor(kl)), or trace the step again")
+        attrs = module_scalars(cap.modules)
+        moved = changed_values(self._module_attrs, attrs)
+        if moved:
+            self._module_attrs = attrs
+            warnings.warn(
+                f"{', '.join(moved[:4])}{' ...' if len(moved) > 4 else ''} changed since the "
+                "step was traced: where the forward reads it, the trace holds the value it "
+                "read then (a dropout probability, a temperature). Pass a value that "
+                "changes as a tensor argument or buffer, or trace the step again",
+                DiphomaWarning, stacklevel=4)
 
     def _zeros(self, p: torch.Tensor) -> bool:
         """Whether ``p.grad`` is zeros a step ending with zero_grad(set_to_none=False)

@@ -715,6 +715,35 @@ def run_scaled_losses(rank: int, world: int) -> dict:
     return out
 
 
+@check("shard_marks")
+def run_shard_marks(rank: int, world: int) -> dict:
+    """The DDP checkpoint pattern under weight-update sharding and shard_params: rank 0's
+    opt.state_dict() and model.state_dict() (its shards) loaded on every rank. Each rank's
+    own loads; another rank's is refused (it was taken, the shapes being alike, and rank 1
+    trained on rank 0's moments, a review found, 2026-12-07)."""
+    import diphoma_compile
+    torch.manual_seed(0)
+    model = OddMLP()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    step = diphoma_compile.parallelize(classify_step, diphoma_compile.Mesh({"dp": world}),
+                                       shard_params=True)
+    for b in mlp_batches(world, seed=5)[:2]:
+        step(model, opt, *local(b, rank, world))
+    out = {}
+    for what, obj in (("optimizer", opt), ("model", model)):
+        mine = obj.state_dict()
+        theirs = [mine]
+        dist.broadcast_object_list(theirs, src=0)
+        obj.load_state_dict(mine)
+        try:
+            obj.load_state_dict(theirs[0])
+            out[what] = "loaded"
+        except DiphomaError as e:
+            out[what] = str(e).split(":")[0]
+    step(model, opt, *local(mlp_batches(world, seed=6)[0], rank, world))   # still runs
+    return out
+
+
 def normalized_step(model, opt, batch):
     """Each gradient divided by its norm kept to the tensor's rank (a [1, 1] for a
     matrix), before SGD: under weight-update sharding's flat layout the division met a

@@ -233,6 +233,17 @@ def test_losses_scaled_by_the_rows_match_the_single_device_step(runs):
             {k: v["got"] for k, v in r0.items()}
 
 
+def test_a_state_dict_of_another_ranks_shards_is_refused(runs):
+    """Under weight-update sharding and shard_params, opt.state_dict() and
+    model.state_dict() hold the rank's own shards: loaded on the rank they came from they
+    load; rank 0's loaded on another rank is refused, naming both ranks."""
+    assert runs[0]["shard_marks"] == {"optimizer": "loaded", "model": "loaded"}
+    for rank, r in enumerate(runs[1:], 1):
+        assert r["shard_marks"] == {
+            w: f"this {w} state dict holds rank 0's shards (of {len(runs)} ranks), and "
+               f"this is rank {rank} of {len(runs)}" for w in ("optimizer", "model")}
+
+
 def test_a_gradient_divided_by_its_norm_kept_to_its_rank_matches_the_single_device_step(
         runs):
     """``g / g.pow(2).sum(dims, keepdim=True).sqrt()`` under weight-update sharding's flat

@@ -514,6 +514,30 @@ def test_a_key_mask_broadcast_over_features_is_refused():
         pstep.trace(params, tx.init(params), jnp.ones((16, 4)), jax.random.key(0))
 
 
+def test_a_number_per_example_from_one_key_meeting_the_batch_is_drawn_per_row():
+    """``x * uniform(key, (B, 1))`` on the batch input itself: a scale per example, which
+    every device drew at its share's shape from the same key, repeating rows 0-3's
+    numbers on all 8 devices with no word until 2026-12-07 (a review found it; the same
+    draw on an activation was drawn per row). Now drawn at the global batch's shape, each
+    device keeping its rows: the single-device step's numbers."""
+    tx = optax.sgd(0.05)
+
+    def step(params, opt_state, batch, key):
+        def loss_of(p):
+            x = batch[0] * jax.random.uniform(key, (batch[0].shape[0], 1))
+            return jnp.mean((jnp.tanh(x @ p["w"]) - batch[1]) ** 2)
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    k = jax.random.split(jax.random.PRNGKey(1), 3)
+    params = {"w": jax.random.normal(k[0], (6, 3))}
+    batch = (jax.random.normal(k[1], (32, 6)), jax.random.normal(k[2], (32, 3)))
+    pstep = parallelize(step, jax_mesh((8,)), axis="data")
+    a, b = keyed_steps(step, pstep, (params, tx.init(params)), batch, range(100, 103))
+    assert max_rel_dev(a[0], b[0]) <= 1e-5
+    assert pstep.plan.notes["data-parallel"]["random_per_row"]
+
+
 def test_noise_on_the_weights_from_one_key_is_the_same_on_every_device():
     tx = optax.sgd(0.1)
     params = {"w": jnp.ones((4,), jnp.float32)}

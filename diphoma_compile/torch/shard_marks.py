@@ -1,0 +1,63 @@
+"""The rank a state dict of shards came from: marked when it is taken, checked when loaded.
+
+Under weight-update sharding an optimizer's state tensors are this rank's shards between
+steps (and under ``shard_params`` the module's parameters too), so ``opt.state_dict()`` and
+``model.state_dict()`` hold one rank's pieces. The usual DDP checkpoint (rank 0 saves,
+every rank loads) would give every rank rank 0's pieces, of the very shapes each rank
+holds: nothing else would notice. ``mark_optimizer`` and ``mark_module`` hook the state
+dicts: one taken notes the rank and world size, and one loaded on another rank, or over
+another world size, is refused. A state dict of the whole state (``ParallelStep.
+state_dict()``, a single-device checkpoint) carries no mark and loads as before."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import DiphomaError
+
+_KEY = "diphoma_shards"
+
+
+def _refuse(what: str, mark: dict, rank: int, world: int) -> None:
+    if mark.get("rank") == rank and mark.get("world") == world:
+        return
+    raise DiphomaError(
+        f"this {what} state dict holds rank {mark.get('rank')}'s shards (of "
+        f"{mark.get('world')} ranks), and this is rank {rank} of {world}: under sharding "
+        "each rank holds its own pieces, so loading another rank's would train on them",
+        hint="save and load each rank's own state dict, or save the whole state "
+             "(ParallelStep.state_dict(); runner.gather_optimizer_state()) and load that")
+
+
+def mark_optimizer(opt: torch.optim.Optimizer, rank: int, world: int) -> None:
+    """Hook ``opt``'s state dicts: marked with ``rank`` and ``world`` when taken, refused
+    when loaded with another's mark."""
+    def taken(_opt: Any, sd: dict) -> dict:
+        sd[_KEY] = {"rank": rank, "world": world}
+        return sd
+
+    def loading(_opt: Any, sd: dict) -> dict:
+        if _KEY not in sd:
+            return sd
+        _refuse("optimizer", sd[_KEY], rank, world)
+        return {k: v for k, v in sd.items() if k != _KEY}
+
+    opt.register_state_dict_post_hook(taken)
+    opt.register_load_state_dict_pre_hook(loading)
+
+
+def mark_module(module: torch.nn.Module, rank: int, world: int) -> None:
+    """Hook ``module``'s state dicts (its parameters held as shards): marked in the root's
+    metadata when taken, refused when loaded with another rank's mark."""
+    def taken(_m: Any, sd: dict, prefix: str, meta: dict) -> None:
+        if not prefix:
+            meta[_KEY] = {"rank": rank, "world": world}
+
+    def loading(_m: Any, sd: dict, prefix: str, meta: dict, *rest: Any) -> None:
+        if not prefix and _KEY in meta:
+            _refuse("model", meta[_KEY], rank, world)
+
+    module.register_state_dict_post_hook(taken)
+    module.register_load_state_dict_pre_hook(loading)

@@ -1,0 +1,128 @@
+"""What a torch trace holds that may change between calls (torch/pystate.py, runtime.py):
+a scalar the step's code reads from its globals or closure, changed between calls, is
+refused naming it; a module's scalar attribute changed is warned of once; a parameter
+replaced by another tensor is refused."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import diphoma_compile  # noqa: E402
+from diphoma_compile.errors import DiphomaError, DiphomaWarning  # noqa: E402
+from diphoma_compile.torch.pystate import step_reads  # noqa: E402
+
+KL = 1.0
+CFG = {"kl": 1.0, "clip": 10.0}
+shape = 3       # a global named like an attribute the step reads (x.shape): not watched
+
+
+class Tempered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 3)
+        self.temp = 1.0
+
+    def forward(self, x):
+        return self.fc(x) / self.temp
+
+
+def global_step(model, opt, x, y):
+    out = model(x)
+    loss = F.cross_entropy(out, y) + KL * out.pow(2).mean() + 0 * x.shape[0]
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), CFG["clip"])
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _setup():
+    torch.manual_seed(0)
+    model = Tempered()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 8), \
+        torch.randint(0, 3, (4,))
+
+
+def test_what_a_step_reads_is_found():
+    """The globals the step loads (a number, a dict of numbers) and its closure's numbers;
+    not functions or modules, nor a global that shares an attribute's name."""
+    weight = 0.5
+
+    def closure_step(model, opt, x, y):
+        return F.cross_entropy(model(x), y) * weight
+
+    assert [n for n, _ in step_reads(global_step)] == ["global KL", "global CFG"]
+    assert [n for n, _ in step_reads(closure_step)] == ["closure variable weight"]
+
+
+@pytest.mark.parametrize("change", ["global", "dict", "closure"])
+def test_a_value_the_step_reads_changed_between_calls_is_refused(change):
+    """Annealing a KL weight by reassigning a global (or a config dict entry, or a closure
+    variable) ran the old value with no word until 2026-12-07: the trace holds it."""
+    global KL
+    scale = 1.0
+
+    def closure_step(model, opt, x, y):
+        loss = F.cross_entropy(model(x), y) * scale
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    fn = closure_step if change == "closure" else global_step
+    model, opt, x, y = _setup()
+    step = diphoma_compile.compile(fn, model, opt, x, y)
+    step(model, opt, x, y)
+    try:
+        if change == "global":
+            KL = 2.0
+        elif change == "dict":
+            CFG["clip"] = 0.5
+        else:
+            scale = 3.0      # read by the closure
+        want = {"global": "global KL: 1.0 -> 2.0", "closure": "closure variable scale",
+                "dict": "global CFG"}[change]
+        with pytest.raises(DiphomaError, match=want):
+            step(model, opt, x, y)
+    finally:
+        KL, scale = 1.0, 1.0
+        CFG["clip"] = 10.0
+    step(model, opt, x, y)       # back to the traced values: runs again
+
+
+def test_a_module_attribute_changed_is_warned_of_once():
+    """``model.temp`` set between calls: the trace holds the old temperature. It is warned
+    of (the forward may not read it: a counter kept on the model), once per change."""
+    model, opt, x, y = _setup()
+    step = diphoma_compile.compile(global_step, model, opt, x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DiphomaWarning)
+        step(model, opt, x, y)
+    model.temp = 2.0
+    with pytest.warns(DiphomaWarning, match=r"model.temp: 1.0 -> 2.0 changed since"):
+        step(model, opt, x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DiphomaWarning)
+        step(model, opt, x, y)
+
+
+def test_a_replaced_parameter_is_refused():
+    """A head re-initialised by assigning a new module between calls: the program trained
+    the new parameters while the optimizer (and eager) held the old ones, with no word
+    (a review, 2026-12-07); values copied into the old parameter in place keep working."""
+    model, opt, x, y = _setup()
+    step = diphoma_compile.compile(global_step, model, opt, x, y)
+    step(model, opt, x, y)
+    old = model.fc
+    model.fc = nn.Linear(8, 3)
+    with pytest.raises(DiphomaError, match="the parameter fc.weight is another tensor"):
+        step(model, opt, x, y)
+    model.fc = old
+    with torch.no_grad():
+        old.weight.copy_(torch.zeros(3, 8))
+    step(model, opt, x, y)
