@@ -256,6 +256,10 @@ class _Split:
                  traced: Graph | None = None) -> None:
         self.graph, self.ax = graph, axis
         self.batch = [i.name for i in graph.inputs if i.role.kind is InputKind.batch]
+        self.rows = {i.value.type.shape[0] for i in graph.inputs
+                     if i.role.kind is InputKind.batch and i.value.type.rank}
+        self.param_shapes = {i.value.type.shape for i in graph.inputs
+                             if i.role.kind is InputKind.param}
         if not self.batch:
             raise PassFailure("data-parallel: the step has no batch input to split",
                               hint="pass the batch as an argument of the step (not a "
@@ -404,8 +408,25 @@ class _Split:
                                   hint="the update may read gradients, parameters "
                                        "and optimizer state, not the batch")
             if _varying(t, self.ax):
+                # (summed over its examples first, it averages as their sum does)
+                summed = op.name == "reduce_sum" and 0 in tuple(op.attrs.get("dims", ()))
+                if self.made_in.get(n) is Phase.backward and self.per_example(t) and \
+                        not summed:
+                    raise PassFailure(
+                        f"data-parallel: the optimizer update reads %{n} ({t.shape}), a "
+                        "gradient per example of the batch (jax.vmap of jax.grad: DP-SGD, "
+                        "per-example clipping): averaging it over the devices would "
+                        "average different examples' gradients together", op=op,
+                        hint="sum or average the per-example gradients over their examples "
+                             "inside the step before the optimizer reads them, or run the "
+                             "step on one device")
                 self.need.setdefault(n, self.grads if self.made_in.get(n) is Phase.backward
                                      else self.analysis.combine.get(n, "avg"))
+
+    def per_example(self, t: TensorType) -> bool:
+        """A value shaped as a parameter with the batch's rows before it (the gradient of
+        each example: ``jax.vmap(jax.grad(...))``)."""
+        return t.rank >= 1 and t.shape[0] in self.rows and t.shape[1:] in self.param_shapes
 
     def per_device(self, op: Op, ins: list[TensorType], draws: str | None) -> Op:
         """The op run per device: its results placed by the op's sharding rule."""
