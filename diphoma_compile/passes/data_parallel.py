@@ -425,8 +425,10 @@ class _Split:
 
     def per_example(self, t: TensorType) -> bool:
         """A value shaped as a parameter with the batch's rows before it (the gradient of
-        each example: ``jax.vmap(jax.grad(...))``)."""
-        return t.rank >= 1 and t.shape[0] in self.rows and t.shape[1:] in self.param_shapes
+        each example: ``jax.vmap(jax.grad(...))``), and not as a parameter itself (a
+        [16, 64] weight's gradient beside a [64] bias at 16 rows a device)."""
+        return t.rank >= 1 and t.shape[0] in self.rows and t.shape[1:] in self.param_shapes \
+            and t.shape not in self.param_shapes
 
     def per_device(self, op: Op, ins: list[TensorType], draws: str | None) -> Op:
         """The op run per device: its results placed by the op's sharding rule."""

@@ -136,6 +136,9 @@ class QuantizeGrads(Pass):
         if self.bits not in (4, 8) or self.intra_bits not in (4, 8):
             raise PassFailure(f"{self.name}: bits={self.bits}, intra-bits={self.intra_bits}; "
                               "4 and 8 are supported")
+        if self.group < 1:
+            raise PassFailure(f"{self.name}: group={self.group} must be a positive number of "
+                              "elements (each group is quantized with its own scale)")
         h = self.hadamard
         if h < 0 or (h and (h & (h - 1) or self.group % h)):
             raise PassFailure(f"{self.name}: hadamard={h} must be 0 or a power of two that "

@@ -142,6 +142,10 @@ def test_quantize_grads_errors():
         run(traced(), default_passes("dp") + ",quantize-grads{levels=3}")
     with pytest.raises(PassError, match="hadamard=24"):
         run(traced(), default_passes("dp") + ",quantize-grads{hadamard=24}")
+    # (group=0 was a ZeroDivisionError "bug in the pass"; a negative one blamed hadamard)
+    for group in (0, -5):
+        with pytest.raises(PassError, match=f"group={group} must be a positive number"):
+            run(traced(), default_passes("dp") + f",quantize-grads{{group={group}}}")
 
 
 def test_naive_weights_ablation_quantizes_the_weights_themselves():
