@@ -28,7 +28,7 @@ from ..ir.rewrite import rename_uses
 from ..ir.opdef import Category, is_view, op_def
 from ..ir.shape_rules import TypeRuleError, region_types
 from ..ir.sharding_rules import propagate, sums_dirty_padding
-from ..ir.types import FLAT, REPLICATE, Placement, TensorType, dim_attr, fits
+from ..ir.types import FLAT, FLAT_DIRTY, REPLICATE, Placement, TensorType, dim_attr, fits
 from .base import Pass, PassContext, PassFailure, register_pass
 from .data_parallel import require_axis
 
@@ -171,10 +171,23 @@ class ShardParams(Pass):
                 elif src in views:
                     p, chain = views[src]
                     views[op.results[0].name] = (p, chain + (op,))
-        ops = _retype(list(rename_uses(tuple(ops), alias)),
-                      {i.name: i.value.type for i in inputs}, ax, graph.mesh.axis_size(ax),
-                      names)
         outputs = tuple(type(o)(returned.get(o.name, o.name), o.role) for o in graph.outputs)
+        renamed = list(rename_uses(tuple(ops), alias))
+        dirty: set[str] = set()
+        for _ in range(4):
+            # state whose padding the update now dirties (L2 weight decay reading a held
+            # Fx parameter makes Adam's moments Fx) is declared Fx, as weight-update
+            # sharding declares its own
+            inputs = tuple(Input(Value(i.name, i.value.type.with_placement(ax, FLAT_DIRTY)), i.role)
+                           if i.name in dirty else i for i in inputs)
+            types = {i.name: i.value.type for i in inputs}
+            ops = _retype(renamed, types, ax, graph.mesh.axis_size(ax), names)
+            more = {o.role.target for o in outputs if o.role.kind is OutputKind.replaces
+                    and o.role.target in types and types[o.role.target].placement(ax) == FLAT
+                    and types[o.name].placement(ax) == FLAT_DIRTY}
+            if not more:
+                break
+            dirty |= more
         ctx.decisions[self.name] = ShardParamsRecord(
             ax, {p: str(q) for p, q in sharded.items()}, tuple(whole), counts, self.backward)
         return graph.replace(inputs=inputs, ops=tuple(ops), outputs=outputs)

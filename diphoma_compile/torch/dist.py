@@ -236,6 +236,13 @@ class TorchDistStep(TorchStep):
                         for a in axes):
                     self._sharded_grads.add(slot.key[0])
                     continue
+                if all(isinstance(t.placement(a), Replicate) and
+                       isinstance(p_type.placement(a), (Shard, FlatShard))
+                       for a in axes if t.placement(a) != p_type.placement(a)):
+                    # whole (zeros zero_grad(set_to_none=False) left) for a parameter held
+                    # as a piece (shard_params): not written back, as a sharded one is not
+                    self._sharded_grads.add(slot.key[0])
+                    continue
                 p = next(t.placement(a) for a in axes
                          if t.placement(a) != p_type.placement(a))
                 raise BackendError(f"the gradient output {out.name} is placed {p}; a "
