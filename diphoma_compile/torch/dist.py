@@ -409,6 +409,13 @@ class TorchDistStep(TorchStep):
                 p.data = self._shard_of(p.data, typ).clone()
             p.grad = None
 
+    def _retrace_hint(self) -> str:
+        return ("a DataLoader's smaller last batch: pass drop_last=True, or trace a second "
+                "step for that shape before the first call (parallelize(step, mesh).trace("
+                "model, opt, *last_batch)) and call it for that batch; a step traced after "
+                "the first call finds the optimizer state already held as this plan's "
+                "shards")
+
     def _mark_shards(self) -> None:
         """Hook the state dicts of the optimizers whose state, and of the modules whose
         parameters, this rank holds as shards: one rank's, refused on another

@@ -33,6 +33,12 @@ _FOREACH_BASE = {
 def _ttype(val: Any) -> TensorType:
     if type(val) in SCALAR_DTYPE:
         return TensorType((), SCALAR_DTYPE[type(val)])
+    if isinstance(val, torch.Generator):
+        raise UnsupportedOpError(
+            "the step draws random numbers from a torch.Generator of its own (torch.rand(..., "
+            "generator=g)), which the trace cannot carry from call to call",
+            hint="draw from the default generator (seeded with torch.manual_seed), or draw "
+                 "the numbers outside the step and pass them in as a tensor argument")
     if not isinstance(val, torch.Tensor):
         raise UnsupportedOpError(f"a value of type {type(val).__name__} where a tensor was "
                                  "expected")

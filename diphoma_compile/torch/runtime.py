@@ -106,7 +106,7 @@ class TorchStep:
             if tuple(t.shape) != shape or t.dtype != DTYPE_TO_TORCH[dtype]:
                 raise DiphomaError(f"the step was traced for an argument of shape {shape} "
                                    f"and dtype {dtype}, called with {tuple(t.shape)} and "
-                                   f"{t.dtype}", hint="trace again for the new argument")
+                                   f"{t.dtype}", hint=self._retrace_hint())
         if not cap.clears_grads and any(p.grad is not None and not self._zeros(p)
                                         for p in cap.params):
             raise DiphomaError("a parameter holds a .grad, and the traced step adds to it "
@@ -124,6 +124,11 @@ class TorchStep:
         self._check_baked()
         self._check_params()
         return tensors
+
+    def _retrace_hint(self) -> str:
+        """What to do about a call with other shapes than traced."""
+        return ("trace the step again for the new shapes (a DataLoader's smaller last "
+                "batch: drop_last=True keeps one shape)")
 
     def _check_params(self) -> None:
         """Refuse a call after a parameter was replaced (a new head assigned, a parameter

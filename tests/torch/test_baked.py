@@ -126,3 +126,29 @@ def test_a_replaced_parameter_is_refused():
     with torch.no_grad():
         old.weight.copy_(torch.zeros(3, 8))
     step(model, opt, x, y)
+
+
+def test_a_generator_of_the_steps_own_is_refused_with_what_to_do():
+    """``torch.rand(..., generator=g)``: the error named only "a value of type Generator
+    where a tensor was expected" (a review, 2026-12-07)."""
+    from diphoma_compile.errors import UnsupportedOpError
+    gen = torch.Generator().manual_seed(5)
+
+    def step(model, opt, x, y):
+        keep = (torch.rand(x.shape, generator=gen) > 0.3).to(x.dtype)
+        loss = F.cross_entropy(model(x * keep), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    model, opt, x, y = _setup()
+    with pytest.raises(UnsupportedOpError, match="a torch.Generator of its own") as e:
+        diphoma_compile.compile(step, model, opt, x, y)
+    assert "torch.manual_seed" in str(e.value)
+
+
+def test_a_call_at_another_batch_size_says_what_to_do():
+    model, opt, x, y = _setup()
+    step = diphoma_compile.compile(global_step, model, opt, x, y)
+    with pytest.raises(DiphomaError, match="drop_last=True"):
+        step(model, opt, x[:3], y[:3])
