@@ -21,7 +21,7 @@ from typing import Any
 from ..ir.analysis import free_inputs
 from ..ir.core import Graph, Op
 from ..ir.ops import OPS, op_def
-from ..ir.types import TensorType
+from ..ir.types import TensorType, Varying
 from .base import Pass, PassContext, PassFailure, register_pass
 
 # the collectives that can be bucketed and run asynchronously: those with an async attribute
@@ -32,10 +32,15 @@ def _key(op: Op, types) -> tuple:
     t = types[op.inputs[0]]
     # the phase too: a bucket never mixes forward and backward (shard-params gathers the
     # same parameters in both, and a bucket of both would hold them whole in between)
+    # and the other axes a value varies on: a bucket's members are one concatenation, and a
+    # value the same on every device of an axis (a norm of the parameters, R on dp) beside
+    # one that varies there (an activation) would come back varying
+    varies = frozenset(a for a, p in t.placements
+                       if isinstance(p, Varying) and a != op.attrs.get("axis"))
     return (op.name, op.attrs.get("axis"), op.attrs.get("op"), op.attrs.get("dim"),
             t.dtype, bool(op.attrs.get("async", False)), op.phase,
             op.attrs.get("from_dim"), op.attrs.get("to_dim"), op.attrs.get("local"),
-            op.attrs.get("level"))
+            op.attrs.get("level"), varies)
 
 
 def _bucketable(op: Op, types) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -422,3 +423,33 @@ def test_a_mixture_of_experts_under_tensor_parallelism_is_not_warned_of():
             *ours, got = pstep(*ours, batch)
             np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
     assert pstep.plan.notes["data-parallel"]["batch_coupled"] == []
+
+
+def test_a_parameter_norm_returned_beside_row_parallel_layers_runs():
+    """``optax.tree.norm(params)`` returned as a metric over dp=2 x tp=4: its tp-partial
+    sum (the same on both dp devices) and a row-parallel activation (different on each)
+    went into one all-reduce bucket over tp, and the bucket's graph did not verify
+    (a review, 2026-12-07). Buckets now keep values alike on the other axes together."""
+    import warnings
+    rng = np.random.default_rng(0)
+
+    def arr(*shape):
+        return jnp.asarray(rng.standard_normal(shape) * 0.3, jnp.float32)
+    params = {"up": arr(8, 32), "down": arr(32, 8), "up2": arr(8, 32), "down2": arr(32, 8)}
+    batch = (arr(16, 8), arr(16, 8))
+    tx = optax.sgd(0.1)
+
+    def step(params, opt_state, batch):
+        def loss_fn(p):
+            h = batch[0] + jax.nn.gelu(batch[0] @ p["up"]) @ p["down"]
+            h = h + jax.nn.gelu(h @ p["up2"]) @ p["down2"]
+            return jnp.mean((h - batch[1]) ** 2)
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        upd, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, upd), opt_state, loss, optax.tree.norm(params)
+    want = jax.jit(step)(params, tx.init(params), batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = diphoma_compile.parallelize(step, {"dp": 2, "tp": 4})(
+            params, tx.init(params), batch)
+    assert np.allclose(got[2], want[2], rtol=1e-5) and np.allclose(got[3], want[3], rtol=1e-5)
