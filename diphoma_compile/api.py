@@ -280,14 +280,30 @@ class ParallelStep:
         user's shapes. The step stores a tensor none of whose dimensions divides the data
         axis as a padded, flattened 1-D array split over it (docs/jax.md); this gives each
         such leaf its own shape back, whole on every device. ``argnum``: which step argument
-        the tree is (0 parameters, 1 optimizer state); by default the one of its structure."""
+        the tree is (0 parameters, 1 optimizer state); by default the one of its structure.
+        A flax ``TrainState`` the step returned comes back whole, its parameters and
+        optimizer state in the user's shapes."""
         if not hasattr(self.runner, "user_shapes"):
             if self.framework == "jax":     # one device: nothing is stored flat
                 return tree
             raise DiphomaError(f"user_shapes() is not available for {self.framework} steps",
                                hint="a PyTorch step keeps the module's and optimizer's own "
                                     "tensors; use state_dict()")
-        return self.runner.user_shapes(tree, argnum)
+        own = getattr(self._adapter, "user_state", None)
+        if own is not None and argnum is None:
+            # the adapter's own state (a flax TrainState): its parts, each by its argument
+            state = own(tree, self.runner.user_shapes)
+            if state is not None:
+                return state
+        try:
+            return self.runner.user_shapes(tree, argnum)
+        except DiphomaError as e:
+            if own is None:
+                raise
+            raise type(e)(e.message, hint="pass the whole state the step returned "
+                                          "(user_shapes(state)): its parameters and "
+                                          "optimizer state come back in your shapes") \
+                from None
 
     @property
     def compile_s(self) -> float | None:

@@ -88,6 +88,16 @@ class TrainStateStep:
         new = args[0].replace(params=out[0], opt_state=opt_state, **counters, **held)
         return (new, *out[k:])
 
+    def user_state(self, state: Any, convert: Callable[[Any, int], Any]) -> Any | None:
+        """``state`` (a TrainState the step returned) with its parameters and optimizer
+        state put through ``convert(tree, argnum)`` (the runner's ``user_shapes``); None
+        when ``state`` is not of the traced state's type."""
+        if type(state) is not type(self.template):
+            return None
+        parts = self.args((state,))
+        out = (convert(parts[0], 0), convert(parts[1], 1), *parts[2:])
+        return self.result(out, (state,))[0]
+
     def batch_argnums(self, nums: tuple[int, ...] | None) -> tuple[int, ...] | None:
         """The traced step's argument numbers of the user's batch arguments (the state,
         argument 0, becomes arguments 0 and 1). Not given: inferred among the user's own

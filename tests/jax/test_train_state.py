@@ -110,6 +110,26 @@ def test_parallelize_of_a_train_state_step_matches_the_single_device_step():
     assert pstep.plan.notes["data-parallel"]["random_per_row"]
 
 
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+def test_a_returned_train_state_comes_back_in_the_users_shapes():
+    """The state parallelize returns holds leaves no dim of which divides 8 as padded flat
+    pieces (a [4] bias's Adam moments as [8]); user_shapes(state) had no way to give them
+    back (a review, 2026-12-07): it returns the TrainState whole, its parameters and
+    optimizer state in the user's shapes, which one device then continues from."""
+    state, batch = _state()
+    pstep = diphoma_compile.parallelize(step, {"dp": 8})
+    ours, _ = pstep(state, batch, jax.random.PRNGKey(10))
+    ref, _ = jax.jit(step)(state, batch, jax.random.PRNGKey(10))
+    assert jax.tree.map(jnp.shape, ours.opt_state) != jax.tree.map(jnp.shape, ref.opt_state)
+    mine = pstep.user_shapes(ours)
+    assert isinstance(mine, train_state.TrainState) and int(mine.step) == 1
+    assert jax.tree.map(jnp.shape, mine.opt_state) == jax.tree.map(jnp.shape, ref.opt_state)
+    assert _leaves_equal((mine.params, mine.opt_state), (ref.params, ref.opt_state), 1e-5)
+    jax.jit(step)(mine, batch, jax.random.PRNGKey(11))      # continues on one device
+    with pytest.raises(diphoma_compile.DiphomaError, match=r"user_shapes\(state\)"):
+        pstep.user_shapes(ours.opt_state)
+
+
 def test_a_train_state_holding_batch_norm_statistics():
     """A TrainState subclass with ``batch_stats`` (flax's documented BatchNorm recipe):
     the statistics are model state the step returns; bit for bit with jax.jit."""
