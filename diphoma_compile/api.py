@@ -155,6 +155,10 @@ class ParallelStep:
             step_fn, example_args, self.mesh, self.axis, nums, mb,
             codegen=self.codegen or self._auto())
         self.framework = self._fw.name
+        if self.framework == "torch" and self.donate is not None:
+            warnings.warn(f"donate={self.donate} is for JAX steps: a PyTorch step writes the "
+                          "new values into the module's and optimizer's own tensors in any "
+                          "case", DiphomaWarning, stacklevel=2)
         model = self.device_model
         if model == "measured":      # measured once, on the first trace (every rank)
             model = self.device_model = self._fw.measure_device(example_args).name

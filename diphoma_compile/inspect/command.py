@@ -26,6 +26,17 @@ from .load import Candidate, kind_of, load_file, resolve, split_target
 from .spec import InspectError, Target, inspect_axis, parse_input, parse_mesh
 
 
+def _at_least_one(text: str) -> int:
+    """An argparse type: an int of 1 or more."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} rows: give 1 or more")
+    return n
+
+
 def add_parser(sub: Any) -> None:
     """The ``inspect`` subcommand and its options."""
     p = sub.add_parser(
@@ -83,7 +94,7 @@ def add_parser(sub: Any) -> None:
                         "backward blocks, from the schedule's action lists and the stages' "
                         "flops) into FILE (.png, .svg, .pdf; needs matplotlib)")
     p.add_argument("--format", choices=("text", "json"), default="text")
-    p.add_argument("--rows", type=int, default=60,
+    p.add_argument("--rows", type=_at_least_one, default=60,
                    help="text tables longer than this group repeated layers (default 60)")
     p.add_argument("--out", metavar="FILE", help="write the report here instead of stdout")
     p.add_argument("--timings", action="store_true",

@@ -308,16 +308,16 @@ def _listing(cands: list[Candidate]) -> str:
     return "\n".join("  " + c.describe() for c in cands)
 
 
-def evaluate(expr: str, module: ModuleType, what: str, extra: dict[str, Any] | None = None
-             ) -> Any:
+def evaluate(expr: str, module: ModuleType, what: str, extra: dict[str, Any] | None = None,
+             example: str = "--init 'GPT(GPTConfig())'") -> Any:
     """Evaluate a Python expression in the file's namespace (plus ``extra`` names); an
-    InspectError with the expression's own error when it does not parse or raises."""
+    InspectError with the expression's own error when it does not parse or raises
+    (``example``: a well-formed use of the option, for the hint)."""
     try:
         code = compile(expr, f"<inspect {what}>", "eval")
     except SyntaxError as e:
         raise InspectError(f"{what} {expr!r} does not parse: {e.msg}",
-                           hint="give a Python expression, e.g. --init 'GPT(GPTConfig())'") \
-            from None
+                           hint=f"give a Python expression, e.g. {example}") from None
     scope = dict(vars(module))
     scope.update(extra or {})
     try:

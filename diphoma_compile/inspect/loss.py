@@ -133,5 +133,11 @@ def expr_loss(expr: str, scope: dict[str, Any]) -> Callable[[Any, dict[str, Any]
                                 "out and the inputs, e.g. --loss 'out.logits.mean()'") from None
 
     def loss(out: Any, inputs: dict[str, Any]) -> Any:
-        return eval(code, {**scope, **inputs, "out": out})  # noqa: S307 - the user's own
+        try:
+            return eval(code, {**scope, **inputs, "out": out})  # noqa: S307 - the user's own
+        except NameError as e:
+            raise InspectError(f"--loss {expr!r}: {e}",
+                               hint="the expression reads out (the model's output), the "
+                                    "inputs by name (" + ", ".join(inputs) + ") and the "
+                                    "file's own names") from None
     return loss

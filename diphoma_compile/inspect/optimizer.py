@@ -3,6 +3,8 @@ in the user's file, checked to be that framework's optimizer type."""
 
 from __future__ import annotations
 
+import difflib
+import re
 from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
@@ -20,7 +22,14 @@ def choose_optimizer(how: str, table: Mapping[str, tuple[str, Callable[..., Any]
     if how.lower() in table:
         text, make = table[how.lower()]
         return make(*make_args), text
-    opt = evaluate(how, module, "--optimizer", names)
+    if how.isidentifier() and how not in vars(module) and how not in names:
+        near = difflib.get_close_matches(how.lower(), list(table), n=1)
+        raise InspectError(f"--optimizer {how!r} is not one of " + ", ".join(table),
+                           hint=(f"did you mean {near[0]}? " if near else "") +
+                                f"or give an expression {example}")
+    quoted = re.search(r"'.*'", example)
+    opt = evaluate(how, module, "--optimizer", names,
+                   example=f"--optimizer {quoted.group(0) if quoted else example}")
     if not isinstance(opt, kind):
         raise InspectError(f"--optimizer {how!r} gave a {type(opt).__name__}, not "
                            f"{kind_text}",

@@ -85,8 +85,9 @@ class CommFusion(Pass):
     bucket_mb: float = 25.0
 
     def __call__(self, graph: Graph, ctx: PassContext) -> Graph:
-        if self.bucket_mb <= 0:
-            raise PassFailure(f"comm-fusion: bucket-mb must be positive, not {self.bucket_mb}")
+        if not self.bucket_mb > 0 or self.bucket_mb == float("inf"):    # (nan too)
+            raise PassFailure(f"comm-fusion: bucket-mb must be a positive number of "
+                              f"megabytes, not {self.bucket_mb}")
         types = graph.value_types()
         ops = list(graph.ops)
         fused, dropped = _fuse(ops, _buckets(ops, types, self.bucket_mb * 1e6))

@@ -199,6 +199,11 @@ class WeightUpdateSharding(Pass):
                               f"{', '.join(_GATHERS)}",
                               hint="end: all-gather new parameters after the update; "
                                    "next-forward: at their first use in the next step")
+        if any(op.name == "take_shard" and op.attrs.get("axis") == self.axis
+               for op in graph.ops):
+            raise PassFailure(f"{self.name}: the update already runs on pieces over axis "
+                              f"{self.axis!r} (weight-update sharding ran before)",
+                              hint="run weight-update-sharding once per axis")
         if not any(_is_grad_sync(op, self.axis) for op in graph.ops):
             raise PassFailure(f"{self.name}: the graph has no gradient all-reduce on axis "
                               f"{self.axis!r} to turn into a reduce-scatter",

@@ -235,6 +235,16 @@ def test_by_default_only_the_final_graph_is_checked(capsys, monkeypatch):
       "one of adamw, adam, sgd, momentum, or an expression such as 'optax.sgd(0.1)'"]),
     ([str(MODELS / "several.py:Small"), "--input", "f32[8,16]", "--loss", "out"],
      ["the loss is (1, 16), not a scalar tensor"]),
+    # a name the --loss expression reads that is not there, a misspelt optimizer, an
+    # optimizer expression that does not parse: each says so (a review, 2026-12-07, found
+    # "tracing the step failed: NameError", a bare NameError, and a hint about --init)
+    ([str(MODELS / "several.py:Small"), "--input", "f32[8,16]", "--loss", "(out - y).mean()"],
+     ["--loss '(out - y).mean()': name 'y' is not defined", "the inputs by name (x)"]),
+    ([str(MODELS / "several.py:Small"), "--input", "f32[8,16]", "--optimizer", "adamx"],
+     ["--optimizer 'adamx' is not one of adamw, adam, sgd, momentum", "did you mean adam"]),
+    ([str(MODELS / "several.py:Small"), "--input", "f32[8,16]", "--optimizer",
+      "torch.optim.SGD(params, lr=0.1"],
+     ["does not parse", "e.g. --optimizer 'torch.optim.SGD(params, lr=0.1)'"]),
     # a class named ...Args is the model here, not its config: no NeedsArgs(NeedsArgs())
     ([str(MODELS / "several.py:NeedsArgs"), "--input", "f32[8,16]"],
      ["NeedsArgs(width, depth) needs arguments",

@@ -152,3 +152,12 @@ def test_a_call_at_another_batch_size_says_what_to_do():
     step = diphoma_compile.compile(global_step, model, opt, x, y)
     with pytest.raises(DiphomaError, match="drop_last=True"):
         step(model, opt, x[:3], y[:3])
+
+
+def test_donate_on_a_torch_step_is_warned_of():
+    """``donate=`` is JAX's; a PyTorch step updates the live tensors whatever it says
+    (it was ignored with no word, a review found, 2026-12-07)."""
+    model, opt, x, y = _setup()
+    with pytest.warns(DiphomaWarning, match="donate=False is for JAX steps"):
+        diphoma_compile.parallelize(global_step, {"dp": 1}, donate=False).trace(
+            model, opt, x, y)

@@ -155,6 +155,11 @@ def test_errors_name_the_problem():
         run(g, "data-parallel{axis=tp}")
     with pytest.raises(PassError, match="layout='rows' is not one of flat, dims"):
         run(g, "data-parallel,weight-update-sharding{layout=rows}")
+    # twice over one axis (it failed deep in take_shard), a bucket size of nan (taken)
+    with pytest.raises(PassError, match="weight-update sharding ran before"):
+        run(g, "data-parallel,weight-update-sharding,weight-update-sharding")
+    with pytest.raises(PassError, match="bucket-mb must be a positive number"):
+        run(g, "data-parallel,comm-fusion{bucket-mb=nan}")
 
 
 def _returns(extra):
