@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from ..errors import DiphomaError, FrontendError, user_line
 from ..ir.core import (Graph, Input, InputKind, InputRole, NameSupply, Op, Output, OutputKind,
@@ -99,15 +100,30 @@ def _forward_scalar(ops: list[Op], outs: list[str], roles: list, leaves: list,
     return forward[0] if len(forward) == 1 else None
 
 
-def _failed(e: Exception) -> FrontendError:
+def _failed(e: Exception, args: tuple = (), sig: StepSignature | None = None
+            ) -> FrontendError:
     """A FrontendError for any other failure while the step is traced (an attribute the
     model's output lacks, a gradient of a non-scalar), naming the user's line; the
-    exception is chained."""
+    exception is chained. Where the optimizer state has 1-D leaves shaped as no parameter
+    (a parallelized step's flat, padded storage), the hint says to convert it first."""
     at = _user_line(e)
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    hint = "the chained exception has the traceback"
+    if sig is not None and _stored_flat(args, sig):
+        hint = ("if this optimizer state (or these parameters) came from a parallelized "
+                "step, it holds some leaves flat and padded: give pstep.user_shapes(tree) "
+                "instead; " + hint)
     return FrontendError(f"tracing the step failed{f' at {at}' if at else ''}: "
-                         f"{type(e).__name__}: {first}",
-                         hint="the chained exception has the traceback")
+                         f"{type(e).__name__}: {first}", hint=hint)
+
+
+def _stored_flat(args: tuple, sig: StepSignature) -> bool:
+    """Whether the optimizer state holds a 1-D leaf shaped as no parameter leaf."""
+    if max(sig.params_argnum, sig.opt_state_argnum) >= len(args):
+        return False
+    shapes = {np.shape(x) for x in jax.tree.leaves(args[sig.params_argnum])}
+    return any(np.ndim(x) == 1 and np.shape(x) not in shapes
+               for x in jax.tree.leaves(args[sig.opt_state_argnum]))
 
 
 def _user_line(e: BaseException) -> str | None:
@@ -150,14 +166,14 @@ def trace_jax_with_tree(step_fn: Callable, *example_args: Any, params_argnum: in
         raise _data_dependent(e) from e
     except TypeError as e:
         if "JAX type" not in str(e):
-            raise _failed(e) from e
+            raise _failed(e, example_args, sig) from e
         raise FrontendError(f"the step returned a value that is not a pytree of arrays: {e}",
                             hint="return (params, opt_state, *metrics) with array leaves") \
             from None
     except DiphomaError:
         raise
     except Exception as e:      # JAX and the user's code raise many types: name the line
-        raise _failed(e) from e
+        raise _failed(e, example_args, sig) from e
     roles = step_outputs(out_shape, example_args, sig, inputs)
     # an argument the step returns updated is model state (``roles.returned_state``)
     replaced = {r.target for _, r in roles if r.kind is OutputKind.replaces}

@@ -255,3 +255,18 @@ def test_per_example_gradients_clipped_in_the_update_are_refused(clip):
         return
     got, want = ps(params, tx.init(params), batch), jax.jit(step)(params, tx.init(params), batch)
     assert np.allclose(got[0]["w"], want[0]["w"], rtol=1e-5, atol=1e-7)
+
+
+def test_a_stored_flat_optimizer_state_given_to_a_new_trace_says_to_convert_it():
+    """The optimizer state a parallelized step returns holds a [4, 2] leaf as a flat [8]
+    piece; given to compile() it failed inside optax with only "Incompatible shapes" (a
+    review, 2026-12-07). The error now says to pass pstep.user_shapes(tree), which runs."""
+    from diphoma_compile.errors import FrontendError
+    step, tx = sgd_step(lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), optax.adam(1e-3))
+    params = {"w": jnp.ones((4, 2)) * 0.1}
+    batch = {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 2))}
+    pstep = diphoma_compile.parallelize(step, {"dp": 8})
+    params, opt_state, _ = pstep(params, tx.init(params), batch)
+    with pytest.raises(FrontendError, match=r"give pstep.user_shapes\(tree\) instead"):
+        diphoma_compile.compile(step, params, opt_state, batch)
+    diphoma_compile.compile(step, params, pstep.user_shapes(opt_state), batch)
