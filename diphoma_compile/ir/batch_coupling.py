@@ -359,6 +359,7 @@ class _Follow:
         self.extra: dict[str, tuple[int, ...]] = {}
         self.summed: dict[str, _Count] = {}
         self.meaned: dict[str, _Count] = {}
+        self.mean_plus: dict[str, _Count] = {}      # a mean plus a whole value
         self.found: list[Coupling] = []
         self.counts: set[int] = set()     # scalars of sums divided by: counts (ids of ops)
         # a value split by rows -> the windows of its rows that slices read, with their ops
@@ -403,10 +404,11 @@ class _Follow:
                 later += free_inputs(op)
                 if op.phase is Phase.update and self.share_sized(op):
                     self.report(op, "multiplies the batch's mean, averaged over the devices "
-                                    "first, by this device's share of the batch's size, not "
-                                    "the batch's (return the loss times its size from "
-                                    "before the optimizer step, or scale it outside the "
-                                    "step)", certain=True)
+                                    "first, by a number equal to this device's share of the "
+                                    "batch's size: if it is that size, not the batch's "
+                                    "(return the loss times its size from before the "
+                                    "optimizer step, or scale it outside the step)",
+                                certain=True)
         # a scalar of sums made by nonlinear math that the step returns, or that backward
         # differentiates (a loss whose square root is backpropagated, another returned)
         made = {id(s.made_by): s.made_by for n in later + [o.name for o in self.graph.outputs]
@@ -429,7 +431,7 @@ class _Follow:
         ``torch.tensor(x.shape[0])``, ``ones(x.shape[0]).sum()``): traced at a share, the
         batch's size is the share's, so each device counts its own rows, not the batch's.
         A number equal to the rows can be something else (8 heads beside a batch of 8):
-        the words say "if"."""
+        the words say "if". A value made from the parameters is not looked at."""
         rows = {i.value.type.shape[0] for i in self.graph.inputs
                 if self.state(i.name) == Shard(0) and i.value.type.rank}
         if len(rows) != 1:
@@ -447,6 +449,10 @@ class _Follow:
             if state != REPLICATE and not isinstance(state, frozenset) or \
                     self.reads_batch(o.name, kinds, batch):
                 continue            # made from the batch: judged by what made it
+            if self.reads_param(o.name):
+                # from the parameters (a norm of them): a constant of as many rows is of
+                # a parameter's shape (8 rows of a weight beside 8 rows a device)
+                continue
             op = self.counted_rows(o.name, n, set(), self.types[o.name].numel == 1)
             if op is None or id(op) in made:
                 continue
@@ -682,8 +688,11 @@ class _Follow:
                 self.set(op, [Partial("sum")] * len(outs))
                 return
             meaned = [n for n, st in zip(op.inputs, states) if st == Partial("avg")]
-            if meaned and meaned[0] in self.meaned and op.name not in ("add", "sub"):
-                self.meaned.update((v.name, self.meaned[meaned[0]]) for v in op.results)
+            if meaned and meaned[0] in self.meaned:
+                # a cast of a mean keeps its count; a mean plus a whole value is noted
+                # (times the batch's size it is not a sum)
+                into = self.meaned if op.name not in ("add", "sub") else self.mean_plus
+                into.update((v.name, self.meaned[meaned[0]]) for v in op.results)
             self.set(op, [Partial("avg")] * len(outs))
             return
         if rule is not None and rule.row_mean and \
@@ -814,20 +823,38 @@ class _Follow:
         if parts == {"sum"} and op.name == "add" and len(split) == 2 and \
                 (both := self.summed_apart(split[0][0], split[1][0])) is not None:
             self.summed.update((v.name, both) for v in op.results)   # two pieces' sums
-        if parts == {"avg"} and len(split) == 1 and split[0][0] in self.meaned:
-            counted = self.meaned[split[0][0]]
+        if parts == {"avg"} and len(split) == 1 and (
+                split[0][0] in self.meaned or split[0][0] in self.mean_plus):
+            meaned = split[0][0] in self.meaned
+            counted = self.meaned.get(split[0][0]) or self.mean_plus[split[0][0]]
             other = [n for n in op.inputs if n != split[0][0]]
-            scale = self.constant(other[0]) if op.name == "mul" and len(other) == 1 \
-                else None
-            if scale is not None:
+            scale = self.constant(other[0]) if op.name in ("mul", "div") and \
+                len(other) == 1 else None
+            total = scale is not None and op.name == "mul" and \
+                counted.counts(scale, self.batch_rows)
+            if total:
                 # a mean times as many as it averaged (``mean * len(x)``) is their sum
-                total = counted.counts(scale, self.batch_rows)
-                self.scaled[op.results[0].name] = total
-                if total and op.results[0].name not in self.by_chance:
+                self.scaled[op.results[0].name] = True
+                if op.results[0].name not in self.by_chance:
+                    if not meaned:
+                        self.report(op, "multiplies a mean over the batch plus a whole "
+                                        "value by the batch's size: a sum over it plus that "
+                                        "value times the share's size, which the devices' "
+                                        "values neither average nor add up to",
+                                    certain=True)
+                        return Partial("avg")
                     self.summed.update((v.name, counted) for v in op.results)
                     return Partial("sum")
-            elif op.name not in ("mul", "div"):     # -mean, a cast or a copy of a mean
+            elif scale is not None and op.name == "mul":
+                self.scaled[op.results[0].name] = False
+            if meaned and (scale is not None or op.name not in ("mul", "div")):
+                # -mean, a cast, a copy, a mean times or over a number (``0.5 * mean``)
                 self.meaned.update((v.name, counted) for v in op.results)
+        if parts == {"avg"} and op.name in ("add", "sub") and len(split) == 2 and \
+                len({self.meaned.get(n) for n, _, _ in split} - {None}) == 1 and \
+                all(n in self.meaned for n, _, _ in split):
+            # two means of the same count added (label smoothing's two terms)
+            self.meaned.update((v.name, self.meaned[split[0][0]]) for v in op.results)
         if parts == {"avg", "sum"}:
             self.report(op, "adds a mean over the batch and a sum over it: the devices' "
                             "values neither average nor add up to the single-device one",

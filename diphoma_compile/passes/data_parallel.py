@@ -408,8 +408,11 @@ class _Split:
                                   hint="the update may read gradients, parameters "
                                        "and optimizer state, not the batch")
             if _varying(t, self.ax):
-                # (summed over its examples first, it averages as their sum does)
-                summed = op.name == "reduce_sum" and 0 in tuple(op.attrs.get("dims", ()))
+                # (summed over its examples first, or weighted by whole values, it
+                # averages as their sum does: a mean of microbatches' gradients)
+                summed = op.name == "reduce_sum" and 0 in tuple(op.attrs.get("dims", ())) \
+                    or op.name == "dot" and not any(
+                        _varying(u, self.ax) for x, u in zip(op.inputs, ins) if x != n)
                 if self.made_in.get(n) is Phase.backward and self.per_example(t) and \
                         not summed:
                     raise PassFailure(

@@ -254,10 +254,11 @@ def changed_error(changes: list[tuple[_Entry, Any, Any]]) -> FrontendError:
 
 
 def _plain(v: Any, depth: int = 0) -> bool:
-    """A scalar, or a dict, list or tuple of them (two levels deep at most)."""
+    """A scalar, or a dict, list or tuple of them (two levels deep at most, 64 items
+    each: a vocabulary is not compared on every call)."""
     if isinstance(v, _SCALARS):
         return True
-    if depth >= 2 or type(v) not in (dict, list, tuple):
+    if depth >= 2 or type(v) not in (dict, list, tuple) or len(v) > 64:
         return False
     items = list(v.items()) if type(v) is dict else list(enumerate(v))
     return all(isinstance(k, _SCALARS) and _plain(x, depth + 1) for k, x in items)
@@ -277,7 +278,8 @@ def _globals_loaded(code: types.CodeType) -> list[str]:
 def step_reads(fn: Callable) -> tuple[tuple[str, Callable[[], Any]], ...]:
     """(name, a getter of its value) for each plain value the step function ``fn`` (a
     bound method's function, a ``functools.partial``'s) names from its globals or closure,
-    in the order its code names them."""
+    in the order its code names them. (A container's change is only warned of: the step
+    may read one entry of a config dict whose other entries the loop moves.)"""
     fn = getattr(fn, "func", fn)
     fn = getattr(fn, "__func__", fn)
     code = getattr(fn, "__code__", None)
@@ -297,6 +299,11 @@ def step_reads(fn: Callable) -> tuple[tuple[str, Callable[[], Any]], ...]:
 def read_now(reads: tuple[tuple[str, Callable[[], Any]], ...]) -> tuple[str, ...]:
     """The values of ``reads`` as text (a dict changed in place shows)."""
     return tuple(_short(get()) if get() is _MISSING else repr(get()) for _, get in reads)
+
+
+def is_scalar_text(text: str) -> bool:
+    """Whether ``read_now``'s text is of a scalar (not a dict, list or tuple)."""
+    return not text.startswith(("{", "[", "("))
 
 
 def module_scalars(modules: list[torch.nn.Module]) -> dict[str, str]:

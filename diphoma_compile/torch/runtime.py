@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import DiphomaError, DiphomaWarning, no_keywords
 from ..ir.core import Graph
-from .pystate import changed_values, module_scalars, read_now
+from .pystate import changed_values, is_scalar_text, module_scalars, read_now
 from .codegen import program
 from .live_memory import MeasuredPeak, measure_peak
 from .state import LR_DTYPE, Captured, Slot, hyper_value, is_state, settings_of, sign
@@ -40,6 +40,7 @@ class TorchStep:
         # id(param) -> (id, version) of the zeros this runtime left in its .grad
         self._zeros_left: dict[int, tuple[int, int]] = {}
         self._module_attrs = dict(captured.module_attrs)    # as last seen (pystate.py)
+        self._read_values = captured.read_values
         # (qualified name, module index) of each parameter, in cap.params' order
         self._param_keys = [(s.key[0], s.owner) for s in captured.inputs
                              if s.kind == "param"]
@@ -150,14 +151,22 @@ class TorchStep:
         holds the old one); warn once of a module's scalar attribute changed."""
         cap = self.captured
         now = read_now(cap.reads)
-        if now != cap.read_values:
-            diff = [f"{name}: {old} -> {new}" for (name, _), old, new
-                    in zip(cap.reads, cap.read_values, now) if old != new]
-            raise DiphomaError(
-                f"{', '.join(diff)} changed since the step was traced; the trace holds the "
-                "value it read then",
-                hint="pass a value that changes between calls as a tensor argument of the "
-                     "step (torch.tensor(kl)), or trace the step again")
+        if now != self._read_values:
+            moved = [(name, old, new) for (name, _), old, new
+                     in zip(cap.reads, self._read_values, now) if old != new]
+            numbers = [f"{n}: {o} -> {v}" for n, o, v in moved if is_scalar_text(o)]
+            if numbers:
+                raise DiphomaError(
+                    f"{', '.join(numbers)} changed since the step was traced; the trace "
+                    "holds the value it read then",
+                    hint="pass a value that changes between calls as a tensor argument of "
+                         "the step (torch.tensor(kl)), or trace the step again")
+            self._read_values = now
+            warnings.warn(
+                f"{', '.join(n for n, _, _ in moved)}, which the step names, changed since "
+                "it was traced: where the step reads an entry that changed, the trace holds "
+                "the value it read then. Pass a value that changes as a tensor argument, or "
+                "trace the step again", DiphomaWarning, stacklevel=4)
         attrs = module_scalars(cap.modules)
         moved = changed_values(self._module_attrs, attrs)
         if moved:

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import diphoma_compile
-from diphoma_compile.errors import DiphomaError
+from diphoma_compile.errors import DiphomaError, DiphomaWarning
 from diphoma_compile.ir import verify
 from diphoma_compile.ir.opdef import is_local, op_def
 from diphoma_compile.mesh import Mesh
@@ -429,7 +429,8 @@ def test_a_parameter_norm_returned_beside_row_parallel_layers_runs():
     """``optax.tree.norm(params)`` returned as a metric over dp=2 x tp=4: its tp-partial
     sum (the same on both dp devices) and a row-parallel activation (different on each)
     went into one all-reduce bucket over tp, and the bucket's graph did not verify
-    (a review, 2026-12-07). Buckets now keep values alike on the other axes together."""
+    (a review, 2026-12-07). Buckets now keep values alike on the other axes together; and
+    the norm is not warned of as a count of the batch's rows."""
     import warnings
     rng = np.random.default_rng(0)
 
@@ -449,7 +450,9 @@ def test_a_parameter_norm_returned_beside_row_parallel_layers_runs():
         return optax.apply_updates(params, upd), opt_state, loss, optax.tree.norm(params)
     want = jax.jit(step)(params, tx.init(params), batch)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        # (a constant of the parameters' 8 rows beside 8 rows a device was warned of as a
+        # count of the batch's rows)
+        warnings.simplefilter("error", DiphomaWarning)
         got = diphoma_compile.parallelize(step, {"dp": 2, "tp": 4})(
             params, tx.init(params), batch)
     assert np.allclose(got[2], want[2], rtol=1e-5) and np.allclose(got[3], want[3], rtol=1e-5)

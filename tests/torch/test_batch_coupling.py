@@ -942,7 +942,7 @@ def test_hugging_face_losses_aten_keeps_whole_are_means_over_the_batch(problem):
     ("pieces' sums / rows", "avg"), ("uneven pieces' sums / rows", "avg"),
     ("two pieces' sums added / rows", "avg"), ("mean * rows", "sum"),
     ("mse mean * numel", "sum"), ("mean * 3", "avg"), ("mean * 4 (the rows)", "avg"),
-    ("mean * rows / rows", "avg")])
+    ("mean * rows / rows", "avg"), ("mean * 0.5 * rows", "sum")])
 def test_sums_and_means_scaled_by_the_rows(form, gradients):
     """Gradient accumulation weighted by size divides each piece's sum by the share's
     rows (``sum(piece) / x.shape[0]``): its part of a mean. It was planned as a sum, the
@@ -973,7 +973,7 @@ def test_sums_and_means_scaled_by_the_rows(form, gradients):
             loss.backward()
         else:
             scale = {"mean * 3": 3, "mean * 4 (the rows)": 4}.get(form, n)
-            loss = F.cross_entropy(model(x), y) * scale
+            loss = F.cross_entropy(model(x), y) * (0.5 if "0.5" in form else 1) * scale
             if form == "mean * rows / rows":
                 loss = loss / n
             loss.backward()
@@ -987,6 +987,24 @@ def test_sums_and_means_scaled_by_the_rows(form, gradients):
     dp = pstep.plan.notes["data-parallel"]
     combined = ["sum"] if gradients == "sum" else []
     assert dp["gradients"] == gradients and list(dp["combined"].values()) == combined, dp
+
+
+def test_a_mean_plus_a_whole_value_times_the_rows_is_warned_of():
+    """``(mean + reg) * len(x)``: a sum plus the whole value times the share's size, which
+    the devices' values neither average nor add up to (averaged with no word until a
+    review, 2026-12-07); ``mean * len(x) + reg`` was already warned of."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 3)
+
+    def step(model, opt, x, y):
+        loss = (F.cross_entropy(model(x), y) + 0.01 * model.weight.pow(2).sum()) * len(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    pstep = diphoma_compile.parallelize(step, {"dp": 2})
+    with pytest.warns(DiphomaWarning, match="a mean over the batch plus a whole value"):
+        pstep.trace(lin, _sgd(lin), torch.randn(4, 8), torch.randint(0, 3, (4,)))
 
 
 def test_a_returned_mean_times_the_share_size_after_the_step_is_warned_of():
@@ -1003,5 +1021,5 @@ def test_a_returned_mean_times_the_share_size_after_the_step_is_warned_of():
         opt.zero_grad()
         return loss, loss.detach() * x.shape[0]
     pstep = diphoma_compile.parallelize(step, {"dp": 2})
-    with pytest.warns(DiphomaWarning, match="by this device's share of the batch's size"):
+    with pytest.warns(DiphomaWarning, match="equal to this device's share of the batch's size"):
         pstep.trace(lin, _sgd(lin), torch.randn(4, 8), torch.randint(0, 3, (4,)))
