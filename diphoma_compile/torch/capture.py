@@ -37,7 +37,7 @@ from .codegen import check_codegen
 from .effects import INTERNAL_PATHS, HostWatch, StaleValue
 from .library_hooks import tracing_known_to_libraries
 from .ops import draws_random
-from .pystate import module_scalars, read_now, step_reads
+from .pystate import module_scalars, read_now, step_reads, submodules
 from .state import (LR_DTYPE, Captured, Slot, StateKey, hyper_value, is_state, settings_of,
                     sign)
 
@@ -985,5 +985,5 @@ def capture(step_fn: Callable, *args: Any, codegen: str | None = "fx") -> Captur
                                     for i, (path, leaf) in enumerate(step.arg_paths)
                                     if not isinstance(leaf, torch.Tensor)),
                     reads=reads, read_values=read_now(reads),
-                    module_attrs=module_scalars(modules))
+                    module_attrs=module_scalars(submodules(modules)))
 

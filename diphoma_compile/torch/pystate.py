@@ -306,21 +306,40 @@ def is_scalar_text(text: str) -> bool:
     return not text.startswith(("{", "[", "("))
 
 
-def module_scalars(modules: list[torch.nn.Module]) -> dict[str, str]:
-    """``"model.sub.attr"`` -> repr for each public scalar attribute of each module
-    (``training`` is checked with the modes)."""
-    out: dict[str, str] = {}
+def submodules(modules: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Module]]:
+    """(``"model.sub"``, the module) for every module under ``modules``."""
+    out = []
     for k, top in enumerate(modules):
         head = "model" if len(modules) == 1 else f"module{k}"
-        for path, sub in top.named_modules():
-            for attr, v in vars(sub).items():
-                if not attr.startswith("_") and attr != "training" and \
-                        isinstance(v, _SCALARS):
-                    out[f"{head}{'.' + path if path else ''}.{attr}"] = repr(v)
+        out += [(f"{head}{'.' + path if path else ''}", sub)
+                for path, sub in top.named_modules()]
     return out
 
 
-def changed_values(before: dict[str, str], now: dict[str, str]) -> list[str]:
-    """``"name: old -> new"`` for each entry of ``before`` whose value differs in ``now``."""
-    return [f"{k}: {v} -> {now.get(k, '(unset)')}" for k, v in before.items()
-            if now.get(k, "(unset)") != v]
+def module_scalars(subs: list[tuple[str, torch.nn.Module]]) -> dict[str, Any]:
+    """``"model.sub.attr"`` -> value for each public scalar attribute of each of ``subs``
+    (``submodules``; ``training`` is checked with the modes)."""
+    return {f"{path}.{attr}": v for path, sub in subs for attr, v in vars(sub).items()
+            if isinstance(v, _SCALARS) and attr != "training" and not attr.startswith("_")}
+
+
+def attribute_slots(subs: list[tuple[str, torch.nn.Module]], names: Any
+                    ) -> list[tuple[str, dict, str]]:
+    """(``"model.sub.attr"``, the module's ``__dict__``, the attribute) for each of
+    ``names`` (``module_scalars``' keys at trace time): read again on each call without
+    walking every module's attributes."""
+    want = set(names)
+    return [(f"{path}.{attr}", vars(sub), attr) for path, sub in subs for attr in vars(sub)
+            if f"{path}.{attr}" in want]
+
+
+def changed_values(slots: list[tuple[str, dict, str]], before: dict[str, Any]
+                   ) -> list[tuple[str, Any, str]]:
+    """(name, value now, ``"name: old -> new"``) for each of ``slots`` whose value differs
+    from ``before`` (by type and value: 1 and 1.0 and True differ)."""
+    out = []
+    for name, d, attr in slots:
+        old, now = before[name], d.get(attr, _MISSING)
+        if type(now) is not type(old) or now != old:
+            out.append((name, now, f"{name}: {old!r} -> {_short(now)}"))
+    return out

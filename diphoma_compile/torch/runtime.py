@@ -14,7 +14,8 @@ from torch.utils import _pytree as pytree
 
 from ..errors import DiphomaError, DiphomaWarning, no_keywords
 from ..ir.core import Graph
-from .pystate import changed_values, is_scalar_text, module_scalars, read_now
+from .pystate import (attribute_slots, changed_values, is_scalar_text, read_now,
+                      submodules)
 from .codegen import program
 from .live_memory import MeasuredPeak, measure_peak
 from .state import LR_DTYPE, Captured, Slot, hyper_value, is_state, settings_of, sign
@@ -41,6 +42,8 @@ class TorchStep:
         self._zeros_left: dict[int, tuple[int, int]] = {}
         self._module_attrs = dict(captured.module_attrs)    # as last seen (pystate.py)
         self._read_values = captured.read_values
+        self._attr_slots = attribute_slots(submodules(captured.modules),
+                                           captured.module_attrs)
         # (qualified name, module index) of each parameter, in cap.params' order
         self._param_keys = [(s.key[0], s.owner) for s in captured.inputs
                              if s.kind == "param"]
@@ -136,8 +139,15 @@ class TorchStep:
         set anew): the optimizer holds the traced tensors, and the program would train the
         new one (eager trains neither: the optimizer's are not in the model any more)."""
         cap = self.captured
+        parents: dict[tuple[int, str], Any] = {}
         for (name, owner), p in zip(self._param_keys, cap.params):
-            if _get_attr(cap.modules[owner], name) is not p:
+            path, _, leaf = name.rpartition(".")
+            mod = parents.get((owner, path))
+            if mod is None:
+                mod = parents[(owner, path)] = _get_attr(cap.modules[owner], path) \
+                    if path else cap.modules[owner]
+            own = mod._parameters
+            if (own[leaf] if leaf in own else getattr(mod, leaf)) is not p:
                 raise DiphomaError(
                     f"the parameter {name} is another tensor than the one the step was "
                     "traced with (a module or parameter replaced since); the optimizer "
@@ -167,12 +177,12 @@ class TorchStep:
                 "it was traced: where the step reads an entry that changed, the trace holds "
                 "the value it read then. Pass a value that changes as a tensor argument, or "
                 "trace the step again", DiphomaWarning, stacklevel=4)
-        attrs = module_scalars(cap.modules)
-        moved = changed_values(self._module_attrs, attrs)
+        moved = changed_values(self._attr_slots, self._module_attrs)
         if moved:
-            self._module_attrs = attrs
+            self._module_attrs.update((name, now) for name, now, _ in moved)
+            said = [text for _, _, text in moved]
             warnings.warn(
-                f"{', '.join(moved[:4])}{' ...' if len(moved) > 4 else ''} changed since the "
+                f"{', '.join(said[:4])}{' ...' if len(said) > 4 else ''} changed since the "
                 "step was traced: where the forward reads it, the trace holds the value it "
                 "read then (a dropout probability, a temperature). Pass a value that "
                 "changes as a tensor argument or buffer, or trace the step again",
