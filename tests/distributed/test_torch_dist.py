@@ -207,13 +207,20 @@ def test_losses_aten_keeps_whole_and_nanmean_match_the_single_device_step(runs):
     assert {k: (v["gradients"], v["combined"], v["counted"]) for k, v in r0.items()} == {
         "bce_sum_step": ("sum", ["sum", "sum"], 0), "smooth_l1_sum_step": ("sum", ["sum"], 0),
         "segmentation_step": ("avg", [], 1), "nanmean_step": ("avg", [], 1)}
+    _match_the_single_device_step(runs, "rule_losses")
+
+
+def _match_the_single_device_step(runs, check: str) -> None:
+    """Each step of check ``check`` returns the single-device step's values within 1e-5
+    and ends with its parameters within 1e-5 (rank 0), and every rank returns the same."""
+    r0 = runs[0][check]
     for name, r in r0.items():
         for got, want in zip(r["got"], r["want"]):
             for a, b in zip(got, want):
                 assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (name, got, want)
         assert r["param"]["rel"] <= 1e-5, (name, r["param"])
     for r in runs:
-        assert {k: v["got"] for k, v in r["rule_losses"].items()} == \
+        assert {k: v["got"] for k, v in r[check].items()} == \
             {k: v["got"] for k, v in r0.items()}
 
 
@@ -223,14 +230,7 @@ def test_losses_scaled_by_the_rows_match_the_single_device_step(runs):
     r0 = runs[0]["scaled_losses"]
     assert {k: (v["gradients"], v["combined"]) for k, v in r0.items()} == {
         "pieces_over_rows_step": ("avg", []), "mean_times_rows_step": ("sum", ["sum"])}
-    for name, r in r0.items():
-        for got, want in zip(r["got"], r["want"]):
-            for a, b in zip(got, want):
-                assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (name, got, want)
-        assert r["param"]["rel"] <= 1e-5, (name, r["param"])
-    for r in runs:
-        assert {k: v["got"] for k, v in r["scaled_losses"].items()} == \
-            {k: v["got"] for k, v in r0.items()}
+    _match_the_single_device_step(runs, "scaled_losses")
 
 
 def test_shard_params_with_l2_decay_and_zeros_left_match_the_single_device_step(runs):
