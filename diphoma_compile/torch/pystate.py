@@ -275,35 +275,31 @@ def _globals_loaded(code: types.CodeType) -> list[str]:
     return names
 
 
-def step_reads(fn: Callable) -> tuple[tuple[str, Callable[[], Any]], ...]:
-    """(name, a getter of its value) for each plain value the step function ``fn`` (a
-    bound method's function, a ``functools.partial``'s) names from its globals or closure,
-    in the order its code names them. (A container's change is only warned of: the step
-    may read one entry of a config dict whose other entries the loop moves.)"""
+def step_reads(fn: Callable) -> tuple[tuple[str, Callable[[], Any], bool], ...]:
+    """(name, a getter of its value, whether it is a scalar) for each plain value the step
+    function ``fn`` (a bound method's function, a ``functools.partial``'s) names from its
+    globals or closure, in the order its code names them. (A container's change is only
+    warned of: the step may read one entry of a config dict whose other entries the loop
+    moves.)"""
     fn = getattr(fn, "func", fn)
     fn = getattr(fn, "__func__", fn)
     code = getattr(fn, "__code__", None)
     if not isinstance(code, types.CodeType):
         return ()
-    got: list[tuple[str, Callable[[], Any]]] = []
+    getters: list[tuple[str, Callable[[], Any]]] = []
     glb = getattr(fn, "__globals__", None)
     if isinstance(glb, dict):
-        got += [(f"global {n}", _global_getter(glb, n))
-                for n in dict.fromkeys(_globals_loaded(code)) if _plain(glb.get(n, _MISSING))]
-    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
-        if _plain(_cell_getter(cell)()):
-            got.append((f"closure variable {name}", _cell_getter(cell)))
-    return tuple(got)
+        getters += [(f"global {n}", _global_getter(glb, n))
+                    for n in dict.fromkeys(_globals_loaded(code))]
+    getters += [(f"closure variable {name}", _cell_getter(cell)) for name, cell
+                in zip(code.co_freevars, getattr(fn, "__closure__", None) or ())]
+    return tuple((name, get, isinstance(v, _SCALARS)) for name, get in getters
+                 if (v := get()) is not _MISSING and _plain(v))
 
 
-def read_now(reads: tuple[tuple[str, Callable[[], Any]], ...]) -> tuple[str, ...]:
+def read_now(reads: tuple[tuple[str, Callable[[], Any], bool], ...]) -> tuple[str, ...]:
     """The values of ``reads`` as text (a dict changed in place shows)."""
-    return tuple(_short(get()) if get() is _MISSING else repr(get()) for _, get in reads)
-
-
-def is_scalar_text(text: str) -> bool:
-    """Whether ``read_now``'s text is of a scalar (not a dict, list or tuple)."""
-    return not text.startswith(("{", "[", "("))
+    return tuple(_short(v) if (v := get()) is _MISSING else repr(v) for _, get, _ in reads)
 
 
 def submodules(modules: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Module]]:

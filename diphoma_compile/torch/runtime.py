@@ -14,8 +14,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import DiphomaError, DiphomaWarning, no_keywords
 from ..ir.core import Graph
-from .pystate import (attribute_slots, changed_values, is_scalar_text, read_now,
-                      submodules)
+from .pystate import attribute_slots, changed_values, read_now, submodules
 from .codegen import program
 from .live_memory import MeasuredPeak, measure_peak
 from .state import LR_DTYPE, Captured, Slot, hyper_value, is_state, settings_of, sign
@@ -162,9 +161,9 @@ class TorchStep:
         cap = self.captured
         now = read_now(cap.reads)
         if now != self._read_values:
-            moved = [(name, old, new) for (name, _), old, new
+            moved = [(name, old, new, scalar) for (name, _, scalar), old, new
                      in zip(cap.reads, self._read_values, now) if old != new]
-            numbers = [f"{n}: {o} -> {v}" for n, o, v in moved if is_scalar_text(o)]
+            numbers = [f"{n}: {o} -> {v}" for n, o, v, scalar in moved if scalar]
             if numbers:
                 raise DiphomaError(
                     f"{', '.join(numbers)} changed since the step was traced; the trace "
@@ -173,7 +172,7 @@ class TorchStep:
                          "the step (torch.tensor(kl)), or trace the step again")
             self._read_values = now
             warnings.warn(
-                f"{', '.join(n for n, _, _ in moved)}, which the step names, changed since "
+                f"{', '.join(n for n, _, _, _ in moved)}, which the step names, changed since "
                 "it was traced: where the step reads an entry that changed, the trace holds "
                 "the value it read then. Pass a value that changes as a tensor argument, or "
                 "trace the step again", DiphomaWarning, stacklevel=4)

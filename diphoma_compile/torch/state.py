@@ -69,8 +69,9 @@ class Captured:
     # optimizers, constants): (position among the leaves, the leaf, its path "args[0]")
     arg_spec: pytree.TreeSpec | None = None
     arg_fixed: tuple[tuple[int, Any, str], ...] = ()
-    # plain Python values the step's code reads from its globals or closure (name, getter)
-    # and their values at trace time; the modules' scalar attributes then (pystate.py)
+    # plain Python values the step's code reads from its globals or closure (name, getter,
+    # whether a scalar) and their values at trace time; the modules' scalar attributes
+    # then (pystate.py)
     reads: tuple = ()
     read_values: tuple[str, ...] = ()
     module_attrs: dict[str, str] = field(default_factory=dict)

@@ -57,8 +57,8 @@ def test_what_a_step_reads_is_found():
     def closure_step(model, opt, x, y):
         return F.cross_entropy(model(x), y) * weight
 
-    assert [n for n, _ in step_reads(global_step)] == ["global KL", "global CFG"]
-    assert [n for n, _ in step_reads(closure_step)] == ["closure variable weight"]
+    assert [n for n, _, _ in step_reads(global_step)] == ["global KL", "global CFG"]
+    assert [n for n, _, _ in step_reads(closure_step)] == ["closure variable weight"]
 
 
 @pytest.mark.parametrize("change", ["global", "dict", "closure"])
