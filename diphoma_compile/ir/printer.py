@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from typing import TYPE_CHECKING
@@ -132,3 +133,14 @@ def print_graph(g: Graph) -> str:
         lines.append("  return ()")
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+_LOC = re.compile(r' loc="(?:[^"\\]|\\.)*"$', re.M)
+
+
+def program_digest(g: Graph) -> int:
+    """A 63-bit hash of ``g``'s canonical text less its source locations: two processes
+    that built the same program from the same step get the same number, wherever the
+    step's files lie."""
+    text = _LOC.sub("", print_graph(g))
+    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "little") >> 1

@@ -233,8 +233,8 @@ def _free_inputs(graph: Graph, free: set[str], n: int, fixed: set[str],
             free.add(state)
             ties.append((state, param))
     options = {}
-    for name in free:
-        t = graph.input(name).value.type
+    for name in (i.name for i in graph.inputs if i.name in free):   # graph order: the
+        t = graph.input(name).value.type                           # program's is fixed
         options[name] = [REPLICATE] + [Shard(d, k) for k in (1, *sorted(set(groups) - {1}))
                                        for d in range(t.rank) if t.shape[d] % (n * k) == 0
                                        and t.shape[d] >= n * k]

@@ -194,7 +194,7 @@ def solve(graph: Graph, menus: Sequence[Sequence[Strategy]],
     for a, b in ties:
         if a not in made or b not in made:
             continue
-        for p in set(made[a]) | set(made[b]):
+        for p in dict.fromkeys([*made[a], *made[b]]):  # in order, not by hash
             row = {var: 1.0 for var in made[a].get(p, [])}
             for var in made[b].get(p, []):
                 row[var] = row.get(var, 0.0) - 1.0

@@ -27,6 +27,7 @@ from ..ir.analysis import runs_on_one_device
 from ..ir.core import Graph, InputKind, OutputKind
 from ..ir.ops import OPS, Category
 from ..ir.opdef import is_local
+from ..ir.printer import program_digest
 from ..ir.types import DType, FlatShard, Placement, Replicate, Shard, TensorType, Varying
 from ..mesh import Mesh
 from ..report.memory import MemoryReport
@@ -34,7 +35,7 @@ from . import collectives
 from .codegen import program
 from .groups import coordinates, new_axis_groups, new_level_groups
 from .runtime import TorchStep
-from .shard_marks import mark_module, mark_optimizer
+from .shard_marks import guard_forward, mark_module, mark_optimizer
 from .state import Captured, Slot
 
 
@@ -107,10 +108,12 @@ class TorchDistStep(TorchStep):
         # gradients the graph leaves sharded are not written back: p.grad stays None
         self._with_grad -= self._sharded_grads
         self._check_equal_shares(graph)
+        self._check_same_program(graph)
         if sync_module_states:
             self._broadcast_module_states()
         self._shard_params()
         self._mark_shards()
+        self._guard_forward()
 
     def _program(self, graph: Graph, captured: Captured) -> Any:
         """This rank's program: a callable from the graph's inputs to its outputs (fx, or
@@ -142,10 +145,7 @@ class TorchDistStep(TorchStep):
         dims = [d for i in batch for d in i.value.type.shape]
         if not dims:
             return
-        # a tensor on the device the step computes on (NCCL needs one on this rank's GPU)
-        params = self.captured.params
-        device = params[0].device if params else torch.device("cpu")
-        mine = torch.tensor(dims, dtype=torch.int64, device=device)
+        mine = torch.tensor(dims, dtype=torch.int64, device=self._device())
         every = [torch.empty_like(mine) for _ in range(self.comm.size)]
         dist.all_gather(every, mine, group=self.comm.group)
         first = every[0].tolist()
@@ -163,6 +163,32 @@ class TorchDistStep(TorchStep):
                         "unequally", hint="give every rank an equal share of the global batch "
                                           "(drop or pad the last, uneven batch)")
                 at += k
+
+    def _check_same_program(self, graph: Graph) -> None:
+        """Every rank planned the step by itself: their programs must be one program, or
+        their collectives pair up wrongly and the step hangs or computes garbage (one
+        64-bit hash per rank, once, on each axis)."""
+        digest = program_digest(graph)
+        for comm in self.comms.values():
+            if comm.size == 1:
+                continue
+            mine = torch.tensor([digest], dtype=torch.int64, device=self._device())
+            every = [torch.empty_like(mine) for _ in range(comm.size)]
+            dist.all_gather(every, mine, group=comm.group)
+            other = [r for r, t in enumerate(every) if int(t.item()) != digest]
+            if other:
+                raise MeshError(
+                    f"the ranks built different programs for the step: on mesh axis "
+                    f"{comm.axis!r}, rank {comm.rank}'s differs from rank {other[0]}'s; their "
+                    "collectives would not pair up", hint="run the same code, library "
+                    "versions and options on every rank; if they are the same, compare "
+                    "str(step.graph) across ranks and report the difference as a bug")
+
+    def _device(self) -> torch.device:
+        """The device the step computes on (NCCL needs this rank's GPU for a tensor it
+        sends)."""
+        params = self.captured.params
+        return params[0].device if params else torch.device("cpu")
 
     def _bind_comm_state(self, graph: Graph, cap: Captured) -> Captured:
         """The capture with a slot for each communication-state input a pass added
@@ -432,6 +458,19 @@ class TorchDistStep(TorchStep):
                 if split_axes(self._param_type[pi])}
         for k in sorted(held):
             mark_module(self.captured.modules[k], rank, world)
+
+    def _guard_forward(self) -> None:
+        """Refuse the module's own forward between steps where it holds parameters as
+        pieces (``shard_marks.guard_forward``; checked when called, by shape)."""
+        whole = {id(self.captured.params[pi]): self._param_type[pi].shape
+                 for pi in self._held_in_pieces()}
+        if whole:
+            for module in self.captured.modules:
+                guard_forward(module, whole)
+
+    def _held_in_pieces(self) -> list[int]:
+        """The parameters (by index) this rank holds as pieces between steps."""
+        return [pi for pi, typ in self._param_type.items() if split_axes(typ)]
 
     def state_dict(self, module: int = 0) -> dict[str, torch.Tensor]:
         """The whole state dict of the step's ``module``-th module (parameters gathered from

@@ -62,6 +62,63 @@ def test_megatron_mlp_golden(golden):
     golden("torch_mlp_sgd.tp.ir", str(placed))
 
 
+class ThreeLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def centralised_step(model, opt, x):
+    """Gradient centralisation (each weight's gradient less its rows' mean), AdamW."""
+    opt.zero_grad()
+    loss = model(x).square().mean()
+    loss.backward()
+    for p in model.parameters():
+        if p.grad.dim() > 1:
+            p.grad.sub_(p.grad.mean(1, keepdim=True))
+    opt.step()
+    return loss
+
+
+_PLAN = """import sys
+import diphoma_compile.torch.op_rules
+from diphoma_compile.ir import parse
+from diphoma_compile.ir.printer import program_digest
+from diphoma_compile.mesh import Mesh
+from diphoma_compile.passes import PassContext, Pipeline
+g = parse(open(sys.argv[1]).read()).replace(mesh=Mesh({"tp": 2}))
+print(program_digest(Pipeline.from_spec("tensor-parallel{axis=tp}").run(g, PassContext())))
+"""
+
+
+def test_tensor_parallel_plan_is_the_same_in_every_process(tmp_path):
+    """Each torchrun process plans the step by itself: the solver's program was built
+    from a set of names, in an order PYTHONHASHSEED changes, and its ties broke per
+    process (dp=2 x tp=2 with gradient centralisation hung, or trained 7e-3 off, by the
+    seeds; a review's probe, 2026-12-07). Two seeds that planned differently then."""
+    import os
+    import subprocess
+    import sys
+    torch.manual_seed(0)
+    model = ThreeLayers()
+    graph = diphoma_compile.trace(centralised_step, model,
+                                  torch.optim.AdamW(model.parameters(), lr=0.1),
+                                  torch.randn(8, 8))
+    (tmp_path / "step.ir").write_text(str(graph))
+    (tmp_path / "plan.py").write_text(_PLAN)
+    digests = set()
+    for seed in ("0", "2"):
+        done = subprocess.run([sys.executable, str(tmp_path / "plan.py"),
+                               str(tmp_path / "step.ir")], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONHASHSEED": seed}, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        digests.add(done.stdout.strip())
+    assert len(digests) == 1, digests
+
+
 def test_fused_attention_splits_in_groups_golden(golden):
     torch.manual_seed(0)
     placed, rec = _placed(FusedAttention(), torch.randn(2, 4, 8))
