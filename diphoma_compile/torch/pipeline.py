@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import BackendError
+from ..ir.analysis import users
 from ..ir.core import Graph, InputKind
 from ..passes.pipeline_parallel import pipeline_of, stage_rank, updated_buffers
 from ..passes.pipeline_programs import rank_stages, stage_programs
@@ -103,6 +104,11 @@ class TorchPipelineStep(TorchDistStep):
         self.ntags = 1 + max([int(op.attrs["tag"]) for op in graph.ops
                               if op.name == "send"] + [0])
         self.inputs_read = cut.inputs_read
+        # parameters no stage reads (a BERT pooler a pretraining loss never calls): the
+        # first stage keeps them, so that state_dict() has their values
+        read = users(graph)
+        self.unread = {i.name for i in graph.inputs
+                       if i.role.kind is InputKind.param and i.name not in read}
         self.batch = {i.name for i in graph.inputs if i.role.kind is InputKind.batch}
         new_of = {o.role.target: o.name for o in graph.outputs if o.role.target is not None}
         # a tied parameter's new value received here stands for the output that replaces it
@@ -148,10 +154,21 @@ class TorchPipelineStep(TorchDistStep):
         """Empty the parameters this stage does not read (their owners keep them)."""
         for slot, p in zip([s for s in self.captured.inputs if s.kind == "param"],
                            self.captured.params):
-            if slot.name not in self.inputs_read:
+            if not self._holds(slot.name):
                 with torch.no_grad():
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 p.grad = None
+
+    def _held_in_pieces(self) -> list[int]:
+        """Split parameters, and those of other stages (emptied)."""
+        split = set(super()._held_in_pieces())
+        return [pi for pi, name in enumerate(self._param_names)
+                if pi in split or not self._holds(name)]
+
+    def _holds(self, name: str) -> bool:
+        """Whether this rank keeps parameter ``name``: its stages read it, or no stage
+        does and this is the first stage's rank."""
+        return name in self.inputs_read or name in self.unread and self.pp.rank == 0
 
     # ------------------------------------------------------------------ running
     def _input(self, slot: Slot, args_it) -> torch.Tensor:
@@ -387,5 +404,27 @@ class TorchPipelineStep(TorchDistStep):
         out = {}
         for k, n in enumerate(names):
             held = [r for r in range(len(every)) if every[r][k]]
-            out[n] = held[0] if held else 0
+            out[n] = held[0] if held else 0      # read by no stage: kept on the first
+        return out
+
+    def gather_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The whole optimizer state, {param name: {slot: tensor}}, on every rank: each
+        parameter's broadcast from the lowest stage that holds the parameter (gathered
+        there first from its data- and tensor-parallel pieces). A collective: every rank
+        must call it."""
+        owner = self._owners()
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for slot in self.captured.inputs:
+            if slot.kind != "opt_state":
+                continue
+            pi, key = slot.key
+            name, typ = self._param_names[pi], self._state_type[slot.key]
+            if owner[name] == self.pp.rank:
+                buf = self._whole_of(self._state(slot), typ).contiguous().clone()
+            else:
+                buf = torch.empty(typ.shape, dtype=DTYPE_TO_TORCH[typ.dtype],
+                                  device=self._device())
+            if self.pp.size > 1:
+                dist.broadcast(buf, src=self.pp.global_rank(owner[name]), group=self.pp.group)
+            out.setdefault(name, {})[key] = buf
         return out

@@ -7,13 +7,20 @@ every rank loads) would give every rank rank 0's pieces, of the very shapes each
 holds: nothing else would notice. ``mark_optimizer`` and ``mark_module`` hook the state
 dicts: one taken notes the rank and world size, and one loaded on another rank, or over
 another world size, is refused. A state dict of the whole state (``ParallelStep.
-state_dict()``, a single-device checkpoint) carries no mark and loads as before."""
+state_dict()``, a single-device checkpoint) carries no mark and loads as before.
+
+``guard_forward`` hooks the forward of each submodule whose parameters this rank holds as
+pieces (tensor-parallel shards, ``shard_params``' flat chunks, a pipeline's other stages'
+parameters emptied): called outside the step, between steps, it would compute on the
+pieces (a shape error deep in torch, or a wrong answer where the shapes happen to fit), so
+it is refused with what to do instead."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from ..errors import DiphomaError
 
@@ -61,3 +68,30 @@ def mark_module(module: torch.nn.Module, rank: int, world: int) -> None:
 
     module.register_state_dict_post_hook(taken)
     module.register_load_state_dict_pre_hook(loading)
+
+
+def guard_forward(module: torch.nn.Module, whole: dict[int, tuple[int, ...]]) -> None:
+    """Refuse a forward of ``module``'s submodules, outside a trace, while a parameter one
+    holds directly is not its whole shape (``whole``: id(parameter) -> that shape)."""
+    for path, sub in module.named_modules():
+        mine = [(f"{path}.{n}" if path else n, p, whole[id(p)])
+                for n, p in sub.named_parameters(recurse=False) if id(p) in whole]
+        if not mine:
+            continue
+
+        def check(_m: Any, _args: Any, mine: list = mine, path: str = path) -> None:
+            if get_proxy_mode() is not None:      # the step traced again: not a forward
+                return
+            for name, p, shape in mine:
+                if tuple(p.shape) != shape:
+                    raise DiphomaError(
+                        f"the module {path or type(module).__name__!r} was called outside "
+                        f"the parallel step, but this rank holds only its piece of {name} "
+                        f"(shape {tuple(p.shape)} of {shape}): between steps the module's "
+                        "parameters are this rank's shards, as under FSDP2, and its forward "
+                        "would compute on them",
+                        hint="evaluate a whole copy (eval_model.load_state_dict("
+                             "step.state_dict()): a collective, every rank calls it), or "
+                             "parallelize an evaluation step too")
+
+        sub.register_forward_pre_hook(check)
