@@ -298,6 +298,7 @@ class PipelineParallel(Pass):
             _refuse_summed_over_devices(ctx.decision(DataParallelRecord), self.microbatches,
                                         graph)
             _refuse_summed(traced, split, self.microbatches)
+            _refuse_per_example(traced, split, self.microbatches)
             graph, made = _count_over_shares(graph, split, ctx.decision(DataParallelRecord),
                                              self.microbatches)
             exact = {id(x) for c in made for x in (c.coupling, *c.shifts)}
@@ -365,6 +366,34 @@ def _refuse_summed(graph: Graph, split: BatchSplit, microbatches: int) -> None:
             f"which would give 1/{microbatches} of the single-device step's",
             hint="make it a mean over the batch (divide by the batch's size, "
                  "reduction='mean'), or microbatches=1")
+
+
+def _refuse_per_example(graph: Graph, split: BatchSplit, microbatches: int) -> None:
+    """The runtimes average what each microbatch returns: a returned value made from the
+    batch that is neither a sum, mean, maximum nor minimum over it (per-example logits or
+    losses, an argmax) would come out the elementwise mean of the microbatches' values,
+    not the batch's. Data parallelism refuses such values first where it runs (its
+    ``_combine``); this is the pipeline without it. A float scalar is averaged, as DDP
+    averages one."""
+    from_batch = {i.name for i in graph.inputs if i.role.kind is InputKind.batch}
+    for op in graph.ops:
+        if any(n in from_batch for n in free_inputs(op)):
+            from_batch.update(v.name for v in op.results)
+    types = graph.value_types()
+    for o in graph.outputs:
+        t = types[o.name]
+        if o.role.kind not in (OutputKind.loss, OutputKind.metric) or \
+                o.name not in from_batch or o.name in split.combine or \
+                t.numel == 1 and t.dtype.is_float:
+            continue
+        what = f"a {list(t.shape)} value" if t.numel != 1 else f"a scalar of type {t.dtype}"
+        raise PassFailure(
+            f"pipeline: the step returns %{o.name}{_made_at(graph, o.name)}, {what} "
+            f"computed from the batch that is not a sum, mean, maximum or minimum over it; "
+            f"over {microbatches} microbatches the pipeline averages the microbatches' "
+            "results, which would not give the single-device step's",
+            hint="return scalars (the loss, a mean or count over the batch), compute "
+                 "per-example outputs in a separate evaluation step, or microbatches=1")
 
 
 def _loc(graph: Graph, name: str) -> str | None:

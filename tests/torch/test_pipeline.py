@@ -186,6 +186,54 @@ def test_a_loss_summed_over_the_batch_is_refused_over_microbatches():
         pstep.trace(model, opt, {"idx": seq[:, :-1], "targets": seq[:, 1:]})
 
 
+def logits_step(model, opt, batch):
+    out = model(batch["x"])
+    loss = F.cross_entropy(out, batch["y"])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss, out.detach()
+
+
+def per_example_step(model, opt, batch):
+    each = F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
+    each.mean().backward()
+    opt.step()
+    opt.zero_grad()
+    return each.mean().detach(), each.detach()
+
+
+def argmax_step(model, opt, batch):
+    out = model(batch["x"])
+    loss = F.cross_entropy(out, batch["y"])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss, out.detach().sum(1).argmax(), (out.argmax(1) == batch["y"]).float().mean()
+
+
+@pytest.mark.parametrize("step, what", [
+    (logits_step, r"a \[16, 4\] value"),
+    (per_example_step, r"a \[16\] value"),
+    (argmax_step, "a scalar of type i64"),
+])
+def test_per_example_results_are_refused_over_microbatches(step, what):
+    """Without data parallelism (which refuses them itself) nothing refused a returned
+    value the microbatches' average gets wrong: logits or per-example losses came back
+    the elementwise mean of the microbatches' (a review's probe, 2026-12-07). A float
+    scalar (an accuracy, a mean) is averaged; at one microbatch nothing is."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = diphoma_compile.trace(step, model, opt, mlp_batches(1)[0])
+    g = g.replace(mesh=Mesh({"pp": 2}))
+    with pytest.raises(PassError, match=r"pipeline: the step returns %\d+ \(made at "
+                                        rf"\S+:\d+\), {what} computed from the batch "
+                                        "that is not a sum, mean"):
+        run(g, "dce,pipeline{axis=pp, microbatches=2, schedule=gpipe}")
+    run(g, "dce,pipeline{axis=pp, microbatches=1, schedule=gpipe}")
+
+
 @pytest.mark.parametrize("mesh, spec", [
     ({"pp": 4}, "dce,pipeline{axis=pp, schedule=interleaved}"),     # 8 stages
     ({"pp": 8}, "dce,pipeline"),
