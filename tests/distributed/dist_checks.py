@@ -529,6 +529,17 @@ def run_summed(rank: int, world: int) -> dict:
         out["uneven"] = None
     except DiphomaError as e:
         out["uneven"] = f"{type(e).__name__}: {e}"
+    # the same batches, but the last rank's model is wider: its program is another one
+    torch.manual_seed(0)
+    wide = nn.Sequential(nn.Linear(8, 16 if rank == world - 1 else 12), nn.ReLU(),
+                         nn.Linear(16 if rank == world - 1 else 12, 3))
+    try:
+        diphoma_compile.parallelize(mlp_step, diphoma_compile.Mesh({"dp": world}))(
+            wide, torch.optim.SGD(wide.parameters(), lr=0.1), local(mlp_batches(world)[0],
+                                                                    rank, world)[0])
+        out["other_program"] = None
+    except DiphomaError as e:
+        out["other_program"] = f"{type(e).__name__}: {e}"
     return out
 
 
@@ -1111,6 +1122,53 @@ def run_pp_tp(rank: int, world: int) -> dict:
             "param_abs": {k: max_abs(full[k], v) for k, v in ref.state_dict().items()}}
 
 
+class PooledResidualMLPs(ResidualMLPs):
+    """ResidualMLPs with a pooler the loss never calls (BERT's, under a pretraining
+    loss): no stage reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pooler = nn.Linear(24, 24)
+
+
+@check("pp_state")
+def run_pp_state(rank: int, world: int) -> dict:
+    """dp=2 x pp=2, AdamW, two microbatches, two steps, with a parameter no stage reads:
+    state_dict() and the gathered optimizer state on every rank, against the
+    single-device step. The unread parameter was emptied on every rank and state_dict()
+    broadcast an empty tensor as its value; the optimizer state came back zeros for the
+    parameters of the other stage (a review's probes, 2026-12-07)."""
+    import diphoma_compile
+    torch.manual_seed(0)
+    model = PooledResidualMLPs()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(6)
+    batches = [(torch.randn(8, 3, 24, generator=g), torch.randn(8, 3, 24, generator=g))
+               for _ in range(2)]
+    row = rank // 2
+    step = diphoma_compile.parallelize(regression_step, diphoma_compile.Mesh(
+        {"dp": 2, "pp": 2}), microbatches=2)
+    losses = [step(model, opt, x[row * 4:(row + 1) * 4], y[row * 4:(row + 1) * 4]).item()
+              for x, y in batches]
+    ref_losses = [regression_step(ref, ref_opt, *b).item() for b in batches]
+    out = state_parity(losses, ref_losses, step.state_dict(), ref)
+    out["state"] = compare_state(step.runner.gather_optimizer_state(), ref, ref_opt)
+    out["eager"] = _eager_forward(model, batches[0][0])
+    return out
+
+
+def _eager_forward(model: nn.Module, x: torch.Tensor) -> str | None:
+    """The error a call of ``model`` between steps gives (None: it ran)."""
+    try:
+        with torch.no_grad():
+            model(x)
+    except Exception as e:     # noqa: BLE001 (the kind of error is what is checked)
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def clipped_regression_step(model, opt, x, y):
     loss = F.mse_loss(model(x), y)
     loss.backward()
@@ -1147,7 +1205,8 @@ def run_tp_clip_3d(rank: int, world: int) -> dict:
         ref_losses = [clipped_regression_step(ref, ref_opt, *b).item() for b in batches]
         full = step.state_dict()
         out[opt_name] = {"losses": losses, "ref_losses": ref_losses, "param_abs": max(
-            max_abs(full[k], v) for k, v in ref.state_dict().items())}
+            max_abs(full[k], v) for k, v in ref.state_dict().items()),
+            "eager": _eager_forward(model, batches[0][0])}
     return out
 
 

@@ -279,6 +279,18 @@ def test_a_clipped_tensor_parallel_mlp_on_sequences_matches_the_single_device_st
             assert got["param_abs"] <= 1e-5, (name, got)
 
 
+def test_the_modules_own_forward_between_steps_is_refused_where_it_holds_pieces(runs):
+    """Tensor-parallel shards (whose shapes fit each other: the forward ran and returned
+    half the features), flat shard_params chunks and a pipeline's other stages' emptied
+    parameters: the module called between steps is refused, saying what to do."""
+    for r in runs:
+        for got in (r["tp_clip_3d"]["sgd"]["eager"], r["tp_clip_3d"]["adamw"]["eager"],
+                    r["pp_state"]["eager"]):
+            assert got is not None and got.startswith("DiphomaError: the module "), got
+            assert "was called outside the parallel step, but this rank holds only its " \
+                   "piece of" in got and "step.state_dict()" in got, got
+
+
 def test_metrics_and_buffers_computed_after_the_optimizer_step(runs):
     """The loss scaled after opt.step(), a count from the batch alone, a running average of
     the loss in a buffer: as on one device (they failed to verify or were refused)."""
@@ -304,6 +316,15 @@ def test_uneven_batches_across_ranks_are_refused(runs):
         msg = r["summed"]["uneven"]
         assert msg is not None and msg.startswith("MeshError"), msg
         assert "different shapes: %batch.x is (3, 8) on rank 0 and (4, 8) on rank" in msg, msg
+
+
+def test_ranks_that_build_different_programs_are_refused(runs):
+    """A rank whose model differs from the others' (the same batch shapes) is caught
+    when the step is built, on every rank, before any collective of the step runs."""
+    for r in runs:
+        msg = r["summed"]["other_program"]
+        assert msg is not None and msg.startswith("MeshError"), msg
+        assert "the ranks built different programs for the step" in msg, msg
 
 
 @pytest.mark.parametrize("opt_name", ["sgdm", "adamw"])
@@ -1017,3 +1038,16 @@ def test_means_over_counts_that_differ_by_rank_match_the_single_device_step(runs
     for r in runs[1:]:
         assert {k: v["got"] for k, v in r["counted_means"].items()} == \
             {k: v["got"] for k, v in r0.items()}
+
+
+def test_pipeline_state_dict_and_optimizer_state_hold_every_parameter(runs):
+    """dp=2 x pp=2 with a parameter no stage reads: every rank's state_dict() and
+    gathered optimizer state are the single-device step's."""
+    for r in runs:
+        got = r["pp_state"]
+        for a, b in zip(got["losses"], got["ref_losses"], strict=True):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), got
+        assert got["keys_equal"] and max(got["abs"].values()) <= 1e-5, got["abs"]
+        assert got["abs"]["pooler.weight"] == 0.0, got["abs"]
+        assert got["state"]["keys"] == 2 * 16 and got["state"]["rel"] <= 1e-4, got["state"]
+        assert got["state"]["steps_equal"], got["state"]
