@@ -22,7 +22,9 @@ returns the global batch's.
 A rank holds only the parameters its stages read (others are emptied, as
 torch.distributed.pipelining deletes other stages' modules); a tied parameter (GPT-2's
 embedding and LM head) lives on both its stages, and the one that does not update it
-receives the new value. ``state_dict()`` gathers the whole model on every rank."""
+receives the new value; a parameter no stage reads stays on the first stage's ranks.
+``state_dict()`` and ``gather_optimizer_state()`` gather the whole model and optimizer
+state on every rank."""
 
 from __future__ import annotations
 
