@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import BackendError
+from ..errors import BackendError, MeshError
 from ..ir.analysis import users
 from ..ir.core import Graph, InputKind
 from ..passes.pipeline_parallel import pipeline_of, stage_rank, updated_buffers
@@ -230,10 +230,50 @@ class TorchPipelineStep(TorchDistStep):
     def _run(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         t0 = time.perf_counter()
         self.busy = []
+        if self.calls == 1:
+            self._check_same_batch(inputs)
         try:
             return self._schedule(*inputs)
         finally:
             self.wall_s += time.perf_counter() - t0
+
+    def _check_same_batch(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        """The ranks of one pipeline must pass the same rows (the first stage reads the
+        inputs, the last the targets): compared once, on the first call, by two sums of
+        each batch input (the second weighted by position), all-gathered over the pp
+        group. A DistributedSampler over the whole world gives them different rows, and
+        the step would train inputs against other examples' targets. Refused where an
+        integer input (labels, token ids) differs, or every input does: floats alone may
+        differ by a random augmentation each process draws, harmless where one stage
+        reads them."""
+        if self.pp.size == 1:
+            return
+        batch = [(i.name, t) for i, t in zip(self.graph.inputs, inputs) if i.name in self.batch]
+        if not batch:
+            return
+        sums = []
+        for _, t in batch:
+            flat = t.detach().flatten().double()
+            at = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+            sums += [flat.sum(), (flat / at).sum()]
+        mine = torch.stack(sums).view(len(batch), 2)
+        every = [torch.empty_like(mine) for _ in range(self.pp.size)]
+        dist.all_gather(every, mine, group=self.pp.group)
+        differ = [k for k in range(len(batch)) if any(not torch.equal(t[k], mine[k])
+                                                      for t in every)]
+        if not differ or not (len(differ) == len(batch) or any(
+                not batch[k][1].is_floating_point() for k in differ)):
+            return
+        other = next(r for r, t in enumerate(every) if not torch.equal(t, mine))
+        which = ", ".join(f"%{batch[k][0]}" for k in differ[:3])
+        raise MeshError(
+            f"the ranks of one pipeline pass different batches ({which}: pp rank "
+            f"{self.pp.rank}'s differs from pp rank {other}'s); the first stage reads the "
+            "batch's inputs and the last its targets, so every rank of a pipeline must "
+            "pass the same rows",
+            hint="split the data over the data-parallel ranks only: DistributedSampler("
+                 "dataset, num_replicas=<dp size>, rank=<this rank's dp coordinate>), the "
+                 "same on every pp rank of a row")
 
     def _call(self, key: tuple[int, str], args: list, env: dict, what: tuple[str, int, int],
               acc: dict[str, torch.Tensor] | None = None) -> None:

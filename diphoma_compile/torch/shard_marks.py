@@ -17,6 +17,7 @@ it is refused with what to do instead."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -84,12 +85,15 @@ def guard_forward(module: torch.nn.Module, whole: dict[int, tuple[int, ...]]) ->
                 return
             for name, p, shape in mine:
                 if tuple(p.shape) != shape:
+                    held = (f"holds none of {name} (another pipeline stage's)"
+                            if p.numel() == 0 and math.prod(shape) else
+                            f"holds only its piece of {name} (shape {tuple(p.shape)} of "
+                            f"{shape})")
                     raise DiphomaError(
                         f"the module {path or type(module).__name__!r} was called outside "
-                        f"the parallel step, but this rank holds only its piece of {name} "
-                        f"(shape {tuple(p.shape)} of {shape}): between steps the module's "
-                        "parameters are this rank's shards, as under FSDP2, and its forward "
-                        "would compute on them",
+                        f"the parallel step, but this rank {held}: between steps the "
+                        "module's parameters are this rank's pieces, as under FSDP2, and "
+                        "its forward would compute on them",
                         hint="evaluate a whole copy (eval_model.load_state_dict("
                              "step.state_dict()): a collective, every rank calls it), or "
                              "parallelize an evaluation step too")

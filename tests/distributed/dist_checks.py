@@ -1156,6 +1156,21 @@ def run_pp_state(rank: int, world: int) -> dict:
     out = state_parity(losses, ref_losses, step.state_dict(), ref)
     out["state"] = compare_state(step.runner.gather_optimizer_state(), ref, ref_opt)
     out["eager"] = _eager_forward(model, batches[0][0])
+    # rows split over the whole world, as DistributedSampler(num_replicas=world) does:
+    # the pp ranks of a row get different examples; then the inputs alone differ (an
+    # augmentation each process draws), which one stage reads: allowed
+    x, y = batches[0]
+    for name, args in (("world_rows", (x[rank * 2:rank * 2 + 2], y[rank * 2:rank * 2 + 2])),
+                       ("augmented", (x[row * 4:row * 4 + 4] + 0.01 * rank,
+                                      y[row * 4:row * 4 + 4]))):
+        other = PooledResidualMLPs()
+        try:
+            diphoma_compile.parallelize(regression_step, diphoma_compile.Mesh(
+                {"dp": 2, "pp": 2}), microbatches=2)(
+                other, torch.optim.SGD(other.parameters(), lr=0.1), *args)
+            out[name] = None
+        except DiphomaError as e:
+            out[name] = f"{type(e).__name__}: {e}"
     return out
 
 

@@ -287,8 +287,10 @@ def test_the_modules_own_forward_between_steps_is_refused_where_it_holds_pieces(
         for got in (r["tp_clip_3d"]["sgd"]["eager"], r["tp_clip_3d"]["adamw"]["eager"],
                     r["pp_state"]["eager"]):
             assert got is not None and got.startswith("DiphomaError: the module "), got
-            assert "was called outside the parallel step, but this rank holds only its " \
-                   "piece of" in got and "step.state_dict()" in got, got
+            assert "was called outside the parallel step, but this rank holds " in got \
+                and "step.state_dict()" in got, got
+        assert "(another pipeline stage's)" in r["pp_state"]["eager"], r["pp_state"]["eager"]
+        assert "holds only its piece of" in r["tp_clip_3d"]["sgd"]["eager"]
 
 
 def test_metrics_and_buffers_computed_after_the_optimizer_step(runs):
@@ -1051,3 +1053,16 @@ def test_pipeline_state_dict_and_optimizer_state_hold_every_parameter(runs):
         assert got["abs"]["pooler.weight"] == 0.0, got["abs"]
         assert got["state"]["keys"] == 2 * 16 and got["state"]["rel"] <= 1e-4, got["state"]
         assert got["state"]["steps_equal"], got["state"]
+
+
+def test_pipeline_ranks_given_different_rows_are_refused(runs):
+    """dp=2 x pp=2 fed as a world-sized DistributedSampler feeds it (each rank its own
+    rows): the first stage's inputs met the last stage's targets of other examples, with
+    no word. Refused on every rank on the first call; inputs that differ alone (an
+    augmentation drawn per process; the targets agree) are not."""
+    for r in runs:
+        msg = r["pp_state"]["world_rows"]
+        assert msg is not None and msg.startswith("MeshError: the ranks of one pipeline "
+                                                  "pass different batches"), msg
+        assert "DistributedSampler(dataset, num_replicas=<dp size>" in msg, msg
+        assert r["pp_state"]["augmented"] is None, r["pp_state"]["augmented"]
