@@ -15,6 +15,7 @@ FSDP/ZeRO): ``p.grad`` is None after such a step."""
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -35,7 +36,7 @@ from . import collectives
 from .codegen import program
 from .groups import coordinates, new_axis_groups, new_level_groups
 from .runtime import TorchStep
-from .shard_marks import guard_forward, mark_module, mark_optimizer
+from .shard_marks import guard_forward, mark_module, mark_optimizer, take_pieces
 from .state import Captured, Slot
 
 
@@ -461,12 +462,21 @@ class TorchDistStep(TorchStep):
 
     def _guard_forward(self) -> None:
         """Refuse the module's own forward between steps where it holds parameters as
-        pieces (``shard_marks.guard_forward``; checked when called, by shape)."""
-        whole = {id(self.captured.params[pi]): self._param_type[pi].shape
-                 for pi in self._held_in_pieces()}
-        if whole:
-            for module in self.captured.modules:
-                guard_forward(module, whole)
+        pieces (``shard_marks.guard_forward``; checked when called, by shape), and let the
+        whole state load into it (``shard_marks.take_pieces``)."""
+        pis = self._held_in_pieces()
+        if not pis:
+            return
+        whole = {id(self.captured.params[pi]): self._param_type[pi].shape for pi in pis}
+        piece = {id(self.captured.params[pi]): (
+            self._param_type[pi].shape, functools.partial(self._piece_of, pi)) for pi in pis}
+        for module in self.captured.modules:
+            guard_forward(module, whole)
+            take_pieces(module, piece)
+
+    def _piece_of(self, pi: int, t: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of parameter ``pi``'s whole value ``t``, as it holds it."""
+        return self._shard_of(t, self._param_type[pi]).clone()
 
     def _held_in_pieces(self) -> list[int]:
         """The parameters (by index) this rank holds as pieces between steps."""

@@ -167,6 +167,11 @@ class TorchPipelineStep(TorchDistStep):
         return [pi for pi, name in enumerate(self._param_names)
                 if pi in split or not self._holds(name)]
 
+    def _piece_of(self, pi: int, t: torch.Tensor) -> torch.Tensor:
+        if not self._holds(self._param_names[pi]):
+            return t.new_empty(0)
+        return super()._piece_of(pi, t)
+
     def _holds(self, name: str) -> bool:
         """Whether this rank keeps parameter ``name``: its stages read it, or no stage
         does and this is the first stage's rank."""

@@ -9,6 +9,9 @@ dicts: one taken notes the rank and world size, and one loaded on another rank, 
 another world size, is refused. A state dict of the whole state (``ParallelStep.
 state_dict()``, a single-device checkpoint) carries no mark and loads as before.
 
+``take_pieces`` hooks a module's ``load_state_dict`` so that the whole state (the usual
+checkpoint) loads into a module holding pieces: each rank keeps its piece.
+
 ``guard_forward`` hooks the forward of each submodule whose parameters this rank holds as
 pieces (tensor-parallel shards, ``shard_params``' flat chunks, a pipeline's other stages'
 parameters emptied): called outside the step, between steps, it would compute on the
@@ -18,6 +21,7 @@ it is refused with what to do instead."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -99,3 +103,26 @@ def guard_forward(module: torch.nn.Module, whole: dict[int, tuple[int, ...]]) ->
                              "parallelize an evaluation step too")
 
         sub.register_forward_pre_hook(check)
+
+
+def take_pieces(module: torch.nn.Module,
+                piece: dict[int, tuple[tuple[int, ...], Callable[[torch.Tensor], torch.Tensor]]]
+                ) -> None:
+    """Hook ``module``'s ``load_state_dict``: a whole tensor loaded into a parameter this
+    rank holds as a piece (``piece``: id(parameter) -> its whole shape and the cut to this
+    rank's piece) is cut to the piece first, as FSDP2's ``set_model_state_dict`` takes a
+    full state dict, so that ``model.load_state_dict(step.state_dict())`` resumes between
+    steps. Torch loads from its own copy of the dict: the caller's is left as it was."""
+    names = {n: p for n, p in module.named_parameters(remove_duplicate=False)
+             if id(p) in piece}
+
+    def loading(_m: Any, sd: dict, prefix: str, *rest: Any) -> None:
+        if prefix:
+            return
+        for name, p in names.items():
+            whole, cut = piece[id(p)]
+            t = sd.get(name)
+            if isinstance(t, torch.Tensor) and tuple(t.shape) == whole != tuple(p.shape):
+                sd[name] = cut(t)
+
+    module.register_load_state_dict_pre_hook(loading)

@@ -1156,6 +1156,7 @@ def run_pp_state(rank: int, world: int) -> dict:
     out = state_parity(losses, ref_losses, step.state_dict(), ref)
     out["state"] = compare_state(step.runner.gather_optimizer_state(), ref, ref_opt)
     out["eager"] = _eager_forward(model, batches[0][0])
+    out["reloaded"] = _reloaded(step, model, step.state_dict())
     # rows split over the whole world, as DistributedSampler(num_replicas=world) does:
     # the pp ranks of a row get different examples; then the inputs alone differ (an
     # augmentation each process draws), which one stage reads: allowed
@@ -1221,8 +1222,20 @@ def run_tp_clip_3d(rank: int, world: int) -> dict:
         full = step.state_dict()
         out[opt_name] = {"losses": losses, "ref_losses": ref_losses, "param_abs": max(
             max_abs(full[k], v) for k, v in ref.state_dict().items()),
-            "eager": _eager_forward(model, batches[0][0])}
+            "eager": _eager_forward(model, batches[0][0]),
+            "reloaded": _reloaded(step, model, full)}
     return out
+
+
+def _reloaded(step, model: nn.Module, full: dict) -> float | str:
+    """The whole state dict, each entry plus one, loaded into the module between steps
+    (holding pieces): how far the state gathered again is from it."""
+    try:
+        model.load_state_dict({k: v + 1 for k, v in full.items()})
+    except Exception as e:     # noqa: BLE001 (the kind of error is what is reported)
+        return f"{type(e).__name__}: {e}"
+    again = step.state_dict()
+    return max(max_abs(again[k], full[k] + 1) for k in full)
 
 
 @check("tp_hf")

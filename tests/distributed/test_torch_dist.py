@@ -290,6 +290,17 @@ def test_the_modules_own_forward_between_steps_is_refused_where_it_holds_pieces(
             assert "was called outside the parallel step, but this rank holds " in got \
                 and "step.state_dict()" in got, got
         assert "(another pipeline stage's)" in r["pp_state"]["eager"], r["pp_state"]["eager"]
+
+
+def test_the_whole_state_dict_loads_into_a_module_holding_pieces(runs):
+    """model.load_state_dict(step.state_dict()) between steps, the module holding
+    tensor-parallel shards, shard_params chunks or a pipeline's stages: each rank takes
+    its piece (it failed on the shapes: size mismatch), as FSDP2's set_model_state_dict
+    takes a full state dict; the state gathered again is what was loaded."""
+    for r in runs:
+        for got in (r["tp_clip_3d"]["sgd"]["reloaded"], r["tp_clip_3d"]["adamw"]["reloaded"],
+                    r["pp_state"]["reloaded"]):
+            assert got == 0.0, got
         assert "holds only its piece of" in r["tp_clip_3d"]["sgd"]["eager"]
 
 
