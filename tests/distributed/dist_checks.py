@@ -1716,7 +1716,9 @@ def run_tensor_parallel_gpt2(rank: int, world: int) -> dict:
                    "held": sum(p.numel() * p.element_size() for p in model.parameters()),
                    "c_attn": tuple(model.transformer.h[0].attn.c_attn.weight.shape),
                    "kinds": {a: dict(c.calls) for a, c in step.runner.comms.items()},
-                   "calls": step.runner.calls}
+                   "calls": step.runner.calls,
+                   "eager": _eager_forward(model, _gpt2_batches()[0][:1]),
+                   "reloaded": _reloaded(step, model, full)}
             if rank == 0:
                 res["ref_losses"] = ref_losses
                 res["whole"] = sum(p.numel() * p.element_size() for p in ref.parameters())

@@ -639,6 +639,10 @@ def test_tensor_parallel_gpt2_matches_one_device(runs, case):
         assert got["kinds"]["tp"] == {"all_reduce": 8 * got["calls"]}, got["kinds"]
         if tp == 4:
             assert got["held"] <= 0.40 * res["whole"], got["held"] / res["whole"]
+        # between steps: the model's own forward refused, the whole state dict (its tied
+        # embedding under both names) loaded as each rank's pieces
+        assert got["eager"].startswith("DiphomaError: the module "), got["eager"]
+        assert got["reloaded"] == 0.0, got["reloaded"]
 
 
 @pytest.mark.parametrize("name", ["gpt", "mlp", "hf_gpt2"])

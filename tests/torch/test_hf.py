@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 
@@ -10,6 +11,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import diphoma_compile  # noqa: E402
+from diphoma_compile.errors import DiphomaWarning  # noqa: E402
 from models import hf_lm_step as lm_step  # noqa: E402
 
 
@@ -50,6 +52,22 @@ def test_gpt2_lm_head_model_bit_exact():
         assert torch.equal(loss, hf_step(ref, ref_opt, batch)), f"loss differs at step {i}"
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_gpt2_dropout_probability_changed_after_the_trace_is_warned_of():
+    """Hugging Face GPT-2 as people bring it: its dropout modules read ``self.p``, which
+    the trace bakes in; set between calls it is warned of, naming the attribute (the
+    per-call checks found on a hand-written module in test_baked.py, here on the model
+    they were written for)."""
+    model, opt, _, _, data = gpt2_twins(1, 0, 2)
+    compiled = diphoma_compile.compile(hf_step, model, opt, data[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DiphomaWarning)
+        compiled(model, opt, data[0])
+    model.transformer.drop.p = 0.3
+    with pytest.warns(DiphomaWarning, match=r"model.transformer.drop.p: 0.1 -> 0.3 changed "
+                                            "since the step was traced"):
+        compiled(model, opt, data[1])
 
 
 def llama_step(model, opt, sched, batch):
