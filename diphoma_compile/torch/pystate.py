@@ -14,7 +14,9 @@ and not the compiled one, so each call compares them with their values at trace 
 tuples of them) the step function names from its globals or closure, whose change is an
 error, since its own code reads them; and the modules' scalar attributes (``model.temp``,
 ``nn.Dropout.p``), whose change is warned of, since nothing shows the forward reads that
-one (a counter kept on the model). Values read through other functions' globals are not
+one (a counter kept on the model). An attribute the step's code reads of a global, a
+closure variable or its bound object (``cfg.clip``, ``self.kl_weight``) is watched as such
+a value. Values read through other functions' globals, or two attributes down, are not
 seen."""
 
 from __future__ import annotations
@@ -275,24 +277,53 @@ def _globals_loaded(code: types.CodeType) -> list[str]:
     return names
 
 
+def _attributes_read(code: types.CodeType) -> list[tuple[str, str]]:
+    """(name, attribute) for each ``name.attribute`` ``code`` reads of a global, a closure
+    variable or a local (``cfg.clip``, ``self.kl_weight``), in order, once each."""
+    ins = list(dis.get_instructions(code))
+    return list(dict.fromkeys(
+        (a.argval, b.argval) for a, b in zip(ins, ins[1:])
+        if a.opname in ("LOAD_GLOBAL", "LOAD_DEREF", "LOAD_FAST") and b.opname == "LOAD_ATTR"))
+
+
+def _attr_of(base: Callable[[], Any], attr: str) -> Callable[[], Any]:
+    def get() -> Any:
+        obj = base()
+        if obj is _MISSING or isinstance(obj, (torch.Tensor, *_SKIPPED_TYPES)) or \
+                _is_scheduler(obj) or type(obj) in (dict, list, tuple, set):
+            return _MISSING
+        try:
+            return getattr(obj, attr)
+        except Exception:        # noqa: BLE001 (a property that fails: nothing to watch)
+            return _MISSING
+    return get
+
+
 def step_reads(fn: Callable) -> tuple[tuple[str, Callable[[], Any], bool], ...]:
     """(name, a getter of its value, whether it is a scalar) for each plain value the step
     function ``fn`` (a bound method's function, a ``functools.partial``'s) names from its
-    globals or closure, in the order its code names them. (A container's change is only
-    warned of: the step may read one entry of a config dict whose other entries the loop
-    moves.)"""
+    globals or closure, or reads as an attribute of one of them or of its bound object
+    (``cfg.clip``, ``self.kl_weight``: a config object, a trainer), in the order its code
+    names them. (A container's change is only warned of: the step may read one entry of a
+    config dict whose other entries the loop moves.)"""
     fn = getattr(fn, "func", fn)
+    owner = getattr(fn, "__self__", None)
     fn = getattr(fn, "__func__", fn)
     code = getattr(fn, "__code__", None)
     if not isinstance(code, types.CodeType):
         return ()
-    getters: list[tuple[str, Callable[[], Any]]] = []
+    bases: dict[str, tuple[str, Callable[[], Any]]] = {}
     glb = getattr(fn, "__globals__", None)
     if isinstance(glb, dict):
-        getters += [(f"global {n}", _global_getter(glb, n))
-                    for n in dict.fromkeys(_globals_loaded(code))]
-    getters += [(f"closure variable {name}", _cell_getter(cell)) for name, cell
-                in zip(code.co_freevars, getattr(fn, "__closure__", None) or ())]
+        bases.update((n, (f"global {n}", _global_getter(glb, n)))
+                     for n in dict.fromkeys(_globals_loaded(code)))
+    bases.update((name, (f"closure variable {name}", _cell_getter(cell))) for name, cell
+                 in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()))
+    getters = list(bases.values())
+    if owner is not None and code.co_varnames:
+        bases[code.co_varnames[0]] = (code.co_varnames[0], lambda: owner)
+    getters += [(f"{bases[n][0]}.{attr}", _attr_of(bases[n][1], attr))
+                for n, attr in _attributes_read(code) if n in bases]
     return tuple((name, get, isinstance(v, _SCALARS)) for name, get in getters
                  if (v := get()) is not _MISSING and _plain(v))
 

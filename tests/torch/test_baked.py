@@ -5,6 +5,7 @@ replaced by another tensor is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -99,6 +100,55 @@ def test_a_value_the_step_reads_changed_between_calls_is_refused(change):
         KL, scale = 1.0, 1.0
         CFG["clip"] = 10.0
     step(model, opt, x, y)       # back to the traced values: runs again
+
+
+@dataclasses.dataclass
+class Options:
+    clip: float = 10.0
+
+
+OPTIONS = Options()
+
+
+class Trainer:
+    """A trainer object whose method is the step, reading a weight off itself and a clip
+    off a global config object."""
+
+    def __init__(self) -> None:
+        self.kl = 1.0
+
+    def step(self, model, opt, x, y):
+        out = model(x)
+        loss = F.cross_entropy(out, y) + self.kl * out.pow(2).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIONS.clip)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+
+@pytest.mark.parametrize("change", ["self", "config object"])
+def test_an_attribute_the_step_reads_changed_between_calls_is_refused(change):
+    """``self.kl`` and ``OPTIONS.clip`` (a dataclass): the trace holds the values read
+    then, and nothing watched them (a review's probe, 2026-12-07: a KL weight annealed on
+    the trainer trained at its first value). Put back, the step runs again."""
+    model, opt, x, y = _setup()
+    trainer = Trainer()
+    assert [n for n, _, _ in step_reads(trainer.step)] == ["self.kl", "global OPTIONS.clip"]
+    step = diphoma_compile.compile(trainer.step, model, opt, x, y)
+    step(model, opt, x, y)
+    if change == "self":
+        trainer.kl = 0.5
+        want = r"self.kl: 1.0 -> 0.5 changed since the step was traced"
+    else:
+        OPTIONS.clip = 0.5
+        want = r"global OPTIONS.clip: 10.0 -> 0.5 changed since the step was traced"
+    try:
+        with pytest.raises(DiphomaError, match=want):
+            step(model, opt, x, y)
+    finally:
+        trainer.kl, OPTIONS.clip = 1.0, 10.0
+    step(model, opt, x, y)
 
 
 def test_a_module_attribute_changed_is_warned_of_once():
