@@ -136,11 +136,13 @@ def print_graph(g: Graph) -> str:
 
 
 _LOC = re.compile(r' loc="(?:[^"\\]|\\.)*"$', re.M)
+# a device argument's index (torch.arange(n, device=x.device) on rank r's GPU: cuda:r)
+_DEVICE_INDEX = re.compile(r'("device:[a-z_]+):\d+"')
 
 
 def program_digest(g: Graph) -> int:
-    """A 63-bit hash of ``g``'s canonical text less its source locations: two processes
-    that built the same program from the same step get the same number, wherever the
-    step's files lie."""
-    text = _LOC.sub("", print_graph(g))
+    """A 63-bit hash of ``g``'s canonical text less its source locations and the index of
+    a device it names: two processes that built the same program from the same step get
+    the same number, wherever the step's files lie and whichever GPU each uses."""
+    text = _DEVICE_INDEX.sub(r'\1"', _LOC.sub("", print_graph(g)))
     return int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "little") >> 1

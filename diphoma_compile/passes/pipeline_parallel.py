@@ -374,10 +374,11 @@ def _refuse_per_example(graph: Graph, split: BatchSplit, microbatches: int) -> N
     losses, an argmax) would come out the elementwise mean of the microbatches' values,
     not the batch's. Data parallelism refuses such values first where it runs (its
     ``_combine``); this is the pipeline without it. A float scalar is averaged, as DDP
-    averages one."""
+    averages one. Values made from the gradients (a norm per layer) are the step's, once:
+    the gradients leave the microbatches summed as they should."""
     from_batch = {i.name for i in graph.inputs if i.role.kind is InputKind.batch}
-    for op in graph.ops:
-        if any(n in from_batch for n in free_inputs(op)):
+    for op in graph.ops:       # not through the backward: the gradients are summed right
+        if op.phase is not Phase.backward and any(n in from_batch for n in free_inputs(op)):
             from_batch.update(v.name for v in op.results)
     types = graph.value_types()
     for o in graph.outputs:
@@ -392,8 +393,10 @@ def _refuse_per_example(graph: Graph, split: BatchSplit, microbatches: int) -> N
             f"computed from the batch that is not a sum, mean, maximum or minimum over it; "
             f"over {microbatches} microbatches the pipeline averages the microbatches' "
             "results, which would not give the single-device step's",
-            hint="return scalars (the loss, a mean or count over the batch), compute "
-                 "per-example outputs in a separate evaluation step, or microbatches=1")
+            hint="return scalars (the loss, a mean or count over the batch) and compute "
+                 "per-example outputs outside the step (PyTorch: on a copy of the model "
+                 "loaded from step.state_dict(); JAX: from the parameters the step "
+                 "returns), or microbatches=1")
 
 
 def _loc(graph: Graph, name: str) -> str | None:
@@ -421,8 +424,9 @@ def _refuse_extreme(graph: Graph, name: str, how: str, microbatches: int,
         f"pipeline: a metric the step returns{at} is a {word} over the batch{over}; over "
         f"{microbatches} microbatches the pipeline averages the microbatches' metrics, "
         f"which would give the mean of their {words}, not the batch's",
-        hint="compute it in a separate evaluation step (or from the outputs outside the "
-             "step), or microbatches=1")
+        hint="compute it outside the step (PyTorch: on a copy of the model loaded from "
+             "step.state_dict(); JAX: from the parameters the step returns), or "
+             "microbatches=1")
 
 
 def _refuse_summed_over_devices(dp: DataParallelRecord | None, microbatches: int,

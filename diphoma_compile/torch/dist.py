@@ -168,19 +168,25 @@ class TorchDistStep(TorchStep):
     def _check_same_program(self, graph: Graph) -> None:
         """Every rank planned the step by itself: their programs must be one program, or
         their collectives pair up wrongly and the step hangs or computes garbage (one
-        64-bit hash per rank, once, on each axis)."""
+        64-bit hash per rank, once: over the world when the mesh is the world, so that
+        every rank learns of a difference and none waits in a collective its peers left;
+        else on each axis)."""
         digest = program_digest(graph)
-        for comm in self.comms.values():
-            if comm.size == 1:
+        whole = dist.is_initialized() and dist.get_world_size() == self.mesh.size
+        groups = [(None, "the world", dist.get_world_size(), lambda r: r)] if whole else \
+            [(c.group, f"mesh axis {c.axis!r}", c.size, c.global_rank)
+             for c in self.comms.values()]
+        for group, where, size, global_rank in groups:
+            if size == 1:
                 continue
             mine = torch.tensor([digest], dtype=torch.int64, device=self._device())
-            every = [torch.empty_like(mine) for _ in range(comm.size)]
-            dist.all_gather(every, mine, group=comm.group)
+            every = [torch.empty_like(mine) for _ in range(size)]
+            dist.all_gather(every, mine, group=group)
             other = [r for r, t in enumerate(every) if int(t.item()) != digest]
             if other:
                 raise MeshError(
-                    f"the ranks built different programs for the step: on mesh axis "
-                    f"{comm.axis!r}, rank {comm.rank}'s differs from rank {other[0]}'s; their "
+                    f"the ranks built different programs for the step: over {where}, rank "
+                    f"{dist.get_rank()}'s differs from rank {global_rank(other[0])}'s; their "
                     "collectives would not pair up", hint="run the same code, library "
                     "versions and options on every rank; if they are the same, compare "
                     "str(step.graph) across ranks and report the difference as a bug")

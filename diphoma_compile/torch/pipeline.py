@@ -243,42 +243,47 @@ class TorchPipelineStep(TorchDistStep):
             self.wall_s += time.perf_counter() - t0
 
     def _check_same_batch(self, inputs: tuple[torch.Tensor, ...]) -> None:
-        """The ranks of one pipeline must pass the same rows (the first stage reads the
-        inputs, the last the targets): compared once, on the first call, by two sums of
-        each batch input (the second weighted by position), all-gathered over the pp
-        group. A DistributedSampler over the whole world gives them different rows, and
-        the step would train inputs against other examples' targets. Refused where an
-        integer input (labels, token ids) differs, or every input does: floats alone may
-        differ by a random augmentation each process draws, harmless where one stage
-        reads them."""
+        """The ranks of one pipeline must pass the same rows: the first stage reads the
+        inputs and the last the targets, and a DistributedSampler over the whole world
+        gives them different ones (the step trained inputs against other examples'
+        targets with no word). Compared once, on the first call: two sums of each batch
+        input (the second weighted by position; NaNs counted as a number) and whether this
+        rank's stages read it, all-gathered over the pp group. Refused where the inputs
+        that differ are read on two ranks or more together (the inputs on one rank, the
+        targets on another; noise drawn per process that two stages read); an input read
+        on one rank alone may differ (an augmentation each process draws)."""
         if self.pp.size == 1:
             return
         batch = [(i.name, t) for i, t in zip(self.graph.inputs, inputs) if i.name in self.batch]
         if not batch:
             return
-        sums = []
-        for _, t in batch:
-            flat = t.detach().flatten().double()
+        device = self._device()
+        rows = []
+        for name, t in batch:
+            flat = torch.nan_to_num(t.detach().flatten().double(), nan=-7.25e300)
             at = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
-            sums += [flat.sum(), (flat / at).sum()]
-        mine = torch.stack(sums).view(len(batch), 2)
+            rows.append(torch.stack([flat.sum(), (flat / at).sum(),
+                                     torch.tensor(float(name in self.inputs_read),
+                                                  dtype=torch.float64, device=flat.device)
+                                     ]).to(device))
+        mine = torch.stack(rows)
         every = [torch.empty_like(mine) for _ in range(self.pp.size)]
         dist.all_gather(every, mine, group=self.pp.group)
-        differ = [k for k in range(len(batch)) if any(not torch.equal(t[k], mine[k])
-                                                      for t in every)]
-        if not differ or not (len(differ) == len(batch) or any(
-                not batch[k][1].is_floating_point() for k in differ)):
+        differ = [k for k in range(len(batch))
+                  if any(not torch.equal(t[k, :2], every[0][k, :2]) for t in every)]
+        readers = {r for k in differ for r, t in enumerate(every) if t[k, 2] > 0}
+        if len(readers) < 2:
             return
-        other = next(r for r, t in enumerate(every) if not torch.equal(t, mine))
         which = ", ".join(f"%{batch[k][0]}" for k in differ[:3])
         raise MeshError(
-            f"the ranks of one pipeline pass different batches ({which}: pp rank "
-            f"{self.pp.rank}'s differs from pp rank {other}'s); the first stage reads the "
-            "batch's inputs and the last its targets, so every rank of a pipeline must "
-            "pass the same rows",
+            f"the ranks of one pipeline pass different batches ({which} differ across "
+            f"pp ranks {', '.join(map(str, sorted(readers)))}, which read them): the first "
+            "stage reads the batch's inputs and the last its targets, so every rank of a "
+            "pipeline must pass the same rows",
             hint="split the data over the data-parallel ranks only: DistributedSampler("
                  "dataset, num_replicas=<dp size>, rank=<this rank's dp coordinate>), the "
-                 "same on every pp rank of a row")
+                 "same on every pp rank of a row; draw noise the step reads from a "
+                 "generator seeded alike on a row's ranks")
 
     def _call(self, key: tuple[int, str], args: list, env: dict, what: tuple[str, int, int],
               acc: dict[str, torch.Tensor] | None = None) -> None:
@@ -442,23 +447,25 @@ class TorchPipelineStep(TorchDistStep):
     def _owners(self) -> dict[str, int]:
         """Param name -> the lowest stage that reads it (one all_gather of a bitmap)."""
         names = [s.name for s in self.captured.inputs if s.kind == "param"]
-        mine = torch.tensor([n in self.inputs_read for n in names], dtype=torch.uint8)
+        mine = torch.tensor([n in self.inputs_read for n in names], dtype=torch.uint8,
+                            device=self._device())      # NCCL sends from this rank's GPU
         every = [torch.empty_like(mine) for _ in range(self.pp.size)]
         if self.pp.size > 1:
             dist.all_gather(every, mine, group=self.pp.group)
         else:
             every = [mine]
+        bits = [t.tolist() for t in every]
         out = {}
         for k, n in enumerate(names):
-            held = [r for r in range(len(every)) if every[r][k]]
+            held = [r for r in range(len(bits)) if bits[r][k]]
             out[n] = held[0] if held else 0      # read by no stage: kept on the first
         return out
 
     def gather_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The whole optimizer state, {param name: {slot: tensor}}, on every rank: each
-        parameter's broadcast from the lowest stage that holds the parameter (gathered
-        there first from its data- and tensor-parallel pieces). A collective: every rank
-        must call it."""
+        """The whole optimizer state, {param name: {slot: tensor}}, on every rank, on the
+        device the step computes on: each parameter's broadcast from the lowest stage that
+        holds the parameter (gathered there first from its data- and tensor-parallel
+        pieces). A collective: every rank must call it."""
         owner = self._owners()
         out: dict[str, dict[str, torch.Tensor]] = {}
         for slot in self.captured.inputs:
@@ -466,8 +473,11 @@ class TorchPipelineStep(TorchDistStep):
                 continue
             pi, key = slot.key
             name, typ = self._param_names[pi], self._state_type[slot.key]
+            # on the device the step computes on (Adam's step count lives on the CPU:
+            # NCCL broadcasts from the GPU), where every rank then returns it
             if owner[name] == self.pp.rank:
-                buf = self._whole_of(self._state(slot), typ).contiguous().clone()
+                buf = self._whole_of(self._state(slot), typ).to(self._device()).contiguous() \
+                    .clone()
             else:
                 buf = torch.empty(typ.shape, dtype=DTYPE_TO_TORCH[typ.dtype],
                                   device=self._device())

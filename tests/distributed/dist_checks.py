@@ -1161,18 +1161,34 @@ def run_pp_state(rank: int, world: int) -> dict:
     # the pp ranks of a row get different examples; then the inputs alone differ (an
     # augmentation each process draws), which one stage reads: allowed
     x, y = batches[0]
-    for name, args in (("world_rows", (x[rank * 2:rank * 2 + 2], y[rank * 2:rank * 2 + 2])),
-                       ("augmented", (x[row * 4:row * 4 + 4] + 0.01 * rank,
-                                      y[row * 4:row * 4 + 4]))):
+    mine = x[row * 4:row * 4 + 4], y[row * 4:row * 4 + 4]
+    for name, fn, args in (
+            ("world_rows", regression_step, (x[rank * 2:rank * 2 + 2],
+                                             y[rank * 2:rank * 2 + 2])),
+            ("augmented", regression_step, (mine[0] + 0.01 * rank, mine[1])),
+            ("noise_per_rank", denoising_step, (mine[0], mine[1] + 0.01 * rank))):
         other = PooledResidualMLPs()
         try:
-            diphoma_compile.parallelize(regression_step, diphoma_compile.Mesh(
+            diphoma_compile.parallelize(fn, diphoma_compile.Mesh(
                 {"dp": 2, "pp": 2}), microbatches=2)(
                 other, torch.optim.SGD(other.parameters(), lr=0.1), *args)
             out[name] = None
         except DiphomaError as e:
             out[name] = f"{type(e).__name__}: {e}"
+    # the module, its hooks included, still pickles
+    import io
+    torch.save(model, io.BytesIO())
     return out
+
+
+def denoising_step(model, opt, x, eps):
+    """A diffusion-like loss: the noise is read by the first stage (added to the input)
+    and by the last (the target)."""
+    loss = F.mse_loss(model(x + eps), eps)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
 
 
 def _eager_forward(model: nn.Module, x: torch.Tensor) -> str | None:

@@ -1081,3 +1081,6 @@ def test_pipeline_ranks_given_different_rows_are_refused(runs):
                                                   "pass different batches"), msg
         assert "DistributedSampler(dataset, num_replicas=<dp size>" in msg, msg
         assert r["pp_state"]["augmented"] is None, r["pp_state"]["augmented"]
+        noise = r["pp_state"]["noise_per_rank"]
+        assert noise is not None and "(%eps differ across pp ranks 0, 1, which read them)" \
+            in noise, noise

@@ -234,6 +234,28 @@ def test_per_example_results_are_refused_over_microbatches(step, what):
     run(g, "dce,pipeline{axis=pp, microbatches=1, schedule=gpipe}")
 
 
+def grad_norms_step(model, opt, batch):
+    loss = F.cross_entropy(model(batch["x"]), batch["y"])
+    loss.backward()
+    norms = torch.stack([p.grad.norm() for p in model.parameters()])
+    opt.step()
+    opt.zero_grad()
+    return loss, norms, model.fc1.weight.detach().norm(dim=1)
+
+
+def test_vectors_made_from_gradients_or_parameters_are_not_refused():
+    """Per-layer gradient norms and the new weights' row norms are the step's values,
+    made once from gradients the microbatches sum right: the per-example refusal once
+    followed the batch through the backward and refused them (a review's probe,
+    2026-12-07)."""
+    torch.manual_seed(0)
+    model = MLP()
+    g = diphoma_compile.trace(grad_norms_step, model,
+                              torch.optim.SGD(model.parameters(), lr=0.1), mlp_batches(1)[0])
+    run(g.replace(mesh=Mesh({"pp": 2})), "dce,pipeline{axis=pp, microbatches=2, "
+                                         "schedule=gpipe}")
+
+
 @pytest.mark.parametrize("mesh, spec", [
     ({"pp": 4}, "dce,pipeline{axis=pp, schedule=interleaved}"),     # 8 stages
     ({"pp": 8}, "dce,pipeline"),

@@ -119,6 +119,30 @@ def test_tensor_parallel_plan_is_the_same_in_every_process(tmp_path):
     assert len(digests) == 1, digests
 
 
+def test_the_program_digest_ignores_source_lines_and_device_indices():
+    """The digest every rank compares: a step that makes a tensor on ``x.device``
+    (``torch.arange(t, device=idx.device)``, in GPT-2 and nanoGPT) names rank r's GPU,
+    cuda:r, in its text, and the ranks' digests all differed (a review's probe,
+    2026-12-07); so do source locations where the ranks' files lie apart. Another op
+    still changes it."""
+    from diphoma_compile.ir import parse
+    from diphoma_compile.ir.printer import program_digest
+    from models import GPT, lm_step
+    torch.manual_seed(0)
+    model = GPT(vocab=16, d=8, layers=1, heads=2, block=4)
+    seq = torch.randint(0, 16, (2, 5))
+    text = str(diphoma_compile.trace(lm_step, model, torch.optim.SGD(model.parameters(),
+                                                                     lr=0.1),
+                                     {"idx": seq[:, :-1], "targets": seq[:, 1:]}))
+    assert '"device:cpu"' in text and " loc=" in text
+    on = [parse(text.replace('"device:cpu"', f'"device:cuda:{r}"').replace(
+        " loc=\"", f" loc=\"/rank{r}/")) for r in range(2)]
+    assert str(on[0]) != str(on[1])
+    assert program_digest(on[0]) == program_digest(on[1])
+    assert program_digest(on[0]) != program_digest(parse(text.replace(
+        '"device:cpu"', '"device:meta"')))
+
+
 def test_fused_attention_splits_in_groups_golden(golden):
     torch.manual_seed(0)
     placed, rec = _placed(FusedAttention(), torch.randn(2, 4, 8))
