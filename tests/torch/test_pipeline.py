@@ -186,13 +186,21 @@ def test_a_loss_summed_over_the_batch_is_refused_over_microbatches():
         pstep.trace(model, opt, {"idx": seq[:, :-1], "targets": seq[:, 1:]})
 
 
-def logits_step(model, opt, batch):
-    out = model(batch["x"])
-    loss = F.cross_entropy(out, batch["y"])
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss, out.detach()
+def returning(extra):
+    """A classification step that also returns ``extra(logits, batch)``."""
+    def step(model, opt, batch):
+        out = model(batch["x"])
+        loss = F.cross_entropy(out, batch["y"])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss, *extra(out.detach(), batch)
+    return step
+
+
+logits_step = returning(lambda out, batch: (out,))
+argmax_step = returning(lambda out, batch: (out.sum(1).argmax(),
+                                            (out.argmax(1) == batch["y"]).float().mean()))
 
 
 def per_example_step(model, opt, batch):
@@ -201,15 +209,6 @@ def per_example_step(model, opt, batch):
     opt.step()
     opt.zero_grad()
     return each.mean().detach(), each.detach()
-
-
-def argmax_step(model, opt, batch):
-    out = model(batch["x"])
-    loss = F.cross_entropy(out, batch["y"])
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss, out.detach().sum(1).argmax(), (out.argmax(1) == batch["y"]).float().mean()
 
 
 @pytest.mark.parametrize("step, what", [
