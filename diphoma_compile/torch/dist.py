@@ -27,12 +27,13 @@ from ..errors import BackendError, DiphomaError, MeshError, no_keywords
 from ..ir.analysis import runs_on_one_device
 from ..ir.core import Graph, InputKind, OutputKind
 from ..ir.ops import OPS, Category
-from ..ir.opdef import is_local
+from ..ir.opdef import is_local, random_draw
 from ..ir.printer import program_digest
 from ..ir.types import DType, FlatShard, Placement, Replicate, Shard, TensorType, Varying
 from ..mesh import Mesh
 from ..report.memory import MemoryReport
 from . import collectives
+from .agreement import Peers, disagreeing, fingerprint, rng_digest
 from .codegen import program
 from .groups import coordinates, new_axis_groups, new_level_groups
 from .runtime import TorchStep
@@ -165,31 +166,98 @@ class TorchDistStep(TorchStep):
                                           "(drop or pad the last, uneven batch)")
                 at += k
 
+    def _peers(self) -> list[Peers]:
+        """The ranks that must agree on what every rank holds alike: the world when the
+        mesh is the world (one collective, and no rank left waiting where another
+        refused), else each axis's group."""
+        if dist.is_initialized() and dist.get_world_size() == self.mesh.size:
+            return [Peers(None, "the world", self.mesh.size, lambda r: r)]
+        return [Peers(c.group, f"mesh axis {c.axis!r}", c.size, c.global_rank)
+                for c in self.comms.values()]
+
     def _check_same_program(self, graph: Graph) -> None:
         """Every rank planned the step by itself: their programs must be one program, or
         their collectives pair up wrongly and the step hangs or computes garbage (one
-        64-bit hash per rank, once: over the world when the mesh is the world, so that
-        every rank learns of a difference and none waits in a collective its peers left;
-        else on each axis)."""
-        digest = program_digest(graph)
-        whole = dist.is_initialized() and dist.get_world_size() == self.mesh.size
-        groups = [(None, "the world", dist.get_world_size(), lambda r: r)] if whole else \
-            [(c.group, f"mesh axis {c.axis!r}", c.size, c.global_rank)
-             for c in self.comms.values()]
-        for group, where, size, global_rank in groups:
-            if size == 1:
-                continue
-            mine = torch.tensor([digest], dtype=torch.int64, device=self._device())
-            every = [torch.empty_like(mine) for _ in range(size)]
-            dist.all_gather(every, mine, group=group)
-            other = [r for r, t in enumerate(every) if int(t.item()) != digest]
-            if other:
-                raise MeshError(
-                    f"the ranks built different programs for the step: over {where}, rank "
-                    f"{dist.get_rank()}'s differs from rank {global_rank(other[0])}'s; their "
-                    "collectives would not pair up", hint="run the same code, library "
-                    "versions and options on every rank; if they are the same, compare "
-                    "str(step.graph) across ranks and report the difference as a bug")
+        64-bit hash per rank, once)."""
+        mine = torch.tensor([program_digest(graph)], dtype=torch.int64, device=self._device())
+        found = disagreeing(mine, self._peers())
+        if found is not None:
+            peers, other, _ = found
+            raise MeshError(
+                f"the ranks built different programs for the step: over {peers.where}, rank "
+                f"{dist.get_rank()}'s differs from rank {other}'s; their collectives would "
+                "not pair up", hint="run the same code, library versions and options on "
+                "every rank, with the same Python values the step reads (a count passed as "
+                "an int differs by rank: pass it as a tensor); if they are the same, "
+                "compare str(step.graph) across ranks and report the difference as a bug")
+
+    def _check_args(self, args: tuple) -> list[torch.Tensor]:
+        tensors = super()._check_args(args)
+        if self.calls == 1 and not self.alone:
+            self._check_same_whole_args(tensors)
+            self._check_same_draws()
+        return tensors
+
+    def _check_same_whole_args(self, tensors: list[torch.Tensor]) -> None:
+        """A tensor argument the plan takes as whole (not split over any axis: a 0-d count
+        passed beside the batch) must be the same on every rank: each rank's was read as
+        the same number (a token count each rank took of its own batch, passed as
+        num_items_in_batch, gave 4x the loss and gradients at dp=4 with no word; a
+        review's probe, 2026-12-07). Compared on the first call."""
+        whole = self._whole_args(tensors)
+        if not whole:
+            return
+        mine = torch.stack([fingerprint(t, self._device()) for _, t in whole])
+        found = disagreeing(mine, self._peers())
+        if found is not None:
+            peers, other, rows = found
+            names = ", ".join(f"%{whole[k][0]}" for k in rows[:3])
+            raise MeshError(
+                f"the step takes {names} as the same on every rank (not split with the "
+                f"batch), but rank {dist.get_rank()} passes another value than rank {other} "
+                f"(over {peers.where}): the plan would compute with each rank's as if it "
+                "were everyone's", hint="pass the value for the whole global batch (a "
+                "count all-reduced over the data-parallel ranks: dist.all_reduce(n)), or "
+                "compute it inside the step from the batch")
+
+    def _whole_args(self, tensors: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """(graph input, tensor) for each argument the plan takes as the same everywhere:
+        not split over any axis, or a batch argument of no rows, or of one beside others
+        of more (which the batch analysis takes as whole: a count, a temperature)."""
+        args = [(i, t) for (i, s), t in zip(
+            [(i, s) for i, s in zip(self.graph.inputs, self.captured.inputs) if s.kind == "arg"],
+            tensors)]
+        rows = any(i.role.kind is InputKind.batch and t.dim() and t.shape[0] > 1
+                   for i, t in args)
+        return [(i.name, t) for i, t in args if not split_axes(i.value.type) or (
+            i.role.kind is InputKind.batch and (t.dim() == 0 or rows and t.shape[0] == 1))]
+
+    def _check_same_draws(self) -> None:
+        """The ranks of a tensor-parallel axis hold the values the step draws random
+        numbers on whole (dropout runs whole), so their generators must draw alike, or
+        their copies of the whole parameters drift apart (a seed per rank, as
+        accelerate's set_seed(device_specific=True) makes, did so with no word; a
+        review's probe, 2026-12-07). Compared on the first call, where the step draws."""
+        if not any(random_draw(op) == "global" for op in self.graph.walk()):
+            return
+        split = {a for t in self._param_type.values() for a, p in t.placements
+                 if isinstance(p, Shard)} - {self.axis}
+        peers = [Peers(c.group, f"mesh axis {a!r}", c.size, c.global_rank)
+                 for a, c in self.comms.items() if a in split]
+        if not peers:
+            return
+        mine = torch.tensor([rng_digest(self._device())], dtype=torch.int64,
+                            device=self._device())
+        found = disagreeing(mine, peers)
+        if found is not None:
+            peers_, other, _ = found
+            raise MeshError(
+                f"the ranks along {peers_.where} draw different random numbers (rank "
+                f"{dist.get_rank()}'s generator is in another state than rank {other}'s), "
+                "and the step draws (dropout) on values each of them holds whole: their "
+                "copies of the whole parameters would drift apart",
+                hint="seed the ranks of each tensor-parallel group alike (torch.manual_seed("
+                     "seed + data-parallel index), not seed + rank), or turn dropout off")
 
     def _device(self) -> torch.device:
         """The device the step computes on (NCCL needs this rank's GPU for a tensor it

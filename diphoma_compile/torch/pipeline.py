@@ -242,6 +242,11 @@ class TorchPipelineStep(TorchDistStep):
         finally:
             self.wall_s += time.perf_counter() - t0
 
+    def _whole_args(self, tensors: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """The batch inputs are cut into microbatches, not whole: their ranks compare them
+        by who reads them (``_check_same_batch``)."""
+        return [(n, t) for n, t in super()._whole_args(tensors) if n not in self.batch]
+
     def _check_same_batch(self, inputs: tuple[torch.Tensor, ...]) -> None:
         """The ranks of one pipeline must pass the same rows: the first stage reads the
         inputs and the last the targets, and a DistributedSampler over the whole world

@@ -1181,6 +1181,60 @@ def run_pp_state(rank: int, world: int) -> dict:
     return out
 
 
+def counted_sum_step(model, opt, x, y, n):
+    """A loss summed over the batch and divided by a count passed in (Hugging Face's
+    num_items_in_batch)."""
+    loss = F.cross_entropy(model(x), y, reduction="sum") / n
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@check("agreement")
+def run_agreement(rank: int, world: int) -> dict:
+    """What the ranks must agree on, on the first call: a count passed as a 0-d tensor
+    that each rank took of its own share (4x the loss at dp=4, with no word) against the
+    global count; dropout at dp=2 x tp=2 with a seed per rank (the tp ranks' copies of
+    the whole parameters drifted apart) against one seed per data-parallel index."""
+    import diphoma_compile
+    out = {}
+    x, y = mlp_batches(world)[0][0]["x"], mlp_batches(world)[0][0]["y"]
+    mine = slice(rank * MLP_LOCAL, (rank + 1) * MLP_LOCAL)
+    # each rank's count of its own share's kept labels (here they differ by rank)
+    for name, n in (("local_count", torch.tensor(float(MLP_LOCAL - rank % 2))),
+                    ("global_count", torch.tensor(float(MLP_LOCAL * world)))):
+        torch.manual_seed(0)
+        model = nn.Linear(8, 3)
+        try:
+            step = diphoma_compile.parallelize(counted_sum_step, {"dp": world})
+            out[name] = step(model, torch.optim.SGD(model.parameters(), lr=0.1), x[mine],
+                             y[mine], n).item()
+        except DiphomaError as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    if rank == 0:
+        torch.manual_seed(0)
+        ref = nn.Linear(8, 3)
+        out["ref"] = counted_sum_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y,
+                                      torch.tensor(float(MLP_LOCAL * world))).item()
+    row = rank // 2
+    for name, seed in (("seed_per_rank", 100 + rank), ("seed_per_row", 100 + row)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.Dropout(0.1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = diphoma_compile.parallelize(regression_step, {"dp": 2, "tp": 2})
+        torch.manual_seed(seed)
+        try:
+            for _ in range(2):
+                step(model, opt,
+                     torch.randn(4, 8, generator=torch.Generator().manual_seed(row)),
+                     torch.randn(4, 8, generator=torch.Generator().manual_seed(9 + row)))
+            out[name] = torch.cat([v.flatten() for v in step.state_dict().values()])
+        except DiphomaError as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def denoising_step(model, opt, x, eps):
     """A diffusion-like loss: the noise is read by the first stage (added to the input)
     and by the last (the target)."""

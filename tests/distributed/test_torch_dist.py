@@ -1084,3 +1084,20 @@ def test_pipeline_ranks_given_different_rows_are_refused(runs):
         noise = r["pp_state"]["noise_per_rank"]
         assert noise is not None and "(%eps differ across pp ranks 0, 1, which read them)" \
             in noise, noise
+
+
+def test_what_the_ranks_must_agree_on_is_checked_on_the_first_call(runs):
+    """A count passed as a 0-d tensor, each rank's of its own share, is refused (the
+    global one matches the single-device step); dropout under tensor parallelism with a
+    seed per rank is refused on every rank, and with a seed per data-parallel index every
+    rank gathers the same model."""
+    for r in runs:
+        got = r["agreement"]
+        assert str(got["local_count"]).startswith("MeshError: the step takes %n as the "
+                                                  "same on every rank"), got["local_count"]
+        assert "dist.all_reduce(n)" in got["local_count"]
+        assert got["global_count"] == pytest.approx(runs[0]["agreement"]["ref"], rel=1e-6)
+        assert str(got["seed_per_rank"]).startswith(
+            "MeshError: the ranks along mesh axis 'tp' draw different random numbers"), \
+            got["seed_per_rank"]
+        assert torch.equal(got["seed_per_row"], runs[0]["agreement"]["seed_per_row"])
