@@ -191,6 +191,9 @@ class DataParallelRecord:
     batch_unmatched: tuple[str, ...] = ()
     # False: the step has no backward (it computes no gradient), so none is averaged
     differentiates: bool = True
+    # "global": means over counts divided by the count summed over the devices where the
+    # pass could; "local": each device's own, as DDP (asked for: not warned of)
+    counts: str = "global"
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's ``notes["data-parallel"]`` (docs/plan.md)."""
@@ -245,7 +248,7 @@ class DataParallel(Pass):
                                        if id(c) not in exact])),
             counted_globally=tuple(dict.fromkeys(str(c.coupling) for c in made)),
             batch_judged=split.analysis.judged, batch_probed=split.analysis.probed,
-            batch_unmatched=split.analysis.unmatched)
+            batch_unmatched=split.analysis.unmatched, counts=self.counts)
         return out
 
 

@@ -434,7 +434,7 @@ def coupling_warning(dp: DataParallelRecord | None, pp: PipelineRecord | None) -
     if dp is not None and not dp.batch_judged:
         return _unjudged(dp)
     if not where:
-        return None
+        return _counted_warning(dp, pp)
     more = f" (and {len(where) - 2} more: the plan lists them)" if len(where) > 2 else ""
     return (f"the step's forward combines examples of its batch: {'; '.join(where[:2])}"
             f"{more}. Under this plan {_shares(dp, pp, 'batch_coupled')} computes it alone "
@@ -442,6 +442,28 @@ def coupling_warning(dp: DataParallelRecord | None, pp: PipelineRecord | None) -
             "gradients, a metric, a buffer) differs from the single-device step's. To match "
             "it, compute such terms from values that do not mix examples (LayerNorm or "
             "GroupNorm for a batch norm), or run the step without splitting its batch.")
+
+
+def _counted_warning(dp: DataParallelRecord | None, pp: PipelineRecord | None
+                     ) -> str | None:
+    """The warning for means over counts the plan could not count over the whole batch
+    (a mean over the labels kept of each half of an in-step gradient accumulation): each
+    share divides by its own count, as under DDP (a review found the plan listed them and
+    parallelize said nothing, 2026-12-07). Not where data-parallel was asked for each
+    device's own counts (``counts=local``), nor in a loss the devices add up (a mean over a
+    count times the batch's size: its count is not summed over the devices either)."""
+    where = _places(dp, pp, "batch_counted")
+    if not where or dp is not None and (dp.counts == "local" or dp.gradients != "avg"):
+        return None
+    more = f" (and {len(where) - 2} more: the plan lists them)" if len(where) > 2 else ""
+    return (f"the step's forward divides by counts of parts of its batch: "
+            f"{'; '.join(where[:2])}{more}. Under this plan "
+            f"{_shares(dp, pp, 'batch_counted')} divides by its own part's count and the "
+            "results are averaged, as DDP does, so the loss and gradients are the "
+            "single-device step's only when every share counts alike (a mean over the "
+            "labels not ignored, taken per half of a gradient accumulation in the step). "
+            "To match it, divide by a count of the whole batch the step gets (Hugging "
+            "Face's num_items_in_batch).")
 
 
 def _quantized_lines(plan: Plan) -> list[str]:
