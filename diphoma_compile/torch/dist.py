@@ -188,8 +188,10 @@ class TorchDistStep(TorchStep):
                 f"{dist.get_rank()}'s differs from rank {other}'s; their collectives would "
                 "not pair up", hint="run the same code, library versions and options on "
                 "every rank, with the same Python values the step reads (a count passed as "
-                "an int differs by rank: pass it as a tensor); if they are the same, "
-                "compare str(step.graph) across ranks and report the difference as a bug")
+                "an int differs by rank: pass it as a tensor); a tensor-parallel plan the "
+                "solver stopped at its time limit (warned of when traced) depends on each "
+                "rank's speed; else compare str(step.graph) across ranks and report the "
+                "difference as a bug")
 
     def _check_args(self, args: tuple) -> list[torch.Tensor]:
         tensors = super()._check_args(args)

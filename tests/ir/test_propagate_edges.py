@@ -96,3 +96,42 @@ graph @step mesh[tp=2] (
     rec = ctx.decision(TensorParallelRecord)
     assert len(rec.pairs) == 1
     assert any(kind == "all_gather" for _, kind, _ in rec.collectives)
+
+
+def test_a_plan_stopped_at_the_time_limit_is_warned_of(monkeypatch):
+    """HiGHS stopped by its time limit returns the best plan it found so far, which
+    depends on the machine's speed: each torchrun rank plans by itself, and one of three
+    launches of a Llama step at dp=2 x tp=2 built different programs (a review's probe,
+    2026-12-07). Said when it happens (the solver's answer stood in for here: a real
+    one takes a minute)."""
+    import warnings
+
+    import scipy.optimize
+
+    from diphoma_compile.errors import DiphomaWarning
+    real = scipy.optimize.milp
+
+    def stopped(*args, **kwargs):
+        assert kwargs["options"]["mip_rel_gap"] == 0.01
+        res = real(*args, **kwargs)
+        res.status, res.mip_gap = 1, 0.0056
+        return res
+    monkeypatch.setattr(scipy.optimize, "milp", stopped)
+    g = parse("""# diphoma-ir v1
+graph @step mesh[tp=2] (
+  %w: f32[8,4] param,
+  %x: f32[4,8] batch,
+) {
+  %y: f32[4,4] = dot(%x, %w) {lhs_contract=[1], rhs_contract=[0]} phase=forward
+  %loss: f32[] = reduce_sum(%y) {dims=[0, 1]} phase=forward
+  return (
+    %loss loss,
+  )
+}
+""")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        complete(g, "tp", {"w": Shard(0)})
+    said = [str(x.message) for x in w if issubclass(x.category, DiphomaWarning)]
+    assert said and "stopped at its 60 s limit with a plan 0.6% from the best bound" in \
+        said[0], said
