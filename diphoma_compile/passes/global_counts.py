@@ -51,7 +51,11 @@ def count_globally(graph: Graph, counted: Sequence[CountedMean], axis: str | Non
     share = _per_share(graph, axis)
     alone = _of_the_batch(graph)
     learned = _of_the_parameters(graph)
-    made = [c for c in counted if _exact(graph, c, counted, share, made_by, to_loss, rows)
+    # only the forward's: a mean computed after the update (a validation loss in the
+    # step) stays each device's own (its count summed in the forward phase did not verify)
+    made = [c for c in counted if c.made in made_by and
+            (made_by[c.made].phase or Phase.forward) is Phase.forward
+            and _exact(graph, c, counted, share, made_by, to_loss, rows)
             and (microbatches == 1 or _adds_up(graph, c, made_by, alone, learned))]
     done: dict[tuple[str, str], tuple[str, str]] = {}
     for c in made:

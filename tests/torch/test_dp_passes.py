@@ -12,7 +12,7 @@ from diphoma_compile.ir import InputKind, OutputKind, Phase, parse, print_graph 
 from diphoma_compile.ir.types import FlatShard, Replicate, Varying  # noqa: E402
 from diphoma_compile.mesh import Mesh  # noqa: E402
 from diphoma_compile.passes.defaults import default_passes  # noqa: E402
-from diphoma_compile.errors import PassError  # noqa: E402
+from diphoma_compile.errors import DiphomaWarning, PassError  # noqa: E402
 from diphoma_compile.passes import (DataParallelRecord, PassContext, Pipeline,  # noqa: E402
                                     WeightUpdateShardingRecord)
 from diphoma_compile.report.plan import build_plan  # noqa: E402
@@ -316,3 +316,36 @@ def test_a_step_without_backward_is_planned_as_one_and_said_so():
     g, ctx = run(traced("sgd"), default_passes("dp"))
     plan = build_plan(g, ctx.decisions)
     assert plan.memory.single_device_grads > 0 and "no backward" not in plan.to_text()
+
+
+def validated_step(model, opt, x, y, vx, vy):
+    """A validation loss computed in the step after the update, the model in eval mode."""
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        val = torch.nn.functional.cross_entropy(model(vx), vy)
+    model.train()
+    return loss, val
+
+
+def test_a_validation_loss_after_the_update_plans_under_data_parallel():
+    """Its cross-entropy's count was summed over the devices with the collective put in
+    the forward phase, before the update that made its inputs, and the graph did not
+    verify (an internal error; a review's probe on Hugging Face GPT-2, 2026-12-07). It
+    stays each device's own count now (listed and warned of); weight-update sharding
+    refuses it in words (each device holds a piece of the new parameters there)."""
+    torch.manual_seed(0)
+    model = MLP()
+    args = (torch.randn(4, 8), torch.randint(0, 4, (4,)), torch.randn(4, 8),
+            torch.randint(0, 4, (4,)))
+    pstep = diphoma_compile.parallelize(validated_step, {"dp": 2}, passes="data-parallel")
+    with pytest.warns(DiphomaWarning, match="divides by counts"):
+        pstep.trace(model, torch.optim.SGD(model.parameters(), lr=0.1), *args)
+    assert len(pstep.plan.notes["data-parallel"]["batch_counted"]) == 1
+    with pytest.raises(diphoma_compile.DiphomaError, match="runs the model on the batch "
+                                                           "again after the optimizer step"):
+        diphoma_compile.parallelize(validated_step, {"dp": 2}).trace(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), *args)
