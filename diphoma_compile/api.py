@@ -28,7 +28,7 @@ from . import framework as frameworks
 from .errors import DiphomaError, DiphomaWarning, MeshError, no_keywords
 from .framework import Framework
 from .ir.analysis import runs_on_one_device
-from .ir.batch_coupling import one_row_per_share, scaled_by_rows
+from .ir.batch_coupling import one_row_per_share, one_row_windows, scaled_by_rows
 from .ir.row_probe import RowProbe, probe_rows
 from .ir.device_model import (MODELS, DeviceModel, check, device_model, model_for_device,
                               register)
@@ -368,7 +368,7 @@ def trace_step(step_fn: Callable, args: tuple, mesh: Mesh, axis: str,
                                   codegen=codegen, **kw)
     probe = None
     if microbatches > 1 or dict(mesh.axes).get(axis, 1) > 1:
-        one_row = one_row_per_share(graph)
+        one_row = one_row_per_share(graph) or one_row_windows(graph)
         scaled = [] if one_row else scaled_by_rows(graph)
         if one_row or scaled:
             probe = batch_probe(fw, graph, step_fn, args, mesh, axis, batch_argnums, kw)

@@ -130,6 +130,10 @@ def split_batch(graph: Graph, probe: RowProbe | None = None,
         if probe is None or one_row_per_share(probe.graph):
             return BatchSplit((), {}, judged=False)
         return _kept_in(split_batch(probe.graph), graph, probe)
+    if probe is not None and one_row_windows(graph) and not one_row_windows(probe.graph):
+        # windows of one row cannot show which dims are rows either (a position
+        # embedding (1, S, E) added to one looks like a row): judged on the probe
+        return _kept_in(split_batch(probe.graph), graph, probe)
     follow, found = _followed(graph)
     chance = _by_chance(follow.scaled, probe) if probe is not None else frozenset()
     if chance:
@@ -211,6 +215,19 @@ def one_row_per_share(graph: Graph) -> bool:
     rows = [i.value.type.shape[0] for i in graph.inputs
             if i.role.kind is InputKind.batch and i.value.type.rank >= 1]
     return bool(rows) and all(r == 1 for r in rows)
+
+
+def one_row_windows(graph: Graph) -> bool:
+    """True when the step takes windows of one row of a batch input of more (each half of
+    a gradient accumulation at two rows a device, per-example micro-batches): what it
+    computes on them cannot show which dims are their rows, as at one row per share."""
+    batch = {i.name: i.value.type for i in graph.inputs
+             if i.role.kind is InputKind.batch and i.value.type.rank >= 1
+             and i.value.type.shape[0] > 1}
+    return any(n in batch and t.rank == batch[n].rank and t.shape[0] == 1 and
+               t.shape[1:] == batch[n].shape[1:]
+               for op in graph.ops if (op.phase or Phase.forward) is Phase.forward
+               for n in op.inputs for t in (v.type for v in op.results))
 
 
 def _kept_in(split: BatchSplit, graph: Graph, probe: RowProbe) -> BatchSplit:
@@ -660,7 +677,7 @@ class _Follow:
             return
         menu = strategies_of(op, ins, outs,
                              group_counts(s for s in actual if isinstance(s, Placement)))
-        fit = _first_fit(menu, actual)
+        fit = _first_fit(menu, _broadcast_at_one_row(actual, ins))
         if fit is not None:
             self.set(op, [self.mean_or_sum(op, p, states, actual, ins) for p in fit.outputs])
             self.commit_draws(op, fit)
@@ -1280,6 +1297,24 @@ class _Count:
         for d in self.others:
             counts |= {c * d for c in counts}
         return any(abs(n - c) <= 1e-6 * c for c in counts)
+
+
+def _broadcast_at_one_row(actual: Sequence[object], ins: Sequence[TensorType]
+                          ) -> list[object]:
+    """``actual`` with each whole operand that has one element along a dim another operand
+    of its rank holds split at one row also offered split there: it is broadcast over the
+    rows (GPT-2's position embedding ``(1, S, E)`` added to a slice of one row, each half
+    of a gradient accumulation at two rows a device, was taken for a value per row and
+    the step for one that combines examples; a review's probe, 2026-12-07)."""
+    ones = {(a.dim, t.rank) for a, t in zip(actual, ins) if isinstance(a, Shard)
+            and a.groups == 1 and isinstance(a.dim, int) and a.dim < t.rank
+            and t.shape[a.dim] == 1}
+    if not ones:
+        return list(actual)
+    return [frozenset({a, *(Shard(d) for d, r in ones if r == t.rank and t.shape[d] == 1)})
+            if isinstance(a, Replicate) and any(r == t.rank and t.shape[d] == 1
+                                                for d, r in ones) else a
+            for a, t in zip(actual, ins)]
 
 
 def _first_fit(menu: Sequence[Strategy], actual: Sequence[object]) -> Strategy | None:

@@ -248,6 +248,15 @@ class PipelineParallel(Pass):
                      "(LayerNorm, GroupNorm), or those layers in eval mode" if not buffers
                 else "microbatches=1 (schedule=gpipe), or update such buffers outside the "
                      "step (after it returns)")
+        empty = _empty_windows(graph)
+        if empty and self.microbatches > 1:
+            raise PassFailure(
+                f"pipeline: at a microbatch's rows the step takes a window of no rows of "
+                f"its batch ({empty}: a gradient accumulation inside the step over "
+                f"x[:len(x) // 2] at one row a microbatch); the step is traced at one of "
+                f"the {self.microbatches} microbatches, so that window would be empty",
+                hint="fewer microbatches (each at least as many rows as the step's windows "
+                     "need), or accumulate over the microbatches instead of inside the step")
         traced = graph      # the step as traced: what its batch analysis judges
         split = split_batch(traced, ctx.batch_probe, ctx.traced)
         graph, kept, drawn = microbatch_draws(graph, self.microbatches, split.rows)
@@ -315,6 +324,18 @@ class PipelineParallel(Pass):
                                            shifted_globally=shifted,
                                            random_per_microbatch=drawn)
         return out
+
+
+def _empty_windows(graph: Graph) -> str | None:
+    """Where the forward takes a window of no rows of a batch input (its source line, or
+    the op), or None."""
+    batch = {i.name for i in graph.inputs if i.role.kind is InputKind.batch
+             and i.value.type.rank >= 1 and i.value.type.shape[0] > 0}
+    for op in graph.ops:
+        if (op.phase or Phase.forward) is Phase.forward and batch & set(op.inputs) and \
+                any(v.type.rank >= 1 and v.type.shape[0] == 0 for v in op.results):
+            return op.loc or op.name
+    return None
 
 
 def _count_over_shares(graph: Graph, split: BatchSplit, dp: DataParallelRecord | None,

@@ -453,7 +453,9 @@ def _counted_warning(dp: DataParallelRecord | None, pp: PipelineRecord | None
     device's own counts (``counts=local``), nor in a loss the devices add up (a mean over a
     count times the batch's size: its count is not summed over the devices either)."""
     where = _places(dp, pp, "batch_counted")
-    if not where or dp is not None and (dp.counts == "local" or dp.gradients != "avg"):
+    # (a pipeline runs data-parallel with counts=local and sums the counts itself)
+    if not where or dp is not None and (dp.counts == "local" and pp is None or
+                                        dp.gradients != "avg"):
         return None
     more = f" (and {len(where) - 2} more: the plan lists them)" if len(where) > 2 else ""
     return (f"the step's forward divides by counts of parts of its batch: "
