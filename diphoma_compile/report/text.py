@@ -435,13 +435,18 @@ def coupling_warning(dp: DataParallelRecord | None, pp: PipelineRecord | None) -
         return _unjudged(dp)
     if not where:
         return _counted_warning(dp, pp)
-    more = f" (and {len(where) - 2} more: the plan lists them)" if len(where) > 2 else ""
-    return (f"the step's forward combines examples of its batch: {'; '.join(where[:2])}"
-            f"{more}. Under this plan {_shares(dp, pp, 'batch_coupled')} computes it alone "
+    return (f"the step's forward combines examples of its batch: {_first_two(where)}. "
+            f"Under this plan {_shares(dp, pp, 'batch_coupled')} computes it alone "
             "and the results are averaged, as DDP does, so what it feeds (the loss and "
             "gradients, a metric, a buffer) differs from the single-device step's. To match "
             "it, compute such terms from values that do not mix examples (LayerNorm or "
             "GroupNorm for a batch norm), or run the step without splitting its batch.")
+
+
+def _first_two(where: list[str]) -> str:
+    """The first two places of ``where``, and how many more the plan lists."""
+    more = f" (and {len(where) - 2} more: the plan lists them)" if len(where) > 2 else ""
+    return "; ".join(where[:2]) + more
 
 
 def _counted_warning(dp: DataParallelRecord | None, pp: PipelineRecord | None
@@ -457,9 +462,8 @@ def _counted_warning(dp: DataParallelRecord | None, pp: PipelineRecord | None
     if not where or dp is not None and (dp.counts == "local" and pp is None or
                                         dp.gradients != "avg"):
         return None
-    more = f" (and {len(where) - 2} more: the plan lists them)" if len(where) > 2 else ""
     return (f"the step's forward divides by counts of parts of its batch: "
-            f"{'; '.join(where[:2])}{more}. Under this plan "
+            f"{_first_two(where)}. Under this plan "
             f"{_shares(dp, pp, 'batch_counted')} divides by its own part's count and the "
             "results are averaged, as DDP does, so the loss and gradients are the "
             "single-device step's only when every share counts alike (a mean over the "

@@ -226,9 +226,8 @@ class TorchDistStep(TorchStep):
         """(graph input, tensor) for each argument the plan takes as the same everywhere:
         not split over any axis, or a batch argument of no rows, or of one beside others
         of more (which the batch analysis takes as whole: a count, a temperature)."""
-        args = [(i, t) for (i, s), t in zip(
-            [(i, s) for i, s in zip(self.graph.inputs, self.captured.inputs) if s.kind == "arg"],
-            tensors)]
+        args = list(zip([i for i, s in zip(self.graph.inputs, self.captured.inputs)
+                         if s.kind == "arg"], tensors))
         rows = any(i.role.kind is InputKind.batch and t.dim() and t.shape[0] > 1
                    for i, t in args)
         return [(i.name, t) for i, t in args if not split_axes(i.value.type) or (

@@ -39,6 +39,7 @@ from ..ir.analysis import users
 from ..ir.core import Graph, InputKind
 from ..passes.pipeline_parallel import pipeline_of, stage_rank, updated_buffers
 from ..passes.pipeline_programs import rank_stages, stage_programs
+from .agreement import fingerprint
 from .codegen import program
 from .dist import TorchDistStep, split_axes
 from .ops import DTYPE_TO_TORCH
@@ -263,15 +264,9 @@ class TorchPipelineStep(TorchDistStep):
         if not batch:
             return
         device = self._device()
-        rows = []
-        for name, t in batch:
-            flat = torch.nan_to_num(t.detach().flatten().double(), nan=-7.25e300)
-            at = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
-            rows.append(torch.stack([flat.sum(), (flat / at).sum(),
-                                     torch.tensor(float(name in self.inputs_read),
-                                                  dtype=torch.float64, device=flat.device)
-                                     ]).to(device))
-        mine = torch.stack(rows)
+        mine = torch.stack([torch.cat([fingerprint(t, device), torch.tensor(
+            [float(name in self.inputs_read)], dtype=torch.float64, device=device)])
+            for name, t in batch])
         every = [torch.empty_like(mine) for _ in range(self.pp.size)]
         dist.all_gather(every, mine, group=self.pp.group)
         differ = [k for k in range(len(batch))

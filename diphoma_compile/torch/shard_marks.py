@@ -43,18 +43,23 @@ def _refuse(what: str, mark: dict, rank: int, world: int) -> None:
              "(ParallelStep.state_dict(); runner.gather_optimizer_state()) and load that")
 
 
-class _MarkTaken:
-    """An optimizer's state-dict post-hook: the dict notes the rank and world size."""
+class _Mark:
+    """A hook that knows this rank and the world size (an object, not a closure, so that
+    ``torch.save`` of the optimizer or module still pickles)."""
 
     def __init__(self, rank: int, world: int) -> None:
         self.rank, self.world = rank, world
+
+
+class _MarkTaken(_Mark):
+    """An optimizer's state-dict post-hook: the dict notes the rank and world size."""
 
     def __call__(self, _opt: Any, sd: dict) -> dict:
         sd[_KEY] = {"rank": self.rank, "world": self.world}
         return sd
 
 
-class _MarkChecked(_MarkTaken):
+class _MarkChecked(_Mark):
     """An optimizer's load pre-hook: another rank's mark refused, the mark dropped."""
 
     def __call__(self, _opt: Any, sd: dict) -> dict:
@@ -64,27 +69,25 @@ class _MarkChecked(_MarkTaken):
         return {k: v for k, v in sd.items() if k != _KEY}
 
 
-class _ModuleMarkTaken(_MarkTaken):
+class _ModuleMarkTaken(_Mark):
     """A module's state-dict post-hook: the root's metadata notes the rank."""
 
-    def __call__(self, _m: Any, sd: dict, prefix: str, meta: dict) -> None:  # type: ignore[override]
+    def __call__(self, _m: Any, sd: dict, prefix: str, meta: dict) -> None:
         if not prefix:
             meta[_KEY] = {"rank": self.rank, "world": self.world}
 
 
-class _ModuleMarkChecked(_MarkTaken):
+class _ModuleMarkChecked(_Mark):
     """A module's load pre-hook: another rank's mark refused."""
 
-    def __call__(self, _m: Any, sd: dict, prefix: str, meta: dict,  # type: ignore[override]
-                 *rest: Any) -> None:
+    def __call__(self, _m: Any, sd: dict, prefix: str, meta: dict, *rest: Any) -> None:
         if not prefix and _KEY in meta:
             _refuse("model", meta[_KEY], self.rank, self.world)
 
 
 def mark_optimizer(opt: torch.optim.Optimizer, rank: int, world: int) -> None:
     """Hook ``opt``'s state dicts: marked with ``rank`` and ``world`` when taken, refused
-    when loaded with another's mark. (The hooks are objects, not closures, so that
-    ``torch.save`` of the optimizer or module still pickles.)"""
+    when loaded with another's mark."""
     opt.register_state_dict_post_hook(_MarkTaken(rank, world))
     opt.register_load_state_dict_pre_hook(_MarkChecked(rank, world))
 

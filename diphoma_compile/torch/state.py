@@ -74,7 +74,7 @@ class Captured:
     # then (pystate.py)
     reads: tuple = ()
     read_values: tuple[str, ...] = ()
-    module_attrs: dict[str, str] = field(default_factory=dict)
+    module_attrs: dict[str, Any] = field(default_factory=dict)
 
 
 _LIVE_KEYS = {"params", "lr", "initial_lr"}   # read per call, or not used by step()
