@@ -264,3 +264,36 @@ def test_gpt2_with_a_padding_mask_and_no_cache_bit_exact(checkpointing):
         mask[1, 12 - k:] = 0
         data.append((ids, mask, ids.masked_fill(mask == 0, -100)))
     _bit_exact(padded_step, *_twins(model), data)
+
+
+def halves_lm_step(model, opt, batch):
+    """Gradient accumulation inside the step over two halves, each Hugging Face's own
+    loss (a mean over its kept labels), as a review wrote it."""
+    h = batch["ids"].shape[0] // 2
+    total = 0.0
+    for part in (slice(0, h), slice(h, None)):
+        loss = model(input_ids=batch["ids"][part], labels=batch["ids"][part]).loss
+        (loss / 2).backward()
+        total = total + loss.detach() / 2
+    opt.step()
+    opt.zero_grad()
+    return total
+
+
+def test_gpt2_halves_of_one_row_are_judged_at_more_rows():
+    """At two rows a device each half is one row, and GPT-2's position embedding
+    (1, S, E) added to it was taken for a value per row: the step was warned of as
+    combining examples at modeling_gpt2.py's add, and its counts left per device (0.0175
+    off the single-device loss at dp=4 with num_items_in_batch; a review's probe,
+    2026-12-07). Judged on the step traced at more rows: only the halves' own counts are
+    warned of, as at four rows a device."""
+    model, opt, _, _, data = gpt2_twins(1, 0, 1)
+    model.eval()                     # no dropout: the plan alone is judged here
+    pstep = diphoma_compile.parallelize(halves_lm_step, {"dp": 2})
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        pstep.trace(model, opt, data[0])
+    said = [str(x.message) for x in w if issubclass(x.category, DiphomaWarning)]
+    assert len(said) == 1 and said[0].startswith(
+        "the step's forward divides by counts of parts of its batch"), said
+    assert pstep.plan.notes["data-parallel"]["batch_coupled"] == []
